@@ -1,0 +1,1 @@
+"""Triton kernels only: no validation, no dispatch (see :mod:`fusedqkv.ops`)."""

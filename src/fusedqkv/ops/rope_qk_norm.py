@@ -1,0 +1,203 @@
+"""Launchers for the RoPE + QK-norm stage, forward and backward, with CPU/GPU dispatch.
+
+The backward stage takes the gradients of q/k/v (``[batch, heads, seq, head_dim]``)
+and writes dQKV token-major ``[tokens, (Hq + 2*Hkv) * D]`` -- what the projection
+GEMMs read -- plus grad_cos/grad_sin and the two norm-weight gradients.
+
+Two backends with one semantics:
+* ``"triton"``: the kernels in :mod:`fusedqkv.kernels.rope_qk_norm` (CUDA, or the
+  CPU under ``TRITON_INTERPRET=1``, which the tests use);
+* ``"torch"``: vectorised PyTorch, the CPU path. In ``exact`` mode it performs each
+  operation in the activation dtype, exactly as an eager reference does, so its
+  roundings are the reference's; otherwise it computes in fp32 and rounds once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+# Tuning of the persistent grid (see benchmarks/NOTES.md): token-block size, warps
+# and resident programs per SM, by the number of query heads padded to a power of 2.
+_PROGRAMS_PER_SM = 4
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_programs(device: torch.device, n_blocks: int) -> int:
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:  # interpreter: a few programs exercise the grid-stride loop
+        sms = 1
+    return max(1, min(n_blocks, sms * _PROGRAMS_PER_SM))
+
+
+def _launch_config(hq: int, hkv: int, d: int) -> tuple[int, int]:
+    """(tokens per block, num_warps): keep ~2k elements of each q tile per 4 warps."""
+    elems = _next_pow2(hq) * _next_pow2(d)
+    block_t = max(1, min(8, 4096 // elems))
+    num_warps = 8 if elems * block_t >= 4096 else 4
+    return block_t, num_warps
+
+
+def pick_backend(device: torch.device, backend: Optional[str]) -> str:
+    if backend is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend: expected 'triton', 'torch' or None, got {backend!r}")
+    return backend
+
+
+def _rstd3(r: torch.Tensor) -> torch.Tensor:
+    """rstd as [B, H, S] (drops a trailing keepdim axis of size 1)."""
+    return r[..., 0] if r.dim() == 4 else r
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def rope_qk_norm_backward(
+    grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight, cos, sin,
+    *, dqkv, grad_cos=None, grad_sin=None, grad_q_norm_weight, grad_k_norm_weight,
+    exact: bool, norm_after_rope: bool = True, saved_rotated: bool = True, backend: Optional[str] = None,
+):
+    """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``.
+
+    Arguments are already validated. ``saved_q``/``saved_k`` are the rotated pre-norm
+    tensors (``saved_rotated=True``, SOL-ExecBench 091) or the raw projection outputs.
+    ``grad_cos``/``grad_sin`` may be None to skip them. Outputs are written in place.
+
+    Returns a callable that completes the norm-weight gradients: on the GPU a second,
+    small launch that reduces the per-program partials, which the caller may queue
+    behind other work (the projection GEMMs) so its launch latency is hidden.
+    """
+    grad_cos_sin = grad_cos is not None
+    if pick_backend(grad_q.device, backend) == "torch":
+        _backward_torch(grad_q, grad_k, grad_v, saved_q, saved_k, _rstd3(rstd_q), _rstd3(rstd_k),
+                        q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
+                        grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated)
+        return _done
+    return _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, _rstd3(rstd_q), _rstd3(rstd_k),
+                     q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
+                     grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated, grad_cos_sin)
+
+
+def _done():
+    return None
+
+
+def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
+                     exact, norm_after_rope, saved_rotated, grad_cos_sin):
+    from ..kernels.rope_qk_norm import norm_weight_grad_reduce_kernel, rope_qk_norm_bwd_kernel
+
+    B, HQ, S, D = gq.shape
+    HKV = gk.shape[1]
+    M = B * S
+    if M == 0:
+        gwq.zero_()
+        gwk.zero_()
+        return _done
+    block_t, num_warps = _launch_config(HQ, HKV, D)
+    n_blocks = -(-M // block_t)
+    P = _num_programs(gq.device, n_blocks)
+    # all allocation happens before the first launch
+    partials = torch.empty((P, 2, D), device=gq.device, dtype=torch.float32)
+    if not grad_cos_sin:
+        gcos = gsin = cos  # never written: the kernel is compiled without those stores
+    rope_qk_norm_bwd_kernel[(P,)](
+        gq, *gq.stride(), gk, *gk.stride(), gv, *gv.stride(),
+        xq, *xq.stride(), xk, *xk.stride(),
+        rq, *rq.stride(), rk, *rk.stride(),
+        wq, wq.stride(0), wk, wk.stride(0),
+        cos, *cos.stride(), sin, *sin.stride(),
+        dqkv, dqkv.stride(0),
+        gcos, *gcos.stride(), gsin, *gsin.stride(),
+        partials,
+        M, S, HQ, HKV, -(-n_blocks // P),
+        D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D),
+        HQ_P2=_next_pow2(HQ), HKV_P2=_next_pow2(HKV), BLOCK_T=block_t,
+        EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
+        GRAD_COS_SIN=grad_cos_sin,
+        num_warps=num_warps,
+    )
+    return lambda: norm_weight_grad_reduce_kernel[(2,)](
+        partials, P, gwq, gwq.stride(0), gwk, gwk.stride(0),
+        D=D, D_P2=_next_pow2(D), BLOCK_P=32, num_warps=4,
+    )
+
+
+def _rotate_half(t: torch.Tensor) -> torch.Tensor:
+    h = t.shape[-1] // 2
+    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+
+
+def _rope(x, cos, sin):
+    return x * cos + _rotate_half(x) * sin
+
+
+def _rope_transpose(g, cos, sin):
+    h = g.shape[-1] // 2
+    return g * cos + torch.cat((g[..., h:], -g[..., :h]), dim=-1) * sin
+
+
+def _rms_norm_backward_torch(g, x, w, r, out_dtype):
+    """Same operation order as the eager reference; all fp32, one rounding at the end."""
+    g = g.float()
+    x = x.float()
+    w = w.float()
+    r = r.float().unsqueeze(-1)
+    grad_w = (g * (x * r)).sum(dim=(0, 1, 2))
+    direct = g * w * r
+    grad_rstd = (g * w * x).sum(dim=-1, keepdim=True)
+    dx = direct + grad_rstd * (-r.pow(3) * x / x.shape[-1])
+    return dx.to(out_dtype), grad_w
+
+
+def _backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
+                    exact, norm_after_rope, saved_rotated):
+    B, HQ, S, D = gq.shape
+    HKV = gk.shape[1]
+    # exact: every op in the activation dtype rounds its result, as the eager reference;
+    # otherwise fp32 throughout
+    lp = gq.dtype if exact else torch.float32
+    c = cos.unsqueeze(1).to(lp)
+    s = sin.unsqueeze(1).to(lp)
+
+    def head_set(g, x, r, w):
+        g = g.to(lp)
+        x = x.to(lp)
+        if norm_after_rope:
+            o = _rope(x, c, s)
+            n, p = (x, o) if saved_rotated else (o, x)
+            gn, grad_w = _rms_norm_backward_torch(g, n, w, r, lp)
+            dx = _rope_transpose(gn, c, s)
+            q = gn
+        else:
+            gn = _rope_transpose(g, c, s)
+            dx, grad_w = _rms_norm_backward_torch(gn, x, w, r, lp)
+            p = (x.float() * r.float().unsqueeze(-1) * w.float()).to(lp)
+            q = g
+        gc = (q * p).sum(dim=1) if gcos is not None else None
+        gs = (q * _rotate_half(p)).sum(dim=1) if gcos is not None else None
+        return dx, gc, gs, grad_w
+
+    dxq, gcq, gsq, gwq32 = head_set(gq, xq, rq, wq)
+    dxk, gck, gsk, gwk32 = head_set(gk, xk, rk, wk)
+    view = dqkv.view(B, S, -1)
+    view[..., : HQ * D].view(B, S, HQ, D).copy_(dxq.transpose(1, 2))
+    view[..., HQ * D: (HQ + HKV) * D].view(B, S, HKV, D).copy_(dxk.transpose(1, 2))
+    view[..., (HQ + HKV) * D:].view(B, S, HKV, D).copy_(gv.transpose(1, 2))
+    if gcos is not None:
+        gcos.copy_(gcq + gck)
+        gsin.copy_(gsq + gsk)
+    gwq.copy_(gwq32)
+    gwk.copy_(gwk32)
