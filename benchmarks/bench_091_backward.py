@@ -1,0 +1,150 @@
+"""GPU benchmark of SOL-ExecBench 091 backward: fusedqkv vs the eager reference vs the GEMM floor.
+
+One run, all 16 workloads, on the GPU:
+  * correctness of fusedqkv against the official reference with the official policy
+    (matched ratio per output; grad_cos/grad_sin bit-equality rate), and determinism
+    (two calls bitwise identical);
+  * cold-L2 timing (L2 flushed before every iteration), median of --reps, by CUDA events
+    and by kernel span, of: fusedqkv (destination passing), the official eager reference,
+    and the floor of the two cuBLAS GEMMs alone (dQKV precomputed);
+  * with --tune: the RoPE/QK-norm stage alone under several launch configurations.
+
+Needs the official pack: FUSEDQKV_SOL_EXECBENCH=<folder holding 091_.../definition.json>.
+Prints a table last; writes JSON to --out.
+
+    PYTHONPATH=src python benchmarks/bench_091_backward.py --out /tmp/b091 [--tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+from fusedqkv import gqa_qkv_rope_qk_norm_backward
+from fusedqkv.bench import problem, timing
+from fusedqkv.ops import rope_qk_norm as stage
+
+
+def geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_091_out")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--workloads", default="all")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--no-span", action="store_true", help="skip the profiler kernel-span timing")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.device("cuda")
+    defn = problem.load_definition()
+    ref = problem.load_official_reference()
+    if ref is None:
+        print("official pack not found: set FUSEDQKV_SOL_EXECBENCH", file=sys.stderr)
+        return 2
+    wls = defn.workloads if args.workloads == "all" else [defn.workload(k) for k in args.workloads.split(",")]
+    flusher = timing.L2Flusher(dev)
+    names = list(defn.outputs)
+    rows = []
+    for w in wls:
+        inp = problem.generate_inputs(defn, w, device=dev, seed=w.index)
+        a = list(inp.values())
+        ref_out = ref(*a)
+        out = tuple(torch.empty_like(t) for t in ref_out)
+        got = gqa_qkv_rope_qk_norm_backward(*a, out=out)
+        checks = problem.check_outputs(names, got, ref_out, w)
+        again = gqa_qkv_rope_qk_norm_backward(*a)
+        deterministic = all(torch.equal(x, y) for x, y in zip(got, again))
+        bit_cos = float((got[1] == ref_out[1]).float().mean())
+        bit_sin = float((got[2] == ref_out[2]).float().mean())
+
+        # GEMM floor: the two products alone, on a precomputed dQKV
+        M = w.tokens
+        hs = a[3].reshape(M, -1)
+        W = a[6]
+        dqkv = torch.randn(M, W.shape[0], device=dev, dtype=torch.bfloat16)
+        gx = torch.empty(M, W.shape[1], device=dev, dtype=torch.bfloat16)
+        gw = torch.empty_like(W)
+
+        def floor():
+            torch.mm(dqkv, W, out=gx)
+            torch.mm(dqkv.t(), hs, out=gw)
+
+        impls = {
+            "fusedqkv": lambda: gqa_qkv_rope_qk_norm_backward(*a, out=out),
+            "eager": lambda: ref(*a),
+            "gemm_floor": floor,
+        }
+        row = {"workload": w.name, "tokens": M, "checks": [c.to_json() for c in checks],
+               "passed": all(c.passed for c in checks), "min_matched": min(c.matched_ratio for c in checks),
+               "bit_equal_grad_cos": bit_cos, "bit_equal_grad_sin": bit_sin, "deterministic": deterministic,
+               "events_ms": {}, "span_ms": {}}
+        for k, fn in impls.items():
+            row["events_ms"][k] = timing.summarize(timing.time_cuda_events(fn, reps=args.reps, flusher=flusher))
+            if not args.no_span:
+                row["span_ms"][k] = timing.summarize(timing.time_kernel_span(fn, reps=args.reps, flusher=flusher))
+
+        if args.tune:
+            gq, gk, gv, _, cos, sin, _, wq, wk, xq, xk, rq, rk, _ = a
+            d = gq.shape[-1]
+            dq = torch.empty(M, W.shape[0], device=dev, dtype=torch.bfloat16)
+            gc, gs = torch.empty_like(cos), torch.empty_like(sin)
+            g1, g2 = torch.empty(d, device=dev, dtype=torch.bfloat16), torch.empty(d, device=dev, dtype=torch.bfloat16)
+            tune = {}
+            orig_cfg, orig_pps = stage._launch_config, stage._PROGRAMS_PER_SM
+            for bt in (1, 2, 4):
+                for nw in (4, 8):
+                    for pps in (2, 4, 8):
+                        stage._launch_config = lambda hq, hkv, dd, bt=bt, nw=nw: (bt, nw)
+                        stage._PROGRAMS_PER_SM = pps
+
+                        def el():
+                            stage.rope_qk_norm_backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv=dq,
+                                                        grad_cos=gc, grad_sin=gs, grad_q_norm_weight=g1,
+                                                        grad_k_norm_weight=g2, exact=True)()
+                        tune[f"T{bt}_w{nw}_p{pps}"] = timing.summarize(
+                            timing.time_cuda_events(el, reps=max(20, args.reps // 2), flusher=flusher))["median"]
+            stage._launch_config, stage._PROGRAMS_PER_SM = orig_cfg, orig_pps
+            row["tune_stage_ms"] = tune
+        rows.append(row)
+        print(f"{w.name}: done", flush=True)
+
+    with open(os.path.join(args.out, "bench_091.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "reps": args.reps,
+                   "rows": rows}, f, indent=1)
+
+    if args.tune:
+        keys = list(rows[0]["tune_stage_ms"])
+        print("\nstage-only tuning (median ms, events):")
+        print("config      " + " ".join(f"{r['tokens']:>7d}" for r in rows) + "   geomean")
+        for k in keys:
+            vals = [r["tune_stage_ms"][k] for r in rows]
+            print(f"{k:<11s} " + " ".join(f"{v:7.4f}" for v in vals) + f"   {geomean(vals):.4f}")
+
+    src = "span_ms" if not args.no_span else "events_ms"
+    print(f"\n{torch.cuda.get_device_name()} | cold L2 | median of {args.reps} | times from {src} (events in JSON)")
+    print(f"{'workload':<16s} {'M':>6s} {'pass':>4s} {'minmatch':>8s} {'bitcos':>6s} {'det':>3s} "
+          f"{'fused ms':>9s} {'eager ms':>9s} {'floor ms':>9s} {'speedup':>8s} {'/floor':>7s}")
+    sp, fl = [], []
+    for r in rows:
+        t = {k: r[src][k]["median"] for k in r[src]}
+        s, q = t["eager"] / t["fusedqkv"], t["fusedqkv"] / t["gemm_floor"]
+        sp.append(s)
+        fl.append(q)
+        print(f"{r['workload']:<16s} {r['tokens']:6d} {'yes' if r['passed'] else 'NO':>4s} {r['min_matched']:8.5f} "
+              f"{r['bit_equal_grad_cos']:6.4f} {'y' if r['deterministic'] else 'N':>3s} {t['fusedqkv']:9.4f} "
+              f"{t['eager']:9.4f} {t['gemm_floor']:9.4f} {s:7.2f}x {q:7.3f}")
+    print(f"passed {sum(r['passed'] for r in rows)}/{len(rows)} | faster than eager {sum(x > 1 for x in sp)}/{len(sp)} | "
+          f"geomean speedup {geomean(sp):.2f}x | geomean fused/floor {geomean(fl):.3f}")
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
