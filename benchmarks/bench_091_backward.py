@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--workloads", default="all")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--diag", action="store_true", help="torch backend on the GPU vs the kernel; host time per call")
     ap.add_argument("--no-span", action="store_true", help="skip the profiler kernel-span timing")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -92,27 +93,28 @@ def main() -> int:
                 row["span_ms"][k] = timing.summarize(timing.time_kernel_span(fn, reps=args.reps, flusher=flusher))
 
         if args.tune:
-            gq, gk, gv, _, cos, sin, _, wq, wk, xq, xk, rq, rk, _ = a
-            d = gq.shape[-1]
-            dq = torch.empty(M, W.shape[0], device=dev, dtype=torch.bfloat16)
-            gc, gs = torch.empty_like(cos), torch.empty_like(sin)
-            g1, g2 = torch.empty(d, device=dev, dtype=torch.bfloat16), torch.empty(d, device=dev, dtype=torch.bfloat16)
+            # the whole op (kernel span, the official timer) under several launch configurations
             tune = {}
-            orig_cfg, orig_pps = stage._launch_config, stage._PROGRAMS_PER_SM
-            for bt in (1, 2, 4):
-                for nw in (4, 8):
-                    for pps in (2, 4, 8):
-                        stage._launch_config = lambda hq, hkv, dd, bt=bt, nw=nw: (bt, nw)
-                        stage._PROGRAMS_PER_SM = pps
-
-                        def el():
-                            stage.rope_qk_norm_backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv=dq,
-                                                        grad_cos=gc, grad_sin=gs, grad_q_norm_weight=g1,
-                                                        grad_k_norm_weight=g2, exact=True)()
-                        tune[f"T{bt}_w{nw}_p{pps}"] = timing.summarize(
-                            timing.time_cuda_events(el, reps=max(20, args.reps // 2), flusher=flusher))["median"]
-            stage._launch_config, stage._PROGRAMS_PER_SM = orig_cfg, orig_pps
-            row["tune_stage_ms"] = tune
+            orig_cfg = stage._launch_config
+            for bt in (4, 8, 16):
+                for g in (4, 8, 32):
+                    for nw in (4, 8):
+                        stage._launch_config = lambda m, hq, hkv, dd, dv, bt=bt, g=g, nw=nw: (bt, g, nw)
+                        tune[f"T{bt}_g{g}_w{nw}"] = timing.summarize(timing.time_kernel_span(
+                            impls["fusedqkv"], reps=max(20, args.reps // 2), flusher=flusher))["median"]
+            stage._launch_config = orig_cfg
+            row["tune_ms"] = tune
+        if args.diag:
+            tb = gqa_qkv_rope_qk_norm_backward(*a, backend="torch")
+            row["diag_torch_backend_on_gpu"] = [c.to_json() for c in problem.check_outputs(names, tb, ref_out, w)]
+            row["diag_torch_vs_triton_bitequal"] = [float((x == y).float().mean()) for x, y in zip(tb, got)]
+            torch.cuda.synchronize()
+            import time as _t
+            t0 = _t.perf_counter()
+            for _ in range(50):
+                gqa_qkv_rope_qk_norm_backward(*a, out=out)
+            row["diag_host_us_per_call"] = (_t.perf_counter() - t0) / 50 * 1e6
+            torch.cuda.synchronize()
         rows.append(row)
         print(f"{w.name}: done", flush=True)
 
@@ -121,12 +123,17 @@ def main() -> int:
                    "rows": rows}, f, indent=1)
 
     if args.tune:
-        keys = list(rows[0]["tune_stage_ms"])
-        print("\nstage-only tuning (median ms, events):")
-        print("config      " + " ".join(f"{r['tokens']:>7d}" for r in rows) + "   geomean")
+        keys = list(rows[0]["tune_ms"])
+        print("\nlaunch-config tuning (median ms, kernel span of the whole op):")
+        print("config       " + " ".join(f"{r['tokens']:>7d}" for r in rows) + "   geomean")
         for k in keys:
-            vals = [r["tune_stage_ms"][k] for r in rows]
-            print(f"{k:<11s} " + " ".join(f"{v:7.4f}" for v in vals) + f"   {geomean(vals):.4f}")
+            vals = [r["tune_ms"][k] for r in rows]
+            print(f"{k:<12s} " + " ".join(f"{v:7.4f}" for v in vals) + f"   {geomean(vals):.4f}")
+    if args.diag:
+        for r in rows[:4]:
+            print(r["workload"], "torch-on-gpu matched:", [round(c["matched_ratio"], 4) for c in r["diag_torch_backend_on_gpu"]],
+                  "bit-eq torch/triton:", [round(x, 4) for x in r["diag_torch_vs_triton_bitequal"]],
+                  f"host {r['diag_host_us_per_call']:.1f} us/call")
 
     src = "span_ms" if not args.no_span else "events_ms"
     print(f"\n{torch.cuda.get_device_name()} | cold L2 | median of {args.reps} | times from {src} (events in JSON)")

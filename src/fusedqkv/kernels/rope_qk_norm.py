@@ -2,11 +2,13 @@
 
 Kernels (the forward lives in rope_qk_norm_fwd.py):
 
-* ``rope_qk_norm_bwd_kernel`` -- the backward of (RoPE, RMSNorm) for the query and
-  key heads of a block of tokens, the V copy, and the per-token grad_cos/grad_sin.
-  It writes dQKV token-major ``[tokens, (Hq + 2*Hkv) * D]`` -- the ``[Q | K | V]``
-  layout that the two projection GEMMs read -- and fp32 per-program partial sums
-  of the two norm-weight gradients.  Constexpr switches select:
+* ``rope_qk_norm_bwd_kernel`` -- grid (token blocks, head groups). A program takes
+  BLOCK_T tokens and a group of query heads, key heads or value heads, and loops over
+  its heads with [tokens, head_dim/2] tiles (small tiles: no spills, and the head
+  groups give parallelism when there are few tokens). It writes dQKV token-major
+  ``[tokens, (Hq + 2*Hkv) * D]`` -- the ``[Q | K | V]`` layout the two projection
+  GEMMs read (V is a plain copy) -- and fp32 partials: the group's head-sums of
+  grad_cos/grad_sin per token and its norm-weight gradient.  Constexpr switches:
 
   - ``EXACT``: reproduce the bf16 rounding points of SOL-ExecBench 091's eager
     reference (every eager low-precision op rounds its result) -- needed to pass
@@ -17,16 +19,13 @@ Kernels (the forward lives in rope_qk_norm_fwd.py):
     ``query_pre_norm`` = after RoPE) or the raw projection output (training).
   - ``GRAD_COS_SIN``: compute grad_cos/grad_sin at all.
 
-* ``norm_weight_grad_reduce_kernel`` -- sums the per-program partials in a fixed
-  order (deterministic, no atomics) and casts to the weights' dtype.
-
-* ``rope_qk_norm_fwd_kernel`` -- the forward: reads the projection output
-  ``qkv`` token-major, applies RoPE and RMSNorm, writes q/k as
-  ``[batch, heads, seq, head_dim]`` and rstd in fp32.
+* ``rope_qk_norm_bwd_finish_kernel`` -- sums the partials over head groups in a fixed
+  order (deterministic, no atomics): grad_cos/grad_sin per token, with 091's rounding
+  of the separate query and key sums, and the two norm-weight gradients. It runs
+  after the GEMMs, so its launch is hidden behind them.
 
 All tensors are addressed through explicit strides so non-contiguous views work.
-Head counts are padded to powers of two inside a program and masked.  Rotate-half
-RoPE is handled by loading the two halves of head_dim as separate tiles.
+Rotate-half RoPE is handled by loading the two halves of head_dim as separate tiles.
 """
 
 import os
@@ -87,101 +86,107 @@ def _rope_bwd(g1, g2, c1, c2, s1, s2, DT: tl.constexpr, EXACT: tl.constexpr):
 @triton.jit
 def _rms_norm_bwd(g1, g2, x1, x2, r, w1, w2, D: tl.constexpr, DT: tl.constexpr, EXACT: tl.constexpr):
     # d/dx of x*r*w with r = rsqrt(mean(x^2)+eps):  g*w*r - r^3 * x * sum(g*w*x) / D.
-    # The operation order follows the eager reference so EXACT mode matches it bit for bit
-    # up to the order of the fp32 sum over head_dim.
+    # Tiles are [tokens, head_dim/2]; r is [tokens, 1]. The operation order follows the
+    # eager reference so EXACT mode matches it up to the order of the fp32 sum over head_dim.
     gw1 = g1 * w1
     gw2 = g2 * w2
-    grad_rstd = tl.sum(gw1 * x1, axis=2, keep_dims=True) + tl.sum(gw2 * x2, axis=2, keep_dims=True)
+    grad_rstd = tl.sum(gw1 * x1, axis=1, keep_dims=True) + tl.sum(gw2 * x2, axis=1, keep_dims=True)
     neg_r3 = -(r * r * r)
     dx1 = _rnd(gw1 * r + grad_rstd * ((neg_r3 * x1) / D), DT, EXACT)
     dx2 = _rnd(gw2 * r + grad_rstd * ((neg_r3 * x2) / D), DT, EXACT)
-    # weight gradient contribution: sum over heads and tokens of g * (x * r)
-    wg1 = tl.sum(tl.sum(g1 * (x1 * r), axis=1), axis=0)
-    wg2 = tl.sum(tl.sum(g2 * (x2 * r), axis=1), axis=0)
+    # weight-gradient contribution of these tokens: sum over tokens of g * (x * r)
+    wg1 = tl.sum(g1 * (x1 * r), axis=0)
+    wg2 = tl.sum(g2 * (x2 * r), axis=0)
     return dx1, dx2, wg1, wg2
 
 
 @triton.jit
-def _head_set_bwd(
+def _head_group_bwd(
     g_ptr, sg_b, sg_h, sg_s, sg_d,
     x_ptr, sx_b, sx_h, sx_s, sx_d,
     r_ptr, sr_b, sr_h, sr_s,
     w_ptr, sw,
-    out_ptr, s_out_t, col0,
-    b, s, tok, tmask,
+    dqkv_ptr, s_dqkv_t, col0,
+    cs_ptr, wpart_ptr, group, n_tblocks, pid_t, M,
+    h0, h1, b, s, tok, tmask,
     c1, c2, s1, s2,
-    H, D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, H_P2: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
     DT: tl.constexpr, EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
-    SAVED_ROTATED: tl.constexpr, GRAD_COS_SIN: tl.constexpr,
+    SAVED_ROTATED: tl.constexpr, GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Backward of one head set (the query heads or the key heads) for a block of tokens.
-
-    Tiles are [heads, tokens, head_dim/2]. Returns the head-summed grad_cos/grad_sin
-    contributions [tokens, head_dim/2] per half and the norm-weight partials per half.
-    """
-    h = tl.arange(0, H_P2)[:, None, None]
-    d = tl.arange(0, HALF_P2)[None, None, :]
-    bb = b[None, :, None]
-    ss = s[None, :, None]
-    hmask = (h < H) & tmask[None, :, None]
-    mask = hmask & (d < HALF)
-
-    g_base = g_ptr + bb * sg_b + h * sg_h + ss * sg_s
-    x_base = x_ptr + bb * sx_b + h * sx_h + ss * sx_s
-    g1 = tl.load(g_base + d * sg_d, mask=mask, other=0.0).to(tl.float32)
-    g2 = tl.load(g_base + (d + HALF) * sg_d, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_base + d * sx_d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_base + (d + HALF) * sx_d, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(r_ptr + bb * sr_b + h * sr_h + ss * sr_s, mask=hmask, other=0.0).to(tl.float32)
+    """Backward of heads [h0, h1) of one head set (query or key) for a block of tokens."""
+    d = tl.arange(0, HALF_P2)[None, :]
     dmask = tl.arange(0, HALF_P2) < HALF
-    w1 = tl.load(w_ptr + tl.arange(0, HALF_P2) * sw, mask=dmask, other=0.0).to(tl.float32)[None, None, :]
-    w2 = tl.load(w_ptr + (tl.arange(0, HALF_P2) + HALF) * sw, mask=dmask, other=0.0).to(tl.float32)[None, None, :]
+    mask = tmask[:, None] & (d < HALF)
+    w1 = tl.load(w_ptr + tl.arange(0, HALF_P2) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + (tl.arange(0, HALF_P2) + HALF) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    g_row = g_ptr + b[:, None] * sg_b + s[:, None] * sg_s
+    x_row = x_ptr + b[:, None] * sx_b + s[:, None] * sx_s
+    r_row = r_ptr + b * sr_b + s * sr_s
+    out_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + col0
 
-    if NORM_AFTER_ROPE:
-        # the norm sees the rotated tensor; grad_cos/sin need the tensor RoPE was applied to.
-        # 091's reference "recovers" it by rotating the saved rotated tensor once more; for a
-        # saved raw tensor this is the forward rotation -- the same formula either way.
-        o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, DT, EXACT)
-        if SAVED_ROTATED:
-            n1 = x1
-            n2 = x2
-            p1 = o1
-            p2 = o2
+    cs1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    cs2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    sn1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    sn2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    wg1 = tl.zeros([HALF_P2], tl.float32)
+    wg2 = tl.zeros([HALF_P2], tl.float32)
+    for h in range(h0, h1):
+        g1 = tl.load(g_row + h * sg_h + d * sg_d, mask=mask, other=0.0).to(tl.float32)
+        g2 = tl.load(g_row + h * sg_h + (d + HALF) * sg_d, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_row + h * sx_h + d * sx_d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + h * sx_h + (d + HALF) * sx_d, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_row + h * sr_h, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        if NORM_AFTER_ROPE:
+            # the norm sees the rotated tensor; grad_cos/sin need the tensor RoPE was applied
+            # to. 091's reference "recovers" it by rotating the saved rotated tensor once
+            # more; for a saved raw tensor it is the forward rotation -- one formula.
+            o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, DT, EXACT)
+            if SAVED_ROTATED:
+                n1 = x1
+                n2 = x2
+                p1 = o1
+                p2 = o2
+            else:
+                n1 = o1
+                n2 = o2
+                p1 = x1
+                p2 = x2
+            gn1, gn2, a1, a2 = _rms_norm_bwd(g1, g2, n1, n2, r, w1, w2, D, DT, EXACT)
+            dx1, dx2 = _rope_bwd(gn1, gn2, c1, c2, s1, s2, DT, EXACT)
+            q1 = gn1
+            q2 = gn2
         else:
-            n1 = o1
-            n2 = o2
-            p1 = x1
-            p2 = x2
-        gn1, gn2, wg1, wg2 = _rms_norm_bwd(g1, g2, n1, n2, r, w1, w2, D, DT, EXACT)
-        dx1, dx2 = _rope_bwd(gn1, gn2, c1, c2, s1, s2, DT, EXACT)
-        q1 = gn1
-        q2 = gn2
-    else:
-        # RoPE after the norm: the rotated tensor is x * r * w
-        gn1, gn2 = _rope_bwd(g1, g2, c1, c2, s1, s2, DT, EXACT)
-        dx1, dx2, wg1, wg2 = _rms_norm_bwd(gn1, gn2, x1, x2, r, w1, w2, D, DT, EXACT)
-        p1 = x1 * r * w1
-        p2 = x2 * r * w2
-        q1 = g1
-        q2 = g2
-
-    out_base = out_ptr + tok[None, :, None].to(tl.int64) * s_out_t + col0 + h * D
-    _store_cast(out_base + d, dx1, mask)
-    _store_cast(out_base + d + HALF, dx2, mask)
+            # RoPE after the norm: the rotated tensor is x * r * w
+            gn1, gn2 = _rope_bwd(g1, g2, c1, c2, s1, s2, DT, EXACT)
+            dx1, dx2, a1, a2 = _rms_norm_bwd(gn1, gn2, x1, x2, r, w1, w2, D, DT, EXACT)
+            p1 = x1 * r * w1
+            p2 = x2 * r * w2
+            q1 = g1
+            q2 = g2
+        wg1 += a1
+        wg2 += a2
+        _store_cast(out_row + h * D + d, dx1, mask)
+        _store_cast(out_row + h * D + d + HALF, dx2, mask)
+        if GRAD_COS_SIN:
+            # d/dcos: g * p ; d/dsin: g * rotate_half(p), rotate_half(p) = cat(-p2, p1)
+            cs1 += _rnd(q1 * p1, DT, EXACT)
+            cs2 += _rnd(q2 * p2, DT, EXACT)
+            sn1 += _rnd(-(q1 * p2), DT, EXACT)
+            sn2 += _rnd(q2 * p1, DT, EXACT)
 
     if GRAD_COS_SIN:
-        # d/dcos: g * p ; d/dsin: g * rotate_half(p), rotate_half(p) = cat(-p2, p1)
-        cs1 = tl.sum(_rnd(q1 * p1, DT, EXACT), axis=0)
-        cs2 = tl.sum(_rnd(q2 * p2, DT, EXACT), axis=0)
-        sn1 = tl.sum(_rnd(-(q1 * p2), DT, EXACT), axis=0)
-        sn2 = tl.sum(_rnd(q2 * p1, DT, EXACT), axis=0)
-    else:
-        # unused by the caller in this mode (dead code after compilation)
-        cs1 = tl.sum(q1, axis=0) * 0.0
-        cs2 = cs1
-        sn1 = cs1
-        sn2 = cs1
-    return cs1, cs2, sn1, sn2, wg1, wg2
+        # partials [groups, 2 (cos, sin), M, D] fp32
+        cs_row = cs_ptr + (group * 2 * M + tok[:, None]).to(tl.int64) * D
+        tl.store(cs_row + d, cs1, mask=mask)
+        tl.store(cs_row + HALF + d, cs2, mask=mask)
+        sn_row = cs_row + M.to(tl.int64) * D
+        tl.store(sn_row + d, sn1, mask=mask)
+        tl.store(sn_row + HALF + d, sn2, mask=mask)
+    # norm-weight partials [groups, token blocks, D] fp32
+    wrow = wpart_ptr + (group * n_tblocks + pid_t) * D
+    tl.store(wrow + tl.arange(0, HALF_P2), wg1, mask=dmask)
+    tl.store(wrow + HALF + tl.arange(0, HALF_P2), wg2, mask=dmask)
 
 
 @triton.jit
@@ -193,7 +198,7 @@ def rope_qk_norm_bwd_kernel(
     # saved activations [B, H, S, D]
     xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
     xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
-    # rstd [B, H, S] (any trailing size-1 dim dropped by the launcher)
+    # rstd [B, H, S] (a trailing size-1 dim dropped by the launcher)
     rq_ptr, srq_b, srq_h, srq_s,
     rk_ptr, srk_b, srk_h, srk_s,
     # norm weights [D]
@@ -201,115 +206,116 @@ def rope_qk_norm_bwd_kernel(
     # cos / sin [B, S, D]
     cos_ptr, scos_b, scos_s, scos_d,
     sin_ptr, ssin_b, ssin_s, ssin_d,
-    # outputs: dQKV [M, (Hq + 2 Hkv) D], grad_cos / grad_sin [B, S, D], partials [P, 2, D] fp32
+    # outputs: dQKV [M, (Hq + 2 Hkv) D]; fp32 partials of grad_cos/sin and the norm weights
     dqkv_ptr, s_dqkv_t,
-    gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
-    gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    part_ptr,
-    M, S, HQ, HKV, ITERS,
+    cs_ptr, wpart_ptr,
+    M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
-    HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr,
 ):
     DT: tl.constexpr = gq_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    pid_t = tl.program_id(0)
+    group = tl.program_id(1)
+    n_tblocks = tl.num_programs(0)
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < M
+    b = (tok // S).to(tl.int64)
+    s = tok % S
 
-    dh = tl.arange(0, HALF_P2)
-    dmask = dh < HALF
-    wq1 = tl.zeros([HALF_P2], tl.float32)
-    wq2 = tl.zeros([HALF_P2], tl.float32)
-    wk1 = tl.zeros([HALF_P2], tl.float32)
-    wk2 = tl.zeros([HALF_P2], tl.float32)
-
-    # persistent grid-stride loop over token blocks (ITERS = cdiv(blocks, programs); the
-    # tail iteration is masked): the norm-weight partials stay in registers and are
-    # written once per program
-    for it in range(0, ITERS):
-        blk = pid + it * nprog
-        tok = blk * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = tok < M
-        b = (tok // S).to(tl.int64)
-        s = tok % S
-
-        # cos / sin halves as [1, T, HALF]
-        cmask = tmask[:, None] & dmask[None, :]
+    if group < NQG + NKG:
+        dh = tl.arange(0, HALF_P2)[None, :]
+        cmask = tmask[:, None] & (dh < HALF)
         cbase = cos_ptr + b[:, None] * scos_b + s[:, None] * scos_s
         sbase = sin_ptr + b[:, None] * ssin_b + s[:, None] * ssin_s
-        c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
-        c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
-        s1 = tl.load(sbase + dh[None, :] * ssin_d, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
-        s2 = tl.load(sbase + (dh[None, :] + HALF) * ssin_d, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
-
-        cq1, cq2, sq1, sq2, a1, a2 = _head_set_bwd(
-            gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
-            xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
-            rq_ptr, srq_b, srq_h, srq_s,
-            wq_ptr, swq,
-            dqkv_ptr, s_dqkv_t, 0,
-            b, s, tok, tmask, c1, c2, s1, s2,
-            HQ, D, HALF, HALF_P2, HQ_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN,
-        )
-        wq1 += a1
-        wq2 += a2
-        ck1, ck2, sk1, sk2, a1, a2 = _head_set_bwd(
-            gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d,
-            xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
-            rk_ptr, srk_b, srk_h, srk_s,
-            wk_ptr, swk,
-            dqkv_ptr, s_dqkv_t, HQ * D,
-            b, s, tok, tmask, c1, c2, s1, s2,
-            HKV, D, HALF, HALF_P2, HKV_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN,
-        )
-        wk1 += a1
-        wk2 += a2
-
-        if GRAD_COS_SIN:
-            # the reference sums q and k contributions separately (each rounded), then adds
-            gc1 = _rnd(_rnd(cq1, DT, EXACT) + _rnd(ck1, DT, EXACT), DT, EXACT)
-            gc2 = _rnd(_rnd(cq2, DT, EXACT) + _rnd(ck2, DT, EXACT), DT, EXACT)
-            gs1 = _rnd(_rnd(sq1, DT, EXACT) + _rnd(sk1, DT, EXACT), DT, EXACT)
-            gs2 = _rnd(_rnd(sq2, DT, EXACT) + _rnd(sk2, DT, EXACT), DT, EXACT)
-            gcb = gcos_ptr + b[:, None] * sgcos_b + s[:, None] * sgcos_s
-            gsb = gsin_ptr + b[:, None] * sgsin_b + s[:, None] * sgsin_s
-            _store_cast(gcb + dh[None, :] * sgcos_d, gc1, cmask)
-            _store_cast(gcb + (dh[None, :] + HALF) * sgcos_d, gc2, cmask)
-            _store_cast(gsb + dh[None, :] * sgsin_d, gs1, cmask)
-            _store_cast(gsb + (dh[None, :] + HALF) * sgsin_d, gs2, cmask)
-
-        # V needs no math: copy it into its third of dQKV
-        hv = tl.arange(0, HKV_P2)[:, None, None]
-        dv = tl.arange(0, D_P2)[None, None, :]
-        vmask = (hv < HKV) & tmask[None, :, None] & (dv < D)
-        v = tl.load(gv_ptr + b[None, :, None] * sgv_b + hv * sgv_h + s[None, :, None] * sgv_s + dv * sgv_d,
-                    mask=vmask, other=0.0)
-        vout = dqkv_ptr + tok[None, :, None].to(tl.int64) * s_dqkv_t + (HQ + HKV) * D + hv * D + dv
-        tl.store(vout, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a plain copy
-
-    pbase = part_ptr + pid * (2 * D)
-    tl.store(pbase + dh, wq1, mask=dmask)
-    tl.store(pbase + HALF + dh, wq2, mask=dmask)
-    tl.store(pbase + D + dh, wk1, mask=dmask)
-    tl.store(pbase + D + HALF + dh, wk2, mask=dmask)
+        c1 = tl.load(cbase + dh * scos_d, mask=cmask, other=0.0).to(tl.float32)
+        c2 = tl.load(cbase + (dh + HALF) * scos_d, mask=cmask, other=0.0).to(tl.float32)
+        s1 = tl.load(sbase + dh * ssin_d, mask=cmask, other=0.0).to(tl.float32)
+        s2 = tl.load(sbase + (dh + HALF) * ssin_d, mask=cmask, other=0.0).to(tl.float32)
+        if group < NQG:
+            h0 = group * HEADS_PER_GROUP
+            _head_group_bwd(
+                gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
+                xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
+                rq_ptr, srq_b, srq_h, srq_s,
+                wq_ptr, swq,
+                dqkv_ptr, s_dqkv_t, 0,
+                cs_ptr, wpart_ptr, group, n_tblocks, pid_t, M,
+                h0, tl.minimum(h0 + HEADS_PER_GROUP, HQ), b, s, tok, tmask, c1, c2, s1, s2,
+                D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
+            )
+        else:
+            h0 = (group - NQG) * HEADS_PER_GROUP
+            _head_group_bwd(
+                gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d,
+                xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
+                rk_ptr, srk_b, srk_h, srk_s,
+                wk_ptr, swk,
+                dqkv_ptr, s_dqkv_t, HQ * D,
+                cs_ptr, wpart_ptr, group, n_tblocks, pid_t, M,
+                h0, tl.minimum(h0 + HEADS_PER_GROUP, HKV), b, s, tok, tmask, c1, c2, s1, s2,
+                D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
+            )
+    else:
+        # V needs no math: copy its heads of this group into the last third of dQKV
+        h0 = (group - NQG - NKG) * HEADS_PER_GROUP
+        h1 = tl.minimum(h0 + HEADS_PER_GROUP, HKV)
+        dv = tl.arange(0, D_P2)[None, :]
+        vmask = tmask[:, None] & (dv < D)
+        v_row = gv_ptr + b[:, None] * sgv_b + s[:, None] * sgv_s + dv * sgv_d
+        o_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + (HQ + HKV) * D + dv
+        for h in range(h0, h1):
+            v = tl.load(v_row + h * sgv_h, mask=vmask, other=0.0)
+            tl.store(o_row + h * D, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a copy
 
 
 @triton.jit
-def norm_weight_grad_reduce_kernel(
-    part_ptr, P, gq_ptr, sgq, gk_ptr, sgk,
-    D: tl.constexpr, D_P2: tl.constexpr, BLOCK_P: tl.constexpr,
+def rope_qk_norm_bwd_finish_kernel(
+    cs_ptr, wpart_ptr,
+    gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
+    gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+    gwq_ptr, sgwq, gwk_ptr, sgwk,
+    M, S, NQG, NKG, N_TBLOCKS, N_FIN_T,
+    D: tl.constexpr, D_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    EXACT: tl.constexpr, GRAD_COS_SIN: tl.constexpr,
 ):
-    """Program 0 reduces the query partials, program 1 the key partials, in a fixed order."""
-    which = tl.program_id(0)
-    d = tl.arange(0, D_P2)
-    dmask = d < D
-    acc = tl.zeros([BLOCK_P, D_P2], tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        acc += tl.load(part_ptr + p[:, None] * (2 * D) + which * D + d[None, :],
-                       mask=(p[:, None] < P) & dmask[None, :], other=0.0)
-    total = tl.sum(acc, axis=0)
-    if which == 0:
-        _store_cast(gq_ptr + d * sgq, total, dmask)
+    """Programs [0, N_FIN_T): grad_cos/grad_sin of BLOCK_T tokens each. The last two
+    programs: the query and the key norm-weight gradients. Fixed summation order."""
+    DT: tl.constexpr = gcos_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    d = tl.arange(0, D_P2)[None, :]
+    if pid < N_FIN_T:
+        if GRAD_COS_SIN:
+            tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+            mask = (tok < M) & (d < D)
+            for which in range(0, 2):  # 0: cos, 1: sin
+                q = tl.zeros([BLOCK_T, D_P2], tl.float32)
+                for g in range(0, NQG):
+                    q += tl.load(cs_ptr + ((g * 2 + which) * M + tok).to(tl.int64) * D + d, mask=mask, other=0.0)
+                k = tl.zeros([BLOCK_T, D_P2], tl.float32)
+                for g in range(NQG, NQG + NKG):
+                    k += tl.load(cs_ptr + ((g * 2 + which) * M + tok).to(tl.int64) * D + d, mask=mask, other=0.0)
+                # the reference sums q and k contributions separately (each rounded), then adds
+                v = _rnd(_rnd(q, DT, EXACT) + _rnd(k, DT, EXACT), DT, EXACT)
+                b = (tok // S).to(tl.int64)
+                s = tok % S
+                if which == 0:
+                    _store_cast(gcos_ptr + b * sgcos_b + s * sgcos_s + d * sgcos_d, v, mask)
+                else:
+                    _store_cast(gsin_ptr + b * sgsin_b + s * sgsin_s + d * sgsin_d, v, mask)
     else:
-        _store_cast(gk_ptr + d * sgk, total, dmask)
+        is_q = pid == N_FIN_T
+        g0 = tl.where(is_q, 0, NQG)
+        g1 = tl.where(is_q, NQG, NQG + NKG)
+        acc = tl.zeros([BLOCK_R, D_P2], tl.float32)
+        n_rows = (g1 - g0) * N_TBLOCKS
+        for r0 in range(0, n_rows, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)[:, None]
+            acc += tl.load(wpart_ptr + (g0 * N_TBLOCKS + rows) * D + d, mask=(rows < n_rows) & (d < D), other=0.0)
+        total = tl.sum(acc, axis=0)
+        dd = tl.arange(0, D_P2)
+        if is_q:
+            _store_cast(gwq_ptr + dd * sgwq, total, dd < D)
+        else:
+            _store_cast(gwk_ptr + dd * sgwk, total, dd < D)

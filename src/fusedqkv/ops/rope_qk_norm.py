@@ -19,11 +19,6 @@ from typing import Optional
 
 import torch
 
-# Tuning of the persistent grid (see benchmarks/NOTES.md): token-block size, warps
-# and resident programs per SM, by the number of query heads padded to a power of 2.
-_PROGRAMS_PER_SM = 4
-
-
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -33,20 +28,25 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _num_programs(device: torch.device, n_blocks: int) -> int:
+def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int]:
+    """(tokens per program, heads per group, num_warps) for the backward stage.
+
+    Few tokens: small token blocks and head groups, for enough programs to fill the GPU.
+    Many tokens: whole head sets per program, so fewer fp32 grad_cos/sin partials.
+    """
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    else:  # interpreter: a few programs exercise the grid-stride loop
-        sms = 1
-    return max(1, min(n_blocks, sms * _PROGRAMS_PER_SM))
-
-
-def _launch_config(hq: int, hkv: int, d: int) -> tuple[int, int]:
-    """(tokens per block, num_warps): keep ~2k elements of each q tile per 4 warps."""
-    elems = _next_pow2(hq) * _next_pow2(d)
-    block_t = max(1, min(8, 4096 // elems))
-    num_warps = 8 if elems * block_t >= 4096 else 4
-    return block_t, num_warps
+    else:
+        sms = 4
+    block_t = 16 if M >= 2048 else (8 if M >= 512 else 4)
+    n_tblocks = -(-M // block_t)
+    heads = max(hq, 1)
+    # smallest number of groups reaching ~4 programs per SM, heads per group a power of 2
+    g = _next_pow2(heads)
+    while g > 1 and n_tblocks * (-(-hq // g) + 2 * -(-hkv // g)) < 4 * sms:
+        g //= 2
+    num_warps = 4 if block_t * _next_pow2(d // 2) >= 512 else 2
+    return block_t, g, num_warps
 
 
 def pick_backend(device: torch.device, backend: Optional[str]) -> str:
@@ -97,7 +97,7 @@ def _done():
 
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                      exact, norm_after_rope, saved_rotated, grad_cos_sin):
-    from ..kernels.rope_qk_norm import norm_weight_grad_reduce_kernel, rope_qk_norm_bwd_kernel
+    from ..kernels.rope_qk_norm import rope_qk_norm_bwd_finish_kernel, rope_qk_norm_bwd_kernel
 
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
@@ -106,33 +106,44 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         gwq.zero_()
         gwk.zero_()
         return _done
-    block_t, num_warps = _launch_config(HQ, HKV, D)
-    n_blocks = -(-M // block_t)
-    P = _num_programs(gq.device, n_blocks)
-    # all allocation happens before the first launch
-    partials = torch.empty((P, 2, D), device=gq.device, dtype=torch.float32)
+    block_t, heads_per_group, num_warps = _launch_config(M, HQ, HKV, D, gq.device)
+    n_tblocks = -(-M // block_t)
+    nqg = -(-HQ // heads_per_group)
+    nkg = -(-HKV // heads_per_group)
+    nvg = nkg
+    # every allocation before the first launch
+    cs_part = torch.empty((nqg + nkg, 2, M, D) if grad_cos_sin else (1,), device=gq.device, dtype=torch.float32)
+    w_part = torch.empty((nqg + nkg, n_tblocks, D), device=gq.device, dtype=torch.float32)
     if not grad_cos_sin:
-        gcos = gsin = cos  # never written: the kernel is compiled without those stores
-    rope_qk_norm_bwd_kernel[(P,)](
+        gcos = gsin = cos  # never written: the kernels are compiled without those stores
+    # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
+    fp_fusion = not exact
+    rope_qk_norm_bwd_kernel[(n_tblocks, nqg + nkg + nvg)](
         gq, *gq.stride(), gk, *gk.stride(), gv, *gv.stride(),
         xq, *xq.stride(), xk, *xk.stride(),
         rq, *rq.stride(), rk, *rk.stride(),
         wq, wq.stride(0), wk, wk.stride(0),
         cos, *cos.stride(), sin, *sin.stride(),
-        dqkv, dqkv.stride(0),
-        gcos, *gcos.stride(), gsin, *gsin.stride(),
-        partials,
-        M, S, HQ, HKV, -(-n_blocks // P),
-        D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D),
-        HQ_P2=_next_pow2(HQ), HKV_P2=_next_pow2(HKV), BLOCK_T=block_t,
+        dqkv, dqkv.stride(0), cs_part, w_part,
+        M, S, HQ, HKV, heads_per_group, nqg, nkg,
+        D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin,
-        num_warps=num_warps,
+        num_warps=num_warps, enable_fp_fusion=fp_fusion,
     )
-    return lambda: norm_weight_grad_reduce_kernel[(2,)](
-        partials, P, gwq, gwq.stride(0), gwk, gwk.stride(0),
-        D=D, D_P2=_next_pow2(D), BLOCK_P=32, num_warps=4,
-    )
+    fin_t = 16
+    n_fin_t = -(-M // fin_t) if grad_cos_sin else 0
+
+    def finish():
+        rope_qk_norm_bwd_finish_kernel[(n_fin_t + 2,)](
+            cs_part, w_part, gcos, *gcos.stride(), gsin, *gsin.stride(),
+            gwq, gwq.stride(0), gwk, gwk.stride(0),
+            M, S, nqg, nkg, n_tblocks, n_fin_t,
+            D=D, D_P2=_next_pow2(D), BLOCK_T=fin_t, BLOCK_R=32,
+            EXACT=exact, GRAD_COS_SIN=grad_cos_sin, num_warps=4, enable_fp_fusion=fp_fusion,
+        )
+
+    return finish
 
 
 def _rotate_half(t: torch.Tensor) -> torch.Tensor:
