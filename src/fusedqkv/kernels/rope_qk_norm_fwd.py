@@ -1,50 +1,64 @@
 """Triton kernel of the forward of RoPE + per-head RMSNorm ("QK-norm").
 
 ``rope_qk_norm_fwd_kernel`` reads the projection output ``qkv`` token-major
-``[tokens, (Hq + 2*Hkv) * D]``, applies RoPE and RMSNorm in either order, writes
-q/k as ``[batch, heads, seq, head_dim]`` and rstd in fp32.
+``[tokens, (Hq + 2*Hkv) * D]`` (last dim contiguous), applies RoPE and RMSNorm in
+either order, writes q/k as ``[batch, heads, seq, head_dim]`` (any strides) and rstd
+in fp32 ``[batch, heads, seq]`` (any strides).  All math is fp32; the outputs are
+rounded once.
+
+Grid: ``(token blocks, head groups)``.  Head groups are ``GROUP`` consecutive query
+heads (the first ``cdiv(Hq, GROUP)`` groups) or key heads (the rest).  A program loads
+cos/sin for its ``BLOCK_T`` tokens once, then loops over the heads of its group with
+2D tiles ``[BLOCK_T, head_dim/2]`` -- the two rotate-half halves -- so the register
+footprint does not grow with the head count (a 3D ``[heads, tokens, head_dim/2]``
+tile spills on sm_90 with 32 heads).
 """
 
 import triton
 import triton.language as tl
 
-from .rope_qk_norm import _rotate, _store_cast
+from .rope_qk_norm import _store_cast
 
 
 @triton.jit
-def _head_set_fwd(
+def _rope_fwd_2d(x1, x2, c1, c2, s1, s2):
+    # x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1); fp32
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
+def _head_group_fwd(
     x_ptr, s_x_t, col0,
     w_ptr, sw,
     o_ptr, so_b, so_h, so_s, so_d,
     r_ptr, sr_b, sr_h, sr_s,
-    b, s, tok, tmask, c1, c2, s1, s2, eps,
-    H, D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, H_P2: tl.constexpr,
-    NORM_AFTER_ROPE: tl.constexpr,
+    tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
+    h0, H,
+    D: tl.constexpr, HALF: tl.constexpr, GROUP: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
 ):
-    h = tl.arange(0, H_P2)[:, None, None]
-    d = tl.arange(0, HALF_P2)[None, None, :]
-    bb = b[None, :, None]
-    ss = s[None, :, None]
-    hmask = (h < H) & tmask[None, :, None]
-    mask = hmask & (d < HALF)
-    x_base = x_ptr + tok[None, :, None].to(tl.int64) * s_x_t + col0 + h * D
-    x1 = tl.load(x_base + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_base + d + HALF, mask=mask, other=0.0).to(tl.float32)
-    dmask = tl.arange(0, HALF_P2) < HALF
-    w1 = tl.load(w_ptr + tl.arange(0, HALF_P2) * sw, mask=dmask, other=0.0).to(tl.float32)[None, None, :]
-    w2 = tl.load(w_ptr + (tl.arange(0, HALF_P2) + HALF) * sw, mask=dmask, other=0.0).to(tl.float32)[None, None, :]
-    if NORM_AFTER_ROPE:
-        x1, x2 = _rotate(x1, x2, c1, c2, s1, s2, tl.float32, False)
-    ms = (tl.sum(x1 * x1, axis=2, keep_dims=True) + tl.sum(x2 * x2, axis=2, keep_dims=True)) / D
-    r = 1.0 / tl.sqrt(ms + eps)
-    y1 = x1 * r * w1
-    y2 = x2 * r * w2
-    if not NORM_AFTER_ROPE:
-        y1, y2 = _rotate(y1, y2, c1, c2, s1, s2, tl.float32, False)
-    o_base = o_ptr + bb * so_b + h * so_h + ss * so_s
-    _store_cast(o_base + d * so_d, y1, mask)
-    _store_cast(o_base + (d + HALF) * so_d, y2, mask)
-    tl.store(r_ptr + bb * sr_b + h * sr_h + ss * sr_s, r, mask=hmask)
+    dmask = dh < HALF
+    w1 = tl.load(w_ptr + dh * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + (dh + HALF) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    x_row = x_ptr + tok64[:, None] * s_x_t + col0 + dh[None, :]
+    for hh in range(0, GROUP):
+        h = h0 + hh
+        hvalid = h < H
+        mask = cmask & hvalid
+        xb = x_row + h * D
+        x1 = tl.load(xb, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(xb + HALF, mask=mask, other=0.0).to(tl.float32)
+        if NORM_AFTER_ROPE:
+            x1, x2 = _rope_fwd_2d(x1, x2, c1, c2, s1, s2)
+        ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D
+        r = 1.0 / tl.sqrt_rn(ms + eps)
+        y1 = x1 * r[:, None] * w1
+        y2 = x2 * r[:, None] * w2
+        if not NORM_AFTER_ROPE:
+            y1, y2 = _rope_fwd_2d(y1, y2, c1, c2, s1, s2)
+        ob = o_ptr + b[:, None] * so_b + h * so_h + s[:, None] * so_s
+        _store_cast(ob + dh[None, :] * so_d, y1, mask)
+        _store_cast(ob + (dh[None, :] + HALF) * so_d, y2, mask)
+        tl.store(r_ptr + b * sr_b + h * sr_h + s * sr_s, r, mask=tmask & hvalid)
 
 
 @triton.jit
@@ -57,33 +71,33 @@ def rope_qk_norm_fwd_kernel(
     k_ptr, sk_b, sk_h, sk_s, sk_d,
     rq_ptr, srq_b, srq_h, srq_s,
     rk_ptr, srk_b, srk_h, srk_s,
-    eps, M, S, HQ, HKV, ITERS,
+    eps, M, S, HQ, HKV, NQG,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
-    HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, BLOCK_T: tl.constexpr,
-    NORM_AFTER_ROPE: tl.constexpr,
+    BLOCK_T: tl.constexpr, GROUP: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    pid_t = tl.program_id(0)
+    pid_g = tl.program_id(1)
     dh = tl.arange(0, HALF_P2)
     dmask = dh < HALF
-    for it in range(0, ITERS):
-        blk = pid + it * nprog
-        tok = blk * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = tok < M
-        b = (tok // S).to(tl.int64)
-        s = tok % S
-        cmask = tmask[:, None] & dmask[None, :]
-        cbase = cos_ptr + b[:, None] * scos_b + s[:, None] * scos_s
-        sbase = sin_ptr + b[:, None] * ssin_b + s[:, None] * ssin_s
-        c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
-        c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
-        s1 = tl.load(sbase + dh[None, :] * ssin_d, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
-        s2 = tl.load(sbase + (dh[None, :] + HALF) * ssin_d, mask=cmask, other=0.0).to(tl.float32)[None, :, :]
-        _head_set_fwd(qkv_ptr, s_qkv_t, 0, wq_ptr, swq,
-                      q_ptr, sq_b, sq_h, sq_s, sq_d, rq_ptr, srq_b, srq_h, srq_s,
-                      b, s, tok, tmask, c1, c2, s1, s2, eps,
-                      HQ, D, HALF, HALF_P2, HQ_P2, NORM_AFTER_ROPE)
-        _head_set_fwd(qkv_ptr, s_qkv_t, HQ * D, wk_ptr, swk,
-                      k_ptr, sk_b, sk_h, sk_s, sk_d, rk_ptr, srk_b, srk_h, srk_s,
-                      b, s, tok, tmask, c1, c2, s1, s2, eps,
-                      HKV, D, HALF, HALF_P2, HKV_P2, NORM_AFTER_ROPE)
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < M
+    tok64 = tok.to(tl.int64)
+    b = tok64 // S
+    s = tok64 % S
+    cmask = tmask[:, None] & dmask[None, :]
+    cbase = cos_ptr + b[:, None] * scos_b + s[:, None] * scos_s
+    sbase = sin_ptr + b[:, None] * ssin_b + s[:, None] * ssin_s
+    c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sbase + dh[None, :] * ssin_d, mask=cmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sbase + (dh[None, :] + HALF) * ssin_d, mask=cmask, other=0.0).to(tl.float32)
+    if pid_g < NQG:
+        _head_group_fwd(qkv_ptr, s_qkv_t, 0, wq_ptr, swq,
+                        q_ptr, sq_b, sq_h, sq_s, sq_d, rq_ptr, srq_b, srq_h, srq_s,
+                        tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
+                        pid_g * GROUP, HQ, D, HALF, GROUP, NORM_AFTER_ROPE)
+    else:
+        _head_group_fwd(qkv_ptr, s_qkv_t, HQ * D, wk_ptr, swk,
+                        k_ptr, sk_b, sk_h, sk_s, sk_d, rk_ptr, srk_b, srk_h, srk_s,
+                        tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
+                        (pid_g - NQG) * GROUP, HKV, D, HALF, GROUP, NORM_AFTER_ROPE)

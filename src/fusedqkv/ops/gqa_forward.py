@@ -1,0 +1,220 @@
+"""Forward of the GQA attention input block: QKV projection, RoPE, per-head RMSNorm.
+
+``gqa_forward`` runs one cuBLAS GEMM (``qkv = hidden_states @ qkv_weight.T``, in the
+input dtype) and one fused RoPE + RMSNorm stage that writes q/k as
+``[batch, heads, seq, head_dim]`` (contiguous) and the per-(token, head) rstd in fp32.
+v needs no math: it is a view of the projection output.
+
+Two backends with one semantics (fp32 math, one rounding to the input dtype):
+
+* ``"triton"``: :func:`fusedqkv.kernels.rope_qk_norm_fwd.rope_qk_norm_fwd_kernel`
+  (CUDA, or the CPU under ``TRITON_INTERPRET=1``, which the tests use);
+* ``"torch"``: vectorised PyTorch, the CPU path.
+
+``validate_forward_inputs`` checks the public arguments and raises ``TypeError`` /
+``ValueError`` naming the offending argument.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Optional
+
+import torch
+
+from . import validation as V
+from .rope_qk_norm import pick_backend
+
+QK_NORM_POSITIONS = ("after_rope", "before_rope")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _require_int(name: str, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    return int(x)
+
+
+def norm_after_rope_from_position(qk_norm_position) -> bool:
+    if not isinstance(qk_norm_position, str):
+        raise TypeError(f"qk_norm_position: expected a str ('after_rope' or 'before_rope'), got {type(qk_norm_position).__name__}")
+    if qk_norm_position not in QK_NORM_POSITIONS:
+        raise ValueError(f"qk_norm_position: expected 'after_rope' (RoPE, then RMSNorm: HunyuanImage-3.0) or "
+                         f"'before_rope' (RMSNorm, then RoPE: Qwen3, OLMo 2), got {qk_norm_position!r}")
+    return qk_norm_position == "after_rope"
+
+
+def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
+                            num_heads, num_kv_heads, eps, qk_norm_position) -> dict:
+    """Check the public forward arguments; returns the derived sizes.
+
+    cos/sin may be ``[batch, seq, head_dim]`` or ``[1, seq, head_dim]`` (shared by the batch).
+    """
+    for n, t in (("hidden_states", hidden_states), ("qkv_weight", qkv_weight), ("q_norm_weight", q_norm_weight),
+                 ("k_norm_weight", k_norm_weight), ("cos", cos), ("sin", sin)):
+        V.require_tensor(n, t)
+    hq = _require_int("num_heads", num_heads)
+    hkv = _require_int("num_kv_heads", num_kv_heads)
+    eps = V.require_number("eps", eps)
+    if not eps >= 0.0:
+        raise ValueError(f"eps: expected a non-negative number, got {eps}")
+    norm_after_rope = norm_after_rope_from_position(qk_norm_position)
+    if hq < 1 or hkv < 1:
+        raise ValueError(f"head configuration: num_heads={hq} and num_kv_heads={hkv} must be >= 1")
+    V.require_ndim("hidden_states", hidden_states, 3, "[batch, seq, hidden_size]")
+    b, s, hidden = hidden_states.shape
+    V.require_ndim("qkv_weight", qkv_weight, 2, "[(num_heads + 2*num_kv_heads)*head_dim, hidden_size]")
+    n_tot, w_hidden = qkv_weight.shape
+    heads_tot = hq + 2 * hkv
+    if w_hidden != hidden or n_tot % heads_tot != 0 or n_tot == 0:
+        raise ValueError(
+            f"qkv_weight: expected shape [(num_heads + 2*num_kv_heads)*head_dim, hidden_size] = "
+            f"[({hq} + 2*{hkv})*head_dim, {hidden}], got [{', '.join(map(str, qkv_weight.shape))}]")
+    d = n_tot // heads_tot
+    V.require_head_config(hq, hkv, d, "from num_heads, num_kv_heads and qkv_weight")
+    V.require_shape("q_norm_weight", q_norm_weight, (d,), "[head_dim]")
+    V.require_shape("k_norm_weight", k_norm_weight, (d,), "[head_dim]")
+    for n, t in (("cos", cos), ("sin", sin)):
+        V.require_ndim(n, t, 3, "[batch, seq, head_dim]")
+        if tuple(t.shape) not in ((b, s, d), (1, s, d)):
+            V.require_shape(n, t, (b, s, d), "[batch, seq, head_dim] or [1, seq, head_dim]")
+    for n, t in (("hidden_states", hidden_states), ("qkv_weight", qkv_weight), ("q_norm_weight", q_norm_weight),
+                 ("k_norm_weight", k_norm_weight), ("cos", cos), ("sin", sin)):
+        V.require_float_dtype(n, t)
+    dtype = V.require_same_dtype([("hidden_states", hidden_states), ("qkv_weight", qkv_weight), ("cos", cos), ("sin", sin)])
+    device = V.require_same_device([("hidden_states", hidden_states), ("qkv_weight", qkv_weight),
+                                    ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight),
+                                    ("cos", cos), ("sin", sin)])
+    return dict(batch=b, seq=s, hidden=hidden, num_heads=hq, num_kv_heads=hkv, head_dim=d, qkv=n_tot,
+                eps=eps, norm_after_rope=norm_after_rope, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def gqa_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads: int,
+                num_kv_heads: int, eps: float, norm_after_rope: bool, backend: Optional[str] = None):
+    """The block's forward on validated arguments (cos/sin already ``[batch, seq, head_dim]``).
+
+    Returns ``(q, k, qkv, rstd_q, rstd_k)``: q ``[B, Hq, S, D]`` and k ``[B, Hkv, S, D]``
+    contiguous in the input dtype, the projection output ``qkv`` ``[B, S, (Hq+2Hkv)*D]``
+    (v is ``qkv``'s last third; the backward reads the raw q/k from it) and rstd fp32
+    ``[B, H, S]``.
+    """
+    B, S, hidden = hidden_states.shape
+    n_tot = qkv_weight.shape[0]
+    M = B * S
+    # the one GEMM, in the input dtype
+    qkv = torch.mm(hidden_states.reshape(M, hidden), qkv_weight.t()).view(B, S, n_tot)
+    q, k, rq, rk = rope_qk_norm_forward(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
+                                        eps, norm_after_rope, backend)
+    return q, k, qkv, rq, rk
+
+
+def rope_qk_norm_forward(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads: int, num_kv_heads: int,
+                         eps: float, norm_after_rope: bool, backend: Optional[str] = None):
+    """RoPE + per-head RMSNorm of the q/k parts of ``qkv`` ``[B, S, (Hq+2Hkv)*D]`` (last dim contiguous).
+
+    Returns ``(q, k, rstd_q, rstd_k)`` as described in :func:`gqa_forward`.
+    """
+    B, S, n_tot = qkv.shape
+    hq, hkv = num_heads, num_kv_heads
+    D = n_tot // (hq + 2 * hkv)
+    q = torch.empty((B, hq, S, D), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((B, hkv, S, D), dtype=qkv.dtype, device=qkv.device)
+    rq = torch.empty((B, hq, S), dtype=torch.float32, device=qkv.device)
+    rk = torch.empty((B, hkv, S), dtype=torch.float32, device=qkv.device)
+    if pick_backend(qkv.device, backend) == "torch":
+        _forward_torch(qkv, q_norm_weight, k_norm_weight, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope)
+    else:
+        _forward_triton(qkv, q_norm_weight, k_norm_weight, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope)
+    return q, k, rq, rk
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int]:
+    """(tokens per program, heads per program, num_warps).
+
+    A tile is [BLOCK_T, head_dim/2] ~ 1k elements. Head groups amortise the cos/sin loads; they shrink when the grid would
+    otherwise leave SMs idle.
+    """
+    half_p2 = _next_pow2(d // 2)
+    block_t = max(1, min(32, 1024 // half_p2))
+    n_tb = -(-M // block_t)
+    if device.type == "cuda":
+        target = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        target = 1
+    group = 1
+    for g in (8, 4, 2):
+        if n_tb * (-(-hq // g) + -(-hkv // g)) >= target:
+            group = g
+            break
+    # offline sm_90 check (ptxas -v), head_dim 64/128/256, no spills: a head group's
+    # loads are pipelined; with 8 warps this takes ~100 registers, 1 head with 4 warps ~80
+    num_warps = 8 if group > 1 else 4
+    return block_t, group, num_warps
+
+
+def _forward_triton(qkv, wq, wk, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope, config=None):
+    from ..kernels.rope_qk_norm_fwd import rope_qk_norm_fwd_kernel
+
+    B, S, n_tot = qkv.shape
+    M = B * S
+    if M == 0:
+        return
+    if qkv.stride(2) != 1:
+        raise ValueError("qkv: the last dim must be contiguous")
+    block_t, group, num_warps = config or _launch_config(M, hq, hkv, D, qkv.device)
+    s_t = qkv.stride(1)
+    if B > 1 and qkv.stride(0) != S * s_t:
+        raise ValueError("qkv: batch and seq must be addressable as one token axis")
+    nqg = -(-hq // group)
+    grid = (-(-M // block_t), nqg + -(-hkv // group))
+    rope_qk_norm_fwd_kernel[grid](
+        qkv, s_t,
+        wq, wq.stride(0), wk, wk.stride(0),
+        cos, *cos.stride(), sin, *sin.stride(),
+        q, *q.stride(), k, *k.stride(),
+        rq, *rq.stride(), rk, *rk.stride(),
+        float(eps), M, S, hq, hkv, nqg,
+        D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), BLOCK_T=block_t, GROUP=group,
+        NORM_AFTER_ROPE=bool(norm_after_rope), num_warps=num_warps,
+    )
+
+
+def _rotate_half(t: torch.Tensor) -> torch.Tensor:
+    h = t.shape[-1] // 2
+    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+
+
+def _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope):
+    B, S, _ = qkv.shape
+    heads = qkv.view(B, S, -1, D)
+    c = cos.float().unsqueeze(1)
+    s = sin.float().unsqueeze(1)
+
+    def head_set(x, w, out, r_out):
+        x = x.transpose(1, 2).float()
+        if norm_after_rope:
+            x = x * c + _rotate_half(x) * s
+        r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+        y = x * r * w.float()
+        if not norm_after_rope:
+            y = y * c + _rotate_half(y) * s
+        out.copy_(y)
+        r_out.copy_(r[..., 0])
+
+    head_set(heads[:, :, :hq], wq, q, rq)
+    head_set(heads[:, :, hq: hq + hkv], wk, k, rk)
