@@ -7,3 +7,9 @@ from .ops.gqa_backward import gqa_qkv_rope_qk_norm_backward
 __version__ = "0.1.0"
 
 __all__ = ["gqa_qkv_rope_qk_norm_backward", "__version__"]
+
+# training-ready block (issue 4): differentiable, torch.compile-safe forward + module
+from .autograd import gqa_qkv_rope_qk_norm  # noqa: E402
+from .module import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm  # noqa: E402
+
+__all__ += ["gqa_qkv_rope_qk_norm", "GQAQKVRoPEQKNorm", "ReferenceGQAQKVRoPEQKNorm"]
