@@ -1,0 +1,438 @@
+"""The benchmark harness: implementations side by side on the workloads of 091.
+
+Implementations (``IMPLEMENTATIONS``):
+
+* ``fusedqkv`` -- our op, destination passing (Triton + cuBLAS on CUDA, the torch path on CPU);
+* ``eager`` -- the reference (the official ``run`` of ``definition.json`` when the pack is
+  present, else our eager re-implementation); it is the oracle and the SOL baseline T_b;
+* ``compile`` -- ``torch.compile`` of the reference; its correctness is reported as measured
+  and does not decide the exit status (GPU only by default);
+* ``gemm_floor`` -- the two GEMMs alone on a precomputed dQKV: a bound, not a solution.
+
+Per workload: inputs by the official name heuristics (seed = workload index), the
+oracle's outputs once, then per implementation one checked call (official policy) and
+the timings: on CUDA, L2 flushed before every iteration, by CUDA events and by kernel
+span (profiler device activity); on a CPU, wall clock (no flush), labelled as a CPU run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import inspect
+import json
+import math
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from . import problem, records, roofline, timing
+
+CPU_QUICK_WORKLOADS = (2, 11, 8, 13)  # small ones: b1 s131, b1 s128, b1 s256, b2 s293
+CPU_QUICK_MAX_TOKENS = 64
+CPU_MAX_TOKENS = 128
+
+
+class BenchError(Exception):
+    """A user-facing error: printed as one line by the CLI."""
+
+
+# ----------------------------------------------------------------------------- implementations
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str
+    label: str
+    role: str  # "kernel", "reference", "peer" or "bound"
+    claims_correct: bool
+    default_devices: tuple
+    prepare: Callable  # (ctx, args, ref_out) -> callable that runs one iteration and returns its outputs
+    sources: Callable  # (ctx) -> dict for the implementation digest
+
+
+@dataclass
+class Context:
+    device: torch.device
+    reference: Callable
+    reference_label: str
+    reference_source: dict
+    compiled: dict = field(default_factory=dict)
+
+
+def _reference_source() -> dict:
+    pack = problem.official_pack_dir()
+    if pack is not None:
+        src = json.loads((pack / "definition.json").read_text())["reference"]
+        return {"reference": "definition.json", "sha256": records.sha256_text(src)}
+    return {"reference": "fusedqkv eager re-implementation", "files": records.source_tree(("ops",))}
+
+
+def _prep_fusedqkv(ctx, args, ref_out):
+    from ..ops.gqa_backward import gqa_qkv_rope_qk_norm_backward
+
+    out = tuple(torch.empty_like(t) for t in ref_out)
+    return lambda: gqa_qkv_rope_qk_norm_backward(*args, out=out)
+
+
+def _prep_eager(ctx, args, ref_out):
+    ref = ctx.reference
+    return lambda: ref(*args)
+
+
+def _compile_limits():
+    cfg = torch._dynamo.config
+    for attr in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, attr):
+            setattr(cfg, attr, max(getattr(cfg, attr), 64))
+
+
+def _prep_compile(ctx, args, ref_out):
+    fn = ctx.compiled.get("fn")
+    if fn is None:
+        _compile_limits()
+        fn = ctx.compiled["fn"] = torch.compile(ctx.reference)
+    return lambda: fn(*args)
+
+
+def _prep_gemm_floor(ctx, args, ref_out):
+    hs, w = args[3], args[6]
+    m = hs.shape[0] * hs.shape[1]
+    x = hs.reshape(m, hs.shape[2])
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    dqkv = torch.randn(m, w.shape[0], generator=gen).to(device=w.device, dtype=w.dtype)
+    gx = torch.empty(m, w.shape[1], device=w.device, dtype=w.dtype)
+    gw = torch.empty_like(w)
+
+    def floor():
+        torch.mm(dqkv, w, out=gx)
+        torch.mm(dqkv.t(), x, out=gw)
+        return gx, gw
+
+    return floor
+
+
+IMPLEMENTATIONS = {
+    "fusedqkv": Implementation(
+        "fusedqkv", "fusedqkv (Triton + cuBLAS on CUDA; torch path on CPU), destination passing", "kernel", True,
+        ("cuda", "cpu"), _prep_fusedqkv, lambda ctx: {"files": records.source_tree(("kernels", "ops"))}),
+    "eager": Implementation(
+        "eager", "eager reference", "reference", True, ("cuda", "cpu"), _prep_eager,
+        lambda ctx: ctx.reference_source),
+    "compile": Implementation(
+        "compile", "torch.compile(reference)", "peer", False, ("cuda",), _prep_compile,
+        lambda ctx: {**ctx.reference_source, "wrapper": "torch.compile(default)"}),
+    "gemm_floor": Implementation(
+        "gemm_floor", "two-GEMM floor (bound: dX and dW GEMMs on a precomputed dQKV)", "bound", False,
+        ("cuda",), _prep_gemm_floor,
+        lambda ctx: {"sha256": records.sha256_text(inspect.getsource(_prep_gemm_floor))}),
+}
+
+
+def default_implementations(device: torch.device) -> list:
+    return [n for n, i in IMPLEMENTATIONS.items() if device.type in i.default_devices]
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """One line per step on stderr (rewritten in place on a terminal)."""
+
+    def __init__(self, total: int, enabled: bool = True, stream=None):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.stream = stream or sys.stderr
+        self.t0 = time.perf_counter()
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def step(self, msg: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        el = time.perf_counter() - self.t0
+        eta = el / self.done * (self.total - self.done) if self.done else 0.0
+        line = f"[{self.done:>3d}/{self.total}] {el:6.1f}s (eta {eta:5.0f}s) {msg}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line + ("\n" if self.done >= self.total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def note(self, msg: str) -> None:
+        if self.enabled:
+            self.stream.write(("\r\033[K" if self.tty else "") + msg + "\n")
+            self.stream.flush()
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class BenchConfig:
+    device: str = "auto"
+    workloads: Optional[list] = None  # names/indices/uuids; None = default set
+    implementations: Optional[list] = None  # None = default set for the device
+    reps: Optional[int] = None
+    warmup: Optional[int] = None
+    quick: bool = False
+    max_tokens: Optional[int] = None  # CPU reduction cap
+    span: bool = True
+    statistic: str = "mean"
+    measure_ceilings: bool = False
+    progress: bool = True
+    definition: str = problem.DEFAULT_DEFINITION
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise BenchError(f"--device: expected cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: no CUDA GPU is available (torch.cuda.is_available() is False); use --device cpu")
+    return torch.device(name)
+
+
+def resolve_implementations(names, device: torch.device) -> list:
+    if not names:
+        chosen = default_implementations(device)
+    else:
+        chosen = []
+        for n in names:
+            if n not in IMPLEMENTATIONS:
+                raise BenchError(f"unknown implementation {n!r}; known: {', '.join(IMPLEMENTATIONS)}")
+            if n not in chosen:
+                chosen.append(n)
+    if "eager" not in chosen:  # the baseline of the SOL score is always measured
+        chosen.insert(0 if not chosen else 1, "eager")
+    return chosen
+
+
+def resolve_workloads(defn, keys, device: torch.device, quick: bool, max_tokens: Optional[int]) -> tuple:
+    """(workloads, reduction cap or None)."""
+    if keys:
+        wls = []
+        for k in keys:
+            try:
+                wls.append(defn.workload(k))
+            except KeyError:
+                raise BenchError(f"unknown workload {k!r}; known: {', '.join(w.name for w in defn.workloads)}") from None
+    elif device.type == "cpu" and quick:
+        wls = [defn.workload(i) for i in CPU_QUICK_WORKLOADS]
+    else:
+        wls = list(defn.workloads)
+    if device.type == "cpu":
+        cap = max_tokens or (CPU_QUICK_MAX_TOKENS if quick else CPU_MAX_TOKENS)
+        return [problem.reduced_workload(w, cap) for w in wls], cap
+    if max_tokens:
+        return [problem.reduced_workload(w, max_tokens) for w in wls], max_tokens
+    return wls, None
+
+
+def protocol_for(device: torch.device, reps: int, warmup: int, primary_timer: str, timers: list,
+                 statistic: str, ceilings_source: str, definition: str) -> dict:
+    cpu = device.type == "cpu"
+    return {
+        "kind": "BenchmarkProtocol",
+        "name": f"sol-execbench-style/{'cpu-wall' if cpu else 'cold-l2'}",
+        "definition": definition,
+        "deviceType": device.type,
+        "warmup": warmup,
+        "repetitions": reps,
+        "timer": primary_timer,
+        "timers": timers,
+        "statistic": statistic,
+        "l2Flush": "none (CPU run)" if cpu else "before every iteration: l2_flush_kernel overwrites 2x L2",
+        "inputs": "official name heuristics, seed = workload index",
+        "correctness": {"compare": "float32", "nonFiniteFails": True, "allZeroFails": True,
+                        "rule": "|x - y| <= atol + rtol * |y|",
+                        "requiredMatchedRatio": problem.REQUIRED_MATCHED_RATIO,
+                        "tolerances": "per workload (definition)", "oracle": "reference"},
+        "baseline": "eager reference, same run",
+        "sol": {"model": "roofline: max(two-GEMM FLOPs / peak FLOP/s, minimal bytes / peak bandwidth)",
+                "ceilings": ceilings_source,
+                "score": "S = 1 / (1 + (T - T_sol) / (T_b - T_sol)); failed workload scores 0"},
+    }
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def _time(fn, device, reps, warmup, span, flusher) -> dict:
+    if device.type == "cuda":
+        out = {"cuda_events": timing.summarize(timing.time_cuda_events(fn, reps=reps, warmup=warmup, flusher=flusher))}
+        if span:
+            out["kernel_span"] = timing.summarize(timing.time_kernel_span(fn, reps=reps, warmup=warmup, flusher=flusher))
+        return out
+    return {"cpu_wall": timing.summarize(timing.time_cpu(fn, reps=reps, warmup=warmup))}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the benchmark; returns the results (everything the records and the report need)."""
+    device = resolve_device(cfg.device)
+    try:
+        defn = problem.load_definition(cfg.definition)
+    except KeyError as e:
+        raise BenchError(str(e).strip("'\"")) from None
+    impl_names = resolve_implementations(cfg.implementations, device)
+    wls, cap = resolve_workloads(defn, cfg.workloads, device, cfg.quick, cfg.max_tokens)
+    cpu = device.type == "cpu"
+    if cfg.statistic not in ("mean", "median"):
+        raise BenchError(f"--statistic: expected mean or median, got {cfg.statistic!r}")
+    reps = cfg.reps or ((3 if cfg.quick else 5) if cpu else (10 if cfg.quick else 50))
+    warmup = cfg.warmup if cfg.warmup is not None else (1 if cpu else (2 if cfg.quick else 5))
+    if reps < 1 or warmup < 0:
+        raise BenchError("--reps must be >= 1 and --warmup >= 0")
+    span = cfg.span and not cpu
+    primary_timer = "cpu_wall" if cpu else ("kernel_span" if span else "cuda_events")
+    timers = ["cpu_wall"] if cpu else (["kernel_span", "cuda_events"] if span else ["cuda_events"])
+
+    env = records.environment(device)
+    hw = env["hardwareName"]
+    ceil = None if (cpu or cfg.measure_ceilings) else roofline.datasheet_ceilings(hw)
+    measured = None
+    if ceil is None or cfg.measure_ceilings:
+        measured = roofline.measure_ceilings(device, hw)
+        ceil = measured
+    ceil_source = "measured at start (bf16 matmul, copy)" if ceil.source == "measured" else f"datasheet ({ceil.name})"
+    protocol = protocol_for(device, reps, warmup, primary_timer, timers, cfg.statistic, ceil_source, defn.name)
+    workload_set = {"definition": defn.name, "deviceReduced": cap is not None, "maxTokens": cap,
+                    "workloads": [w.to_json() for w in wls]}
+
+    ref, ref_label = problem.reference_impl(defn.name)
+    ctx = Context(device, ref, ref_label, _reference_source())
+    impls = [IMPLEMENTATIONS[n] for n in impl_names]
+    names = list(defn.outputs)
+    flusher = timing.L2Flusher(device) if not cpu else None
+    prog = Progress(len(wls) * len(impls), enabled=cfg.progress)
+    prog.note(f"fusedqkv bench: {defn.name} on {hw}{' (CPU run, reduced workloads)' if cpu else ''}: "
+              f"{len(wls)} workloads x {', '.join(impl_names)}; reps {reps}, timer {primary_timer}; "
+              f"reference: {ref_label}")
+
+    rows = []
+    for w in wls:
+        args = list(problem.generate_inputs(defn, w, device=device, seed=w.index).values())
+        with torch.no_grad():
+            ref_out = tuple(ref(*args))
+        _sync(device)
+        rl = roofline.roofline(defn, w.axes, ceil)
+        row = {"workload": w.name, "index": w.index, "uuid": w.uuid, "axes": dict(w.axes), "tokens": w.tokens,
+               "tolerance": {"atol": w.atol, "rtol": w.rtol}, "roofline": rl, "sol_ms": rl["sol_ms"],
+               "b200": ({"sol_ms": w.b200_sol_ms, "baseline_ms": w.b200_baseline_ms}
+                        if w.b200_sol_ms is not None else None),
+               "impls": {}}
+        for impl in impls:
+            res = {"status": "ok", "role": impl.role}
+            try:
+                with torch.no_grad():
+                    fn = impl.prepare(ctx, args, ref_out)
+                    got = fn()
+                    _sync(device)
+                    if impl.role in ("kernel", "peer"):
+                        checks = problem.check_outputs(names, tuple(got), ref_out, w)
+                        res["checks"] = [c.to_json() for c in checks]
+                        res["correct"] = all(c.passed for c in checks)
+                        res["min_matched_ratio"] = min(c.matched_ratio for c in checks)
+                    elif impl.role == "reference":
+                        res["correct"] = True
+                        res["note"] = "the oracle"
+                    else:
+                        res["correct"] = None
+                        res["note"] = "a bound, not a solution"
+                    del got
+                    res["timings"] = _time(fn, device, reps, warmup, span, flusher)
+                res["latency_ms"] = res["timings"][primary_timer][cfg.statistic]
+            except Exception as e:  # noqa: BLE001 - a failing peer is a result, not a crash
+                res.update(status="error", correct=False if impl.role != "bound" else None,
+                           error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500],
+                           traceback=traceback.format_exc(limit=4)[-2000:])
+            row["impls"][impl.name] = res
+            lat = res.get("latency_ms")
+            ok = {True: "ok", False: "FAIL", None: "-"}[res.get("correct")] if res["status"] == "ok" else "ERROR"
+            prog.step(f"{w.name:<16s} {impl.name:<10s} {ok:<5s} "
+                      + (f"{lat:9.4f} ms" if lat is not None else res.get("error", "")[:80]))
+        rows.append(row)
+        del args, ref_out
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # run-level figures per implementation
+    base = [r["impls"]["eager"].get("latency_ms") for r in rows]
+    sols = [r["sol_ms"] for r in rows]
+    summary = {}
+    for impl in impls:
+        lats, scored = [], []
+        for r in rows:
+            x = r["impls"][impl.name]
+            lat = x.get("latency_ms")
+            lats.append(lat)
+            good = x["status"] == "ok" and (x.get("correct") is not False)
+            scored.append(lat if good else None)
+        agg = roofline.aggregate(scored, base, sols)
+        for r, s in zip(rows, agg["sol_scores"]):
+            x = r["impls"][impl.name]
+            x["sol_score"] = s
+            tb, t = r["impls"]["eager"].get("latency_ms"), x.get("latency_ms")
+            x["speedup"] = (tb / t) if (tb and t) else None
+        measured_lats = [x for x in lats if x is not None]
+        per_stat = {st: [r["impls"][impl.name]["timings"][primary_timer][st] for r in rows
+                         if r["impls"][impl.name].get("timings")] for st in ("mean", "median")}
+        n_correct = sum(1 for r in rows if r["impls"][impl.name].get("correct") is True)
+        errors = sum(1 for r in rows if r["impls"][impl.name]["status"] != "ok")
+        summary[impl.name] = {
+            "label": impl.label, "role": impl.role, "claims_correct": impl.claims_correct,
+            "correct_count": n_correct, "error_count": errors, "total": len(rows),
+            "all_correct": (n_correct == len(rows)) if impl.role != "bound" else None,
+            "sol_score": agg["sol_score"] if impl.role != "bound" else None,
+            "avg_speedup": agg["avg_speedup"], "geomean_speedup": agg["geomean_speedup"],
+            "fast_1_count": agg["fast_1_count"], "fast_1_total": agg["fast_1_total"],
+            "latency_ms": (sum(measured_lats) / len(measured_lats)) if measured_lats else None,
+            # per statistic of the per-call distribution, averaged over the workloads
+            "latency_ms_by_statistic": {st: (sum(v) / len(v)) if v else None for st, v in per_stat.items()},
+            "implementationDigest": records.digest(impl.sources(ctx)),
+        }
+        summary[impl.name]["_sources"] = impl.sources(ctx)
+
+    failed = [n for n in impl_names if IMPLEMENTATIONS[n].claims_correct and not summary[n]["all_correct"]]
+    observed = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return {
+        "definition": defn.name, "definition_meta": defn.meta, "device": device.type, "cpu_run": cpu,
+        "hardware": hw, "observedAt": observed, "reference_label": ref_label,
+        "implementations": impl_names, "primary_timer": primary_timer, "statistic": cfg.statistic,
+        "reps": reps, "warmup": warmup, "quick": cfg.quick,
+        "ceilings": ceil.to_json(), "measured_ceilings": measured.to_json() if measured else None,
+        "datasheet_ceilings": (roofline.datasheet_ceilings(hw).to_json()
+                               if (not cpu and roofline.datasheet_ceilings(hw)) else None),
+        "protocol": protocol, "workload_set": workload_set, "environment": env,
+        "workloads": rows, "summary": summary, "failed_claims": failed,
+    }
+
+
+def build_records(results: dict) -> dict:
+    """One KernelIndex record per implementation that is a solution (bounds have none)."""
+    out = {}
+    for name in results["implementations"]:
+        s = results["summary"][name]
+        if s["role"] == "bound":
+            continue
+        status = "Succeeded" if s["all_correct"] and not s["error_count"] else ("Errored" if s["error_count"] else "Failed")
+        metrics = {k: s[k] for k in ("sol_score", "latency_ms", "avg_speedup", "fast_1_count", "fast_1_total")}
+        out[name] = records.make_record(
+            definition=results["definition"], implementation=name, impl_label=s["label"],
+            protocol=results["protocol"], workloads=results["workload_set"], env=results["environment"],
+            implementation_sources=s["_sources"], metrics=metrics, latency_ms_mean=s["latency_ms_by_statistic"]["mean"],
+            latency_ms_median=s["latency_ms_by_statistic"]["median"], primary_statistic=results["statistic"],
+            status=status, observed_at=results["observedAt"], cpu_run=results["cpu_run"])
+    return out
+
+
+def finite_or_none(x):
+    return x if (x is None or not isinstance(x, float) or math.isfinite(x)) else None

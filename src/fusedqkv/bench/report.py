@@ -1,0 +1,233 @@
+"""Report of a bench run: results.json, manifest.json, report.md, a self-contained
+report.html (the plot embedded as base64; nothing fetched from the network) and latency.png."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from pathlib import Path
+
+ORDER = ("fusedqkv", "compile", "eager", "gemm_floor")
+
+
+def _f(x, fmt="{:.4f}", none="—"):
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return none
+    return fmt.format(x)
+
+
+def _impls(results):
+    names = list(results["implementations"])
+    return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
+
+
+def _run_label(results) -> str:
+    if results["cpu_run"]:
+        return f"CPU run (reduced workloads) on {results['hardware']}"
+    return f"GPU run on {results['hardware']}"
+
+
+# ----------------------------------------------------------------------------- plot
+
+
+def latency_plot(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["workloads"]
+    names = _impls(results)
+    x = list(range(len(rows)))
+    fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(rows) + 3), 5))
+    markers = {"fusedqkv": "o", "eager": "s", "compile": "^", "gemm_floor": "v"}
+    for n in names:
+        ys = [r["impls"][n].get("latency_ms") for r in rows]
+        xs = [i for i, y in zip(x, ys) if y]
+        ax.plot(xs, [y for y in ys if y], marker=markers.get(n, "x"), linestyle="-", label=n)
+        bad = [(i, r["impls"][n].get("latency_ms")) for i, r in zip(x, rows)
+               if r["impls"][n].get("correct") is False and r["impls"][n].get("latency_ms")]
+        if bad:
+            ax.scatter([b[0] for b in bad], [b[1] for b in bad], marker="x", color="red", s=60, zorder=5)
+    ax.plot(x, [r["sol_ms"] for r in rows], color="black", linestyle="--", marker="_", label="SOL bound")
+    ax.set_yscale("log")
+    ax.set_xticks(x)
+    ax.set_xticklabels([r["workload"] for r in rows], rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel(f"latency, ms ({results['primary_timer']}, {results['statistic']}; log)")
+    ax.set_title(f"{results['definition']} — {_run_label(results)}\n(red x: failed correctness)", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def summary_table(results: dict, recs: dict) -> list:
+    """Rows: implementation, status, SOL score, latency, speed-ups, N faster, correct, digest."""
+    out = []
+    for n in _impls(results):
+        s = results["summary"][n]
+        r = recs.get(n)
+        out.append({
+            "implementation": n, "role": s["role"],
+            "status": r["run"]["spec"]["status"] if r else "bound",
+            "sol_score": _f(s["sol_score"]), "latency_ms": _f(s["latency_ms"]),
+            "avg_speedup": _f(s["avg_speedup"], "{:.3f}x"), "geomean_speedup": _f(s["geomean_speedup"], "{:.3f}x"),
+            "faster": f"{s['fast_1_count']}/{s['fast_1_total']}",
+            "correct": "n/a" if s["role"] == "bound" else f"{s['correct_count']}/{s['total']}",
+            "digest": (r["run"]["spec"]["implementationDigest"][:19] if r else s["implementationDigest"][:19]),
+        })
+    return out
+
+
+def workload_table(results: dict) -> list:
+    rows = []
+    for r in results["workloads"]:
+        d = {"workload": r["workload"], "tokens": r["tokens"], "sol_ms": _f(r["sol_ms"]),
+             "bound": r["roofline"]["bound"]}
+        for n in _impls(results):
+            x = r["impls"][n]
+            if x["status"] != "ok":
+                d[n] = f"ERROR ({x.get('error', '')[:60]})"
+                continue
+            ok = {True: "ok", False: "FAIL", None: ""}[x.get("correct")]
+            t = x.get("timings", {})
+            ev = t.get("cuda_events", {}).get(results["statistic"])
+            extra = f" / ev {_f(ev)}" if ev is not None and results["primary_timer"] != "cuda_events" else ""
+            sc = f" S={_f(x.get('sol_score'), '{:.3f}')}" if x["role"] != "bound" else ""
+            d[n] = f"{_f(x.get('latency_ms'))}{extra} {ok}{sc}".strip()
+        if r.get("b200"):
+            d["b200 sol/base"] = f"{_f(r['b200']['sol_ms'])} / {_f(r['b200']['baseline_ms'])}"
+        rows.append(d)
+    return rows
+
+
+def _md_table(rows: list) -> str:
+    if not rows:
+        return ""
+    keys = list(rows[0].keys())
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    lines = ["| " + " | ".join(keys) + " |", "|" + "|".join("---" for _ in keys) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(k, "")).replace("|", "/") for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def _html_table(rows: list) -> str:
+    if not rows:
+        return ""
+    keys = list(rows[0].keys())
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    h = "<table><thead><tr>" + "".join(f"<th>{html.escape(k)}</th>" for k in keys) + "</tr></thead><tbody>"
+    for r in rows:
+        cells = []
+        for k in keys:
+            v = str(r.get(k, ""))
+            cls = ' class="fail"' if ("FAIL" in v or "ERROR" in v) else ""
+            cells.append(f"<td{cls}>{html.escape(v)}</td>")
+        h += "<tr>" + "".join(cells) + "</tr>"
+    return h + "</tbody></table>"
+
+
+def _header_lines(results: dict, manifest: dict, group_rank: list) -> list:
+    spec = manifest["run"]["spec"]
+    c = results["ceilings"]
+    lines = [
+        f"Run: {_run_label(results)}" + (" — **CPU run: reduced workloads, wall clock, no L2 flush; not comparable with GPU figures**" if results["cpu_run"] else ""),
+        f"Record: `{manifest['run']['metadata']['name']}` — status {spec['status']}, observed {spec['observedAt']}",
+        f"Primary measurement: {results['primary_timer']} {results['statistic']} of {results['reps']} repetitions "
+        f"(warm-up {results['warmup']}); SOL from {results['protocol']['sol']['ceilings']}: "
+        f"{c['tflops']:.1f} TFLOP/s, {c['tb_per_s']:.3f} TB/s",
+        f"Reference (oracle and baseline): {results['reference_label']}",
+        f"Comparison group: `{manifest['run']['metadata']['labels']['comparisonGroup']}`",
+        f"protocolDigest `{spec['protocolDigest']}`",
+        f"workloadDigest `{spec['workloadDigest']}`",
+        f"environmentDigest `{spec['environmentDigest']}`",
+        f"implementationDigest `{spec['implementationDigest']}`",
+    ]
+    if group_rank:
+        lines.append("Rank in comparison group: " + "; ".join(group_rank))
+    return lines
+
+
+def write_report(results: dict, recs: dict, manifest: dict, out_dir: Path, group_rank=None) -> dict:
+    """Writes results.json, manifest.json, records/*.json, report.md, report.html, latency.png."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    paths["results.json"] = out_dir / "results.json"
+    paths["results.json"].write_text(json.dumps({**results, "records": recs}, indent=1, default=str))
+    paths["manifest.json"] = out_dir / "manifest.json"
+    paths["manifest.json"].write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    rec_dir = out_dir / "records"
+    rec_dir.mkdir(exist_ok=True)
+    for n, r in recs.items():
+        (rec_dir / f"{n}.json").write_text(json.dumps(r, indent=1, sort_keys=True))
+    paths["latency.png"] = latency_plot(results, out_dir / "latency.png")
+
+    group_rank = group_rank or []
+    head = _header_lines(results, manifest, group_rank)
+    summ, wl = summary_table(results, recs), workload_table(results)
+    title = f"fusedqkv bench — {results['definition']}" + (" — CPU run" if results["cpu_run"] else "")
+    env_json = json.dumps(results["environment"], indent=1, sort_keys=True)
+    proto_json = json.dumps(results["protocol"], indent=1, sort_keys=True)
+    failures = []
+    for r in results["workloads"]:
+        for n, x in r["impls"].items():
+            for c in x.get("checks", []):
+                if not c["passed"]:
+                    failures.append({"workload": r["workload"], "implementation": n, "output": c["name"],
+                                     "matched": f"{c['matched_ratio']:.4%}", "max_abs_err": _f(c["max_abs_err"], "{:.4g}"),
+                                     "reason": c["reason"]})
+            if x["status"] != "ok":
+                failures.append({"workload": r["workload"], "implementation": n, "output": "-", "matched": "-",
+                                 "max_abs_err": "-", "reason": x.get("error", "")})
+
+    md = [f"# {title}", ""] + [f"- {l}" for l in head] + [
+        "", "## Summary (run level)", "",
+        "SOL score S = 1/(1 + (T − T_sol)/(T_b − T_sol)), T_b = eager reference of this run; a workload "
+        "that fails correctness scores 0. Speed-up = T_b / T (mean of ratios and geomean); faster = T < T_b.", "",
+        _md_table(summ), "", "## Per workload", "",
+        f"Latency in ms ({results['primary_timer']} {results['statistic']}" +
+        (", with CUDA events after `ev`" if results["primary_timer"] == "kernel_span" else "") +
+        "), correctness (official policy) and SOL score per implementation; `sol_ms` is the roofline bound." +
+        (" B200 figures are the dataset's, as figures." if not results["cpu_run"] else ""), "",
+        _md_table(wl), "", "## Correctness failures", "",
+        _md_table(failures) if failures else "None.", "",
+        "![latency](latency.png)", "", "## Protocol", "", "```json", proto_json, "```", "",
+        "## Environment", "", "```json", env_json, "```", ""]
+    paths["report.md"] = out_dir / "report.md"
+    paths["report.md"].write_text("\n".join(md))
+
+    png64 = base64.b64encode(paths["latency.png"].read_bytes()).decode()
+    css = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;"
+           "margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;text-align:left}"
+           "th{background:#f0f0f0}td.fail{background:#fdd}code,pre{background:#f6f6f6}"
+           ".cpu{background:#fff3cd;padding:.5em;border:1px solid #e0c060}")
+    h = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+         f"<style>{css}</style></head><body><h1>{html.escape(title)}</h1>"]
+    if results["cpu_run"]:
+        h.append("<p class='cpu'><b>CPU run</b>: reduced workloads, wall clock, no L2 flush; "
+                 "not comparable with GPU figures.</p>")
+    h.append("<ul>" + "".join(f"<li>{html.escape(l).replace('**', '')}</li>" for l in head) + "</ul>")
+    h.append("<h2>Summary (run level)</h2>" + _html_table(summ))
+    h.append("<h2>Per workload</h2>" + _html_table(wl))
+    h.append("<h2>Correctness failures</h2>" + (_html_table(failures) if failures else "<p>None.</p>"))
+    h.append(f"<h2>Latency against the SOL bound</h2><img alt='latency' src='data:image/png;base64,{png64}'/>")
+    h.append(f"<h2>Manifest</h2><pre>{html.escape(json.dumps(manifest, indent=1, sort_keys=True))}</pre>")
+    h.append("</body></html>")
+    paths["report.html"] = out_dir / "report.html"
+    paths["report.html"].write_text("".join(h))
+    return paths

@@ -1,0 +1,183 @@
+"""Speed of light: an analytic roofline per workload, and the SOL score.
+
+* **Work** of one 091 backward call: the FLOPs of its two GEMMs
+  (dX = dQKV . W and dW = dQKV^T . X, ``2 * 2*M*N*K`` with M tokens, N = qkv_size,
+  K = hidden_size) -- the elementwise RoPE/QK-norm work is negligible beside them and
+  is left out -- and the **minimal bytes**: every input read once, every output written
+  once (sizes from the definition's shapes and dtypes).
+* **Ceilings** of the device in use: a datasheet table (dense bf16 tensor FLOP/s and
+  HBM bandwidth) for the GPUs we know, or ceilings measured at start (a large bf16
+  matmul and a large copy), ``--measure-ceilings``. On a CPU there is no datasheet:
+  the ceilings are always measured and labelled so.
+* ``T_sol = max(FLOPs / peak_flops, bytes / peak_bw)``.
+* **SOL score** of a latency T against the baseline T_b of the same run:
+  ``S = 1 / (1 + (T - T_sol) / (T_b - T_sol))`` -- 1 at the bound, 0.5 at the
+  baseline, towards 0 when slower. Undefined (None) when T_b <= T_sol.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional
+
+import torch
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Peak dense bf16 FLOP/s and memory bandwidth (bytes/s) of a device, and where they come from."""
+
+    name: str
+    flops_per_s: float
+    bytes_per_s: float
+    source: str  # "datasheet" or "measured"
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["tflops"] = self.flops_per_s / 1e12
+        d["tb_per_s"] = self.bytes_per_s / 1e12
+        return d
+
+
+# Dense (no sparsity) BF16 tensor-core throughput and HBM bandwidth, SXM parts unless named.
+# Sources: NVIDIA H100 / H200 / B200 (HGX) / A100 datasheets.
+DATASHEET = {
+    "B200": Ceilings("NVIDIA B200", 2.25e15, 8.0e12, "datasheet"),
+    "H200": Ceilings("NVIDIA H200 SXM", 989.4e12, 4.8e12, "datasheet"),
+    "H100 PCIE": Ceilings("NVIDIA H100 PCIe", 756.0e12, 2.0e12, "datasheet"),
+    "H100 NVL": Ceilings("NVIDIA H100 NVL", 835.0e12, 3.9e12, "datasheet"),
+    "H100": Ceilings("NVIDIA H100 SXM", 989.4e12, 3.35e12, "datasheet"),
+    "A100": Ceilings("NVIDIA A100 SXM 80GB", 312.0e12, 2.039e12, "datasheet"),
+}
+
+
+def datasheet_ceilings(device_name: str) -> Optional[Ceilings]:
+    """Datasheet ceilings for a device name such as ``NVIDIA H200`` (most specific key first)."""
+    up = device_name.upper()
+    for key in sorted(DATASHEET, key=len, reverse=True):
+        if key in up:
+            return DATASHEET[key]
+    return None
+
+
+# ----------------------------------------------------------------------------- work
+
+
+def workload_flops(defn, axes: dict) -> int:
+    """FLOPs of the two GEMMs of the 091 backward."""
+    env = {**defn.const_axes(), **axes}
+    m = int(env["batch_size"]) * int(env["seq_len"])
+    n, k = int(env["qkv_size"]), int(env["hidden_size"])
+    return 2 * (2 * m * n * k)
+
+
+def workload_bytes(defn, axes: dict) -> int:
+    """Minimal bytes: every input read once and every output written once."""
+    total = 0
+    for specs, shapes in ((defn.inputs, defn.input_shapes(axes)), (defn.outputs, defn.output_shapes(axes))):
+        for name, spec in specs.items():
+            shape = shapes[name]
+            if shape is None:
+                continue
+            total += math.prod(shape) * _ITEMSIZE[spec["dtype"]]
+    return total
+
+
+def sol_time_ms(flops: float, nbytes: float, ceil: Ceilings) -> float:
+    return max(flops / ceil.flops_per_s, nbytes / ceil.bytes_per_s) * 1e3
+
+
+def roofline(defn, axes: dict, ceil: Ceilings) -> dict:
+    f, b = workload_flops(defn, axes), workload_bytes(defn, axes)
+    t_compute, t_memory = f / ceil.flops_per_s * 1e3, b / ceil.bytes_per_s * 1e3
+    return {"flops": f, "bytes": b, "arithmetic_intensity": f / b, "t_compute_ms": t_compute,
+            "t_memory_ms": t_memory, "sol_ms": max(t_compute, t_memory),
+            "bound": "compute" if t_compute >= t_memory else "memory"}
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def sol_score(t: float, t_sol: float, t_base: float) -> Optional[float]:
+    """S = 1 / (1 + (T - T_sol) / (T_b - T_sol)); None when undefined."""
+    if t is None or t_base is None or t_sol is None:
+        return None
+    if not all(math.isfinite(x) for x in (t, t_sol, t_base)) or t <= 0 or t_base <= t_sol:
+        return None
+    return 1.0 / (1.0 + (t - t_sol) / (t_base - t_sol))
+
+
+def geomean(xs: Iterable[float]) -> Optional[float]:
+    xs = [float(x) for x in xs]
+    if not xs or any(x <= 0 for x in xs):
+        return None
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def aggregate(times: list, base_times: list, sol_times: list) -> dict:
+    """Run-level figures from per-workload latencies (None where not measured/correct).
+
+    mean SOL score over the workloads where it is defined (a failed or missing one
+    counts 0, as a failed workload scores nothing), speed-up as mean of ratios and
+    geomean, and how many workloads were faster than the baseline.
+    """
+    scores, ratios, faster = [], [], 0
+    for t, tb, ts in zip(times, base_times, sol_times):
+        if t is None or tb is None:
+            scores.append(0.0)
+            continue
+        s = sol_score(t, ts, tb)
+        scores.append(0.0 if s is None else s)
+        ratios.append(tb / t)
+        faster += int(t < tb)
+    n = len(times)
+    return {"sol_score": (sum(scores) / n) if n else None, "sol_scores": scores,
+            "avg_speedup": (sum(ratios) / len(ratios)) if ratios else None,
+            "geomean_speedup": geomean(ratios), "fast_1_count": faster, "fast_1_total": n}
+
+
+# ----------------------------------------------------------------------------- measured
+
+
+def _best_ms(fn, device: torch.device, reps: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize(device)
+            ms = s.elapsed_time(e)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        best = min(best, ms)
+    return best
+
+
+def measure_ceilings(device, name: str) -> Ceilings:
+    """A bf16 matmul and a device copy, best of a few: achievable FLOP/s and bytes/s."""
+    device = torch.device(device)
+    gpu = device.type == "cuda"
+    n = 8192 if gpu else 1024
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    t_mm = _best_ms(lambda: torch.mm(a, b, out=c), device, reps=10 if gpu else 3)
+    flops = 2 * n ** 3 / (t_mm * 1e-3)
+    nbytes = (1 << 30) if gpu else (64 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    t_cp = _best_ms(lambda: dst.copy_(src), device, reps=10 if gpu else 3)
+    bw = 2 * nbytes / (t_cp * 1e-3)
+    del a, b, c, src, dst
+    return Ceilings(name, flops, bw, "measured")
