@@ -45,8 +45,13 @@ def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> t
     g = _next_pow2(heads)
     while g > 1 and n_tblocks * (-(-hq // g) + 2 * -(-hkv // g)) < 4 * sms:
         g //= 2
-    num_warps = 4 if block_t * _next_pow2(d // 2) >= 512 else 2
-    return block_t, g, num_warps
+    return block_t, g, _warps_for(block_t, d)
+
+
+def _warps_for(block_t: int, d: int) -> int:
+    # ~2 tile elements per thread: the per-element working set of the exact-mode math is
+    # ~40 fp32 registers, so larger per-thread tiles spill on sm_90
+    return max(1, min(16, block_t * _next_pow2(d // 2) // 64))
 
 
 def pick_backend(device: torch.device, backend: Optional[str]) -> str:
