@@ -1,0 +1,151 @@
+"""`fusedqkv bench` / `runs` end to end on the CPU (the CPU fallback), and polite failures."""
+
+import base64
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+
+from fusedqkv import cli
+from fusedqkv.bench import harness, records
+
+FILES = ("results.json", "manifest.json", "report.md", "report.html", "latency.png")
+SMALL = ["--device", "cpu", "--quick", "--workloads", "w13_b2_s293,11", "--max-tokens", "16", "--reps", "1",
+         "--warmup", "0", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("bench")
+    store = str(base / "store")
+    rcs = []
+    for i in (1, 2):
+        rcs.append(cli.main(["bench", *SMALL, "--out", str(base / f"run{i}"), "--store", store]))
+    return base, store, rcs
+
+
+def test_bench_cpu_writes_all_files(two_runs):
+    base, _, rcs = two_runs
+    assert rcs == [0, 0]
+    for i in (1, 2):
+        for f in FILES:
+            assert (base / f"run{i}" / f).is_file(), f
+        assert (base / f"run{i}" / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_manifest_is_a_kernelindex_record(two_runs):
+    base, _, _ = two_runs
+    man = json.loads((base / "run1" / "manifest.json").read_text())
+    assert records.validate_record(man) == []
+    assert man["run"]["metadata"]["labels"]["implementation"] == "fusedqkv"
+    m = man["run"]["spec"]["sourceNative"]["metrics"]
+    assert m["fast_1_total"] == 2 and 0 <= m["fast_1_count"] <= 2
+    assert m["sol_score"] is not None and 0 < m["sol_score"]
+    assert man["run"]["spec"]["status"] == "Succeeded"
+    assert man["protocol"]["deviceType"] == "cpu" and man["protocol"]["l2Flush"].startswith("none")
+
+
+def test_second_run_same_digests(two_runs):
+    base, _, _ = two_runs
+    a, b = (json.loads((base / f"run{i}" / "manifest.json").read_text())["run"]["spec"] for i in (1, 2))
+    for k in ("protocolDigest", "workloadDigest", "environmentDigest", "implementationDigest"):
+        assert a[k] == b[k], k
+
+
+def test_results_per_workload_correctness_and_timings(two_runs):
+    base, _, _ = two_runs
+    res = json.loads((base / "run1" / "results.json").read_text())
+    assert res["cpu_run"] is True and res["implementations"] == ["fusedqkv", "eager"]
+    assert [w["tokens"] for w in res["workloads"]] == [16, 16]  # reduced
+    for w in res["workloads"]:
+        fq = w["impls"]["fusedqkv"]
+        assert fq["correct"] is True and len(fq["checks"]) == 6
+        assert fq["timings"]["cpu_wall"]["n"] == 1
+        assert w["impls"]["eager"]["sol_score"] == pytest.approx(0.5)
+        assert w["sol_ms"] > 0
+
+
+def test_reports_labelled_cpu_and_self_contained(two_runs):
+    base, _, _ = two_runs
+    md = (base / "run1" / "report.md").read_text()
+    html = (base / "run1" / "report.html").read_text()
+    assert "CPU run" in md and "CPU run" in html
+    for text in (md, html):
+        assert "sha256:" in text and "SOL" in text
+    assert not re.search(r"(src|href)=['\"]https?://", html)
+    m = re.search(r"data:image/png;base64,([A-Za-z0-9+/=]+)", html)
+    assert m and base64.b64decode(m.group(1))[:4] == b"\x89PNG"
+
+
+def test_runs_lists_both(two_runs, capsys):
+    base, store, _ = two_runs
+    capsys.readouterr()
+    assert cli.main(["runs", "--store", store, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out) == 1
+    names = [r["metadata"]["name"] for r in out[0]["runs"]]
+    for i in (1, 2):
+        man = json.loads((base / f"run{i}" / "manifest.json").read_text())
+        assert man["run"]["metadata"]["name"] in names
+    scores = [r["spec"]["sourceNative"]["metrics"]["sol_score"] for r in out[0]["runs"]]
+    assert scores == sorted(scores, reverse=True)
+    assert out[0]["compare"]["best"] == names[0]
+    assert cli.main(["runs", "--store", store]) == 0
+    assert "comparison group" in capsys.readouterr().out
+
+
+def _fails(argv, capsys, match):
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and match in err, err
+
+
+def test_polite_failures(tmp_path, capsys):
+    out = str(tmp_path / "o")
+    _fails(["bench", "--device", "cpu", "--workloads", "w99", "--out", out], capsys, "unknown workload")
+    _fails(["bench", "--device", "cpu", "--impl", "nope", "--out", out], capsys, "unknown implementation")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _fails(["bench", "--device", "cpu", "--out", str(blocker / "sub")], capsys, "--out")
+    _fails(["runs", "--store", str(tmp_path / "empty")], capsys, "no runs")
+    if not torch.cuda.is_available():
+        _fails(["bench", "--device", "cuda", "--out", out], capsys, "no CUDA GPU")
+
+
+def test_failed_claim_exits_nonzero(tmp_path, monkeypatch):
+    def wrong(ctx, args, ref_out):
+        outs = tuple(torch.zeros_like(t) for t in ref_out)
+        return lambda: outs
+
+    monkeypatch.setitem(harness.IMPLEMENTATIONS, "fusedqkv",
+                        dataclasses.replace(harness.IMPLEMENTATIONS["fusedqkv"], prepare=wrong))
+    rc = cli.main(["bench", *SMALL, "--workloads", "11", "--out", str(tmp_path / "o"), "--no-store"])
+    assert rc == 1
+    man = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert man["run"]["spec"]["status"] == "Failed"
+    assert man["run"]["spec"]["sourceNative"]["metrics"]["sol_score"] == 0.0
+    assert man["run"]["spec"]["sourceNative"]["metrics"]["fast_1_count"] == 0
+
+
+def test_cpu_fallback_defaults():
+    dev = harness.resolve_device("cpu")
+    assert harness.resolve_implementations(None, dev) == ["fusedqkv", "eager"]
+    assert harness.resolve_implementations(["fusedqkv"], dev) == ["fusedqkv", "eager"]  # baseline always measured
+    from fusedqkv.bench import problem
+    wls, cap = harness.resolve_workloads(problem.load_definition(), None, dev, quick=True, max_tokens=None)
+    assert cap == harness.CPU_QUICK_MAX_TOKENS and len(wls) == len(harness.CPU_QUICK_WORKLOADS)
+    assert all(w.tokens <= cap for w in wls)
+    wls, cap = harness.resolve_workloads(problem.load_definition(), None, dev, quick=False, max_tokens=None)
+    assert len(wls) == 16 and all(w.tokens <= harness.CPU_MAX_TOKENS for w in wls)
+
+
+def test_python_m_entry_point():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "fusedqkv", "bench", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "--measure-ceilings" in r.stdout
