@@ -1,0 +1,343 @@
+"""The training-ready block (issue 4): gqa_qkv_rope_qk_norm / GQAQKVRoPEQKNorm against autograd
+through the plain-PyTorch reference module in float64, for the CPU path and the Triton kernels
+(interpreter), both norm positions, MHA/GQA/MQA, head_dim 64/128/256; bf16/fp16 by the
+three-way rule; torch.compile(fullgraph=True); opcheck of the custom ops; validation."""
+
+import pytest
+import torch
+from torch import nn
+
+import fusedqkv
+from fusedqkv import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm, gqa_qkv_rope_qk_norm
+
+POSITIONS = ["after_rope", "before_rope"]
+
+
+def rope_cos_sin(b, s, d, dtype, seed=0):
+    """HF rotary embedding (NeoX rotate-half): cos/sin = cat(freqs, freqs), random positions."""
+    g = torch.Generator().manual_seed(seed)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    pos = torch.randint(0, 8192, (b, s), generator=g).double()
+    emb = torch.cat([pos[..., None] * inv] * 2, dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def make_block(hidden, hq, hkv, d, pos, dtype, seed=0):
+    torch.manual_seed(seed)
+    m = GQAQKVRoPEQKNorm(hidden, hq, hkv, d, eps=1e-6, qk_norm_position=pos, dtype=dtype)
+    with torch.no_grad():
+        m.q_norm_weight.uniform_(0.5, 1.5)
+        m.k_norm_weight.uniform_(0.5, 1.5)
+    return m
+
+
+def reference_like(m, dtype):
+    r = ReferenceGQAQKVRoPEQKNorm(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, eps=m.eps,
+                                  qk_norm_position=m.qk_norm_position, dtype=dtype)
+    r.load_state_dict({k: v.to(dtype) for k, v in m.state_dict().items()})
+    return r
+
+
+def run(mod, x, cos, sin, grads, cos_sin_grad=False, backend=None):
+    """outputs and gradients w.r.t. (x, qkv_weight, q_norm_weight, k_norm_weight[, cos, sin])."""
+    x = x.detach().requires_grad_()
+    cos = cos.detach().requires_grad_(cos_sin_grad)
+    sin = sin.detach().requires_grad_(cos_sin_grad)
+    if backend is not None:
+        out = gqa_qkv_rope_qk_norm(x, mod.qkv_weight, mod.q_norm_weight, mod.k_norm_weight, cos, sin,
+                                   num_heads=mod.num_heads, num_kv_heads=mod.num_kv_heads, eps=mod.eps,
+                                   qk_norm_position=mod.qk_norm_position, backend=backend)
+    else:
+        out = mod(x, cos, sin)
+    wrt = [x, mod.qkv_weight, mod.q_norm_weight, mod.k_norm_weight] + ([cos, sin] if cos_sin_grad else [])
+    grads = [g.to(o.dtype) for g, o in zip(grads, out)]
+    return list(out), list(torch.autograd.grad(out, wrt, grads))
+
+
+def rel_err(a, ref):
+    return float((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+NAMES = ["q", "k", "v", "grad_x", "grad_qkv_weight", "grad_q_norm_weight", "grad_k_norm_weight", "grad_cos", "grad_sin"]
+
+
+def check_fp32(m, b, s, backend=None, cos_sin_grad=True, seed=0):
+    d = m.head_dim
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, s, m.hidden_size, generator=g)
+    cos, sin = rope_cos_sin(b, s, d, torch.float32, seed)
+    shapes = [(b, m.num_heads, s, d), (b, m.num_kv_heads, s, d), (b, m.num_kv_heads, s, d)]
+    grads = [torch.randn(sh, generator=g, dtype=torch.float64) for sh in shapes]
+    out, gr = run(m, x, cos, sin, grads, cos_sin_grad, backend)
+    ref = reference_like(m, torch.float64)
+    out64, gr64 = run(ref, x.double(), cos.double(), sin.double(), grads, cos_sin_grad)
+    for o, o64 in zip(out, out64):
+        assert o.dtype == torch.float32 and o.shape == o64.shape
+    errs = {n: rel_err(a, r) for n, a, r in zip(NAMES, out + gr, out64 + gr64)}
+    for n in NAMES[:3]:
+        assert errs[n] < 1e-5, (n, errs)
+    for n in NAMES[3:3 + len(gr)]:
+        assert errs[n] < 1e-4, (n, errs)
+    return out, gr
+
+
+# (hidden, num_heads, num_kv_heads, head_dim, batch, seq): GQA 091-like ratio, MHA, MQA, odd hidden
+CPU_CONFIGS = [
+    (96, 8, 2, 64, 2, 7),     # GQA 4:1
+    (72, 4, 4, 64, 1, 9),     # MHA, odd-ish hidden
+    (64, 4, 1, 128, 2, 5),    # MQA (one KV head)
+    (40, 2, 1, 256, 1, 6),    # head_dim 256
+    (33, 6, 3, 128, 3, 3),    # hidden not a multiple of 8
+]
+
+
+@pytest.mark.parametrize("pos", POSITIONS)
+@pytest.mark.parametrize("cfg", CPU_CONFIGS, ids=lambda c: "h{}_q{}_kv{}_d{}_b{}_s{}".format(*c))
+def test_fp32_cpu_path_matches_float64_reference(cfg, pos):
+    hidden, hq, hkv, d, b, s = cfg
+    check_fp32(make_block(hidden, hq, hkv, d, pos, torch.float32), b, s)
+
+
+# small shapes for the Triton interpreter: MHA/GQA/MQA, head_dim 64/128/256, an odd seq, batch > 1
+INTERP_CONFIGS = [
+    (32, 4, 2, 64, 2, 3),
+    (24, 2, 1, 128, 1, 5),
+    (16, 2, 2, 256, 1, 2),
+]
+
+
+@pytest.mark.parametrize("pos", POSITIONS)
+@pytest.mark.parametrize("cfg", INTERP_CONFIGS, ids=lambda c: "h{}_q{}_kv{}_d{}_b{}_s{}".format(*c))
+def test_fp32_triton_kernels_match_float64_reference(cfg, pos):
+    hidden, hq, hkv, d, b, s = cfg
+    m = make_block(hidden, hq, hkv, d, pos, torch.float32, seed=1)
+    out_t, gr_t = check_fp32(m, b, s, backend="triton", seed=3)
+    out_c, gr_c = check_fp32(m, b, s, backend="torch", seed=3)
+    for n, a, c in zip(NAMES, out_t + gr_t, out_c + gr_c):  # the two backends agree closely
+        assert rel_err(a, c.double()) < 1e-5, n
+
+
+def three_way(ours, eager, ref64, name, atol_rel=1e-3):
+    e_ours = (ours.double() - ref64).abs().max()
+    e_eager = (eager.double() - ref64).abs().max()
+    atol = atol_rel * ref64.abs().max()
+    assert e_ours <= 2 * e_eager + atol, (name, float(e_ours), float(e_eager), float(atol))
+
+
+def check_low_precision(m32, b, s, dtype, backend=None, seed=0):
+    """|ours - ref64| <= 2 |eager_lowp - ref64| + atol, outputs and all gradients."""
+    d = m32.head_dim
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, s, m32.hidden_size, generator=g).to(dtype)
+    cos, sin = rope_cos_sin(b, s, d, dtype, seed)
+    shapes = [(b, m32.num_heads, s, d), (b, m32.num_kv_heads, s, d), (b, m32.num_kv_heads, s, d)]
+    grads = [torch.randn(sh, generator=g).to(dtype).double() for sh in shapes]
+    m = make_block(m32.hidden_size, m32.num_heads, m32.num_kv_heads, d, m32.qk_norm_position, dtype)
+    m.load_state_dict({k: v.to(dtype) for k, v in m32.state_dict().items()})
+    out, gr = run(m, x, cos, sin, grads, True, backend)
+    for o in out + gr[:4]:
+        assert o.dtype == dtype
+    eager = reference_like(m, dtype)
+    out_e, gr_e = run(eager, x, cos, sin, grads, True)
+    ref = reference_like(m, torch.float64)
+    out64, gr64 = run(ref, x.double(), cos.double(), sin.double(), grads, True)
+    for n, a, e, r in zip(NAMES, out + gr, out_e + gr_e, out64 + gr64):
+        three_way(a, e, r, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("pos", POSITIONS)
+@pytest.mark.parametrize("cfg", CPU_CONFIGS[:3], ids=lambda c: "h{}_q{}_kv{}_d{}_b{}_s{}".format(*c))
+def test_low_precision_cpu_path_three_way(cfg, pos, dtype):
+    hidden, hq, hkv, d, b, s = cfg
+    check_low_precision(make_block(hidden, hq, hkv, d, pos, torch.float32, seed=2), b, s, dtype, seed=5)
+
+
+@pytest.mark.parametrize("pos", POSITIONS)
+def test_bf16_triton_kernels_three_way(pos):
+    check_low_precision(make_block(32, 4, 2, 64, pos, torch.float32, seed=4), 2, 4, torch.bfloat16,
+                        backend="triton", seed=6)
+
+
+def test_bf16_triton_matches_cpu_path():
+    m = make_block(32, 4, 1, 64, "after_rope", torch.float32).to(torch.bfloat16)
+    x = torch.randn(1, 5, 32).to(torch.bfloat16)
+    cos, sin = rope_cos_sin(1, 5, 64, torch.bfloat16)
+    grads = [torch.randn(1, h, 5, 64).to(torch.bfloat16) for h in (4, 1, 1)]
+    out_t, gr_t = run(m, x, cos, sin, grads, True, backend="triton")
+    out_c, gr_c = run(m, x, cos, sin, grads, True, backend="torch")
+    # the same math, one rounding: identical outputs up to an occasional last-bit difference
+    for n, a, c in zip(NAMES, out_t + gr_t, out_c + gr_c):
+        assert a.dtype == c.dtype, n
+        diff = (a.float() - c.float()).abs()
+        assert float(diff.max()) <= 2 ** -7 * float(c.float().abs().max()), n
+
+
+# --------------------------------------------------------------------------- autograd details
+
+
+def test_cos_sin_grads_only_when_required_and_broadcast_cos():
+    m = make_block(32, 4, 2, 64, "after_rope", torch.float32)
+    x = torch.randn(2, 3, 32, requires_grad=True)
+    cos, sin = rope_cos_sin(1, 3, 64, torch.float32)  # [1, seq, D], shared by the batch
+    q, k, v = m(x, cos, sin)
+    (q.sum() + k.pow(2).sum() + v.sum()).backward()  # stride-0 gradients from .sum()
+    assert cos.grad is None and sin.grad is None
+    assert x.grad is not None and m.qkv_weight.grad is not None and m.q_norm_weight.grad is not None
+    cos_r, sin_r = cos.clone().requires_grad_(), sin.clone().requires_grad_()
+    x2 = x.detach().requires_grad_()
+    q, k, v = m(x2, cos_r, sin_r)
+    (q.sum() + k.pow(2).sum() + v.sum()).backward()
+    ref = reference_like(m, torch.float64)
+    c64, s64 = cos.double().requires_grad_(), sin.double().requires_grad_()
+    q, k, v = ref(x.detach().double(), c64, s64)
+    (q.sum() + k.pow(2).sum() + v.sum()).backward()
+    assert cos_r.grad.shape == (1, 3, 64)
+    assert rel_err(cos_r.grad, c64.grad) < 1e-4 and rel_err(sin_r.grad, s64.grad) < 1e-4
+    assert rel_err(x2.grad, x.grad.double()) < 1e-6
+
+
+def test_frozen_weight_and_no_input_grad():
+    m = make_block(32, 4, 2, 64, "before_rope", torch.float32)
+    m.qkv_weight.requires_grad_(False)
+    x = torch.randn(1, 4, 32)
+    cos, sin = rope_cos_sin(1, 4, 64, torch.float32)
+    q, k, v = m(x, cos, sin)
+    (q * k.repeat_interleave(2, dim=1)).sum().backward()
+    assert m.qkv_weight.grad is None and m.q_norm_weight.grad is not None
+    ref = reference_like(m, torch.float64)
+    q, k, v = ref(x.double(), cos.double(), sin.double())
+    (q * k.repeat_interleave(2, dim=1)).sum().backward()
+    assert rel_err(m.q_norm_weight.grad, ref.q_norm_weight.grad) < 1e-4
+    assert rel_err(m.k_norm_weight.grad, ref.k_norm_weight.grad) < 1e-4
+
+
+def test_outputs_layout_and_non_contiguous_input():
+    m = make_block(32, 4, 2, 64, "after_rope", torch.float32)
+    base = torch.randn(5, 2, 64)
+    x = base[:, :, ::2].transpose(0, 1)  # [2, 5, 32], non-contiguous
+    cos, sin = rope_cos_sin(2, 5, 64, torch.float32)
+    q, k, v = m(x, cos, sin)
+    assert q.shape == (2, 4, 5, 64) and k.shape == (2, 2, 5, 64) and v.shape == (2, 2, 5, 64)
+    assert q.is_contiguous() and k.is_contiguous()
+    ref = reference_like(m, torch.float64)
+    for a, r in zip((q, k, v), ref(x.double(), cos.double(), sin.double())):
+        assert rel_err(a, r) < 1e-5
+    with torch.no_grad():
+        q2, _, _ = m(x.contiguous(), cos, sin)
+    assert torch.equal(q, q2)
+
+
+def test_state_dict_interchangeable_with_reference():
+    m = GQAQKVRoPEQKNorm(48, 4, 2, 64)
+    r = ReferenceGQAQKVRoPEQKNorm(48, 4, 2, 64)
+    assert set(m.state_dict()) == set(r.state_dict()) == {"qkv_weight", "q_norm_weight", "k_norm_weight"}
+    assert m.qkv_weight.shape == (8 * 64, 48)
+    r.load_state_dict(m.state_dict())
+    assert "qk_norm_position='after_rope'" in repr(m)
+
+
+# --------------------------------------------------------------------------- torch.compile / custom ops
+
+
+class TinyAttention(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.blk = block
+        self.o = nn.Linear(block.num_heads * block.head_dim, block.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin):
+        q, k, v = self.blk(x, cos, sin)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(a.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+@pytest.mark.parametrize("pos", POSITIONS)
+def test_torch_compile_fullgraph_no_graph_breaks(pos):
+    torch._dynamo.reset()
+    m = TinyAttention(make_block(32, 4, 2, 64, pos, torch.float32))
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    cos, sin = rope_cos_sin(2, 6, 64, torch.float32)
+    cm = torch.compile(m, fullgraph=True, backend="aot_eager")  # raises on any graph break
+    y = cm(x, cos, sin)
+    gc = torch.autograd.grad(y.square().sum(), [x, *m.parameters()])
+    y2 = m(x, cos, sin)
+    ge = torch.autograd.grad(y2.square().sum(), [x, *m.parameters()])
+    assert torch.allclose(y, y2, rtol=1e-6, atol=1e-6)
+    for a, b in zip(gc, ge):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    # the block reached the graph as our custom ops
+    gm_ops = []
+
+    def backend(gm, example_inputs):
+        gm_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(m, fullgraph=True, backend=backend)(x, cos, sin)
+    assert any("GQAQKVRoPEQKNormFunction" in t or "autograd_function_apply" in t or "fusedqkv" in t for t in gm_ops), gm_ops
+
+
+def _op_inputs(norm_after_rope=True):
+    g = torch.Generator().manual_seed(0)
+    B, S, H, hq, hkv, D = 2, 3, 16, 2, 1, 8
+    x = torch.randn(B, S, H, generator=g)
+    w = torch.randn((hq + 2 * hkv) * D, H, generator=g)
+    wq, wk = torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5
+    cos, sin = rope_cos_sin(B, S, D, torch.float32)
+    return (x, w, wq, wk, cos, sin, hq, hkv, 1e-6, norm_after_rope, "auto")
+
+
+@pytest.mark.parametrize("norm_after_rope", [True, False])
+def test_opcheck_custom_ops(norm_after_rope):
+    fwd = torch.ops.fusedqkv.gqa_qkv_rope_qk_norm_fwd.default
+    bwd = torch.ops.fusedqkv.gqa_qkv_rope_qk_norm_bwd.default
+    args = _op_inputs(norm_after_rope)
+    torch.library.opcheck(fwd, args)
+    x, w, wq, wk, cos, sin, hq, hkv = args[:8]
+    q, k, qkv, rq, rk = fwd(*args)
+    g = torch.Generator().manual_seed(1)
+    gq, gk, gv = (torch.randn(t.shape, generator=g) for t in (q, k, k))
+    for flags in [(True, True, True), (False, True, False), (True, False, False)]:
+        torch.library.opcheck(bwd, (gq, gk, gv, x, w, qkv, rq, rk, wq, wk, cos, sin, hq, hkv, norm_after_rope,
+                                    *flags, "auto"))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _good():
+    x = torch.randn(1, 3, 16)
+    w = torch.randn(8 * 8, 16)
+    cos, sin = rope_cos_sin(1, 3, 8, torch.float32)
+    return dict(hidden_states=x, qkv_weight=w, q_norm_weight=torch.ones(8), k_norm_weight=torch.ones(8),
+                cos=cos, sin=sin)
+
+
+@pytest.mark.parametrize("change, exc, words", [
+    (dict(hidden_states=torch.randn(3, 16)), ValueError, "hidden_states"),
+    (dict(qkv_weight=torch.randn(63, 16)), ValueError, "qkv_weight"),
+    (dict(qkv_weight=torch.randn(64, 15)), ValueError, "qkv_weight"),
+    (dict(q_norm_weight=torch.ones(7)), ValueError, "q_norm_weight"),
+    (dict(cos=torch.randn(1, 4, 8)), ValueError, "cos"),
+    (dict(sin=torch.randn(2, 3, 8)), ValueError, "sin"),
+    (dict(cos="nope"), TypeError, "cos"),
+    (dict(hidden_states=torch.randn(1, 3, 16, dtype=torch.float64)), ValueError, "hidden_states"),
+    (dict(hidden_states=torch.randn(1, 3, 16).half()), ValueError, "qkv_weight"),
+    (dict(num_heads=3), ValueError, "num_heads"),
+    (dict(num_heads=4.0), TypeError, "num_heads"),
+    (dict(qk_norm_position="middle"), ValueError, "qk_norm_position"),
+    (dict(eps=-1.0), ValueError, "eps"),
+])
+def test_validation_names_the_argument(change, exc, words):
+    kw = _good()
+    kw.update(num_heads=4, num_kv_heads=2)
+    kw.update(change)
+    with pytest.raises(exc, match=words):
+        gqa_qkv_rope_qk_norm(**kw)
+
+
+def test_exports():
+    assert fusedqkv.gqa_qkv_rope_qk_norm is gqa_qkv_rope_qk_norm
+    assert fusedqkv.GQAQKVRoPEQKNorm is GQAQKVRoPEQKNorm
+    assert hasattr(fusedqkv, "gqa_qkv_rope_qk_norm_backward")
