@@ -149,3 +149,15 @@ def test_python_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "fusedqkv", "bench", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "--measure-ceilings" in r.stdout
+
+
+def test_official_reference_is_an_importable_module():
+    """torch.compile (dynamo) imports a function's module by name: the exec'd oracle must be registered."""
+    import sys
+
+    from fusedqkv.bench import problem
+
+    ref = problem.load_official_reference()
+    if ref is None:
+        pytest.skip("official pack not present")
+    assert ref.__module__ in sys.modules and sys.modules[ref.__module__].run is ref

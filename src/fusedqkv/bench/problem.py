@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import types
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -216,9 +218,13 @@ def load_official_reference(name: str = DEFAULT_DEFINITION) -> Optional[Callable
     if pack is None:
         return None
     src = json.loads((pack / "definition.json").read_text())["reference"]
-    namespace: dict = {"__name__": f"sol_execbench_reference_{name}"}
-    exec(compile(src, str(pack / "definition.json"), "exec"), namespace)  # noqa: S102 - the oracle
-    return namespace["run"]
+    # a real (registered) module: torch.compile / dynamo import a function's module by name
+    mod_name = f"sol_execbench_reference_{name}"
+    module = types.ModuleType(mod_name)
+    module.__file__ = str(pack / "definition.json")
+    sys.modules[mod_name] = module
+    exec(compile(src, str(pack / "definition.json"), "exec"), module.__dict__)  # noqa: S102 - the oracle
+    return module.run
 
 
 def reference_impl(name: str = DEFAULT_DEFINITION) -> tuple:
