@@ -34,14 +34,22 @@ def _check_rstd(name: str, r: torch.Tensor, b: int, h: int, s: int) -> None:
     elif r.dim() == 3:
         V.require_shape(name, r, (b, h, s), "[batch, heads, seq]")
     else:
-        raise ValueError(f"{name}: expected shape [{b}, {h}, {s}, 1] ([batch, heads, seq, 1]), got [{', '.join(map(str, r.shape))}]")
+        raise ValueError(f"{name}: expected shape [{b}, {h}, {s}, 1] ([batch, heads, seq, 1]) or [{b}, {h}, {s}], "
+                         f"got [{', '.join(map(str, r.shape))}]")
 
 
 def validate_backward_inputs(args: Sequence) -> dict:
-    """Check the 14 inputs of the 091 backward; returns the derived sizes."""
+    """Check the 14 inputs of the 091 backward; returns the derived sizes.
+
+    Order: types and layouts, eps, shapes (sizes are derived from grad_query and
+    grad_key and every other argument is checked against them), dtypes, devices.
+    """
+    if len(args) != len(INPUT_NAMES):
+        raise TypeError(f"gqa_qkv_rope_qk_norm_backward: expected {len(INPUT_NAMES)} inputs "
+                        f"({', '.join(INPUT_NAMES)}), got {len(args)}")
     named = dict(zip(INPUT_NAMES, args))
     tensors = [(n, V.require_tensor(n, named[n])) for n in INPUT_NAMES if n != "eps"]
-    V.require_number("eps", named["eps"])
+    V.require_number("eps", named["eps"], min_value=0.0)
     gq, gk, gv = named["grad_query"], named["grad_key"], named["grad_value"]
     V.require_ndim("grad_query", gq, 4, "[batch, num_heads, seq, head_dim]")
     V.require_ndim("grad_key", gk, 4, "[batch, num_kv_heads, seq, head_dim]")
@@ -52,7 +60,8 @@ def validate_backward_inputs(args: Sequence) -> dict:
             f"grad_key: expected shape [{b}, num_kv_heads, {s}, {d}] (batch, seq and head_dim of grad_query), "
             f"got [{', '.join(map(str, gk.shape))}]"
         )
-    V.require_head_config(hq, hkv, d, "from grad_query and grad_key")
+    V.require_head_config(hq, hkv, d, "num_heads from grad_query.shape[1], num_kv_heads from grad_key.shape[1], "
+                                      "head_dim from grad_query.shape[3]")
     V.require_shape("grad_value", gv, (b, hkv, s, d), "like grad_key")
     V.require_shape("query_pre_norm", named["query_pre_norm"], (b, hq, s, d), "like grad_query")
     V.require_shape("key_pre_norm", named["key_pre_norm"], (b, hkv, s, d), "like grad_key")
@@ -75,21 +84,24 @@ def validate_backward_inputs(args: Sequence) -> dict:
     act = [(n, named[n]) for n in ("grad_query", "grad_key", "grad_value", "hidden_states", "cos", "sin",
                                    "qkv_weight", "query_pre_norm", "key_pre_norm")]
     dtype = V.require_same_dtype(act)
+    # one dtype for both norm-weight gradients (they follow the weights' dtype)
+    V.require_same_dtype([("q_norm_weight", named["q_norm_weight"]), ("k_norm_weight", named["k_norm_weight"])])
     device = V.require_same_device(tensors)
     return dict(batch=b, seq=s, num_heads=hq, num_kv_heads=hkv, head_dim=d, hidden=hidden, qkv=qkv,
-                dtype=dtype, device=device, norm_dtype=named["q_norm_weight"].dtype)
+                dtype=dtype, device=device, norm_dtype=named["q_norm_weight"].dtype,
+                inputs=tensors)
 
 
 def output_specs(sizes: dict) -> list:
     b, s, d, h, qkv, dt = sizes["batch"], sizes["seq"], sizes["head_dim"], sizes["hidden"], sizes["qkv"], sizes["dtype"]
-    return [
+    return V.OutputSpecs([
         ("grad_hidden_states", (b, s, h), dt),
         ("grad_cos", (b, s, d), dt),
         ("grad_sin", (b, s, d), dt),
         ("grad_qkv_weight", (qkv, h), dt),
         ("grad_q_norm_weight", (d,), sizes["norm_dtype"]),
         ("grad_k_norm_weight", (d,), sizes["norm_dtype"]),
-    ]
+    ], inputs=sizes.get("inputs", ()))
 
 
 def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:

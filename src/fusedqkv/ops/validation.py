@@ -7,8 +7,9 @@ configuration) with a message naming the argument and what was expected.
 
 from __future__ import annotations
 
+import math
 import numbers
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -20,9 +21,17 @@ def _fmt_shape(shape: Iterable) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def require_tensor(name: str, t) -> torch.Tensor:
+    """A dense (strided) torch.Tensor; sparse/nested tensors have no strides for a kernel."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided or getattr(t, "is_nested", False):
+        layout = "nested" if getattr(t, "is_nested", False) else str(t.layout).replace("torch.", "")
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {layout}")
     return t
 
 
@@ -75,18 +84,66 @@ def require_head_config(num_heads: int, num_kv_heads: int, head_dim: int, where:
         raise ValueError(f"head_dim{at}: {head_dim} is not supported; expected an even size from 2 to {MAX_HEAD_DIM} (RoPE rotates half-dims)")
 
 
-def require_number(name: str, x) -> float:
+def require_number(name: str, x, *, min_value: Optional[float] = None, finite: bool = True) -> float:
+    """A real scalar: a Python/NumPy number or a one-element real tensor (never bool)."""
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
             raise ValueError(f"{name}: expected a scalar, got a tensor of shape {_fmt_shape(x.shape)}")
-        return float(x.item())
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        if x.dtype == torch.bool or x.is_complex():
+            raise TypeError(f"{name}: expected a real number, got a tensor of dtype {_dt(x.dtype)}")
+        v = float(x.item())
+    elif isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {type(x).__name__}")
-    return float(x)
+    else:
+        v = float(x)
+    if finite and not math.isfinite(v):
+        raise ValueError(f"{name}: expected a finite number, got {v}")
+    if min_value is not None and v < min_value:
+        raise ValueError(f"{name}: expected a number >= {min_value}, got {v}")
+    return v
 
 
-def require_out(out, specs: Sequence[tuple[str, Sequence[int], torch.dtype]], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Check a destination tuple against (name, shape, dtype) specs."""
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes a (non-empty, strided) tensor can touch; torch strides are >= 0."""
+    span = sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
+    return (t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size())
+
+
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory may overlap (conservative: byte ranges on one storage)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.device.type == "meta":
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, a1 = _byte_range(a)
+    b0, b1 = _byte_range(b)
+    return a0 < b1 and b0 < a1
+
+
+class OutputSpecs(list):
+    """A list of (name, shape, dtype) output specs that also carries the validated
+    inputs ((name, tensor) pairs), so ``require_out`` can refuse destinations that
+    alias an input."""
+
+    def __init__(self, specs, inputs: Sequence[tuple[str, torch.Tensor]] = ()):
+        super().__init__(specs)
+        self.inputs = tuple(inputs)
+
+
+def require_out(out, specs: Sequence[tuple[str, Sequence[int], torch.dtype]], device: torch.device,
+                inputs: Optional[Sequence[tuple[str, torch.Tensor]]] = None) -> tuple[torch.Tensor, ...]:
+    """Check a destination tuple against (name, shape, dtype) specs.
+
+    Each destination must be a dense tensor of its shape, dtype and device, with no
+    internal overlap (e.g. not an ``expand``-ed view), not overlapping another
+    destination, nor any of ``inputs`` ((name, tensor) pairs; by default those an
+    :class:`OutputSpecs` carries) -- a kernel writing into memory it also reads would
+    return a silently wrong answer.
+    """
+    if inputs is None:
+        inputs = getattr(specs, "inputs", ())
     if not isinstance(out, (tuple, list)):
         raise TypeError(f"out: expected a tuple of {len(specs)} tensors, got {type(out).__name__}")
     if len(out) != len(specs):
@@ -99,4 +156,16 @@ def require_out(out, specs: Sequence[tuple[str, Sequence[int], torch.dtype]], de
             raise ValueError(f"{oname}: expected dtype {str(dtype).replace('torch.', '')}, got {str(t.dtype).replace('torch.', '')}")
         if t.device != device:
             raise ValueError(f"{oname}: on device {t.device}, expected {device} like the inputs")
+        if t.numel() > 1 and t.device.type != "meta" and torch._debug_has_internal_overlap(t) == 1:
+            raise ValueError(f"{oname}: has internally overlapping memory (a stride-0 or expanded view); "
+                             "expected a tensor whose elements each have their own memory")
+    names = [f"out[{s[0]}]" for s in specs]
+    for i, t in enumerate(out):
+        for j in range(i):
+            if tensors_overlap(t, out[j]):
+                raise ValueError(f"{names[i]}: shares memory with {names[j]}; expected separate destinations")
+        for iname, x in inputs:
+            if isinstance(x, torch.Tensor) and tensors_overlap(t, x):
+                raise ValueError(f"{names[i]}: shares memory with the input {iname}; expected a destination "
+                                 "that does not alias any input")
     return tuple(out)

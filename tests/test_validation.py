@@ -1,0 +1,238 @@
+"""Hostile inputs to the 091 backward: every bad argument raises ValueError/TypeError
+naming the argument and the expectation, before any kernel runs, leaving out= untouched.
+
+Table-driven: each case mutates a valid argument list (14 inputs + out) and states
+the exception type and a regex the message must match (argument name first).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import fusedqkv
+from fusedqkv.ops import gqa_backward
+
+from _oracle import make_inputs
+
+B, HQ, HKV, S, D, HID = 2, 4, 2, 3, 64, 32
+I = {n: i for i, n in enumerate(gqa_backward.INPUT_NAMES)}  # noqa: E741
+OUT = {n: i for i, n in enumerate(gqa_backward.OUTPUT_NAMES)}
+bf = torch.bfloat16
+
+
+def _valid():
+    return make_inputs(B, HQ, HKV, S, D, hidden=HID)
+
+
+def _out_like():
+    return [torch.empty(s, dtype=dt) for s, dt in (
+        ((B, S, HID), bf), ((B, S, D), bf), ((B, S, D), bf), (((HQ + 2 * HKV) * D, HID), bf), ((D,), bf), ((D,), bf))]
+
+
+def setarg(name, fn):
+    """A mutation of one input: fn(old_value, args) -> new value."""
+    def mutate(args, out):
+        args[I[name]] = fn(args[I[name]], args)
+        return args, out
+    return mutate
+
+
+def setout(fn):
+    def mutate(args, out):
+        return args, fn(out if out is not None else _out_like(), args)
+    return mutate
+
+
+def both(mut_a, mut_b):
+    def mutate(args, out):
+        return mut_b(*mut_a(args, out))
+    return mutate
+
+
+def rn(*shape, dtype=bf):
+    return torch.randn(*shape).to(dtype)
+
+
+def _halves_of_one_buffer(o):
+    """grad_cos and grad_sin as the two disjoint halves of one buffer: valid."""
+    buf = torch.empty(2 * B * S * D, dtype=bf)
+    return (o[0], buf[: B * S * D].view(B, S, D), buf[B * S * D:].view(B, S, D), o[3], o[4], o[5])
+
+
+def out_set(i, value):
+    def f(out, args):
+        out = list(out)
+        out[i] = value(out[i], args) if callable(value) else value
+        return tuple(out)
+    return f
+
+
+# (id, mutation, exception type, message regex)
+CASES = [
+    # ---- not a tensor / not a number
+    ("grad_query_list", setarg("grad_query", lambda t, a: t.tolist()), TypeError, r"^grad_query: expected a torch\.Tensor, got list"),
+    ("qkv_weight_numpy", setarg("qkv_weight", lambda t, a: t.float().numpy()), TypeError, r"^qkv_weight: expected a torch\.Tensor, got ndarray"),
+    ("q_norm_weight_none", setarg("q_norm_weight", lambda t, a: None), TypeError, r"^q_norm_weight: expected a torch\.Tensor, got NoneType"),
+    ("k_rstd_float", setarg("k_rstd", lambda t, a: 0.5), TypeError, r"^k_rstd: expected a torch\.Tensor, got float"),
+    ("cos_sparse", setarg("cos", lambda t, a: t.float().to_sparse().to(bf)), ValueError, r"^cos: expected a dense \(strided\) tensor"),
+    ("eps_str", setarg("eps", lambda t, a: "1e-6"), TypeError, r"^eps: expected a real number, got str"),
+    ("eps_none", setarg("eps", lambda t, a: None), TypeError, r"^eps: expected a real number, got NoneType"),
+    ("eps_bool", setarg("eps", lambda t, a: True), TypeError, r"^eps: expected a real number, got bool"),
+    ("eps_complex", setarg("eps", lambda t, a: 1e-6 + 0j), TypeError, r"^eps: expected a real number, got complex"),
+    ("eps_bool_tensor", setarg("eps", lambda t, a: torch.tensor(True)), TypeError, r"^eps: expected a real number, got a tensor of dtype bool"),
+    ("eps_tensor_2", setarg("eps", lambda t, a: torch.tensor([1e-6, 1e-6])), ValueError, r"^eps: expected a scalar, got a tensor of shape \[2\]"),
+    ("eps_nan", setarg("eps", lambda t, a: float("nan")), ValueError, r"^eps: expected a finite number"),
+    ("eps_inf", setarg("eps", lambda t, a: float("inf")), ValueError, r"^eps: expected a finite number"),
+    ("eps_negative", setarg("eps", lambda t, a: -1e-6), ValueError, r"^eps: expected a number >= 0"),
+    # ---- rank
+    ("grad_query_rank3", setarg("grad_query", lambda t, a: t[0]), ValueError, r"^grad_query: expected a 4-d tensor \[batch, num_heads, seq, head_dim\], got shape \[4, 3, 64\]"),
+    ("grad_key_rank5", setarg("grad_key", lambda t, a: t[None]), ValueError, r"^grad_key: expected a 4-d tensor"),
+    ("hidden_states_rank2", setarg("hidden_states", lambda t, a: t.reshape(B * S, HID)), ValueError, r"^hidden_states: expected a 3-d tensor \[batch, seq, hidden_size\]"),
+    ("cos_rank2", setarg("cos", lambda t, a: t[0]), ValueError, r"^cos: expected shape \[2, 3, 64\]"),
+    ("q_norm_weight_rank2", setarg("q_norm_weight", lambda t, a: t[None]), ValueError, r"^q_norm_weight: expected shape \[64\] \(\[head_dim\]\), got \[1, 64\]"),
+    ("q_rstd_rank2", setarg("q_rstd", lambda t, a: t[0, :, :, 0]), ValueError, r"^q_rstd: expected shape \[2, 4, 3, 1\]"),
+    ("k_rstd_rank5", setarg("k_rstd", lambda t, a: t[..., None]), ValueError, r"^k_rstd: expected shape \[2, 2, 3, 1\]"),
+    # ---- batch / seq / head_dim disagreeing between arguments
+    ("grad_key_batch", setarg("grad_key", lambda t, a: t[:1]), ValueError, r"^grad_key: expected shape \[2, num_kv_heads, 3, 64\] \(batch, seq and head_dim of grad_query\)"),
+    ("grad_key_seq", setarg("grad_key", lambda t, a: t[:, :, :2]), ValueError, r"^grad_key: expected shape \[2, num_kv_heads, 3, 64\]"),
+    ("grad_key_head_dim", setarg("grad_key", lambda t, a: t[..., :32]), ValueError, r"^grad_key: expected shape \[2, num_kv_heads, 3, 64\]"),
+    ("grad_value_kv_heads", setarg("grad_value", lambda t, a: rn(B, 1, S, D)), ValueError, r"^grad_value: expected shape \[2, 2, 3, 64\] \(like grad_key\)"),
+    ("grad_value_seq", setarg("grad_value", lambda t, a: t[:, :, :1]), ValueError, r"^grad_value: expected shape \[2, 2, 3, 64\]"),
+    ("query_pre_norm_heads", setarg("query_pre_norm", lambda t, a: t[:, :2]), ValueError, r"^query_pre_norm: expected shape \[2, 4, 3, 64\] \(like grad_query\)"),
+    ("key_pre_norm_batch", setarg("key_pre_norm", lambda t, a: t[:1]), ValueError, r"^key_pre_norm: expected shape \[2, 2, 3, 64\] \(like grad_key\)"),
+    ("hidden_states_batch", setarg("hidden_states", lambda t, a: t[:1]), ValueError, r"^hidden_states: expected shape \[2, 3, hidden_size\] \(batch and seq of grad_query\)"),
+    ("hidden_states_seq", setarg("hidden_states", lambda t, a: rn(B, S + 1, HID)), ValueError, r"^hidden_states: expected shape \[2, 3, hidden_size\]"),
+    ("cos_seq", setarg("cos", lambda t, a: t[:, :2]), ValueError, r"^cos: expected shape \[2, 3, 64\] \(\[batch, seq, head_dim\]\), got \[2, 2, 64\]"),
+    ("sin_head_dim", setarg("sin", lambda t, a: rn(B, S, 2 * D)), ValueError, r"^sin: expected shape \[2, 3, 64\]"),
+    ("k_norm_weight_size", setarg("k_norm_weight", lambda t, a: t[:32]), ValueError, r"^k_norm_weight: expected shape \[64\] \(\[head_dim\]\), got \[32\]"),
+    ("q_rstd_heads", setarg("q_rstd", lambda t, a: a[I["k_rstd"]].clone()), ValueError, r"^q_rstd: expected shape \[2, 4, 3, 1\] \(\[batch, heads, seq, 1\]\), got \[2, 2, 3, 1\]"),
+    ("k_rstd_last_dim", setarg("k_rstd", lambda t, a: t.expand(B, HKV, S, 2).clone()), ValueError, r"^k_rstd: expected shape \[2, 2, 3, 1\]"),
+    ("k_rstd_3d_seq", setarg("k_rstd", lambda t, a: t[:, :, :2, 0]), ValueError, r"^k_rstd: expected shape \[2, 2, 3\] \(\[batch, heads, seq\]\)"),
+    # ---- head configuration
+    ("heads_not_divisible", both(setarg("grad_key", lambda t, a: rn(B, 3, S, D)), setarg("grad_value", lambda t, a: rn(B, 3, S, D))),
+     ValueError, r"^head configuration \(num_heads from grad_query\.shape\[1\], num_kv_heads from grad_key\.shape\[1\].*\): num_heads=4 is not divisible by num_kv_heads=3"),
+    ("zero_query_heads", setarg("grad_query", lambda t, a: rn(B, 0, S, D)), ValueError, r"^head configuration \(.*grad_query.*\): num_heads=0 and num_kv_heads=2 must be >= 1"),
+    ("odd_head_dim", both(setarg("grad_query", lambda t, a: rn(B, HQ, S, 63)), setarg("grad_key", lambda t, a: rn(B, HKV, S, 63))),
+     ValueError, r"^head_dim \(.*grad_query.*\): 63 is not supported; expected an even size from 2 to 256"),
+    ("head_dim_too_large", both(setarg("grad_query", lambda t, a: rn(B, HQ, S, 258)), setarg("grad_key", lambda t, a: rn(B, HKV, S, 258))),
+     ValueError, r"^head_dim .*: 258 is not supported"),
+    ("head_dim_zero", both(setarg("grad_query", lambda t, a: rn(B, HQ, S, 0)), setarg("grad_key", lambda t, a: rn(B, HKV, S, 0))),
+     ValueError, r"^head_dim .*: 0 is not supported"),
+    # ---- qkv_weight / hidden sizes that do not fit the heads
+    ("qkv_weight_rows", setarg("qkv_weight", lambda t, a: t[:-D]), ValueError, r"^qkv_weight: expected shape \[512, 32\] \(\[\(num_heads \+ 2\*num_kv_heads\)\*head_dim, hidden_size\] = \[\(4 \+ 2\*2\)\*64, 32\]\), got \[448, 32\]"),
+    ("qkv_weight_hidden", setarg("qkv_weight", lambda t, a: t[:, :16]), ValueError, r"^qkv_weight: expected shape \[512, 32\]"),
+    ("qkv_weight_transposed", setarg("qkv_weight", lambda t, a: t.t()), ValueError, r"^qkv_weight: expected shape \[512, 32\].*got \[32, 512\]"),
+    ("hidden_states_hidden", setarg("hidden_states", lambda t, a: rn(B, S, 2 * HID)), ValueError, r"^qkv_weight: expected shape \[512, 64\]"),
+    # ---- dtypes
+    ("grad_query_float64", setarg("grad_query", lambda t, a: t.double()), ValueError, r"^grad_query: dtype float64 is not supported; expected one of float32, bfloat16, float16"),
+    ("qkv_weight_int", setarg("qkv_weight", lambda t, a: t.to(torch.int32)), ValueError, r"^qkv_weight: dtype int32 is not supported"),
+    ("q_rstd_int", setarg("q_rstd", lambda t, a: t.to(torch.int64)), ValueError, r"^q_rstd: dtype int64 is not supported"),
+    ("k_norm_weight_bool", setarg("k_norm_weight", lambda t, a: t > 1), ValueError, r"^k_norm_weight: dtype bool is not supported"),
+    ("cos_complex", setarg("cos", lambda t, a: t.float().to(torch.complex64)), ValueError, r"^cos: dtype complex64 is not supported"),
+    ("hidden_states_mixed", setarg("hidden_states", lambda t, a: t.float()), ValueError, r"^hidden_states: dtype float32 differs from grad_query's bfloat16; these arguments must share one dtype"),
+    ("grad_value_mixed", setarg("grad_value", lambda t, a: t.half()), ValueError, r"^grad_value: dtype float16 differs from grad_query's bfloat16"),
+    ("sin_mixed", setarg("sin", lambda t, a: t.float()), ValueError, r"^sin: dtype float32 differs"),
+    ("qkv_weight_mixed", setarg("qkv_weight", lambda t, a: t.half()), ValueError, r"^qkv_weight: dtype float16 differs"),
+    ("key_pre_norm_mixed", setarg("key_pre_norm", lambda t, a: t.float()), ValueError, r"^key_pre_norm: dtype float32 differs"),
+    ("norm_weights_mixed", setarg("k_norm_weight", lambda t, a: t.float()), ValueError, r"^k_norm_weight: dtype float32 differs from q_norm_weight's bfloat16"),
+    # ---- devices (meta stands in for a second device on a CPU-only machine)
+    ("cos_other_device", setarg("cos", lambda t, a: t.to("meta")), ValueError, r"^cos: on device meta, but grad_query is on cpu; all tensors must be on one device"),
+    ("k_rstd_other_device", setarg("k_rstd", lambda t, a: t.to("meta")), ValueError, r"^k_rstd: on device meta, but grad_query is on cpu"),
+    ("qkv_weight_other_device", setarg("qkv_weight", lambda t, a: t.to("meta")), ValueError, r"^qkv_weight: on device meta"),
+    # ---- out=
+    ("out_tensor_not_tuple", setout(lambda o, a: o[0]), TypeError, r"^out: expected a tuple of 6 tensors, got Tensor"),
+    ("out_five", setout(lambda o, a: tuple(o[:5])), ValueError, r"^out: expected 6 tensors \(grad_hidden_states, .*grad_k_norm_weight\), got 5"),
+    ("out_non_tensor", setout(out_set(OUT["grad_sin"], None)), TypeError, r"^out\[grad_sin\]: expected a torch\.Tensor, got NoneType"),
+    ("out_shape", setout(out_set(OUT["grad_cos"], lambda t, a: torch.empty(B, S + 1, D, dtype=bf))), ValueError, r"^out\[grad_cos\]: expected shape \[2, 3, 64\], got \[2, 4, 64\]"),
+    ("out_weight_transposed", setout(out_set(OUT["grad_qkv_weight"], lambda t, a: torch.empty(HID, 512, dtype=bf))), ValueError, r"^out\[grad_qkv_weight\]: expected shape \[512, 32\]"),
+    ("out_dtype", setout(out_set(OUT["grad_hidden_states"], lambda t, a: t.float())), ValueError, r"^out\[grad_hidden_states\]: expected dtype bfloat16, got float32"),
+    ("out_norm_dtype", setout(out_set(OUT["grad_q_norm_weight"], lambda t, a: t.float())), ValueError, r"^out\[grad_q_norm_weight\]: expected dtype bfloat16, got float32"),
+    ("out_device", setout(out_set(OUT["grad_k_norm_weight"], lambda t, a: t.to("meta"))), ValueError, r"^out\[grad_k_norm_weight\]: on device meta, expected cpu like the inputs"),
+    ("out_sparse", setout(out_set(OUT["grad_q_norm_weight"], lambda t, a: torch.zeros(D).to_sparse().to(bf))), ValueError, r"^out\[grad_q_norm_weight\]: expected a dense"),
+    ("out_expanded", setout(out_set(OUT["grad_cos"], lambda t, a: torch.empty(1, 1, D, dtype=bf).expand(B, S, D))), ValueError, r"^out\[grad_cos\]: has internally overlapping memory"),
+    ("out_two_share", setout(lambda o, a: (o[0], o[1], o[1], o[3], o[4], o[5])), ValueError, r"^out\[grad_sin\]: shares memory with out\[grad_cos\]"),
+    ("out_overlapping_views", setout(lambda o, a: _halves_of_one_buffer(o)), None, None),
+    ("out_aliases_input", setout(out_set(OUT["grad_cos"], lambda t, a: a[I["cos"]])), ValueError, r"^out\[grad_cos\]: shares memory with the input cos"),
+    ("out_aliases_input_view", setout(out_set(OUT["grad_q_norm_weight"], lambda t, a: a[I["grad_query"]][0, 0, 0])), ValueError, r"^out\[grad_q_norm_weight\]: shares memory with the input grad_query"),
+]
+# the 'out_overlapping_views' row is a valid call (disjoint halves of one buffer), kept as a control
+VALID_CONTROLS = {"out_overlapping_views"}
+
+
+def _build(case_mut, with_out):
+    args = _valid()
+    out = _out_like() if with_out else None
+    args, out = case_mut(args, out)
+    return args, out
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Any launch (Triton stage or GEMM) during a rejected call fails the test."""
+    def boom(*a, **k):
+        raise AssertionError("a kernel was launched before validation rejected the call")
+    monkeypatch.setattr(gqa_backward, "rope_qk_norm_backward", boom)
+    monkeypatch.setattr(gqa_backward, "_mm_into", boom)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] not in VALID_CONTROLS], ids=lambda c: c[0])
+def test_bad_argument_raises_clear_error(case, backend, no_compute):
+    cid, mut, exc, pattern = case
+    uses_out = cid.startswith("out_")
+    args, out = _build(mut, uses_out)
+    kw = {"out": out} if uses_out else {}
+    with pytest.raises(exc, match=pattern) as info:
+        fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend=backend, **kw)
+    assert type(info.value) is exc  # not a subclass such as an internal error type
+    msg = str(info.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+
+
+def test_rejected_call_leaves_out_untouched():
+    out = tuple(torch.full(t.shape, 7.0, dtype=t.dtype) for t in _out_like())
+    args = _valid()
+    args[I["sin"]] = args[I["sin"]].float()  # a dtype mismatch found after the shape checks
+    with pytest.raises(ValueError, match="^sin:"):
+        fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, out=out)
+    assert all(bool((t == 7).all()) for t in out)
+
+
+def test_valid_controls_pass():
+    """The table's mutations are real: the unmutated call, and the valid control row, succeed."""
+    args = _valid()
+    ref = fusedqkv.gqa_qkv_rope_qk_norm_backward(*args)
+    (cid, mut, _, _), = [c for c in CASES if c[0] in VALID_CONTROLS]
+    args2, out = _build(mut, True)
+    got = fusedqkv.gqa_qkv_rope_qk_norm_backward(*args2, out=out)
+    for r, g in zip(ref, got):
+        assert torch.equal(r, g)
+
+
+@pytest.mark.parametrize("eps", [0, 1e-6, np.float32(1e-5), np.float64(1e-6), torch.tensor(1e-6), torch.tensor([1e-6]),
+                                 torch.tensor(0, dtype=torch.int64)], ids=repr)
+def test_eps_accepts_real_scalars(eps):
+    args = _valid()
+    ref = fusedqkv.gqa_qkv_rope_qk_norm_backward(*args)
+    args[I["eps"]] = eps
+    got = fusedqkv.gqa_qkv_rope_qk_norm_backward(*args)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match=r"^backend: expected 'triton', 'torch' or None, got 'cuda'"):
+        fusedqkv.gqa_qkv_rope_qk_norm_backward(*_valid(), backend="cuda")
+
+
+def test_rstd_3d_and_fp32_norm_weights_accepted():
+    """Relaxations the validator allows must compute the same thing."""
+    a4 = make_inputs(B, HQ, HKV, S, D, hidden=HID, seed=3)
+    a3 = make_inputs(B, HQ, HKV, S, D, hidden=HID, seed=3, rstd_3d=True)
+    for backend in ("torch", "triton"):
+        r4 = fusedqkv.gqa_qkv_rope_qk_norm_backward(*a4, backend=backend)
+        r3 = fusedqkv.gqa_qkv_rope_qk_norm_backward(*a3, backend=backend)
+        assert all(torch.equal(x, y) for x, y in zip(r4, r3))
+    af = make_inputs(B, HQ, HKV, S, D, hidden=HID, seed=3, norm_dtype=torch.float32)
+    rf = fusedqkv.gqa_qkv_rope_qk_norm_backward(*af)
+    assert rf[4].dtype == torch.float32 and rf[5].dtype == torch.float32
+    assert rf[0].dtype == bf
