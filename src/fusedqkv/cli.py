@@ -76,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="file to write (solution.json)")
     e.add_argument("--name", help="solution name")
     e.add_argument("--author", default="fusedqkv")
-    e.add_argument("--check", action="store_true", help="then run it from a temporary folder against the reference (CPU)")
+    e.add_argument("--check", action="store_true", help="then run it from a temporary folder against the reference")
+    e.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="device of the --check (cpu: reduced workloads; cuda: full size)")
     return ap
 
 
@@ -211,8 +213,14 @@ def cmd_runs(a) -> int:
 
 
 def cmd_export(a) -> int:
-    from .bench import solution
+    from .bench import harness, solution
 
+    dev = None
+    if a.check:
+        try:
+            dev = harness.resolve_device(a.device)
+        except harness.BenchError as e:
+            raise CliError(str(e)) from None
     p = Path(a.out).expanduser()
     if p.parent and not p.parent.exists():
         try:
@@ -225,7 +233,7 @@ def cmd_export(a) -> int:
         raise CliError(f"--out {a.out}: not writable ({e.strerror or e})") from None
     print(f"wrote {p}: {sol['name']} ({len(sol['sources'])} sources, entry {sol['spec']['entry_point']})")
     if a.check:
-        res = solution.check_solution(sol, device="cpu")
+        res = solution.check_solution(sol, device=dev.type)
         for r in res:
             print(f"  {r['workload']}: {'passed' if r['passed'] else 'FAILED'}")
         if not all(r["passed"] for r in res):
