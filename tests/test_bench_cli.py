@@ -161,3 +161,28 @@ def test_official_reference_is_an_importable_module():
     if ref is None:
         pytest.skip("official pack not present")
     assert ref.__module__ in sys.modules and sys.modules[ref.__module__].run is ref
+
+
+def test_gpu_timing_branch_uses_both_timers(monkeypatch):
+    """On CUDA the harness times by CUDA events and by kernel span, flusher passed to both."""
+    from fusedqkv.bench import timing
+
+    seen = []
+
+    def fake(kind, value):
+        def f(fn, reps, warmup, flusher):
+            seen.append((kind, reps, warmup, flusher))
+            return [value] * reps
+        return f
+
+    monkeypatch.setattr(timing, "time_cuda_events", fake("events", 2.0))
+    monkeypatch.setattr(timing, "time_kernel_span", fake("span", 1.5))
+    flusher = object()
+    t = harness._time(lambda: None, torch.device("cuda"), 7, 3, True, flusher)
+    assert t["kernel_span"]["mean"] == 1.5 and t["cuda_events"]["median"] == 2.0 and t["kernel_span"]["n"] == 7
+    assert seen == [("events", 7, 3, flusher), ("span", 7, 3, flusher)]
+    t = harness._time(lambda: None, torch.device("cuda"), 4, 1, False, flusher)
+    assert set(t) == {"cuda_events"}
+    proto = harness.protocol_for(torch.device("cuda"), 50, 5, "kernel_span", ["kernel_span", "cuda_events"], "mean",
+                                 "datasheet (NVIDIA H200 SXM)", "091")
+    assert proto["l2Flush"].startswith("before every iteration") and proto["timer"] == "kernel_span"
