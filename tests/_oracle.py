@@ -110,24 +110,24 @@ def make_inputs(batch, heads, kv_heads, seq, head_dim, hidden=32, dtype=torch.bf
     ]
 
 
-def assert_matches_oracle(got, ref, *, exact_cos_sin=True, label=""):
-    """Shapes and dtypes equal; grad_cos/grad_sin bitwise (the rounding points are the
-    reference's); the GEMM outputs and norm-weight sums within a few bf16 ulps."""
+NORM_GRADS = ("grad_q_norm_weight", "grad_k_norm_weight")
+
+
+def assert_matches_oracle(got, ref, label=""):
+    """Shapes and dtypes equal. grad_hidden_states, grad_cos, grad_sin and
+    grad_qkv_weight bitwise: the reference's rounding points are reproduced and, on the
+    CPU, the GEMMs are the same library call on identical operands. The norm-weight
+    gradients are fp32 sums over batch*heads*seq whose order differs between the
+    kernel's per-program partials and torch's reduction: within one ulp of the result
+    dtype plus fp32 noise."""
     for name, g, r in zip(OUTPUT_NAMES, got, ref):
         assert g.shape == r.shape, (label, name, g.shape, r.shape)
         assert g.dtype == r.dtype, (label, name, g.dtype, r.dtype)
-    for name in ("grad_cos", "grad_sin"):
-        i = OUTPUT_NAMES.index(name)
-        if exact_cos_sin:
-            assert torch.equal(got[i], ref[i]), (label, name, (got[i].float() - ref[i].float()).abs().max())
-    for name, g, r in zip(OUTPUT_NAMES, got, ref):
-        g32, r32 = g.float(), r.float()
-        if name in ("grad_q_norm_weight", "grad_k_norm_weight"):
-            # an fp32 sum over batch*heads*seq in another order, rounded once: 1 ulp of the
-            # result dtype, plus fp32 cancellation noise relative to the summed magnitude
-            tol = 2.0 ** -7 * r32.abs() + 1e-5 * max(1, g.numel()) ** 0 * (r32.abs().max() + 1)
+        if name in NORM_GRADS:
+            g32, r32 = g.float(), r.float()
+            ulp = torch.finfo(r.dtype).eps
+            tol = ulp * r32.abs() + 1e-5 * (float(r32.abs().max()) if r.numel() else 0.0) + 1e-30
+            bad = (g32 - r32).abs() > tol
+            assert not bool(bad.any()), (label, name, int(bad.sum()), float((g32 - r32).abs().max()))
         else:
-            # same fp32-accumulated GEMM of identical bf16 operands; order may differ
-            tol = 2.0 ** -7 * r32.abs() + 2.0 ** -7 * (r32.abs().max() + 1e-3) * 0.05
-        bad = (g32 - r32).abs() > tol
-        assert not bool(bad.any()), (label, name, int(bad.sum()), float((g32 - r32).abs().max()))
+            assert torch.equal(g, r), (label, name, float((g.float() - r.float()).abs().max()) if g.numel() else 0)
