@@ -139,7 +139,7 @@ def main() -> int:
             tune = {}
             orig_cfg = stage._launch_config
             for bt in (4, 8, 16):
-                for g in (4, 8, 16, 32):
+                for g in (8, 16, 32):
                     nw = stage._warps_for(bt, a[0].shape[-1])
                     stage._launch_config = lambda m, hq, hkv, dd, dv, bt=bt, g=g, nw=nw: (bt, g, nw)
                     tune[f"T{bt}_g{g}_w{nw}"] = timing.summarize(timing.time_kernel_span(

@@ -112,14 +112,7 @@ def test_strided_out_destinations(backend):
     _assert_equal(got, ref)
 
 
-# Known bug in the CPU path (owner: ops/rope_qk_norm.py): ``dqkv.view(B, S, -1)`` cannot
-# infer -1 for zero tokens. Fix: ``dqkv.view(B, S, dqkv.shape[1])``. Strict: remove the
-# marker with the fix.
-ZERO_SIZE_CPU_BUG = pytest.mark.xfail(raises=RuntimeError, strict=True,
-                                      reason="CPU path: dqkv.view(B, S, -1) fails for zero tokens")
-
-
-@pytest.mark.parametrize("backend", [pytest.param("torch", marks=ZERO_SIZE_CPU_BUG), "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bs", [(0, 5), (2, 0), (0, 0)], ids=["batch0", "seq0", "both0"])
 def test_zero_size_batch_or_seq(bs, backend):
     b, s = bs
@@ -183,10 +176,6 @@ def test_nan_inf_propagate_like_reference(case, backend):
     assert touched, "the injected value reached no output (test would be vacuous)"
 
 
-# Known bug (owner: gqa_qkv_rope_qk_norm_backward): torch.mm(out=) refuses operands that
-# require grad while grad mode is on. Fix: run the body under torch.no_grad() (the
-# reference's run is @torch.no_grad too). Strict: remove the marker with the fix.
-@pytest.mark.xfail(raises=RuntimeError, strict=True, reason="mm(out=) with requires_grad inputs; needs torch.no_grad()")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inputs_that_require_grad(backend):
     """Tensors that carry autograd history (e.g. saved activations) are accepted."""

@@ -77,9 +77,18 @@ def _rotate(x1, x2, c1, c2, s1, s2, DT: tl.constexpr, EXACT: tl.constexpr):
 
 @triton.jit
 def _rope_bwd(g1, g2, c1, c2, s1, s2, DT: tl.constexpr, EXACT: tl.constexpr):
-    # g*cos + cat(g2, -g1)*sin: the transpose of the rotation
-    y1 = _rnd(_rnd(g1 * c1, DT, EXACT) + _rnd(g2 * s1, DT, EXACT), DT, EXACT)
-    y2 = _rnd(_rnd(g2 * c2, DT, EXACT) + _rnd(-g1 * s2, DT, EXACT), DT, EXACT)
+    # The transpose of the rotation y1 = x1*c1 - x2*s1, y2 = x2*c2 + x1*s2 is
+    # (g1*c1 + g2*s2, g2*c2 - g1*s1). 091's reference computes g*cos + cat(g2, -g1)*sin,
+    # which swaps s1 and s2 -- the same when both halves of sin agree (HF RoPE), not for
+    # 091's random cos/sin; EXACT mode reproduces the reference, otherwise the true one.
+    if EXACT:
+        sa = s1
+        sb = s2
+    else:
+        sa = s2
+        sb = s1
+    y1 = _rnd(_rnd(g1 * c1, DT, EXACT) + _rnd(g2 * sa, DT, EXACT), DT, EXACT)
+    y2 = _rnd(_rnd(g2 * c2, DT, EXACT) + _rnd(-g1 * sb, DT, EXACT), DT, EXACT)
     return y1, y2
 
 
@@ -107,14 +116,15 @@ def _head_group_bwd(
     r_ptr, sr_b, sr_h, sr_s,
     w_ptr, sw,
     dqkv_ptr, s_dqkv_t, col0,
-    cs_ptr, wpart_ptr, group, n_tblocks, pid_t, M,
+    cs_ptr, group, M,
     h0, h1, b, s, tok, tmask,
     c1, c2, s1, s2,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
     DT: tl.constexpr, EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
     SAVED_ROTATED: tl.constexpr, GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Backward of heads [h0, h1) of one head set (query or key) for a block of tokens."""
+    """Backward of heads [h0, h1) of one head set (query or key) for a block of tokens.
+    Returns the block's norm-weight gradient contributions (two halves)."""
     d = tl.arange(0, HALF_P2)[None, :]
     dmask = tl.arange(0, HALF_P2) < HALF
     mask = tmask[:, None] & (d < HALF)
@@ -198,10 +208,7 @@ def _head_group_bwd(
         sn_row = cs_row + M.to(tl.int64) * D
         tl.store(sn_row + d, sn1, mask=mask)
         tl.store(sn_row + HALF + d, sn2, mask=mask)
-    # norm-weight partials [groups, token blocks, D] fp32
-    wrow = wpart_ptr + (group * n_tblocks + pid_t) * D
-    tl.store(wrow + tl.arange(0, HALF_P2), wg1, mask=dmask)
-    tl.store(wrow + HALF + tl.arange(0, HALF_P2), wg2, mask=dmask)
+    return wg1, wg2
 
 
 @triton.jit
@@ -224,7 +231,7 @@ def rope_qk_norm_bwd_kernel(
     # outputs: dQKV [M, (Hq + 2 Hkv) D]; fp32 partials of grad_cos/sin and the norm weights
     dqkv_ptr, s_dqkv_t,
     cs_ptr, wpart_ptr,
-    M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG,
+    M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG, TPP,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
@@ -233,56 +240,67 @@ def rope_qk_norm_bwd_kernel(
     DT: tl.constexpr = gq_ptr.dtype.element_ty
     pid_t = tl.program_id(0)
     group = tl.program_id(1)
-    n_tblocks = tl.num_programs(0)
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = tok < M
-    b = (tok // S).to(tl.int64)
-    s = tok % S
-
-    if group < NQG + NKG:
-        dh = tl.arange(0, HALF_P2)[None, :]
-        cmask = tmask[:, None] & (dh < HALF)
-        cbase = cos_ptr + b[:, None] * scos_b + s[:, None] * scos_s
-        sbase = sin_ptr + b[:, None] * ssin_b + s[:, None] * ssin_s
-        c1 = tl.load(cbase + dh * scos_d, mask=cmask, other=0.0).to(tl.float32)
-        c2 = tl.load(cbase + (dh + HALF) * scos_d, mask=cmask, other=0.0).to(tl.float32)
-        s1 = tl.load(sbase + dh * ssin_d, mask=cmask, other=0.0).to(tl.float32)
-        s2 = tl.load(sbase + (dh + HALF) * ssin_d, mask=cmask, other=0.0).to(tl.float32)
-        if group < NQG:
-            h0 = group * HEADS_PER_GROUP
-            _head_group_bwd(
-                gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
-                xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
-                rq_ptr, srq_b, srq_h, srq_s,
-                wq_ptr, swq,
-                dqkv_ptr, s_dqkv_t, 0,
-                cs_ptr, wpart_ptr, group, n_tblocks, pid_t, M,
-                h0, tl.minimum(h0 + HEADS_PER_GROUP, HQ), b, s, tok, tmask, c1, c2, s1, s2,
-                D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
-            )
+    n_prog_t = tl.num_programs(0)
+    dh = tl.arange(0, HALF_P2)
+    wg1 = tl.zeros([HALF_P2], tl.float32)
+    wg2 = tl.zeros([HALF_P2], tl.float32)
+    # each program takes TPP consecutive token blocks, so that the norm-weight partials
+    # (one row per program and group) stay few enough for a quick final reduction
+    for it in range(0, TPP):
+        tok = (pid_t * TPP + it) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = tok < M
+        b = (tok // S).to(tl.int64)
+        s = tok % S
+        if group < NQG + NKG:
+            cmask = tmask[:, None] & (dh[None, :] < HALF)
+            cbase = cos_ptr + b[:, None] * scos_b + s[:, None] * scos_s
+            sbase = sin_ptr + b[:, None] * ssin_b + s[:, None] * ssin_s
+            c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0).to(tl.float32)
+            c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0).to(tl.float32)
+            s1 = tl.load(sbase + dh[None, :] * ssin_d, mask=cmask, other=0.0).to(tl.float32)
+            s2 = tl.load(sbase + (dh[None, :] + HALF) * ssin_d, mask=cmask, other=0.0).to(tl.float32)
+            if group < NQG:
+                h0 = group * HEADS_PER_GROUP
+                a1, a2 = _head_group_bwd(
+                    gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
+                    xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
+                    rq_ptr, srq_b, srq_h, srq_s,
+                    wq_ptr, swq,
+                    dqkv_ptr, s_dqkv_t, 0,
+                    cs_ptr, group, M,
+                    h0, tl.minimum(h0 + HEADS_PER_GROUP, HQ), b, s, tok, tmask, c1, c2, s1, s2,
+                    D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
+                )
+            else:
+                h0 = (group - NQG) * HEADS_PER_GROUP
+                a1, a2 = _head_group_bwd(
+                    gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d,
+                    xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
+                    rk_ptr, srk_b, srk_h, srk_s,
+                    wk_ptr, swk,
+                    dqkv_ptr, s_dqkv_t, HQ * D,
+                    cs_ptr, group, M,
+                    h0, tl.minimum(h0 + HEADS_PER_GROUP, HKV), b, s, tok, tmask, c1, c2, s1, s2,
+                    D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
+                )
+            wg1 += a1
+            wg2 += a2
         else:
-            h0 = (group - NQG) * HEADS_PER_GROUP
-            _head_group_bwd(
-                gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d,
-                xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
-                rk_ptr, srk_b, srk_h, srk_s,
-                wk_ptr, swk,
-                dqkv_ptr, s_dqkv_t, HQ * D,
-                cs_ptr, wpart_ptr, group, n_tblocks, pid_t, M,
-                h0, tl.minimum(h0 + HEADS_PER_GROUP, HKV), b, s, tok, tmask, c1, c2, s1, s2,
-                D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
-            )
-    else:
-        # V needs no math: copy its heads of this group into the last third of dQKV
-        h0 = (group - NQG - NKG) * HEADS_PER_GROUP
-        h1 = tl.minimum(h0 + HEADS_PER_GROUP, HKV)
-        dv = tl.arange(0, D_P2)[None, :]
-        vmask = tmask[:, None] & (dv < D)
-        v_row = gv_ptr + b[:, None] * sgv_b + s[:, None] * sgv_s + dv * sgv_d
-        o_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + (HQ + HKV) * D + dv
-        for h in range(h0, h1):
-            v = tl.load(v_row + h * sgv_h, mask=vmask, other=0.0)
-            tl.store(o_row + h * D, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a copy
+            # V needs no math: copy its heads of this group into the last third of dQKV
+            h0 = (group - NQG - NKG) * HEADS_PER_GROUP
+            h1 = tl.minimum(h0 + HEADS_PER_GROUP, HKV)
+            dv = tl.arange(0, D_P2)[None, :]
+            vmask = tmask[:, None] & (dv < D)
+            v_row = gv_ptr + b[:, None] * sgv_b + s[:, None] * sgv_s + dv * sgv_d
+            o_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + (HQ + HKV) * D + dv
+            for h in range(h0, h1):
+                v = tl.load(v_row + h * sgv_h, mask=vmask, other=0.0)
+                tl.store(o_row + h * D, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a copy
+    if group < NQG + NKG:
+        # norm-weight partials [groups, programs along tokens, D] fp32
+        wrow = wpart_ptr + (group * n_prog_t + pid_t) * D
+        tl.store(wrow + dh, wg1, mask=dh < HALF)
+        tl.store(wrow + HALF + dh, wg2, mask=dh < HALF)
 
 
 @triton.jit
@@ -291,7 +309,7 @@ def rope_qk_norm_bwd_finish_kernel(
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
     gwq_ptr, sgwq, gwk_ptr, sgwk,
-    M, S, NQG, NKG, N_TBLOCKS, N_FIN_T,
+    M, S, NQG, NKG, N_PROG_T, N_FIN_T,
     D: tl.constexpr, D_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
     EXACT: tl.constexpr, GRAD_COS_SIN: tl.constexpr,
 ):
@@ -324,10 +342,10 @@ def rope_qk_norm_bwd_finish_kernel(
         g0 = tl.where(is_q, 0, NQG)
         g1 = tl.where(is_q, NQG, NQG + NKG)
         acc = tl.zeros([BLOCK_R, D_P2], tl.float32)
-        n_rows = (g1 - g0) * N_TBLOCKS
+        n_rows = (g1 - g0) * N_PROG_T
         for r0 in range(0, n_rows, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)[:, None]
-            acc += tl.load(wpart_ptr + (g0 * N_TBLOCKS + rows) * D + d, mask=(rows < n_rows) & (d < D), other=0.0)
+            acc += tl.load(wpart_ptr + (g0 * N_PROG_T + rows) * D + d, mask=(rows < n_rows) & (d < D), other=0.0)
         total = tl.sum(acc, axis=0)
         dd = tl.arange(0, D_P2)
         if is_q:

@@ -124,28 +124,29 @@ def gqa_qkv_rope_qk_norm_backward(
     ``backend`` forces ``"triton"`` or ``"torch"``; by default CUDA tensors use Triton
     and cuBLAS, CPU tensors the vectorised PyTorch path.
     """
-    args = (grad_query, grad_key, grad_value, hidden_states, cos, sin, qkv_weight, q_norm_weight, k_norm_weight,
-            query_pre_norm, key_pre_norm, q_rstd, k_rstd, eps)
-    sz = validate_backward_inputs(args)
-    specs = output_specs(sz)
-    device = sz["device"]
-    backend = pick_backend(device, backend)
-    if out is None:
-        out = tuple(torch.empty(shape, dtype=dt, device=device) for _, shape, dt in specs)
-    else:
-        out = V.require_out(out, specs, device)
-    g_hidden, g_cos, g_sin, g_weight, g_qw, g_kw = out
-    M = sz["batch"] * sz["seq"]
-    # every allocation before the first launch: the GPU must not wait on the host
-    dqkv = torch.empty((M, sz["qkv"]), dtype=sz["dtype"], device=device)
-    finish = rope_qk_norm_backward(
-        grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
-        q_norm_weight, k_norm_weight, cos, sin,
-        dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
-        exact=True, norm_after_rope=True, saved_rotated=True, backend=backend,
-    )
-    x = hidden_states.reshape(M, sz["hidden"])
-    _mm_into(dqkv, qkv_weight, g_hidden.view(M, sz["hidden"]) if g_hidden.is_contiguous() else g_hidden)
-    _mm_into(dqkv.t(), x, g_weight)
-    finish()
-    return out
+    with torch.no_grad():  # a backward: inputs may carry autograd history (mm(out=) refuses it)
+        args = (grad_query, grad_key, grad_value, hidden_states, cos, sin, qkv_weight, q_norm_weight, k_norm_weight,
+                query_pre_norm, key_pre_norm, q_rstd, k_rstd, eps)
+        sz = validate_backward_inputs(args)
+        specs = output_specs(sz)
+        device = sz["device"]
+        backend = pick_backend(device, backend)
+        if out is None:
+            out = tuple(torch.empty(shape, dtype=dt, device=device) for _, shape, dt in specs)
+        else:
+            out = V.require_out(out, specs, device)
+        g_hidden, g_cos, g_sin, g_weight, g_qw, g_kw = out
+        M = sz["batch"] * sz["seq"]
+        # every allocation before the first launch: the GPU must not wait on the host
+        dqkv = torch.empty((M, sz["qkv"]), dtype=sz["dtype"], device=device)
+        finish = rope_qk_norm_backward(
+            grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
+            q_norm_weight, k_norm_weight, cos, sin,
+            dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
+            exact=True, norm_after_rope=True, saved_rotated=True, backend=backend,
+        )
+        x = hidden_states.reshape(M, sz["hidden"])
+        _mm_into(dqkv, qkv_weight, g_hidden.view(M, sz["hidden"]) if g_hidden.is_contiguous() else g_hidden)
+        _mm_into(dqkv.t(), x, g_weight)
+        finish()
+        return out

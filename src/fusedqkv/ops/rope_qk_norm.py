@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from .launch import FastLaunch
+
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -91,7 +93,7 @@ def rope_qk_norm_backward(
                         q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
                         grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated)
         return _done
-    return _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, _rstd3(rstd_q), _rstd3(rstd_k),
+    return _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k,
                      q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
                      grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated, grad_cos_sin)
 
@@ -100,10 +102,21 @@ def _done():
     return None
 
 
+_kernels: dict = {}
+
+
+def _kernel(name: str) -> FastLaunch:
+    # imported lazily: triton is only needed on the Triton backend
+    k = _kernels.get(name)
+    if k is None:
+        from ..kernels import rope_qk_norm as K
+
+        k = _kernels[name] = FastLaunch(getattr(K, name))
+    return k
+
+
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                      exact, norm_after_rope, saved_rotated, grad_cos_sin):
-    from ..kernels.rope_qk_norm import rope_qk_norm_bwd_finish_kernel, rope_qk_norm_bwd_kernel
-
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     M = B * S
@@ -113,24 +126,27 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         return _done
     block_t, heads_per_group, num_warps = _launch_config(M, HQ, HKV, D, gq.device)
     n_tblocks = -(-M // block_t)
+    # token blocks per program: at most ~256 norm-weight partial rows per head group
+    tpp = -(-n_tblocks // 256)
+    n_prog_t = -(-n_tblocks // tpp)
     nqg = -(-HQ // heads_per_group)
     nkg = -(-HKV // heads_per_group)
     nvg = nkg
     # every allocation before the first launch
     cs_part = torch.empty((nqg + nkg, 2, M, D) if grad_cos_sin else (1,), device=gq.device, dtype=torch.float32)
-    w_part = torch.empty((nqg + nkg, n_tblocks, D), device=gq.device, dtype=torch.float32)
+    w_part = torch.empty((nqg + nkg, n_prog_t, D), device=gq.device, dtype=torch.float32)
     if not grad_cos_sin:
         gcos = gsin = cos  # never written: the kernels are compiled without those stores
     # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
     fp_fusion = not exact
-    rope_qk_norm_bwd_kernel[(n_tblocks, nqg + nkg + nvg)](
+    _kernel("rope_qk_norm_bwd_kernel")[(n_prog_t, nqg + nkg + nvg)](
         gq, *gq.stride(), gk, *gk.stride(), gv, *gv.stride(),
         xq, *xq.stride(), xk, *xk.stride(),
-        rq, *rq.stride(), rk, *rk.stride(),
+        rq, *rq.stride()[:3], rk, *rk.stride()[:3],
         wq, wq.stride(0), wk, wk.stride(0),
         cos, *cos.stride(), sin, *sin.stride(),
         dqkv, dqkv.stride(0), cs_part, w_part,
-        M, S, HQ, HKV, heads_per_group, nqg, nkg,
+        M, S, HQ, HKV, heads_per_group, nqg, nkg, tpp,
         D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin,
@@ -140,10 +156,10 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     n_fin_t = -(-M // fin_t) if grad_cos_sin else 0
 
     def finish():
-        rope_qk_norm_bwd_finish_kernel[(n_fin_t + 2,)](
+        _kernel("rope_qk_norm_bwd_finish_kernel")[(n_fin_t + 2,)](
             cs_part, w_part, gcos, *gcos.stride(), gsin, *gsin.stride(),
             gwq, gwq.stride(0), gwk, gwk.stride(0),
-            M, S, nqg, nkg, n_tblocks, n_fin_t,
+            M, S, nqg, nkg, n_prog_t, n_fin_t,
             D=D, D_P2=_next_pow2(D), BLOCK_T=fin_t, BLOCK_R=32,
             EXACT=exact, GRAD_COS_SIN=grad_cos_sin, num_warps=4, enable_fp_fusion=fp_fusion,
         )
@@ -160,9 +176,13 @@ def _rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
 
 
-def _rope_transpose(g, cos, sin):
+def _rope_transpose(g, cos, sin, exact):
+    """dL/dx of y = x*cos + rotate_half(x)*sin. ``exact``: 091's reference formula
+    g*cos + cat(g2, -g1)*sin, equal to the true transpose only when sin's halves agree."""
     h = g.shape[-1] // 2
-    return g * cos + torch.cat((g[..., h:], -g[..., :h]), dim=-1) * sin
+    if exact:
+        return g * cos + torch.cat((g[..., h:], -g[..., :h]), dim=-1) * sin
+    return g * cos + torch.cat((g[..., h:] * sin[..., h:], -g[..., :h] * sin[..., :h]), dim=-1)
 
 
 def _rms_norm_backward_torch(g, x, w, r, out_dtype):
@@ -195,10 +215,10 @@ def _backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gs
             o = _rope(x, c, s)
             n, p = (x, o) if saved_rotated else (o, x)
             gn, grad_w = _rms_norm_backward_torch(g, n, w, r, lp)
-            dx = _rope_transpose(gn, c, s)
+            dx = _rope_transpose(gn, c, s, exact)
             q = gn
         else:
-            gn = _rope_transpose(g, c, s)
+            gn = _rope_transpose(g, c, s, exact)
             dx, grad_w = _rms_norm_backward_torch(gn, x, w, r, lp)
             p = (x.float() * r.float().unsqueeze(-1) * w.float()).to(lp)
             q = g
@@ -208,7 +228,7 @@ def _backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gs
 
     dxq, gcq, gsq, gwq32 = head_set(gq, xq, rq, wq)
     dxk, gck, gsk, gwk32 = head_set(gk, xk, rk, wk)
-    view = dqkv.view(B, S, -1)
+    view = dqkv.view(B, S, dqkv.shape[1])
     view[..., : HQ * D].view(B, S, HQ, D).copy_(dxq.transpose(1, 2))
     view[..., HQ * D: (HQ + HKV) * D].view(B, S, HKV, D).copy_(dxk.transpose(1, 2))
     view[..., (HQ + HKV) * D:].view(B, S, HKV, D).copy_(gv.transpose(1, 2))

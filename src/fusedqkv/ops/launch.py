@@ -1,0 +1,69 @@
+"""Low-overhead launches of Triton kernels.
+
+``JITFunction.run`` binds and specialises every argument on every call; for kernels
+that take every stride explicitly (~80 arguments here) that costs ~100 us of host
+time on the H200 box (measured: benchmarks/NOTES.md). The 091 timer spans first kernel
+start to last kernel end, so host time between our launches becomes idle GPU time.
+
+``FastLaunch`` keys a cache on exactly what Triton specialises on -- each tensor's
+dtype and 16-byte alignment, each integer's ``== 1`` / ``% 16 == 0`` / 32-bit range,
+the constexprs and the compile options -- compiles through the normal path the first
+time, and afterwards calls the compiled kernel's launcher directly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _spec(a):
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return ("u1", a)
+    if isinstance(a, int):
+        return ("i", a == 1, a % 16 == 0, -(2 ** 31) <= a < 2 ** 31)
+    if isinstance(a, float):
+        return ("fp32",)
+    return (type(a).__name__, a)
+
+
+class FastLaunch:
+    """``FastLaunch(kernel)[grid](*runtime_args, **constexprs_and_options)``.
+
+    Runtime arguments are positional, in the kernel's parameter order; every constexpr
+    parameter is passed by keyword, with the compile options (``num_warps`` ...).
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.params = list(fn.arg_names)
+        self.cache: dict = {}
+        self.enabled = not _INTERPRET
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launch(grid, args, kw)
+
+    def launch(self, grid, args, kw):
+        if not self.enabled or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
+            return self.fn[grid](*args, **kw)
+        key = (args[0].device.index, tuple(map(_spec, args)), tuple(sorted(kw.items())))
+        ck = self.cache.get(key)
+        if ck is None:
+            self.cache[key] = self.fn[grid](*args, **kw)  # compiles (or finds) and launches
+            return None
+        try:
+            full = args + tuple(kw[n] for n in self.params[len(args):])
+            g1 = grid[1] if len(grid) > 1 else 1
+            g2 = grid[2] if len(grid) > 2 else 1
+            stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+            ck.run(grid[0], g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *full)
+        except (AttributeError, KeyError, TypeError):  # a Triton whose internals differ
+            self.enabled = False
+            self.cache.clear()
+            return self.fn[grid](*args, **kw)
+        return None
