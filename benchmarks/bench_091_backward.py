@@ -138,13 +138,17 @@ def main() -> int:
             # the whole op (kernel span, the official timer) under several launch configurations
             tune = {}
             orig_cfg = stage._launch_config
-            for bt in (4, 8, 16):
-                for g in (8, 16, 32):
-                    nw = stage._warps_for(bt, a[0].shape[-1])
-                    stage._launch_config = lambda m, hq, hkv, dd, dv, bt=bt, g=g, nw=nw: (bt, g, nw)
-                    tune[f"T{bt}_g{g}_w{nw}"] = timing.summarize(timing.time_kernel_span(
-                        impls["fusedqkv"], reps=max(20, args.reps // 2), flusher=flusher))["median"]
+            orig_fused = stage.FUSED_FINISH
+            for fused in (True, False):
+                stage.FUSED_FINISH = fused
+                for bt in (4, 8):
+                    for g in (4, 8, 16, 32):
+                        nw = stage._warps_for(bt, a[0].shape[-1])
+                        stage._launch_config = lambda m, hq, hkv, dd, dv, bt=bt, g=g, nw=nw: (bt, g, nw)
+                        tune[f"{'F' if fused else 'K'}_T{bt}_g{g}_w{nw}"] = timing.summarize(timing.time_kernel_span(
+                            impls["fusedqkv"], reps=max(20, args.reps // 2), flusher=flusher))["median"]
             stage._launch_config = orig_cfg
+            stage.FUSED_FINISH = orig_fused
             row["tune_ms"] = tune
         if args.diag and w.index == 11:
             host_profile(a, out)
@@ -169,10 +173,10 @@ def main() -> int:
     if args.tune:
         keys = list(rows[0]["tune_ms"])
         print("\nlaunch-config tuning (median ms, kernel span of the whole op):")
-        print("config       " + " ".join(f"{r['tokens']:>7d}" for r in rows) + "   geomean")
+        print("config         " + " ".join(f"{r['tokens']:>7d}" for r in rows) + "   geomean")
         for k in keys:
             vals = [r["tune_ms"][k] for r in rows]
-            print(f"{k:<12s} " + " ".join(f"{v:7.4f}" for v in vals) + f"   {geomean(vals):.4f}")
+            print(f"{k:<14s} " + " ".join(f"{v:7.4f}" for v in vals) + f"   {geomean(vals):.4f}")
     if args.diag:
         for r in rows[:4]:
             print(r["workload"], "torch-on-gpu matched:", [round(c["matched_ratio"], 4) for c in r["diag_torch_backend_on_gpu"]],

@@ -7,6 +7,7 @@ import torch
 
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
+from fusedqkv.ops import rope_qk_norm as stage
 
 DEFN = problem.load_definition()
 REF = problem.load_official_reference()
@@ -63,8 +64,10 @@ INTERP_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("fused_finish", [True, False], ids=["fused_finish", "finish_kernel"])
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
-def test_triton_kernel_bit_equals_cpu_path(shape):
+def test_triton_kernel_bit_equals_cpu_path(shape, fused_finish, monkeypatch):
+    monkeypatch.setattr(stage, "FUSED_FINISH", fused_finish)
     args = make_inputs(*shape, seed=sum(shape))
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
     tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")

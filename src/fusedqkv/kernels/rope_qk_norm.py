@@ -19,10 +19,12 @@ Kernels (the forward lives in rope_qk_norm_fwd.py):
     ``query_pre_norm`` = after RoPE) or the raw projection output (training).
   - ``GRAD_COS_SIN``: compute grad_cos/grad_sin at all.
 
-* ``rope_qk_norm_bwd_finish_kernel`` -- sums the partials over head groups in a fixed
-  order (deterministic, no atomics): grad_cos/grad_sin per token, with 091's rounding
-  of the separate query and key sums, and the two norm-weight gradients. It runs
-  after the GEMMs, so its launch is hidden behind them.
+* The finish: sums the partials over head groups in a fixed order (deterministic; no
+  atomics in any sum): grad_cos/grad_sin per token, with 091's rounding of the separate
+  query and key sums, and the two norm-weight gradients. With ``FUSED_FINISH`` the last
+  program of each token chunk to finish does it inside the main kernel (a self-resetting
+  ticket decides who is last); otherwise ``rope_qk_norm_bwd_finish_kernel`` does it as
+  a second launch queued after the GEMMs.
 
 All tensors are addressed through explicit strides so non-contiguous views work.
 Rotate-half RoPE is handled by loading the two halves of head_dim as separate tiles.
@@ -231,11 +233,15 @@ def rope_qk_norm_bwd_kernel(
     # outputs: dQKV [M, (Hq + 2 Hkv) D]; fp32 partials of grad_cos/sin and the norm weights
     dqkv_ptr, s_dqkv_t,
     cs_ptr, wpart_ptr,
+    # final outputs and tickets (FUSED_FINISH only)
+    gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
+    gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+    gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr,
     M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG, TPP,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
-    GRAD_COS_SIN: tl.constexpr,
+    GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr,
 ):
     DT: tl.constexpr = gq_ptr.dtype.element_ty
     pid_t = tl.program_id(0)
@@ -301,6 +307,72 @@ def rope_qk_norm_bwd_kernel(
         wrow = wpart_ptr + (group * n_prog_t + pid_t) * D
         tl.store(wrow + dh, wg1, mask=dh < HALF)
         tl.store(wrow + HALF + dh, wg2, mask=dh < HALF)
+        if FUSED_FINISH:
+            # The last program of this token chunk to finish (a ticket, not a sum: the
+            # results are summed in a fixed order) turns the chunk's partials into
+            # grad_cos/grad_sin; the last chunk to finish reduces the norm-weight partials.
+            # Tickets reset themselves for the next call. Acquire/release atomics order the
+            # partial stores; .cg loads read them from L2.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tick_ptr + pid_t, 1)
+            if ticket == NQG + NKG - 1:
+                tl.store(tick_ptr + pid_t, 0)
+                if GRAD_COS_SIN:
+                    for it in range(0, TPP):
+                        _finish_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
+                                        gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                                        (pid_t * TPP + it) * BLOCK_T, M, S, NQG, NKG,
+                                        D, D_P2, BLOCK_T, DT, EXACT, ".cg")
+                tl.debug_barrier()
+                last = tl.atomic_add(tick_ptr + n_prog_t, 1)
+                if last == n_prog_t - 1:
+                    tl.store(tick_ptr + n_prog_t, 0)
+                    _finish_norm_weight(wpart_ptr, 0, NQG, n_prog_t, gwq_ptr, sgwq, D, D_P2, 32, ".cg")
+                    _finish_norm_weight(wpart_ptr, NQG, NQG + NKG, n_prog_t, gwk_ptr, sgwk, D, D_P2, 32, ".cg")
+
+
+@triton.jit
+def _finish_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                    tok0, M, S, NQG, NKG,
+                    D: tl.constexpr, D_P2: tl.constexpr, BLOCK_T: tl.constexpr, DT: tl.constexpr,
+                    EXACT: tl.constexpr, CACHE: tl.constexpr):
+    """grad_cos / grad_sin of tokens [tok0, tok0 + BLOCK_T) from the head-group partials."""
+    d = tl.arange(0, D_P2)[None, :]
+    tok = tok0 + tl.arange(0, BLOCK_T)[:, None]
+    mask = (tok < M) & (d < D)
+    b = (tok // S).to(tl.int64)
+    s = tok % S
+    for which in range(0, 2):  # 0: cos, 1: sin
+        q = tl.zeros([BLOCK_T, D_P2], tl.float32)
+        for g in range(0, NQG):
+            q += tl.load(cs_ptr + ((g * 2 + which) * M + tok).to(tl.int64) * D + d, mask=mask, other=0.0,
+                         cache_modifier=CACHE)
+        k = tl.zeros([BLOCK_T, D_P2], tl.float32)
+        for g in range(NQG, NQG + NKG):
+            k += tl.load(cs_ptr + ((g * 2 + which) * M + tok).to(tl.int64) * D + d, mask=mask, other=0.0,
+                         cache_modifier=CACHE)
+        # the reference sums q and k contributions separately (each rounded), then adds
+        v = _rnd(_rnd(q, DT, EXACT) + _rnd(k, DT, EXACT), DT, EXACT)
+        if which == 0:
+            _store_cast(gcos_ptr + b * sgcos_b + s * sgcos_s + d * sgcos_d, v, mask)
+        else:
+            _store_cast(gsin_ptr + b * sgsin_b + s * sgsin_s + d * sgsin_d, v, mask)
+
+
+@triton.jit
+def _finish_norm_weight(wpart_ptr, g0, g1, N_PROG_T, out_ptr, s_out,
+                        D: tl.constexpr, D_P2: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr):
+    """Sum of the partial rows of head groups [g0, g1) in a fixed order."""
+    d = tl.arange(0, D_P2)[None, :]
+    acc = tl.zeros([BLOCK_R, D_P2], tl.float32)
+    n_rows = (g1 - g0) * N_PROG_T
+    for r0 in range(0, n_rows, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)[:, None]
+        acc += tl.load(wpart_ptr + (g0 * N_PROG_T + rows) * D + d, mask=(rows < n_rows) & (d < D), other=0.0,
+                       cache_modifier=CACHE)
+    total = tl.sum(acc, axis=0)
+    dd = tl.arange(0, D_P2)
+    _store_cast(out_ptr + dd * s_out, total, dd < D)
 
 
 @triton.jit
@@ -317,38 +389,11 @@ def rope_qk_norm_bwd_finish_kernel(
     programs: the query and the key norm-weight gradients. Fixed summation order."""
     DT: tl.constexpr = gcos_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    d = tl.arange(0, D_P2)[None, :]
     if pid < N_FIN_T:
         if GRAD_COS_SIN:
-            tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
-            mask = (tok < M) & (d < D)
-            for which in range(0, 2):  # 0: cos, 1: sin
-                q = tl.zeros([BLOCK_T, D_P2], tl.float32)
-                for g in range(0, NQG):
-                    q += tl.load(cs_ptr + ((g * 2 + which) * M + tok).to(tl.int64) * D + d, mask=mask, other=0.0)
-                k = tl.zeros([BLOCK_T, D_P2], tl.float32)
-                for g in range(NQG, NQG + NKG):
-                    k += tl.load(cs_ptr + ((g * 2 + which) * M + tok).to(tl.int64) * D + d, mask=mask, other=0.0)
-                # the reference sums q and k contributions separately (each rounded), then adds
-                v = _rnd(_rnd(q, DT, EXACT) + _rnd(k, DT, EXACT), DT, EXACT)
-                b = (tok // S).to(tl.int64)
-                s = tok % S
-                if which == 0:
-                    _store_cast(gcos_ptr + b * sgcos_b + s * sgcos_s + d * sgcos_d, v, mask)
-                else:
-                    _store_cast(gsin_ptr + b * sgsin_b + s * sgsin_s + d * sgsin_d, v, mask)
+            _finish_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                            pid * BLOCK_T, M, S, NQG, NKG, D, D_P2, BLOCK_T, DT, EXACT, "")
+    elif pid == N_FIN_T:
+        _finish_norm_weight(wpart_ptr, 0, NQG, N_PROG_T, gwq_ptr, sgwq, D, D_P2, BLOCK_R, "")
     else:
-        is_q = pid == N_FIN_T
-        g0 = tl.where(is_q, 0, NQG)
-        g1 = tl.where(is_q, NQG, NQG + NKG)
-        acc = tl.zeros([BLOCK_R, D_P2], tl.float32)
-        n_rows = (g1 - g0) * N_PROG_T
-        for r0 in range(0, n_rows, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)[:, None]
-            acc += tl.load(wpart_ptr + (g0 * N_PROG_T + rows) * D + d, mask=(rows < n_rows) & (d < D), other=0.0)
-        total = tl.sum(acc, axis=0)
-        dd = tl.arange(0, D_P2)
-        if is_q:
-            _store_cast(gwq_ptr + dd * sgwq, total, dd < D)
-        else:
-            _store_cast(gwk_ptr + dd * sgwk, total, dd < D)
+        _finish_norm_weight(wpart_ptr, NQG, NQG + NKG, N_PROG_T, gwk_ptr, sgwk, D, D_P2, BLOCK_R, "")

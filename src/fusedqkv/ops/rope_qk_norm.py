@@ -40,12 +40,12 @@ def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> t
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         sms = 4
-    block_t = 16 if M >= 2048 else (8 if M >= 512 else 4)
-    n_tblocks = -(-M // block_t)
-    heads = max(hq, 1)
-    # smallest number of groups reaching ~4 programs per SM, heads per group a power of 2
-    g = _next_pow2(heads)
-    while g > 1 and n_tblocks * (-(-hq // g) + 2 * -(-hkv // g)) < 4 * sms:
+    # measured on the H200 (benchmarks/NOTES.md): 4-token blocks win at every size
+    block_t = 4
+    n_prog_t = min(-(-M // block_t), 256)
+    # fewest head groups (largest power of 2, at most 16 heads) reaching ~4 programs per SM
+    g = min(16, _next_pow2(max(hq, 1)))
+    while g > 1 and n_prog_t * (-(-hq // g) + 2 * -(-hkv // g)) < 4 * sms:
         g //= 2
     return block_t, g, _warps_for(block_t, d)
 
@@ -115,6 +115,23 @@ def _kernel(name: str) -> FastLaunch:
     return k
 
 
+# Finish (grad_cos/sin and norm-weight reductions) inside the main kernel by the last
+# program of each chunk (True), or as a second launch after the GEMMs (False).
+FUSED_FINISH = True
+
+_tickets: dict = {}
+
+
+def _ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 tickets, one per token chunk plus one, per (device, stream); the kernel
+    leaves them zero again, so the buffer is reused without a memset."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _tickets.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _tickets[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                      exact, norm_after_rope, saved_rotated, grad_cos_sin):
     B, HQ, S, D = gq.shape
@@ -132,9 +149,11 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     nqg = -(-HQ // heads_per_group)
     nkg = -(-HKV // heads_per_group)
     nvg = nkg
+    fused = FUSED_FINISH
     # every allocation before the first launch
     cs_part = torch.empty((nqg + nkg, 2, M, D) if grad_cos_sin else (1,), device=gq.device, dtype=torch.float32)
     w_part = torch.empty((nqg + nkg, n_prog_t, D), device=gq.device, dtype=torch.float32)
+    tick = _ticket_buffer(gq.device, n_prog_t + 1) if fused else w_part
     if not grad_cos_sin:
         gcos = gsin = cos  # never written: the kernels are compiled without those stores
     # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
@@ -146,12 +165,15 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         wq, wq.stride(0), wk, wk.stride(0),
         cos, *cos.stride(), sin, *sin.stride(),
         dqkv, dqkv.stride(0), cs_part, w_part,
+        gcos, *gcos.stride(), gsin, *gsin.stride(), gwq, gwq.stride(0), gwk, gwk.stride(0), tick,
         M, S, HQ, HKV, heads_per_group, nqg, nkg, tpp,
         D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
-        GRAD_COS_SIN=grad_cos_sin,
+        GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused,
         num_warps=num_warps, enable_fp_fusion=fp_fusion,
     )
+    if fused:
+        return _done
     fin_t = 16
     n_fin_t = -(-M // fin_t) if grad_cos_sin else 0
 
