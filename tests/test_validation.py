@@ -236,3 +236,124 @@ def test_rstd_3d_and_fp32_norm_weights_accepted():
     rf = fusedqkv.gqa_qkv_rope_qk_norm_backward(*af)
     assert rf[4].dtype == torch.float32 and rf[5].dtype == torch.float32
     assert rf[0].dtype == bf
+
+
+# ============================================================================ forward / module
+# gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, *,
+#                      num_heads, num_kv_heads, eps, qk_norm_position, backend)
+
+FWD_POS = ("hidden_states", "qkv_weight", "q_norm_weight", "k_norm_weight", "cos", "sin")
+FI = {n: i for i, n in enumerate(FWD_POS)}
+
+
+def _fwd_valid():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).to(bf)  # noqa: E731
+    args = [r(B, S, HID), r((HQ + 2 * HKV) * D, HID) * 0.1, torch.ones(D, dtype=bf), torch.ones(D, dtype=bf),
+            r(B, S, D), r(B, S, D)]
+    kw = dict(num_heads=HQ, num_kv_heads=HKV, eps=1e-6, qk_norm_position="after_rope")
+    return args, kw
+
+
+def fset(name, fn):
+    def mutate(args, kw):
+        if name in FI:
+            args[FI[name]] = fn(args[FI[name]], args)
+        else:
+            kw[name] = fn(kw.get(name), args)
+        return args, kw
+    return mutate
+
+
+FWD_CASES = [
+    ("hidden_states_list", fset("hidden_states", lambda t, a: t.tolist()), TypeError, r"^hidden_states: expected a torch\.Tensor, got list"),
+    ("qkv_weight_none", fset("qkv_weight", lambda t, a: None), TypeError, r"^qkv_weight: expected a torch\.Tensor"),
+    ("cos_sparse", fset("cos", lambda t, a: t.float().to_sparse().to(bf)), ValueError, r"^cos: expected a dense"),
+    ("num_heads_float", fset("num_heads", lambda v, a: 4.0), TypeError, r"^num_heads: expected an int, got float"),
+    ("num_kv_heads_bool", fset("num_kv_heads", lambda v, a: True), TypeError, r"^num_kv_heads: expected an int, got bool"),
+    ("num_heads_zero", fset("num_heads", lambda v, a: 0), ValueError, r"num_heads=0 and num_kv_heads=2 must be >= 1"),
+    ("heads_not_divisible", both(fset("num_heads", lambda v, a: 3), fset("qkv_weight", lambda t, a: rn((3 + 2 * HKV) * D, HID))),
+     ValueError, r"num_heads=3 is not divisible by num_kv_heads=2"),
+    ("heads_dont_fit_weight", fset("num_kv_heads", lambda v, a: 1), ValueError, r"^qkv_weight: expected shape \[\(num_heads \+ 2\*num_kv_heads\)\*head_dim, hidden_size\] = \[\(4 \+ 2\*1\)\*head_dim, 32\]"),
+    ("odd_head_dim", fset("qkv_weight", lambda t, a: rn((HQ + 2 * HKV) * 63, HID)), ValueError, r"head_dim.*63 is not supported"),
+    ("eps_negative", fset("eps", lambda v, a: -1.0), ValueError, r"^eps: "),
+    ("eps_str", fset("eps", lambda v, a: "1e-6"), TypeError, r"^eps: expected a real number, got str"),
+    ("eps_nan", fset("eps", lambda v, a: float("nan")), ValueError, r"^eps: "),
+    ("eps_tensor_2", fset("eps", lambda v, a: torch.tensor([1e-6, 1e-6])), ValueError, r"^eps: expected a scalar"),
+    ("position_unknown", fset("qk_norm_position", lambda v, a: "middle"), ValueError, r"^qk_norm_position: expected 'after_rope'"),
+    ("position_bool", fset("qk_norm_position", lambda v, a: True), TypeError, r"^qk_norm_position: expected a str"),
+    ("backend_unknown", fset("backend", lambda v, a: "cuda"), ValueError, r"^backend: expected 'triton', 'torch' or None"),
+    ("hidden_states_rank2", fset("hidden_states", lambda t, a: t[0]), ValueError, r"^hidden_states: expected a 3-d tensor"),
+    ("qkv_weight_rank3", fset("qkv_weight", lambda t, a: t[None]), ValueError, r"^qkv_weight: expected a 2-d tensor"),
+    ("hidden_size_mismatch", fset("hidden_states", lambda t, a: rn(B, S, HID + 1)), ValueError, r"^qkv_weight: expected shape .*\[\(4 \+ 2\*2\)\*head_dim, 33\], got \[512, 32\]"),
+    ("q_norm_weight_size", fset("q_norm_weight", lambda t, a: t[:32]), ValueError, r"^q_norm_weight: expected shape \[64\]"),
+    ("k_norm_weight_rank2", fset("k_norm_weight", lambda t, a: t[None]), ValueError, r"^k_norm_weight: expected shape \[64\]"),
+    ("cos_seq", fset("cos", lambda t, a: t[:, :2]), ValueError, r"^cos: expected shape \[2, 3, 64\] \(\[batch, seq, head_dim\] or \[1, seq, head_dim\]\)"),
+    ("sin_rank2", fset("sin", lambda t, a: t[0]), ValueError, r"^sin: expected a 3-d tensor"),
+    ("sin_head_dim", fset("sin", lambda t, a: rn(B, S, 32)), ValueError, r"^sin: expected shape \[2, 3, 64\]"),
+    ("hidden_states_float64", fset("hidden_states", lambda t, a: t.double()), ValueError, r"^hidden_states: dtype float64 is not supported"),
+    ("q_norm_weight_int", fset("q_norm_weight", lambda t, a: t.long()), ValueError, r"^q_norm_weight: dtype int64 is not supported"),
+    ("cos_mixed", fset("cos", lambda t, a: t.float()), ValueError, r"^cos: dtype float32 differs from hidden_states's bfloat16"),
+    ("qkv_weight_mixed", fset("qkv_weight", lambda t, a: t.half()), ValueError, r"^qkv_weight: dtype float16 differs"),
+    ("sin_other_device", fset("sin", lambda t, a: t.to("meta")), ValueError, r"^sin: on device meta, but hidden_states is on cpu"),
+    ("k_norm_weight_other_device", fset("k_norm_weight", lambda t, a: t.to("meta")), ValueError, r"^k_norm_weight: on device meta"),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", FWD_CASES, ids=lambda c: c[0])
+def test_forward_bad_argument_raises_clear_error(case, backend):
+    cid, mut, exc, pattern = case
+    args, kw = _fwd_valid()
+    kw["backend"] = backend
+    args, kw = mut(args, kw)
+    with pytest.raises(exc, match=pattern) as info:
+        fusedqkv.gqa_qkv_rope_qk_norm(*args, **kw)
+    assert type(info.value) is exc
+    assert "\n" not in str(info.value)
+
+
+def test_forward_table_control():
+    args, kw = _fwd_valid()
+    q, k, v = fusedqkv.gqa_qkv_rope_qk_norm(*args, **kw)
+    assert q.shape == (B, HQ, S, D) and k.shape == (B, HKV, S, D) and v.shape == (B, HKV, S, D)
+
+
+MODULE_CASES = [
+    (dict(hidden_size=0), ValueError, r"^hidden_size: expected a positive int, got 0"),
+    (dict(hidden_size=32.0), ValueError, r"^hidden_size: expected a positive int"),
+    (dict(num_heads=4.0), TypeError, r"^num_heads: expected an int, got float"),
+    (dict(num_kv_heads="2"), TypeError, r"^num_kv_heads: expected an int, got str"),
+    (dict(head_dim="64"), TypeError, r"^head_dim: expected an int, got str"),
+    (dict(num_heads=6, num_kv_heads=4), ValueError, r"num_heads=6 is not divisible by num_kv_heads=4"),
+    (dict(head_dim=65), ValueError, r"head_dim.*65 is not supported"),
+    (dict(head_dim=512), ValueError, r"head_dim.*512 is not supported"),
+    (dict(eps=-1e-6), ValueError, r"^eps: expected a number >= 0"),
+    (dict(eps=None), TypeError, r"^eps: expected a real number"),
+    (dict(qk_norm_position="pre"), ValueError, r"^qk_norm_position: expected 'after_rope'"),
+]
+
+
+@pytest.mark.parametrize("case", MODULE_CASES, ids=lambda c: "_".join(f"{k}={v!r}" for k, v in c[0].items()))
+def test_module_constructor_bad_argument(case):
+    over, exc, pattern = case
+    kw = dict(hidden_size=HID, num_heads=HQ, num_kv_heads=HKV, head_dim=D, eps=1e-6, qk_norm_position="after_rope")
+    kw.update(over)
+    with pytest.raises(exc, match=pattern):
+        fusedqkv.GQAQKVRoPEQKNorm(**kw)
+
+
+@pytest.mark.parametrize("case", [
+    ("hidden_states_hidden", lambda x, c, s: (rn(B, S, HID * 2), c, s), ValueError, r"^qkv_weight: expected shape .*\[\(4 \+ 2\*2\)\*head_dim, 64\]"),
+    ("hidden_states_dtype", lambda x, c, s: (x.float(), c, s), ValueError, r"^qkv_weight: dtype bfloat16 differs from hidden_states's float32"),
+    ("hidden_states_tuple", lambda x, c, s: ((x,), c, s), TypeError, r"^hidden_states: expected a torch\.Tensor, got tuple"),
+    ("cos_batch", lambda x, c, s: (x, rn(B + 1, S, D), s), ValueError, r"^cos: expected shape \[2, 3, 64\]"),
+    ("sin_missing_batch", lambda x, c, s: (x, c, s[0]), ValueError, r"^sin: expected a 3-d tensor"),
+], ids=lambda c: c[0])
+def test_module_forward_bad_argument(case):
+    cid, mut, exc, pattern = case
+    m = fusedqkv.GQAQKVRoPEQKNorm(HID, HQ, HKV, D, dtype=bf)
+    args, _ = _fwd_valid()
+    x, c, s = mut(args[0], args[4], args[5])
+    with pytest.raises(exc, match=pattern):
+        m(x, c, s)

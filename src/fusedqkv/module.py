@@ -16,7 +16,7 @@ from torch import nn
 
 from .autograd import gqa_qkv_rope_qk_norm
 from .ops import validation as V
-from .ops.gqa_forward import norm_after_rope_from_position
+from .ops.gqa_forward import _require_int, norm_after_rope_from_position
 
 
 class _BlockParams(nn.Module):
@@ -25,8 +25,11 @@ class _BlockParams(nn.Module):
         super().__init__()
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"hidden_size: expected a positive int, got {hidden_size!r}")
+        num_heads = _require_int("num_heads", num_heads)
+        num_kv_heads = _require_int("num_kv_heads", num_kv_heads)
+        head_dim = _require_int("head_dim", head_dim)
         V.require_head_config(num_heads, num_kv_heads, head_dim)
-        V.require_number("eps", eps)
+        V.require_number("eps", eps, min_value=0.0)
         self.norm_after_rope = norm_after_rope_from_position(qk_norm_position)
         self.hidden_size = hidden_size
         self.num_heads = num_heads
