@@ -192,3 +192,24 @@ def test_inference_mode(backend):
     with torch.inference_mode():
         inf_args = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
         _assert_equal(bw(*inf_args, backend=backend), ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bs", [(0, 5), (2, 0)], ids=["batch0", "seq0"])
+def test_forward_and_backward_of_the_block_with_zero_tokens(bs, backend):
+    import fusedqkv
+
+    b, s = bs
+    hq, hkv, d, hid = 4, 2, 64, 32
+    x = torch.randn(b, s, hid, requires_grad=True)
+    w = (torch.randn((hq + 2 * hkv) * d, hid) / hid ** 0.5).requires_grad_()
+    wq = torch.ones(d, requires_grad=True)
+    wk = torch.ones(d, requires_grad=True)
+    ang = torch.randn(b, s, d)
+    q, k, v = fusedqkv.gqa_qkv_rope_qk_norm(x, w, wq, wk, ang.cos(), ang.sin(), num_heads=hq, num_kv_heads=hkv,
+                                             backend=backend)
+    assert q.shape == (b, hq, s, d) and k.shape == (b, hkv, s, d) and v.shape == (b, hkv, s, d)
+    (q.sum() + k.sum() + v.sum()).backward()
+    assert x.grad.shape == x.shape
+    for p in (w, wq, wk):
+        assert p.grad is not None and p.grad.shape == p.shape and not bool(p.grad.any())

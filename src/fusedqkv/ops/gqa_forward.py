@@ -201,7 +201,7 @@ def _rotate_half(t: torch.Tensor) -> torch.Tensor:
 
 def _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope):
     B, S, _ = qkv.shape
-    heads = qkv.view(B, S, -1, D)
+    heads = qkv.view(B, S, hq + 2 * hkv, D)  # sizes, not -1: zero tokens are valid
     c = cos.float().unsqueeze(1)
     s = sin.float().unsqueeze(1)
 
