@@ -87,3 +87,27 @@ def test_out_writes_into_given_tensors(backend):
     assert [t.data_ptr() for t in ret] == ptrs
     for e, o in zip(expected, out):
         assert torch.equal(e, o)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_partials_in_scratch_memory_give_the_same_result(exact):
+    """The fused finish keeps its fp32 partials in the caller's scratch (the dX output)."""
+    from fusedqkv.ops.rope_qk_norm import rope_qk_norm_backward
+
+    gq, gk, gv, hs, cos, sin, w, wq, wk, xq, xk, rq, rk, _ = make_inputs(2, 4, 2, 5, 64, seed=3)
+    M = 10
+
+    def run(scratch):
+        dqkv = torch.empty(M, 8 * 64, dtype=torch.bfloat16)
+        outs = [torch.empty(2, 5, 64, dtype=torch.bfloat16) for _ in range(2)] + \
+               [torch.empty(64, dtype=torch.bfloat16) for _ in range(2)]
+        rope_qk_norm_backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv=dqkv, grad_cos=outs[0],
+                              grad_sin=outs[1], grad_q_norm_weight=outs[2], grad_k_norm_weight=outs[3],
+                              exact=exact, backend="triton", scratch=scratch)()
+        return [dqkv, *outs]
+
+    scratch = torch.full((65536,), float("nan"), dtype=torch.bfloat16)
+    with_scratch = run(scratch)
+    assert not bool(torch.isnan(scratch).all())  # the partials went there
+    for a, b in zip(run(None), with_scratch):
+        assert torch.equal(a, b)

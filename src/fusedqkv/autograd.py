@@ -89,7 +89,7 @@ def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Ten
         dqkv=dqkv, grad_cos=g_cos if need_cos_sin_grad else None, grad_sin=g_sin if need_cos_sin_grad else None,
         grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
         exact=False, norm_after_rope=norm_after_rope, saved_rotated=False,
-        backend=_backend(dev, backend),
+        backend=_backend(dev, backend), scratch=g_x if need_hidden_grad else None,
     )
     if need_hidden_grad:
         torch.mm(dqkv, qkv_weight, out=g_x.view(M, hidden))

@@ -143,7 +143,7 @@ def gqa_qkv_rope_qk_norm_backward(
             grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
             q_norm_weight, k_norm_weight, cos, sin,
             dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
-            exact=True, norm_after_rope=True, saved_rotated=True, backend=backend,
+            exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=g_hidden,
         )
         x = hidden_states.reshape(M, sz["hidden"])
         _mm_into(dqkv, qkv_weight, g_hidden.view(M, sz["hidden"]) if g_hidden.is_contiguous() else g_hidden)

@@ -76,12 +76,17 @@ def rope_qk_norm_backward(
     grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight, cos, sin,
     *, dqkv, grad_cos=None, grad_sin=None, grad_q_norm_weight, grad_k_norm_weight,
     exact: bool, norm_after_rope: bool = True, saved_rotated: bool = True, backend: Optional[str] = None,
+    scratch: Optional[torch.Tensor] = None,
 ):
     """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``.
 
     Arguments are already validated. ``saved_q``/``saved_k`` are the rotated pre-norm
     tensors (``saved_rotated=True``, SOL-ExecBench 091) or the raw projection outputs.
     ``grad_cos``/``grad_sin`` may be None to skip them. Outputs are written in place.
+
+    ``scratch``: optionally a tensor the caller will overwrite only after this stage (the
+    dX GEMM's output): its memory holds the fp32 partials when it is large enough, so the
+    stage allocates nothing extra.
 
     Returns a callable that completes the norm-weight gradients: on the GPU a second,
     small launch that reduces the per-program partials, which the caller may queue
@@ -95,7 +100,8 @@ def rope_qk_norm_backward(
         return _done
     return _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k,
                      q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
-                     grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated, grad_cos_sin)
+                     grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated, grad_cos_sin,
+                     scratch)
 
 
 def _done():
@@ -132,8 +138,23 @@ def _ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def _partials(scratch, cs_shape, w_shape, device):
+    """fp32 partial buffers: carved out of ``scratch`` when it is big enough, else new."""
+    cs_n = 1
+    for x in cs_shape:
+        cs_n *= x
+    w_n = w_shape[0] * w_shape[1] * w_shape[2]
+    cs_pad = -(-cs_n // 4) * 4  # keep the second buffer 16-byte aligned
+    if (scratch is not None and scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
+            and scratch.numel() * scratch.element_size() >= 4 * (cs_pad + w_n)):
+        flat = scratch.view(-1).view(torch.uint8)[: 4 * (cs_pad + w_n)].view(torch.float32)
+        return flat[:cs_n].view(cs_shape), flat[cs_pad: cs_pad + w_n].view(w_shape)
+    return (torch.empty(cs_shape, device=device, dtype=torch.float32),
+            torch.empty(w_shape, device=device, dtype=torch.float32))
+
+
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                     exact, norm_after_rope, saved_rotated, grad_cos_sin):
+                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None):
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     M = B * S
@@ -151,8 +172,10 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     nvg = nkg
     fused = FUSED_FINISH
     # every allocation before the first launch
-    cs_part = torch.empty((nqg + nkg, 2, M, D) if grad_cos_sin else (1,), device=gq.device, dtype=torch.float32)
-    w_part = torch.empty((nqg + nkg, n_prog_t, D), device=gq.device, dtype=torch.float32)
+    # the fused finish consumes the partials inside the kernel, so the dX output (written
+    # by the GEMM after it) can hold them; the separate finish kernel runs after the GEMMs
+    cs_part, w_part = _partials(scratch if fused else None, (nqg + nkg, 2, M, D) if grad_cos_sin else (1,),
+                                (nqg + nkg, n_prog_t, D), gq.device)
     tick = _ticket_buffer(gq.device, n_prog_t + 1) if fused else w_part
     if not grad_cos_sin:
         gcos = gsin = cos  # never written: the kernels are compiled without those stores
