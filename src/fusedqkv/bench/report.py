@@ -108,14 +108,18 @@ def workload_table(results: dict) -> list:
     return rows
 
 
+def _columns(rows: list) -> list:
+    """Union of the rows' keys, in first-seen order."""
+    keys: list = []
+    for r in rows:
+        keys.extend(k for k in r if k not in keys)
+    return keys
+
+
 def _md_table(rows: list) -> str:
     if not rows:
         return ""
-    keys = list(rows[0].keys())
-    for r in rows:
-        for k in r:
-            if k not in keys:
-                keys.append(k)
+    keys = _columns(rows)
     lines = ["| " + " | ".join(keys) + " |", "|" + "|".join("---" for _ in keys) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(k, "")).replace("|", "/") for k in keys) + " |")
@@ -125,11 +129,7 @@ def _md_table(rows: list) -> str:
 def _html_table(rows: list) -> str:
     if not rows:
         return ""
-    keys = list(rows[0].keys())
-    for r in rows:
-        for k in r:
-            if k not in keys:
-                keys.append(k)
+    keys = _columns(rows)
     h = "<table><thead><tr>" + "".join(f"<th>{html.escape(k)}</th>" for k in keys) + "</tr></thead><tbody>"
     for r in rows:
         cells = []

@@ -70,6 +70,20 @@ def _store_cast(ptr, x, mask):
 
 
 @triton.jit
+def load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s, tmask, dh,
+                 HALF: tl.constexpr):
+    """cos/sin halves of a block of tokens as fp32 [tokens, head_dim/2] tiles."""
+    cmask = tmask[:, None] & (dh[None, :] < HALF)
+    cbase = cos_ptr + b[:, None] * scos_b + s[:, None] * scos_s
+    sbase = sin_ptr + b[:, None] * ssin_b + s[:, None] * ssin_s
+    c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sbase + dh[None, :] * ssin_d, mask=cmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sbase + (dh[None, :] + HALF) * ssin_d, mask=cmask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _rotate(x1, x2, c1, c2, s1, s2, DT: tl.constexpr, EXACT: tl.constexpr):
     # x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1)
     y1 = _rnd(_rnd(x1 * c1, DT, EXACT) + _rnd(-x2 * s1, DT, EXACT), DT, EXACT)
@@ -258,13 +272,8 @@ def rope_qk_norm_bwd_kernel(
         b = (tok // S).to(tl.int64)
         s = tok % S
         if group < NQG + NKG:
-            cmask = tmask[:, None] & (dh[None, :] < HALF)
-            cbase = cos_ptr + b[:, None] * scos_b + s[:, None] * scos_s
-            sbase = sin_ptr + b[:, None] * ssin_b + s[:, None] * ssin_s
-            c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0).to(tl.float32)
-            c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0).to(tl.float32)
-            s1 = tl.load(sbase + dh[None, :] * ssin_d, mask=cmask, other=0.0).to(tl.float32)
-            s2 = tl.load(sbase + (dh[None, :] + HALF) * ssin_d, mask=cmask, other=0.0).to(tl.float32)
+            c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
+                                          b, s, tmask, dh, HALF)
             if group < NQG:
                 h0 = group * HEADS_PER_GROUP
                 a1, a2 = _head_group_bwd(

@@ -17,7 +17,7 @@ tile spills on sm_90 with 32 heads).
 import triton
 import triton.language as tl
 
-from .rope_qk_norm import _store_cast
+from .rope_qk_norm import _store_cast, load_cos_sin
 
 
 @triton.jit
@@ -85,12 +85,8 @@ def rope_qk_norm_fwd_kernel(
     b = tok64 // S
     s = tok64 % S
     cmask = tmask[:, None] & dmask[None, :]
-    cbase = cos_ptr + b[:, None] * scos_b + s[:, None] * scos_s
-    sbase = sin_ptr + b[:, None] * ssin_b + s[:, None] * ssin_s
-    c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0).to(tl.float32)
-    c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0).to(tl.float32)
-    s1 = tl.load(sbase + dh[None, :] * ssin_d, mask=cmask, other=0.0).to(tl.float32)
-    s2 = tl.load(sbase + (dh[None, :] + HALF) * ssin_d, mask=cmask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
+                                  b, s, tmask, dh, HALF)
     if pid_g < NQG:
         _head_group_fwd(qkv_ptr, s_qkv_t, 0, wq_ptr, swq,
                         q_ptr, sq_b, sq_h, sq_s, sq_d, rq_ptr, srq_b, srq_h, srq_s,
