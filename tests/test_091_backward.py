@@ -61,6 +61,9 @@ INTERP_SHAPES = [
     (2, 4, 1, 3, 64),
     (1, 8, 2, 9, 128),
     (2, 6, 3, 3, 32),
+    (1, 2, 1, 3, 256),
+    # > 16 token chunks: both levels of the fused norm-weight reduction
+    (1, 2, 1, 90, 32),
 ]
 
 

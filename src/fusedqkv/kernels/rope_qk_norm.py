@@ -250,12 +250,12 @@ def rope_qk_norm_bwd_kernel(
     # final outputs and tickets (FUSED_FINISH only)
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr,
+    gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wsup_ptr,
     M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG, TPP,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
-    GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr,
+    GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
 ):
     DT: tl.constexpr = gq_ptr.dtype.element_ty
     pid_t = tl.program_id(0)
@@ -332,12 +332,33 @@ def rope_qk_norm_bwd_kernel(
                                         gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
                                         (pid_t * TPP + it) * BLOCK_T, M, S, NQG, NKG,
                                         D, D_P2, BLOCK_T, DT, EXACT, ".cg")
+                # norm weights, in two levels so no single program walks all the rows: the
+                # last chunk of each run of SUPER chunks sums their rows into a super row,
+                # the last super row to be written sums those
                 tl.debug_barrier()
-                last = tl.atomic_add(tick_ptr + n_prog_t, 1)
-                if last == n_prog_t - 1:
-                    tl.store(tick_ptr + n_prog_t, 0)
-                    _finish_norm_weight(wpart_ptr, 0, NQG, n_prog_t, gwq_ptr, sgwq, D, D_P2, 32, ".cg")
-                    _finish_norm_weight(wpart_ptr, NQG, NQG + NKG, n_prog_t, gwk_ptr, sgwk, D, D_P2, 32, ".cg")
+                n_sup = tl.cdiv(n_prog_t, SUPER)
+                sup = pid_t // SUPER
+                c0 = sup * SUPER
+                n_in = tl.minimum(SUPER, n_prog_t - c0)
+                t2 = tl.atomic_add(tick_ptr + n_prog_t + sup, 1)
+                if t2 == n_in - 1:
+                    tl.store(tick_ptr + n_prog_t + sup, 0)
+                    wq_sum = _sum_rows(wpart_ptr, 0, NQG, n_prog_t, c0, n_in, D, D_P2, SUPER)
+                    wk_sum = _sum_rows(wpart_ptr, NQG, NQG + NKG, n_prog_t, c0, n_in, D, D_P2, SUPER)
+                    dd = tl.arange(0, D_P2)
+                    tl.store(wsup_ptr + (sup * 2) * D + dd, wq_sum, mask=dd < D)
+                    tl.store(wsup_ptr + (sup * 2 + 1) * D + dd, wk_sum, mask=dd < D)
+                    tl.debug_barrier()
+                    t3 = tl.atomic_add(tick_ptr + n_prog_t + n_sup, 1)
+                    if t3 == n_sup - 1:
+                        tl.store(tick_ptr + n_prog_t + n_sup, 0)
+                        rows = tl.arange(0, SUPER)[:, None]
+                        m = (rows < n_sup) & (dd[None, :] < D)
+                        q = tl.load(wsup_ptr + (rows * 2) * D + dd[None, :], mask=m, other=0.0, cache_modifier=".cg")
+                        k = tl.load(wsup_ptr + (rows * 2 + 1) * D + dd[None, :], mask=m, other=0.0,
+                                    cache_modifier=".cg")
+                        _store_cast(gwq_ptr + dd * sgwq, tl.sum(q, axis=0), dd < D)
+                        _store_cast(gwk_ptr + dd * sgwk, tl.sum(k, axis=0), dd < D)
 
 
 @triton.jit
@@ -382,6 +403,18 @@ def _finish_norm_weight(wpart_ptr, g0, g1, N_PROG_T, out_ptr, s_out,
     total = tl.sum(acc, axis=0)
     dd = tl.arange(0, D_P2)
     _store_cast(out_ptr + dd * s_out, total, dd < D)
+
+
+@triton.jit
+def _sum_rows(wpart_ptr, g0, g1, N_PROG_T, c0, n, D: tl.constexpr, D_P2: tl.constexpr, SUPER: tl.constexpr):
+    """Sum of partial rows (group g, chunk c) for g in [g0, g1), c in [c0, c0 + n): fixed order."""
+    rows = tl.arange(0, SUPER)[:, None]
+    d = tl.arange(0, D_P2)[None, :]
+    m = (rows < n) & (d < D)
+    acc = tl.zeros([SUPER, D_P2], tl.float32)
+    for g in range(g0, g1):
+        acc += tl.load(wpart_ptr + (g * N_PROG_T + c0 + rows) * D + d, mask=m, other=0.0, cache_modifier=".cg")
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit

@@ -124,6 +124,9 @@ def _kernel(name: str) -> FastLaunch:
 # Finish (grad_cos/sin and norm-weight reductions) inside the main kernel by the last
 # program of each chunk (True), or as a second launch after the GEMMs (False).
 FUSED_FINISH = True
+# chunks per first-level norm-weight reduction of the fused finish (n_prog_t <= 256, so the
+# second level sums at most 16 rows)
+_SUPER = 16
 
 _tickets: dict = {}
 
@@ -138,19 +141,29 @@ def _ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _partials(scratch, cs_shape, w_shape, device):
-    """fp32 partial buffers: carved out of ``scratch`` when it is big enough, else new."""
-    cs_n = 1
-    for x in cs_shape:
-        cs_n *= x
-    w_n = w_shape[0] * w_shape[1] * w_shape[2]
-    cs_pad = -(-cs_n // 4) * 4  # keep the second buffer 16-byte aligned
+def _partials(scratch, shapes, device):
+    """fp32 partial buffers of the given shapes: carved out of ``scratch`` when it is big
+    enough, else one new allocation."""
+    sizes = []
+    for shape in shapes:
+        n = 1
+        for x in shape:
+            n *= x
+        sizes.append(-(-n // 4) * 4)  # keep each buffer 16-byte aligned
+    total = sum(sizes)
     if (scratch is not None and scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
-            and scratch.numel() * scratch.element_size() >= 4 * (cs_pad + w_n)):
-        flat = scratch.view(-1).view(torch.uint8)[: 4 * (cs_pad + w_n)].view(torch.float32)
-        return flat[:cs_n].view(cs_shape), flat[cs_pad: cs_pad + w_n].view(w_shape)
-    return (torch.empty(cs_shape, device=device, dtype=torch.float32),
-            torch.empty(w_shape, device=device, dtype=torch.float32))
+            and scratch.numel() * scratch.element_size() >= 4 * total):
+        flat = scratch.view(-1).view(torch.uint8)[: 4 * total].view(torch.float32)
+    else:
+        flat = torch.empty(total, device=device, dtype=torch.float32)
+    out, off = [], 0
+    for shape, n in zip(shapes, sizes):
+        numel = 1
+        for x in shape:
+            numel *= x
+        out.append(flat[off: off + numel].view(shape))
+        off += n
+    return out
 
 
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
@@ -174,9 +187,11 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     # every allocation before the first launch
     # the fused finish consumes the partials inside the kernel, so the dX output (written
     # by the GEMM after it) can hold them; the separate finish kernel runs after the GEMMs
-    cs_part, w_part = _partials(scratch if fused else None, (nqg + nkg, 2, M, D) if grad_cos_sin else (1,),
-                                (nqg + nkg, n_prog_t, D), gq.device)
-    tick = _ticket_buffer(gq.device, n_prog_t + 1) if fused else w_part
+    n_sup = -(-n_prog_t // _SUPER)
+    cs_part, w_part, w_sup = _partials(scratch if fused else None,
+                                       [(nqg + nkg, 2, M, D) if grad_cos_sin else (1,), (nqg + nkg, n_prog_t, D),
+                                        (n_sup, 2, D)], gq.device)
+    tick = _ticket_buffer(gq.device, n_prog_t + n_sup + 1) if fused else w_part
     if not grad_cos_sin:
         gcos = gsin = cos  # never written: the kernels are compiled without those stores
     # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
@@ -188,11 +203,11 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         wq, wq.stride(0), wk, wk.stride(0),
         cos, *cos.stride(), sin, *sin.stride(),
         dqkv, dqkv.stride(0), cs_part, w_part,
-        gcos, *gcos.stride(), gsin, *gsin.stride(), gwq, gwq.stride(0), gwk, gwk.stride(0), tick,
+        gcos, *gcos.stride(), gsin, *gsin.stride(), gwq, gwq.stride(0), gwk, gwk.stride(0), tick, w_sup,
         M, S, HQ, HKV, heads_per_group, nqg, nkg, tpp,
         D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
-        GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused,
+        GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER,
         num_warps=num_warps, enable_fp_fusion=fp_fusion,
     )
     if fused:
