@@ -299,7 +299,7 @@ def test_opcheck_custom_ops(norm_after_rope):
     g = torch.Generator().manual_seed(1)
     gq, gk, gv = (torch.randn(t.shape, generator=g) for t in (q, k, k))
     for flags in [(True, True, True), (False, True, False), (True, False, False)]:
-        torch.library.opcheck(bwd, (gq, gk, gv, x, w, qkv, rq, rk, wq, wk, cos, sin, hq, hkv, norm_after_rope,
+        torch.library.opcheck(bwd, (gq, gk, gv, x, w, qkv, wq, wk, cos, sin, hq, hkv, 1e-6, norm_after_rope,
                                     *flags, "auto"))
 
 

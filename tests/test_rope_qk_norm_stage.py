@@ -23,9 +23,10 @@ def _forward64(x, w, cos, sin, eps, after_rope):
     return n * c + _rot(n) * s, r
 
 
+@pytest.mark.parametrize("recompute_rstd", [False, True], ids=["rstd_given", "rstd_recomputed"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("after_rope", [True, False], ids=["after_rope", "before_rope"])
-def test_accurate_stage_matches_float64_autograd(backend, after_rope):
+def test_accurate_stage_matches_float64_autograd(backend, after_rope, recompute_rstd):
     torch.manual_seed(0)
     B, HQ, HKV, S, D, eps = 2, 4, 2, 5, 64, 1e-6
     xq = torch.randn(B, HQ, S, D, dtype=torch.float64, requires_grad=True)
@@ -46,10 +47,11 @@ def test_accurate_stage_matches_float64_autograd(backend, after_rope):
     dqkv = torch.empty(M, (HQ + 2 * HKV) * D)
     gcos, gsin = torch.empty(B, S, D), torch.empty(B, S, D)
     gwq, gwk = torch.empty(D), torch.empty(D)
-    rope_qk_norm_backward(f(gq), f(gk), f(gv), f(xq), f(xk), f(rq[..., 0]), f(rk[..., 0]), f(wq), f(wk),
+    rq32, rk32 = (None, None) if recompute_rstd else (f(rq[..., 0]), f(rk[..., 0]))
+    rope_qk_norm_backward(f(gq), f(gk), f(gv), f(xq), f(xk), rq32, rk32, f(wq), f(wk),
                           f(cos), f(sin), dqkv=dqkv, grad_cos=gcos, grad_sin=gsin, grad_q_norm_weight=gwq,
                           grad_k_norm_weight=gwk, exact=False, norm_after_rope=after_rope, saved_rotated=False,
-                          backend=backend)()
+                          backend=backend, eps=eps)()
     view = dqkv.view(B, S, -1)
     got_dq = view[..., : HQ * D].view(B, S, HQ, D).transpose(1, 2)
     got_dk = view[..., HQ * D: (HQ + HKV) * D].view(B, S, HKV, D).transpose(1, 2)

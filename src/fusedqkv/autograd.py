@@ -7,7 +7,8 @@ ops (``fusedqkv::gqa_qkv_rope_qk_norm_fwd`` / ``..._bwd``) with fake implementat
 Forward: one GEMM (``qkv = x W^T``, input dtype) and one fused RoPE + RMSNorm kernel
 (fp32 math, one rounding). Saved for the backward: hidden_states and qkv_weight (the
 user's tensors), the projection output ``qkv`` (whose last third *is* the returned v,
-a view) and rstd in fp32 -- no fp32 copies of activations.
+a view) -- nothing else: the backward recomputes rstd from it in fp32 (cheap, in-kernel),
+so no fp32 tensor is held between forward and backward.
 
 Backward: the RoPE/QK-norm backward kernel of the 091 work in its accurate mode
 (``exact=False``: fp32 math, one rounding; ``saved_rotated=False``: it recomputes the
@@ -53,8 +54,8 @@ def _fwd_impl(hidden_states: Tensor, qkv_weight: Tensor, q_norm_weight: Tensor, 
 
 
 def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Tensor, qkv_weight: Tensor,
-              qkv: Tensor, rstd_q: Tensor, rstd_k: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
-              cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, norm_after_rope: bool,
+              qkv: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
+              cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool,
               need_hidden_grad: bool, need_weight_grad: bool, need_cos_sin_grad: bool,
               backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, S, n_tot = qkv.shape
@@ -85,11 +86,11 @@ def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Ten
            else qkv_weight.new_empty(_EMPTY_SHAPE))
     x2d = hidden_states.reshape(M, hidden) if need_weight_grad else None
     finish = rope_qk_norm_backward(
-        grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight, cos, sin,
+        grad_q, grad_k, grad_v, saved_q, saved_k, None, None, q_norm_weight, k_norm_weight, cos, sin,
         dqkv=dqkv, grad_cos=g_cos if need_cos_sin_grad else None, grad_sin=g_sin if need_cos_sin_grad else None,
         grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
         exact=False, norm_after_rope=norm_after_rope, saved_rotated=False,
-        backend=_backend(dev, backend), scratch=g_x if need_hidden_grad else None,
+        backend=_backend(dev, backend), scratch=g_x if need_hidden_grad else None, eps=eps,
     )
     if need_hidden_grad:
         torch.mm(dqkv, qkv_weight, out=g_x.view(M, hidden))
@@ -120,8 +121,8 @@ def _fwd_fake(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
 
 
 @_bwd_op.register_fake
-def _bwd_fake(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, rstd_q, rstd_k, q_norm_weight, k_norm_weight,
-              cos, sin, num_heads, num_kv_heads, norm_after_rope, need_hidden_grad, need_weight_grad,
+def _bwd_fake(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight,
+              cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad,
               need_cos_sin_grad, backend):
     B, S, n_tot = qkv.shape
     D = n_tot // (num_heads + 2 * num_kv_heads)
@@ -161,7 +162,9 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
         B, S, n_tot = qkv.shape
         D = n_tot // (num_heads + 2 * num_kv_heads)
         v = qkv.view(B, S, num_heads + 2 * num_kv_heads, D)[:, :, num_heads + num_kv_heads:].transpose(1, 2)
-        ctx.save_for_backward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv, rq, rk)
+        # rq/rk are not kept: the backward recomputes them from qkv
+        ctx.save_for_backward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv)
+        ctx.eps = eps
         ctx.num_heads = num_heads
         ctx.num_kv_heads = num_kv_heads
         ctx.norm_after_rope = norm_after_rope
@@ -170,12 +173,12 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
-        hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv, rq, rk = ctx.saved_tensors
+        hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv = ctx.saved_tensors
         need = ctx.needs_input_grad
         need_cs = bool(need[4] or need[5])
         g_x, g_w, g_qw, g_kw, g_cos, g_sin = _call(
-            _bwd_op, _bwd_impl, grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, rq, rk,
-            q_norm_weight, k_norm_weight, cos, sin, ctx.num_heads, ctx.num_kv_heads, ctx.norm_after_rope,
+            _bwd_op, _bwd_impl, grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv,
+            q_norm_weight, k_norm_weight, cos, sin, ctx.num_heads, ctx.num_kv_heads, ctx.eps, ctx.norm_after_rope,
             bool(need[0]), bool(need[1]), need_cs, ctx.backend)
         return (g_x if need[0] else None, g_w if need[1] else None, g_qw if need[2] else None,
                 g_kw if need[3] else None, g_cos if need[4] else None, g_sin if need[5] else None,

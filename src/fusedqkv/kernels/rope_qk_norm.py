@@ -18,6 +18,8 @@ Kernels (the forward lives in rope_qk_norm_fwd.py):
   - ``SAVED_ROTATED``: the saved activation is the rotated one (091 hands over
     ``query_pre_norm`` = after RoPE) or the raw projection output (training).
   - ``GRAD_COS_SIN``: compute grad_cos/grad_sin at all.
+  - ``RECOMPUTE_RSTD``: recompute rstd from the saved activation (training: nothing but
+    the projection output is kept between forward and backward) instead of loading it.
 
 * The finish: sums the partials over head groups in a fixed order (deterministic; no
   atomics in any sum): grad_cos/grad_sin per token, with 091's rounding of the separate
@@ -126,6 +128,13 @@ def _rms_norm_bwd(g1, g2, x1, x2, r, w1, w2, D: tl.constexpr, DT: tl.constexpr, 
 
 
 @triton.jit
+def _rstd(x1, x2, eps, D: tl.constexpr):
+    # as the forward computes it: 1 / sqrt(mean(x^2) + eps), per token
+    ms = (tl.sum(x1 * x1, axis=1, keep_dims=True) + tl.sum(x2 * x2, axis=1, keep_dims=True)) / D
+    return 1.0 / tl.sqrt(ms + eps)
+
+
+@triton.jit
 def _head_group_bwd(
     g_ptr, sg_b, sg_h, sg_s, sg_d,
     x_ptr, sx_b, sx_h, sx_s, sx_d,
@@ -134,10 +143,11 @@ def _head_group_bwd(
     dqkv_ptr, s_dqkv_t, col0,
     cs_ptr, group, M,
     h0, h1, b, s, tok, tmask,
-    c1, c2, s1, s2,
+    c1, c2, s1, s2, eps,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
     DT: tl.constexpr, EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
     SAVED_ROTATED: tl.constexpr, GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr,
+    RECOMPUTE_RSTD: tl.constexpr,
 ):
     """Backward of heads [h0, h1) of one head set (query or key) for a block of tokens.
     Returns the block's norm-weight gradient contributions (two halves)."""
@@ -193,6 +203,8 @@ def _head_group_bwd(
                 n2 = o2
                 p1 = x1
                 p2 = x2
+            if RECOMPUTE_RSTD:
+                r = _rstd(n1, n2, eps, D)
             gn1, gn2, a1, a2 = _rms_norm_bwd(g1, g2, n1, n2, r, w1, w2, D, DT, EXACT)
             dx1, dx2 = _rope_bwd(gn1, gn2, c1, c2, s1, s2, DT, EXACT)
             q1 = gn1
@@ -200,6 +212,8 @@ def _head_group_bwd(
         else:
             # RoPE after the norm: the rotated tensor is x * r * w
             gn1, gn2 = _rope_bwd(g1, g2, c1, c2, s1, s2, DT, EXACT)
+            if RECOMPUTE_RSTD:
+                r = _rstd(x1, x2, eps, D)
             dx1, dx2, a1, a2 = _rms_norm_bwd(gn1, gn2, x1, x2, r, w1, w2, D, DT, EXACT)
             p1 = x1 * r * w1
             p2 = x2 * r * w2
@@ -251,11 +265,12 @@ def rope_qk_norm_bwd_kernel(
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
     gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wsup_ptr,
-    M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG, TPP,
+    M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG, TPP, eps,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
+    RECOMPUTE_RSTD: tl.constexpr,
 ):
     DT: tl.constexpr = gq_ptr.dtype.element_ty
     pid_t = tl.program_id(0)
@@ -283,8 +298,9 @@ def rope_qk_norm_bwd_kernel(
                     wq_ptr, swq,
                     dqkv_ptr, s_dqkv_t, 0,
                     cs_ptr, group, M,
-                    h0, tl.minimum(h0 + HEADS_PER_GROUP, HQ), b, s, tok, tmask, c1, c2, s1, s2,
+                    h0, tl.minimum(h0 + HEADS_PER_GROUP, HQ), b, s, tok, tmask, c1, c2, s1, s2, eps,
                     D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
+                    RECOMPUTE_RSTD,
                 )
             else:
                 h0 = (group - NQG) * HEADS_PER_GROUP
@@ -295,8 +311,9 @@ def rope_qk_norm_bwd_kernel(
                     wk_ptr, swk,
                     dqkv_ptr, s_dqkv_t, HQ * D,
                     cs_ptr, group, M,
-                    h0, tl.minimum(h0 + HEADS_PER_GROUP, HKV), b, s, tok, tmask, c1, c2, s1, s2,
+                    h0, tl.minimum(h0 + HEADS_PER_GROUP, HKV), b, s, tok, tmask, c1, c2, s1, s2, eps,
                     D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
+                    RECOMPUTE_RSTD,
                 )
             wg1 += a1
             wg2 += a2

@@ -64,9 +64,9 @@ def pick_backend(device: torch.device, backend: Optional[str]) -> str:
     return backend
 
 
-def _rstd3(r: torch.Tensor) -> torch.Tensor:
+def _rstd3(r: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """rstd as [B, H, S] (drops a trailing keepdim axis of size 1)."""
-    return r[..., 0] if r.dim() == 4 else r
+    return r[..., 0] if r is not None and r.dim() == 4 else r
 
 
 # --------------------------------------------------------------------------- backward
@@ -76,13 +76,16 @@ def rope_qk_norm_backward(
     grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight, cos, sin,
     *, dqkv, grad_cos=None, grad_sin=None, grad_q_norm_weight, grad_k_norm_weight,
     exact: bool, norm_after_rope: bool = True, saved_rotated: bool = True, backend: Optional[str] = None,
-    scratch: Optional[torch.Tensor] = None,
+    scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None,
 ):
     """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``.
 
     Arguments are already validated. ``saved_q``/``saved_k`` are the rotated pre-norm
     tensors (``saved_rotated=True``, SOL-ExecBench 091) or the raw projection outputs.
     ``grad_cos``/``grad_sin`` may be None to skip them. Outputs are written in place.
+
+    ``rstd_q``/``rstd_k`` may be None: the stage then recomputes rstd = 1/sqrt(mean(n^2) + eps)
+    from the saved tensor (``eps`` required), as the forward did.
 
     ``scratch``: optionally a tensor the caller will overwrite only after this stage (the
     dX GEMM's output): its memory holds the fp32 partials when it is large enough, so the
@@ -93,15 +96,17 @@ def rope_qk_norm_backward(
     behind other work (the projection GEMMs) so its launch latency is hidden.
     """
     grad_cos_sin = grad_cos is not None
+    if (rstd_q is None) != (rstd_k is None) or (rstd_q is None and eps is None):
+        raise ValueError("rstd_q/rstd_k: give both, or neither together with eps (then rstd is recomputed)")
     if pick_backend(grad_q.device, backend) == "torch":
         _backward_torch(grad_q, grad_k, grad_v, saved_q, saved_k, _rstd3(rstd_q), _rstd3(rstd_k),
                         q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
-                        grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated)
+                        grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated, eps)
         return _done
     return _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k,
                      q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
                      grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated, grad_cos_sin,
-                     scratch)
+                     scratch, eps)
 
 
 def _done():
@@ -167,7 +172,7 @@ def _partials(scratch, shapes, device):
 
 
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None):
+                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None):
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     M = B * S
@@ -194,20 +199,24 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     tick = _ticket_buffer(gq.device, n_prog_t + n_sup + 1) if fused else w_part
     if not grad_cos_sin:
         gcos = gsin = cos  # never written: the kernels are compiled without those stores
+    recompute = rq is None
+    if recompute:  # never read: the kernel is compiled without those loads
+        rq = rk = w_part
+        r_strides = (0, 0, 0)
     # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
     fp_fusion = not exact
     _kernel("rope_qk_norm_bwd_kernel")[(n_prog_t, nqg + nkg + nvg)](
         gq, *gq.stride(), gk, *gk.stride(), gv, *gv.stride(),
         xq, *xq.stride(), xk, *xk.stride(),
-        rq, *rq.stride()[:3], rk, *rk.stride()[:3],
+        rq, *(r_strides if recompute else rq.stride()[:3]), rk, *(r_strides if recompute else rk.stride()[:3]),
         wq, wq.stride(0), wk, wk.stride(0),
         cos, *cos.stride(), sin, *sin.stride(),
         dqkv, dqkv.stride(0), cs_part, w_part,
         gcos, *gcos.stride(), gsin, *gsin.stride(), gwq, gwq.stride(0), gwk, gwk.stride(0), tick, w_sup,
-        M, S, HQ, HKV, heads_per_group, nqg, nkg, tpp,
+        M, S, HQ, HKV, heads_per_group, nqg, nkg, tpp, float(eps) if recompute else 0.0,
         D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
-        GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER,
+        GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,
         num_warps=num_warps, enable_fp_fusion=fp_fusion,
     )
     if fused:
@@ -245,12 +254,13 @@ def _rope_transpose(g, cos, sin, exact):
     return g * cos + torch.cat((g[..., h:] * sin[..., h:], -g[..., :h] * sin[..., :h]), dim=-1)
 
 
-def _rms_norm_backward_torch(g, x, w, r, out_dtype):
-    """Same operation order as the eager reference; all fp32, one rounding at the end."""
+def _rms_norm_backward_torch(g, x, w, r, out_dtype, eps=None):
+    """Same operation order as the eager reference; all fp32, one rounding at the end.
+    ``r`` None: recomputed from x (as the forward computes it)."""
     g = g.float()
     x = x.float()
     w = w.float()
-    r = r.float().unsqueeze(-1)
+    r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) if r is None else r.float().unsqueeze(-1)
     grad_w = (g * (x * r)).sum(dim=(0, 1, 2))
     direct = g * w * r
     grad_rstd = (g * w * x).sum(dim=-1, keepdim=True)
@@ -259,7 +269,7 @@ def _rms_norm_backward_torch(g, x, w, r, out_dtype):
 
 
 def _backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                    exact, norm_after_rope, saved_rotated):
+                    exact, norm_after_rope, saved_rotated, eps=None):
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     # exact: every op in the activation dtype rounds its result, as the eager reference;
@@ -274,11 +284,13 @@ def _backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gs
         if norm_after_rope:
             o = _rope(x, c, s)
             n, p = (x, o) if saved_rotated else (o, x)
-            gn, grad_w = _rms_norm_backward_torch(g, n, w, r, lp)
+            gn, grad_w = _rms_norm_backward_torch(g, n, w, r, lp, eps)
             dx = _rope_transpose(gn, c, s, exact)
             q = gn
         else:
             gn = _rope_transpose(g, c, s, exact)
+            if r is None:
+                r = torch.rsqrt(x.float().pow(2).mean(dim=-1) + eps)
             dx, grad_w = _rms_norm_backward_torch(gn, x, w, r, lp)
             p = (x.float() * r.float().unsqueeze(-1) * w.float()).to(lp)
             q = g
