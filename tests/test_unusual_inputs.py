@@ -213,3 +213,57 @@ def test_forward_and_backward_of_the_block_with_zero_tokens(bs, backend):
     assert x.grad.shape == x.shape
     for p in (w, wq, wk):
         assert p.grad is not None and p.grad.shape == p.shape and not bool(p.grad.any())
+
+
+def _block_inputs(b=2, s=5, hid=32, hq=4, hkv=2, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, s, hid, generator=g)
+    w = torch.randn((hq + 2 * hkv) * d, hid, generator=g) / hid ** 0.5
+    wq = 1 + 0.1 * torch.randn(d, generator=g)
+    wk = 1 + 0.1 * torch.randn(d, generator=g)
+    ang = torch.randn(b, s, d, generator=g)
+    return x, w, wq, wk, ang.cos(), ang.sin(), hq, hkv
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("position", ["after_rope", "before_rope"])
+def test_forward_strided_views_equal_contiguous(backend, position):
+    import fusedqkv
+
+    x, w, wq, wk, cos, sin, hq, hkv = _block_inputs()
+    ref = fusedqkv.gqa_qkv_rope_qk_norm(x, w, wq, wk, cos, sin, num_heads=hq, num_kv_heads=hkv,
+                                         qk_norm_position=position, backend=backend)
+    # [seq, batch, hidden] storage seen as [batch, seq, hidden]; a transposed weight; cos/sin
+    # with a strided head_dim
+    xt = x.transpose(0, 1).contiguous().transpose(0, 1)
+    wt = w.t().contiguous().t()
+    cos2 = torch.stack((cos, cos), dim=-1)[..., 0]
+    sin2 = torch.stack((sin, sin), dim=-1)[..., 0]
+    assert not xt.is_contiguous() and not wt.is_contiguous() and cos2.stride(-1) == 2
+    got = fusedqkv.gqa_qkv_rope_qk_norm(xt, wt, wq, wk, cos2, sin2, num_heads=hq, num_kv_heads=hkv,
+                                         qk_norm_position=position, backend=backend)
+    # the projection GEMM may pick another kernel for transposed operands: fp32-level
+    # differences only (a stride bug would show as O(1) errors)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_forward_non_finite_input_propagates_like_reference(backend, bad):
+    import fusedqkv
+
+    x, w, wq, wk, cos, sin, hq, hkv = _block_inputs()
+    x[1, 3, 7] = bad  # one token of one sequence
+    ref_mod = fusedqkv.ReferenceGQAQKVRoPEQKNorm(x.shape[-1], hq, hkv, 64)
+    with torch.no_grad():
+        ref_mod.qkv_weight.copy_(w)
+        ref_mod.q_norm_weight.copy_(wq)
+        ref_mod.k_norm_weight.copy_(wk)
+        ref = ref_mod(x, cos, sin)
+    got = fusedqkv.gqa_qkv_rope_qk_norm(x, w, wq, wk, cos, sin, num_heads=hq, num_kv_heads=hkv, backend=backend)
+    for a, b in zip(got, ref):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+        assert not bool(torch.isfinite(a[1, :, 3]).all())  # the bad token is not silently zeroed
+        fin = torch.isfinite(b)
+        assert torch.allclose(a[fin], b[fin], rtol=1e-4, atol=1e-5)
