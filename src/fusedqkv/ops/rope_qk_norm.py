@@ -1,4 +1,5 @@
-"""Launchers for the RoPE + QK-norm stage, forward and backward, with CPU/GPU dispatch.
+"""Launcher for the RoPE + QK-norm backward stage, with CPU/GPU dispatch (the forward's
+launcher is :mod:`fusedqkv.ops.gqa_forward`).
 
 The backward stage takes the gradients of q/k/v (``[batch, heads, seq, head_dim]``)
 and writes dQKV token-major ``[tokens, (Hq + 2*Hkv) * D]`` -- what the projection
@@ -21,6 +22,7 @@ import torch
 
 from .launch import FastLaunch
 
+
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -33,8 +35,8 @@ def _sm_count(index: int) -> int:
 def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int]:
     """(tokens per program, heads per group, num_warps) for the backward stage.
 
-    Few tokens: small token blocks and head groups, for enough programs to fill the GPU.
-    Many tokens: whole head sets per program, so fewer fp32 grad_cos/sin partials.
+    Few tokens: small head groups, for enough programs to fill the GPU. Many tokens: up to
+    16 heads per group, so fewer fp32 grad_cos/sin partials.
     """
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
