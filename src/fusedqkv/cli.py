@@ -19,6 +19,11 @@ class CliError(Exception):
     pass
 
 
+
+def _fmt_or_dash(v, fmt: str) -> str:
+    """A metric formatted for a table, '-' when it does not apply."""
+    return fmt.format(v) if v is not None else "-"
+
 def _err(msg: str, code: int = EXIT_USAGE) -> int:
     print(f"fusedqkv: error: {msg}", file=sys.stderr)
     return code
@@ -125,9 +130,7 @@ def cmd_bench(a) -> int:
     print(f"{'impl':<11s} {'SOL score':>9s} {'latency ms':>11s} {'speedup':>8s} {'geomean':>8s} {'faster':>7s} {'correct':>8s}")
     for n in report._impls(results):
         x = s[n]
-
-        def f(v, fmt):
-            return fmt.format(v) if v is not None else "-"
+        f = _fmt_or_dash
         print(f"{n:<11s} {f(x['sol_score'], '{:9.4f}'):>9s} {f(x['latency_ms'], '{:11.4f}'):>11s} "
               f"{f(x['avg_speedup'], '{:7.3f}x'):>8s} {f(x['geomean_speedup'], '{:7.3f}x'):>8s} "
               f"{x['fast_1_count']:>3d}/{x['fast_1_total']:<3d} "
@@ -188,9 +191,7 @@ def cmd_runs(a) -> int:
               f"{'speedup':>8s} {'faster':>6s} {'impl digest':<19s}")
         for i, r in enumerate(o["runs"], 1):
             sp, m = r["run"]["spec"], r["run"]["spec"]["sourceNative"]["metrics"]
-
-            def f(v, fmt):
-                return fmt.format(v) if v is not None else "-"
+            f = _fmt_or_dash
             print(f"{i:>3d} {r['run']['metadata']['name']:<60s} {r['run']['metadata']['labels']['implementation']:<9s} "
                   f"{sp['status']:<9s} {f(m['sol_score'], '{:9.4f}'):>9s} {f(m['latency_ms'], '{:10.4f}'):>10s} "
                   f"{f(m['avg_speedup'], '{:7.3f}x'):>8s} {m['fast_1_count']:>2}/{m['fast_1_total']:<3} "

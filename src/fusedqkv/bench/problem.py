@@ -235,7 +235,6 @@ def reference_impl(name: str = DEFAULT_DEFINITION) -> tuple:
     from ..ops.gqa_backward import gqa_qkv_rope_qk_norm_backward
 
     def eager(*args):
-        with torch.no_grad():
-            return gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
+        return gqa_qkv_rope_qk_norm_backward(*args, backend="torch")  # runs under no_grad itself
 
     return eager, "fusedqkv eager re-implementation (official pack not found)"

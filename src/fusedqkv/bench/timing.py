@@ -48,12 +48,18 @@ def summarize(samples_ms) -> dict:
             "max": xs[-1], "p20": q(0.2), "p80": q(0.8)}
 
 
-def time_cuda_events(fn: Callable[[], object], reps: int = 50, warmup: int = 5, flusher: L2Flusher | None = None) -> list:
+def _warm_up(fn, warmup: int, flusher: L2Flusher | None) -> L2Flusher:
+    """Warm-up calls, each after a flush, as timed calls will be; returns the flusher."""
     flusher = flusher or L2Flusher(torch.cuda.current_device())
     for _ in range(warmup):
         flusher()
         fn()
     torch.cuda.synchronize()
+    return flusher
+
+
+def time_cuda_events(fn: Callable[[], object], reps: int = 50, warmup: int = 5, flusher: L2Flusher | None = None) -> list:
+    flusher = _warm_up(fn, warmup, flusher)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
@@ -89,11 +95,7 @@ def kernel_spans_from_events(events) -> list:
 def time_kernel_span(fn: Callable[[], object], reps: int = 50, warmup: int = 5, flusher: L2Flusher | None = None) -> list:
     from torch.profiler import ProfilerActivity, profile
 
-    flusher = flusher or L2Flusher(torch.cuda.current_device())
-    for _ in range(warmup):
-        flusher()
-        fn()
-    torch.cuda.synchronize()
+    flusher = _warm_up(fn, warmup, flusher)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             flusher()

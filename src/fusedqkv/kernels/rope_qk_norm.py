@@ -135,6 +135,18 @@ def _rstd(x1, x2, eps, D: tl.constexpr):
 
 
 @triton.jit
+def _load_head(g_row, sg_h, sg_d, x_row, sx_h, sx_d, r_row, sr_h, h, h1, d, mask, tmask, HALF: tl.constexpr):
+    """Raw tiles of head h (nothing loaded once h reaches h1): both halves of g and x, and rstd."""
+    pmask = mask & (h < h1)
+    g1 = tl.load(g_row + h * sg_h + d * sg_d, mask=pmask, other=0.0)
+    g2 = tl.load(g_row + h * sg_h + (d + HALF) * sg_d, mask=pmask, other=0.0)
+    x1 = tl.load(x_row + h * sx_h + d * sx_d, mask=pmask, other=0.0)
+    x2 = tl.load(x_row + h * sx_h + (d + HALF) * sx_d, mask=pmask, other=0.0)
+    r = tl.load(r_row + h * sr_h, mask=tmask & (h < h1), other=0.0)
+    return g1, g2, x1, x2, r
+
+
+@triton.jit
 def _head_group_bwd(
     g_ptr, sg_b, sg_h, sg_s, sg_d,
     x_ptr, sx_b, sx_h, sx_s, sx_d,
@@ -169,25 +181,16 @@ def _head_group_bwd(
     wg2 = tl.zeros([HALF_P2], tl.float32)
     # software pipelining by hand: the loads of head h+1 are issued before the math of
     # head h, so each program keeps two heads of loads in flight
-    pmask = mask & (h0 < h1)
-    ng1 = tl.load(g_row + h0 * sg_h + d * sg_d, mask=pmask, other=0.0)
-    ng2 = tl.load(g_row + h0 * sg_h + (d + HALF) * sg_d, mask=pmask, other=0.0)
-    nx1 = tl.load(x_row + h0 * sx_h + d * sx_d, mask=pmask, other=0.0)
-    nx2 = tl.load(x_row + h0 * sx_h + (d + HALF) * sx_d, mask=pmask, other=0.0)
-    nr = tl.load(r_row + h0 * sr_h, mask=tmask & (h0 < h1), other=0.0)
+    ng1, ng2, nx1, nx2, nr = _load_head(g_row, sg_h, sg_d, x_row, sx_h, sx_d, r_row, sr_h, h0, h1, d, mask, tmask,
+                                        HALF)
     for h in range(h0, h1):
         g1 = ng1.to(tl.float32)
         g2 = ng2.to(tl.float32)
         x1 = nx1.to(tl.float32)
         x2 = nx2.to(tl.float32)
         r = nr.to(tl.float32)[:, None]
-        hn = h + 1
-        pmask = mask & (hn < h1)
-        ng1 = tl.load(g_row + hn * sg_h + d * sg_d, mask=pmask, other=0.0)
-        ng2 = tl.load(g_row + hn * sg_h + (d + HALF) * sg_d, mask=pmask, other=0.0)
-        nx1 = tl.load(x_row + hn * sx_h + d * sx_d, mask=pmask, other=0.0)
-        nx2 = tl.load(x_row + hn * sx_h + (d + HALF) * sx_d, mask=pmask, other=0.0)
-        nr = tl.load(r_row + hn * sr_h, mask=tmask & (hn < h1), other=0.0)
+        ng1, ng2, nx1, nx2, nr = _load_head(g_row, sg_h, sg_d, x_row, sx_h, sx_d, r_row, sr_h, h + 1, h1, d, mask,
+                                            tmask, HALF)
         if NORM_AFTER_ROPE:
             # the norm sees the rotated tensor; grad_cos/sin need the tensor RoPE was applied
             # to. 091's reference "recovers" it by rotating the saved rotated tensor once

@@ -16,6 +16,7 @@ Two backends with one semantics:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -139,9 +140,10 @@ _tickets: dict = {}
 
 
 def _ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 tickets, one per token chunk plus one, per (device, stream); the kernel
-    leaves them zero again, so the buffer is reused without a memset."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    """Zeroed int32 tickets (per token chunk, per run of chunks, one per call), per (device,
+    stream); the kernel leaves them zero again, so the buffer is reused without a memset."""
+    # the raw stream handle: no Stream object built on the hot path
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
     buf = _tickets.get(key)
     if buf is None or buf.numel() < n:
         buf = _tickets[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
@@ -151,12 +153,8 @@ def _ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
 def _partials(scratch, shapes, device):
     """fp32 partial buffers of the given shapes: carved out of ``scratch`` when it is big
     enough, else one new allocation."""
-    sizes = []
-    for shape in shapes:
-        n = 1
-        for x in shape:
-            n *= x
-        sizes.append(-(-n // 4) * 4)  # keep each buffer 16-byte aligned
+    numels = [math.prod(shape) for shape in shapes]
+    sizes = [-(-n // 4) * 4 for n in numels]  # keep each buffer 16-byte aligned
     total = sum(sizes)
     if (scratch is not None and scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
             and scratch.numel() * scratch.element_size() >= 4 * total):
@@ -164,12 +162,9 @@ def _partials(scratch, shapes, device):
     else:
         flat = torch.empty(total, device=device, dtype=torch.float32)
     out, off = [], 0
-    for shape, n in zip(shapes, sizes):
-        numel = 1
-        for x in shape:
-            numel *= x
+    for shape, numel, size in zip(shapes, numels, sizes):
         out.append(flat[off: off + numel].view(shape))
-        off += n
+        off += size
     return out
 
 
@@ -188,8 +183,7 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     tpp = -(-n_tblocks // 256)
     n_prog_t = -(-n_tblocks // tpp)
     nqg = -(-HQ // heads_per_group)
-    nkg = -(-HKV // heads_per_group)
-    nvg = nkg
+    nkg = -(-HKV // heads_per_group)  # the value heads use as many groups as the key heads
     fused = FUSED_FINISH
     # every allocation before the first launch
     # the fused finish consumes the partials inside the kernel, so the dX output (written
@@ -204,13 +198,15 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     recompute = rq is None
     if recompute:  # never read: the kernel is compiled without those loads
         rq = rk = w_part
-        r_strides = (0, 0, 0)
+        rq_strides = rk_strides = (0, 0, 0)
+    else:
+        rq_strides, rk_strides = rq.stride()[:3], rk.stride()[:3]
     # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
     fp_fusion = not exact
-    _kernel("rope_qk_norm_bwd_kernel")[(n_prog_t, nqg + nkg + nvg)](
+    _kernel("rope_qk_norm_bwd_kernel")[(n_prog_t, nqg + 2 * nkg)](
         gq, *gq.stride(), gk, *gk.stride(), gv, *gv.stride(),
         xq, *xq.stride(), xk, *xk.stride(),
-        rq, *(r_strides if recompute else rq.stride()[:3]), rk, *(r_strides if recompute else rk.stride()[:3]),
+        rq, *rq_strides, rk, *rk_strides,
         wq, wq.stride(0), wk, wk.stride(0),
         cos, *cos.stride(), sin, *sin.stride(),
         dqkv, dqkv.stride(0), cs_part, w_part,
