@@ -134,7 +134,8 @@ def main() -> int:
                 for bt in (4, 8):
                     for g in (4, 8, 16, 32):
                         nw = stage._warps_for(bt, a[0].shape[-1])
-                        stage._launch_config = lambda m, hq, hkv, dd, dv, bt=bt, g=g, nw=nw: (bt, g, nw)
+                        stage._launch_config = lambda m, hq, hkv, dd, dv, bt=bt, g=g, nw=nw: (bt, g, nw,
+                                                                                               stage.PREFETCH)
                         tune[f"{'F' if fused else 'K'}_T{bt}_g{g}_w{nw}"] = timing.summarize(timing.time_kernel_span(
                             impls["fusedqkv"], reps=max(20, args.reps // 2), flusher=flusher))["median"]
             stage._launch_config = orig_cfg

@@ -121,10 +121,10 @@ def _rms_norm_bwd(g1, g2, x1, x2, r, w1, w2, D: tl.constexpr, DT: tl.constexpr, 
     neg_r3 = -(r * r * r)
     dx1 = _rnd(gw1 * r + grad_rstd * ((neg_r3 * x1) / D), DT, EXACT)
     dx2 = _rnd(gw2 * r + grad_rstd * ((neg_r3 * x2) / D), DT, EXACT)
-    # weight-gradient contribution of these tokens: sum over tokens of g * (x * r)
-    wg1 = tl.sum(g1 * (x1 * r), axis=0)
-    wg2 = tl.sum(g2 * (x2 * r), axis=0)
-    return dx1, dx2, wg1, wg2
+    # weight-gradient contribution g * (x * r), per element: the caller sums over tokens
+    # once per program (a sum over the token axis crosses warps: shared memory and a
+    # barrier, too costly once per head)
+    return dx1, dx2, g1 * (x1 * r), g2 * (x2 * r)
 
 
 @triton.jit
@@ -159,10 +159,11 @@ def _head_group_bwd(
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
     DT: tl.constexpr, EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
     SAVED_ROTATED: tl.constexpr, GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr,
-    RECOMPUTE_RSTD: tl.constexpr,
+    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
 ):
     """Backward of heads [h0, h1) of one head set (query or key) for a block of tokens.
-    Returns the block's norm-weight gradient contributions (two halves)."""
+    Returns the block's norm-weight gradient contributions per element ([tokens, D/2] x 2),
+    summed over the heads."""
     d = tl.arange(0, HALF_P2)[None, :]
     dmask = tl.arange(0, HALF_P2) < HALF
     mask = tmask[:, None] & (d < HALF)
@@ -177,20 +178,17 @@ def _head_group_bwd(
     cs2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
     sn1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
     sn2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
-    wg1 = tl.zeros([HALF_P2], tl.float32)
-    wg2 = tl.zeros([HALF_P2], tl.float32)
-    # software pipelining by hand: the loads of head h+1 are issued before the math of
-    # head h, so each program keeps two heads of loads in flight
-    ng1, ng2, nx1, nx2, nr = _load_head(g_row, sg_h, sg_d, x_row, sx_h, sx_d, r_row, sr_h, h0, h1, d, mask, tmask,
-                                        HALF)
-    for h in range(h0, h1):
-        g1 = ng1.to(tl.float32)
-        g2 = ng2.to(tl.float32)
-        x1 = nx1.to(tl.float32)
-        x2 = nx2.to(tl.float32)
-        r = nr.to(tl.float32)[:, None]
-        ng1, ng2, nx1, nx2, nr = _load_head(g_row, sg_h, sg_d, x_row, sx_h, sx_d, r_row, sr_h, h + 1, h1, d, mask,
-                                            tmask, HALF)
+    wg1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    wg2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    # software pipelining by hand: the loads of heads h+1 .. h+PF are in flight while head
+    # h is computed (the stage is bound by memory latency: few bytes in flight per SM)
+    for h in tl.range(h0, h1, num_stages=PF):
+        pf0 = _load_head(g_row, sg_h, sg_d, x_row, sx_h, sx_d, r_row, sr_h, h, h1, d, mask, tmask, HALF)
+        g1 = pf0[0].to(tl.float32)
+        g2 = pf0[1].to(tl.float32)
+        x1 = pf0[2].to(tl.float32)
+        x2 = pf0[3].to(tl.float32)
+        r = pf0[4].to(tl.float32)[:, None]
         if NORM_AFTER_ROPE:
             # the norm sees the rotated tensor; grad_cos/sin need the tensor RoPE was applied
             # to. 091's reference "recovers" it by rotating the saved rotated tensor once
@@ -273,15 +271,15 @@ def rope_qk_norm_bwd_kernel(
     BLOCK_T: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
-    RECOMPUTE_RSTD: tl.constexpr,
+    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
 ):
     DT: tl.constexpr = gq_ptr.dtype.element_ty
     pid_t = tl.program_id(0)
     group = tl.program_id(1)
     n_prog_t = tl.num_programs(0)
     dh = tl.arange(0, HALF_P2)
-    wg1 = tl.zeros([HALF_P2], tl.float32)
-    wg2 = tl.zeros([HALF_P2], tl.float32)
+    wg1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    wg2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
     # each program takes TPP consecutive token blocks, so that the norm-weight partials
     # (one row per program and group) stay few enough for a quick final reduction
     for it in range(0, TPP):
@@ -303,7 +301,7 @@ def rope_qk_norm_bwd_kernel(
                     cs_ptr, group, M,
                     h0, tl.minimum(h0 + HEADS_PER_GROUP, HQ), b, s, tok, tmask, c1, c2, s1, s2, eps,
                     D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
-                    RECOMPUTE_RSTD,
+                    RECOMPUTE_RSTD, PF,
                 )
             else:
                 h0 = (group - NQG) * HEADS_PER_GROUP
@@ -316,7 +314,7 @@ def rope_qk_norm_bwd_kernel(
                     cs_ptr, group, M,
                     h0, tl.minimum(h0 + HEADS_PER_GROUP, HKV), b, s, tok, tmask, c1, c2, s1, s2, eps,
                     D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
-                    RECOMPUTE_RSTD,
+                    RECOMPUTE_RSTD, PF,
                 )
             wg1 += a1
             wg2 += a2
@@ -334,8 +332,8 @@ def rope_qk_norm_bwd_kernel(
     if group < NQG + NKG:
         # norm-weight partials [groups, programs along tokens, D] fp32
         wrow = wpart_ptr + (group * n_prog_t + pid_t) * D
-        tl.store(wrow + dh, wg1, mask=dh < HALF)
-        tl.store(wrow + HALF + dh, wg2, mask=dh < HALF)
+        tl.store(wrow + dh, tl.sum(wg1, axis=0), mask=dh < HALF)
+        tl.store(wrow + HALF + dh, tl.sum(wg2, axis=0), mask=dh < HALF)
         if FUSED_FINISH:
             # The last program of this token chunk to finish (a ticket, not a sum: the
             # results are summed in a fixed order) turns the chunk's partials into

@@ -33,8 +33,8 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int]:
-    """(tokens per program, heads per group, num_warps) for the backward stage.
+def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(tokens per block, heads per group, num_warps, heads of loads in flight) for the backward stage.
 
     Few tokens: small head groups, for enough programs to fill the GPU. Many tokens: up to
     16 heads per group, so fewer fp32 grad_cos/sin partials.
@@ -43,20 +43,21 @@ def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> t
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         sms = 4
-    # measured on the H200 (benchmarks/NOTES.md): 4-token blocks win at every size
-    block_t = 4
+    # measured on the H200 (benchmarks/NOTES.md, v7): 8-token blocks with ~4 tile elements
+    # per thread from ~1k tokens, 4-token blocks with ~2 per thread below
+    block_t, per_thread = (8, 4) if M >= 1024 else (4, 2)
     n_prog_t = min(-(-M // block_t), 256)
     # fewest head groups (largest power of 2, at most 16 heads) reaching ~4 programs per SM
     g = min(16, _next_pow2(max(hq, 1)))
     while g > 1 and n_prog_t * (-(-hq // g) + 2 * -(-hkv // g)) < 4 * sms:
         g //= 2
-    return block_t, g, _warps_for(block_t, d)
+    return block_t, g, _warps_for(block_t, d, per_thread), PREFETCH
 
 
-def _warps_for(block_t: int, d: int) -> int:
-    # ~2 tile elements per thread: the per-element working set of the exact-mode math is
-    # ~40 fp32 registers, so larger per-thread tiles spill on sm_90
-    return max(1, min(16, block_t * _next_pow2(d // 2) // 64))
+def _warps_for(block_t: int, d: int, per_thread: int = 2) -> int:
+    # the per-element working set of the exact-mode math is ~20-30 fp32 registers, so more
+    # than ~4 tile elements per thread spill on sm_90
+    return max(1, min(16, block_t * _next_pow2(d // 2) // (32 * per_thread)))
 
 
 def pick_backend(device: torch.device, backend: Optional[str]) -> str:
@@ -129,6 +130,10 @@ def _kernel(name: str) -> FastLaunch:
     return k
 
 
+# heads whose loads are in flight while one head is computed (the stage is bound by memory
+# latency; see benchmarks/NOTES.md, v7)
+PREFETCH = 3
+
 # Finish (grad_cos/sin and norm-weight reductions) inside the main kernel by the last
 # program of each chunk (True), or as a second launch after the GEMMs (False).
 FUSED_FINISH = True
@@ -177,7 +182,7 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         gwq.zero_()
         gwk.zero_()
         return _done
-    block_t, heads_per_group, num_warps = _launch_config(M, HQ, HKV, D, gq.device)
+    block_t, heads_per_group, num_warps, prefetch = _launch_config(M, HQ, HKV, D, gq.device)
     n_tblocks = -(-M // block_t)
     # token blocks per program: at most ~256 norm-weight partial rows per head group
     tpp = -(-n_tblocks // 256)
@@ -215,7 +220,7 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,
-        num_warps=num_warps, enable_fp_fusion=fp_fusion,
+        PF=prefetch, num_warps=num_warps, enable_fp_fusion=fp_fusion,
     )
     if fused:
         return _done
