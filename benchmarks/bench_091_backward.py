@@ -28,6 +28,7 @@ import torch
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import harness, problem, timing
 from fusedqkv.ops import rope_qk_norm as stage
+from fusedqkv.ops import single_launch
 
 
 def geomean(xs):
@@ -84,6 +85,10 @@ def main() -> int:
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--diag", action="store_true", help="torch backend on the GPU vs the kernel; host time per call")
     ap.add_argument("--no-span", action="store_true", help="skip the profiler kernel-span timing")
+    ap.add_argument("--paths", action="store_true",
+                    help="also time (and check) the single launch and the three launches on every workload "
+                         "of at most --paths-max-tokens tokens")
+    ap.add_argument("--paths-max-tokens", type=int, default=2200)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -123,6 +128,23 @@ def main() -> int:
             row["events_ms"][k] = timing.summarize(timing.time_cuda_events(fn, reps=args.reps, flusher=flusher))
             if not args.no_span:
                 row["span_ms"][k] = timing.summarize(timing.time_kernel_span(fn, reps=args.reps, flusher=flusher))
+
+        if args.paths and M <= args.paths_max_tokens:
+            orig_max = single_launch.MAX_TOKENS
+            row["paths"] = {}
+            for pname, mx in (("single_launch", 1 << 30), ("three_launches", 0)):
+                single_launch.MAX_TOKENS = mx
+                o2 = tuple(torch.empty_like(t) for t in ref_out)
+                g2 = gqa_qkv_rope_qk_norm_backward(*a, out=o2)
+                c2 = problem.check_outputs(names, g2, ref_out, w)
+                again2 = gqa_qkv_rope_qk_norm_backward(*a)
+                row["paths"][pname] = {
+                    "passed": all(c.passed for c in c2), "min_matched": min(c.matched_ratio for c in c2),
+                    "deterministic": all(torch.equal(x, y) for x, y in zip(g2, again2)),
+                    "span_ms": timing.summarize(timing.time_kernel_span(
+                        lambda o2=o2: gqa_qkv_rope_qk_norm_backward(*a, out=o2), reps=args.reps, flusher=flusher)),
+                }
+            single_launch.MAX_TOKENS = orig_max
 
         if args.tune:
             # the whole op (kernel span, the official timer) under several launch configurations
@@ -174,6 +196,16 @@ def main() -> int:
                   "bit-eq torch/triton:", [round(x, 4) for x in r["diag_torch_vs_triton_bitequal"]],
                   f"host {r['diag_host_us_per_call']:.1f} us/call")
 
+    if args.paths:
+        print("\nsingle launch vs three launches (kernel span, median ms; pass = official check, det = deterministic)")
+        for r in rows:
+            if "paths" in r:
+                p1, p3 = r["paths"]["single_launch"], r["paths"]["three_launches"]
+                floor = r["span_ms"]["gemm_floor"]["median"] if r["span_ms"] else float("nan")
+                print(f"{r['workload']:<16s} {r['tokens']:6d} single {p1['span_ms']['median']:.4f} "
+                      f"({'pass' if p1['passed'] else 'FAIL'} {p1['min_matched']:.5f} {'det' if p1['deterministic'] else 'NONDET'})"
+                      f"  three {p3['span_ms']['median']:.4f}  floor {floor:.4f}  single/floor "
+                      f"{p1['span_ms']['median'] / floor:.3f}  three/floor {p3['span_ms']['median'] / floor:.3f}")
     src = "span_ms" if not args.no_span else "events_ms"
     print(f"\n{torch.cuda.get_device_name()} | cold L2 | median of {args.reps} | times from {src} (events in JSON)")
     print(f"{'workload':<16s} {'M':>6s} {'pass':>4s} {'minmatch':>8s} {'bitcos':>6s} {'det':>3s} "

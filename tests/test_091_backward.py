@@ -8,6 +8,7 @@ import torch
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
 from fusedqkv.ops import rope_qk_norm as stage
+from fusedqkv.ops import single_launch
 
 DEFN = problem.load_definition()
 REF = problem.load_official_reference()
@@ -70,6 +71,8 @@ INTERP_SHAPES = [
 @pytest.mark.parametrize("fused_finish", [True, False], ids=["fused_finish", "finish_kernel"])
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
 def test_triton_kernel_bit_equals_cpu_path(shape, fused_finish, monkeypatch):
+    # the stage kernel, then torch.mm (the single launch is tested below)
+    monkeypatch.setattr(single_launch, "MAX_TOKENS", 0)
     monkeypatch.setattr(stage, "FUSED_FINISH", fused_finish)
     args = make_inputs(*shape, seed=sum(shape))
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
@@ -77,6 +80,28 @@ def test_triton_kernel_bit_equals_cpu_path(shape, fused_finish, monkeypatch):
     for name, a, b in zip(("grad_hidden_states", "grad_cos", "grad_sin", "grad_qkv_weight",
                            "grad_q_norm_weight", "grad_k_norm_weight"), cpu, tri):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
+def test_single_launch_matches_cpu_path(shape, monkeypatch):
+    """Stage and both products in one launch (run as its two phases under the interpreter):
+    the stage's outputs bit-equal to the CPU path; dX and dW (Triton tiles, the dX tiles
+    split along the QKV axis and summed in fp32) within one bf16 rounding of cuBLAS-style
+    torch.mm on the same dQKV."""
+    monkeypatch.setattr(single_launch, "MAX_TOKENS", 1 << 20)
+    args = make_inputs(*shape, hidden=144, seed=sum(shape))  # 144: a partial 128-wide tile
+    M = shape[0] * shape[3]
+    assert single_launch.eligible(M, shape[4], torch.bfloat16, torch.device("cpu"), args[3].view(M, -1),
+                                  torch.empty(M, 144).view(M, -1)) == single_launch._INTERPRET
+    cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
+    tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    for name, a, b in zip(("grad_cos", "grad_sin", "grad_q_norm_weight", "grad_k_norm_weight"), cpu[1:3] + cpu[4:],
+                          tri[1:3] + tri[4:]):
+        assert torch.equal(a, b), name
+    for name, a, b in (("grad_hidden_states", cpu[0], tri[0]), ("grad_qkv_weight", cpu[3], tri[3])):
+        a, b = a.float(), b.float()
+        assert ((a - b).abs() <= a.abs() * 2 ** -7 + 1e-6).all(), name
+        assert (a == b).float().mean() > 0.98, name
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -273,10 +273,54 @@ def rope_qk_norm_bwd_kernel(
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
 ):
+    """Grid (programs along tokens, head groups): one ``_stage_program`` per program."""
+    _stage_program(
+        tl.program_id(0), tl.program_id(1), tl.num_programs(0),
+        gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,
+        xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, rq_ptr, srq_b, srq_h, srq_s,
+        rk_ptr, srk_b, srk_h, srk_s, wq_ptr, swq, wk_ptr, swk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b,
+        ssin_s, ssin_d, dqkv_ptr, s_dqkv_t, cs_ptr, wpart_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr,
+        sgsin_b, sgsin_s, sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wsup_ptr, M, S, HQ, HKV,
+        HEADS_PER_GROUP, NQG, NKG, TPP, eps, D, HALF, HALF_P2, D_P2, BLOCK_T, EXACT, NORM_AFTER_ROPE,
+        SAVED_ROTATED, GRAD_COS_SIN, FUSED_FINISH, SUPER, RECOMPUTE_RSTD, PF
+    )
+
+
+@triton.jit
+def _stage_program(
+    # which token chunk and head group, of how many chunks
+    pid_t, group, n_prog_t,
+    # grads of the block outputs [B, H, S, D]
+    gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
+    gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d,
+    gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,
+    # saved activations [B, H, S, D]
+    xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
+    xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
+    # rstd [B, H, S] (a trailing size-1 dim dropped by the launcher)
+    rq_ptr, srq_b, srq_h, srq_s,
+    rk_ptr, srk_b, srk_h, srk_s,
+    # norm weights [D]
+    wq_ptr, swq, wk_ptr, swk,
+    # cos / sin [B, S, D]
+    cos_ptr, scos_b, scos_s, scos_d,
+    sin_ptr, ssin_b, ssin_s, ssin_d,
+    # outputs: dQKV [M, (Hq + 2 Hkv) D]; fp32 partials of grad_cos/sin and the norm weights
+    dqkv_ptr, s_dqkv_t,
+    cs_ptr, wpart_ptr,
+    # final outputs and tickets (FUSED_FINISH only)
+    gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
+    gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+    gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wsup_ptr,
+    M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG, TPP, eps,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
+    GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
+    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
+):
+    """One (token chunk, head group) work item of the backward stage."""
     DT: tl.constexpr = gq_ptr.dtype.element_ty
-    pid_t = tl.program_id(0)
-    group = tl.program_id(1)
-    n_prog_t = tl.num_programs(0)
     dh = tl.arange(0, HALF_P2)
     wg1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
     wg2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)

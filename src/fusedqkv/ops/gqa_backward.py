@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import single_launch
 from . import validation as V
 from .rope_qk_norm import pick_backend, rope_qk_norm_backward
 
@@ -104,6 +105,14 @@ def output_specs(sizes: dict) -> list:
     ], inputs=sizes.get("inputs", ()))
 
 
+def _as_matrix(t: torch.Tensor, rows: int, cols: int) -> Optional[torch.Tensor]:
+    """``t`` as a [rows, cols] view (no copy), or None when its strides do not allow one."""
+    try:
+        return t.view(rows, cols)
+    except RuntimeError:
+        return None
+
+
 def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     if out.is_contiguous():
         torch.mm(a, b, out=out)
@@ -139,6 +148,15 @@ def gqa_qkv_rope_qk_norm_backward(
         M = sz["batch"] * sz["seq"]
         # every allocation before the first launch: the GPU must not wait on the host
         dqkv = torch.empty((M, sz["qkv"]), dtype=sz["dtype"], device=device)
+        if backend == "triton":
+            x2d = _as_matrix(hidden_states, M, sz["hidden"])
+            dx2d = _as_matrix(g_hidden, M, sz["hidden"])
+            if single_launch.eligible(M, sz["head_dim"], sz["dtype"], device, x2d, dx2d):
+                # few tokens: stage and both products in one persistent launch
+                single_launch.backward(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
+                                       q_norm_weight, k_norm_weight, cos, sin, x2d, qkv_weight, dqkv=dqkv, dx2d=dx2d,
+                                       dw=g_weight, gcos=g_cos, gsin=g_sin, gwq=g_qw, gwk=g_kw)
+                return out
         finish = rope_qk_norm_backward(
             grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
             q_norm_weight, k_norm_weight, cos, sin,

@@ -1,0 +1,131 @@
+"""Launcher of the single-launch backward (stage + dX + dW in one persistent kernel).
+
+Used for few tokens, where three launches leave the GPU idle while the host issues the
+GEMMs (see :mod:`fusedqkv.kernels.gqa_bwd_single_launch`). The caller checks
+:func:`eligible`; the outputs are written in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .launch import FastLaunch
+from .rope_qk_norm import PREFETCH, _next_pow2, _sm_count
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Largest token count that takes the single launch (measured on the H200: benchmarks/NOTES.md, v8).
+# FUSEDQKV_SINGLE_LAUNCH_MAX_TOKENS overrides it (0 turns the path off).
+MAX_TOKENS = int(os.environ.get("FUSEDQKV_SINGLE_LAUNCH_MAX_TOKENS", "640"))
+
+NUM_WARPS = 8  # two warpgroups for the wgmma tiles; the stage's 8-token tiles give 2 elements per thread
+BLOCK_T = 8
+BM = BN = BJ = 128
+BK = BKW = 64
+STAGES = 3
+FIN_T = 16
+
+_kernel = None
+
+
+def _get_kernel() -> FastLaunch:
+    global _kernel
+    if _kernel is None:  # triton is imported only on the Triton backend
+        from ..kernels.gqa_bwd_single_launch import gqa_bwd_single_launch_kernel
+
+        _kernel = FastLaunch(gqa_bwd_single_launch_kernel)
+    return _kernel
+
+
+def eligible(M: int, d: int, dtype: torch.dtype, device: torch.device, x2d, dx2d) -> bool:
+    """Few tokens, a 16-bit activation dtype (the wgmma operands), and X / dX addressable as
+    [tokens, hidden] matrices."""
+    return (0 < M <= MAX_TOKENS and dtype in (torch.bfloat16, torch.float16) and d % 16 == 0
+            and (device.type == "cuda" or _INTERPRET) and x2d is not None and dx2d is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(index: int) -> int:
+    return _sm_count(index)
+
+
+_tickets: dict = {}
+
+
+def _ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
+    buf = _tickets.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _tickets[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
+def backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, x2d, W, *, dqkv, dx2d, dw, gcos, gsin, gwq, gwk,
+             exact=True, norm_after_rope=True, saved_rotated=True, eps=None, programs=None):
+    """Everything of the block backward in one launch (two under the CPU interpreter)."""
+    B, HQ, S, D = gq.shape
+    HKV = gk.shape[1]
+    M = B * S
+    NQKV, HIDDEN = W.shape
+    dev = gq.device
+    nprog = programs or (_programs(dev.index if dev.index is not None else torch.cuda.current_device())
+                         if dev.type == "cuda" else 4)
+    n_tblocks = -(-M // BLOCK_T)
+    tpp = -(-n_tblocks // 256)
+    n_prog_t = -(-n_tblocks // tpp)
+    # head groups: enough stage work items (~3 per program) to spread the stage over every SM
+    g = min(16, _next_pow2(max(HQ, 1)))
+    while g > 1 and n_prog_t * (-(-HQ // g) + 2 * -(-HKV // g)) < 3 * nprog:
+        g //= 2
+    nqg, nkg = -(-HQ // g), -(-HKV // g)
+    # dX split along the QKV axis so that every program has a tile to work on
+    n_dx_tiles = -(-M // BM) * -(-HIDDEN // BN)
+    split = max(1, min(8, round(nprog / n_dx_tiles)))
+    k_per_split = -(-NQKV // (split * BK)) * BK
+    split = -(-NQKV // k_per_split)
+    grad_cos_sin = gcos is not None
+    recompute = rq is None
+    # every allocation before the launch
+    n_cs = (nqg + nkg) * 2 * M * D if grad_cos_sin else 1
+    n_w = (nqg + nkg) * n_prog_t * D
+    n_x = split * M * HIDDEN if split > 1 else 1
+    scratch = torch.empty(n_cs + n_w + n_x + 8, device=dev, dtype=torch.float32)
+    cs_part = scratch[:n_cs]
+    w_part = scratch[n_cs: n_cs + n_w]
+    x_part = scratch[n_cs + n_w: n_cs + n_w + n_x]
+    tick = _ticket_buffer(dev, n_dx_tiles + 2)
+    if not grad_cos_sin:
+        gcos = gsin = cos
+    if recompute:
+        rq = rk = w_part
+        rq_strides = rk_strides = (0, 0, 0)
+    else:
+        rq_strides, rk_strides = rq.stride()[:3], rk.stride()[:3]
+    common = (
+        gq, *gq.stride(), gk, *gk.stride(), gv, *gv.stride(),
+        xq, *xq.stride(), xk, *xk.stride(),
+        rq, *rq_strides, rk, *rk_strides,
+        wq, wq.stride(0), wk, wk.stride(0),
+        cos, *cos.stride(), sin, *sin.stride(),
+        dqkv, dqkv.stride(0), cs_part, w_part,
+        gcos, *gcos.stride(), gsin, *gsin.stride(), gwq, gwq.stride(0), gwk, gwk.stride(0),
+        x2d, *x2d.stride(), W, *W.stride(), dx2d, *dx2d.stride(), dw, *dw.stride(),
+        x_part, tick,
+        M, S, HQ, HKV, g, nqg, nkg, tpp, n_prog_t, NQKV, HIDDEN, k_per_split, float(eps) if recompute else 0.0,
+    )
+    meta = dict(D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=BLOCK_T, PF=PREFETCH,
+                EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
+                GRAD_COS_SIN=grad_cos_sin, RECOMPUTE_RSTD=recompute,
+                BM=BM, BN=BN, BK=BK, SPLIT=split, BJ=BJ, BKW=BKW, STAGES=STAGES, FIN_T=FIN_T,
+                num_warps=NUM_WARPS, enable_fp_fusion=not exact)
+    k = _get_kernel()
+    if _INTERPRET or dev.type != "cuda":
+        # programs run one after another here: no grid barrier, two launches
+        k[(nprog,)](*common, PHASE=1, **meta)
+        k[(nprog,)](*common, PHASE=2, **meta)
+    else:
+        # cooperative: the driver refuses the launch rather than let the barrier deadlock
+        k[(nprog,)](*common, PHASE=3, launch_cooperative_grid=True, **meta)
