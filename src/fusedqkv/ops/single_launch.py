@@ -28,6 +28,9 @@ BK = BKW = 64
 STAGES = 3
 FIN_T = 16
 
+# run the two phases as two launches on the GPU too (no barrier): for profiling each phase
+SPLIT_PHASES = False
+
 _kernel = None
 
 
@@ -122,7 +125,7 @@ def backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, x2d, W, *, dqkv, dx2d
                 BM=BM, BN=BN, BK=BK, SPLIT=split, BJ=BJ, BKW=BKW, STAGES=STAGES, FIN_T=FIN_T,
                 num_warps=NUM_WARPS, enable_fp_fusion=not exact)
     k = _get_kernel()
-    if _INTERPRET or dev.type != "cuda":
+    if _INTERPRET or dev.type != "cuda" or SPLIT_PHASES:
         # programs run one after another here: no grid barrier, two launches
         k[(nprog,)](*common, PHASE=1, **meta)
         k[(nprog,)](*common, PHASE=2, **meta)
