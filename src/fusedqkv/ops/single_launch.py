@@ -17,9 +17,10 @@ from .rope_qk_norm import PREFETCH, _next_pow2, _sm_count
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Largest token count that takes the single launch (measured on the H200: benchmarks/NOTES.md, v8).
+# Largest token count that takes the single launch. Off (0) by default: on the H200 its GEMM phase ran
+# at about half the speed of cuBLAS (benchmarks/NOTES.md, "single launch").
 # FUSEDQKV_SINGLE_LAUNCH_MAX_TOKENS overrides it (0 turns the path off).
-MAX_TOKENS = int(os.environ.get("FUSEDQKV_SINGLE_LAUNCH_MAX_TOKENS", "640"))
+MAX_TOKENS = int(os.environ.get("FUSEDQKV_SINGLE_LAUNCH_MAX_TOKENS", "0"))
 
 NUM_WARPS = 8  # two warpgroups for the wgmma tiles; the stage's 8-token tiles give 2 elements per thread
 BLOCK_T = 8
