@@ -28,7 +28,7 @@ import torch
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import harness, problem, timing
 from fusedqkv.ops import rope_qk_norm as stage
-from fusedqkv.ops import single_launch
+from fusedqkv.ops import prequeue, single_launch
 
 
 def geomean(xs):
@@ -89,6 +89,7 @@ def main() -> int:
                     help="also time (and check) the single launch and the three launches on every workload "
                          "of at most --paths-max-tokens tokens")
     ap.add_argument("--paths-max-tokens", type=int, default=2200)
+    ap.add_argument("--paths-list", default="prequeue,in_order", help="of single_launch, in_order, prequeue")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -130,10 +131,12 @@ def main() -> int:
                 row["span_ms"][k] = timing.summarize(timing.time_kernel_span(fn, reps=args.reps, flusher=flusher))
 
         if args.paths and M <= args.paths_max_tokens:
-            orig_max = single_launch.MAX_TOKENS
+            orig = single_launch.MAX_TOKENS, prequeue.ENABLED
             row["paths"] = {}
-            for pname, mx in (("single_launch", 1 << 30), ("three_launches", 0)):
-                single_launch.MAX_TOKENS = mx
+            # (single launch max tokens, prequeue on)
+            variants = {"single_launch": (1 << 30, False), "in_order": (0, False), "prequeue": (0, True)}
+            for pname in args.paths_list.split(","):
+                single_launch.MAX_TOKENS, prequeue.ENABLED = variants[pname]
                 o2 = tuple(torch.empty_like(t) for t in ref_out)
                 g2 = gqa_qkv_rope_qk_norm_backward(*a, out=o2)
                 c2 = problem.check_outputs(names, g2, ref_out, w)
@@ -144,7 +147,7 @@ def main() -> int:
                     "span_ms": timing.summarize(timing.time_kernel_span(
                         lambda o2=o2: gqa_qkv_rope_qk_norm_backward(*a, out=o2), reps=args.reps, flusher=flusher)),
                 }
-            single_launch.MAX_TOKENS = orig_max
+            single_launch.MAX_TOKENS, prequeue.ENABLED = orig
 
         if args.tune:
             # the whole op (kernel span, the official timer) under several launch configurations
@@ -197,15 +200,14 @@ def main() -> int:
                   f"host {r['diag_host_us_per_call']:.1f} us/call")
 
     if args.paths:
-        print("\nsingle launch vs three launches (kernel span, median ms; pass = official check, det = deterministic)")
+        print("\nlaunch paths (kernel span, median ms; pass = official check, det = deterministic; /floor)")
         for r in rows:
             if "paths" in r:
-                p1, p3 = r["paths"]["single_launch"], r["paths"]["three_launches"]
                 floor = r["span_ms"]["gemm_floor"]["median"] if r["span_ms"] else float("nan")
-                print(f"{r['workload']:<16s} {r['tokens']:6d} single {p1['span_ms']['median']:.4f} "
-                      f"({'pass' if p1['passed'] else 'FAIL'} {p1['min_matched']:.5f} {'det' if p1['deterministic'] else 'NONDET'})"
-                      f"  three {p3['span_ms']['median']:.4f}  floor {floor:.4f}  single/floor "
-                      f"{p1['span_ms']['median'] / floor:.3f}  three/floor {p3['span_ms']['median'] / floor:.3f}")
+                cells = [f"{k} {p['span_ms']['median']:.4f} {p['span_ms']['median'] / floor:.3f} "
+                         f"{'pass' if p['passed'] else 'FAIL'} {'det' if p['deterministic'] else 'NONDET'}"
+                         for k, p in r["paths"].items()]
+                print(f"{r['workload']:<16s} {r['tokens']:6d} floor {floor:.4f} | " + " | ".join(cells))
     src = "span_ms" if not args.no_span else "events_ms"
     print(f"\n{torch.cuda.get_device_name()} | cold L2 | median of {args.reps} | times from {src} (events in JSON)")
     print(f"{'workload':<16s} {'M':>6s} {'pass':>4s} {'minmatch':>8s} {'bitcos':>6s} {'det':>3s} "
