@@ -28,7 +28,7 @@ import torch
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import harness, problem, timing
 from fusedqkv.ops import rope_qk_norm as stage
-from fusedqkv.ops import prequeue, single_launch
+from fusedqkv.ops import single_launch
 
 
 def geomean(xs):
@@ -89,7 +89,7 @@ def main() -> int:
                     help="also time (and check) the single launch and the three launches on every workload "
                          "of at most --paths-max-tokens tokens")
     ap.add_argument("--paths-max-tokens", type=int, default=2200)
-    ap.add_argument("--paths-list", default="prequeue,in_order", help="of single_launch, in_order, prequeue")
+    ap.add_argument("--paths-list", default="single_launch,three_launches")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -131,12 +131,11 @@ def main() -> int:
                 row["span_ms"][k] = timing.summarize(timing.time_kernel_span(fn, reps=args.reps, flusher=flusher))
 
         if args.paths and M <= args.paths_max_tokens:
-            orig = single_launch.MAX_TOKENS, prequeue.ENABLED
+            orig = single_launch.MAX_TOKENS
             row["paths"] = {}
-            # (single launch max tokens, prequeue on)
-            variants = {"single_launch": (1 << 30, False), "in_order": (0, False), "prequeue": (0, True)}
+            variants = {"single_launch": 1 << 30, "three_launches": 0}
             for pname in args.paths_list.split(","):
-                single_launch.MAX_TOKENS, prequeue.ENABLED = variants[pname]
+                single_launch.MAX_TOKENS = variants[pname]
                 o2 = tuple(torch.empty_like(t) for t in ref_out)
                 g2 = gqa_qkv_rope_qk_norm_backward(*a, out=o2)
                 c2 = problem.check_outputs(names, g2, ref_out, w)
@@ -147,7 +146,7 @@ def main() -> int:
                     "span_ms": timing.summarize(timing.time_kernel_span(
                         lambda o2=o2: gqa_qkv_rope_qk_norm_backward(*a, out=o2), reps=args.reps, flusher=flusher)),
                 }
-            single_launch.MAX_TOKENS, prequeue.ENABLED = orig
+            single_launch.MAX_TOKENS = orig
 
         if args.tune:
             # the whole op (kernel span, the official timer) under several launch configurations

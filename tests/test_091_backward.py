@@ -140,20 +140,3 @@ def test_partials_in_scratch_memory_give_the_same_result(exact):
     for a, b in zip(run(None), with_scratch):
         assert torch.equal(a, b)
 
-
-def test_stage_signals_completion_flag():
-    """With ``signal`` the stage's last program stores the value into the flag (the GEMMs
-    queued on a side stream wait for it on the GPU)."""
-    args = make_inputs(2, 4, 2, 5, 64, seed=3)
-    gq, gk, gv, hs, cos, sin, W, wq, wk, xq, xk, rq, rk, eps = args
-    M = 10
-    dqkv = torch.empty(M, W.shape[0], dtype=gq.dtype)
-    gc, gs = torch.empty_like(cos), torch.empty_like(sin)
-    g1, g2 = torch.empty_like(wq), torch.empty_like(wk)
-    flag = torch.zeros(1, dtype=torch.int32)
-    stage.rope_qk_norm_backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv=dqkv, grad_cos=gc, grad_sin=gs,
-                                grad_q_norm_weight=g1, grad_k_norm_weight=g2, exact=True, backend="triton",
-                                signal=(flag, 12345))()
-    assert int(flag) == 12345
-    ref = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
-    assert torch.equal(gc, ref[1]) and torch.equal(g1, ref[4])

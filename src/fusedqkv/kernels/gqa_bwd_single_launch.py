@@ -160,10 +160,10 @@ def gqa_bwd_single_launch_kernel(
                 xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
                 wq_ptr, swq, wk_ptr, swk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
                 dqkv_ptr, s_dqkv_t, cs_ptr, wpart_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
-                gsin_ptr, sgsin_b, sgsin_s, sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wpart_ptr, tick_ptr, 0,
+                gsin_ptr, sgsin_b, sgsin_s, sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wpart_ptr,
                 M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG, TPP, eps,
                 D, HALF, HALF_P2, D_P2, BLOCK_T, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, False, 16,
-                RECOMPUTE_RSTD, PF, False,
+                RECOMPUTE_RSTD, PF,
             )
     if PHASE == 3:
         _grid_barrier(tick_ptr + n_dx_tiles, nprog)

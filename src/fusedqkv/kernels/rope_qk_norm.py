@@ -266,14 +266,12 @@ def rope_qk_norm_bwd_kernel(
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
     gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wsup_ptr,
-    # SIGNAL: the last program stores flag_value at flag_ptr when everything is written
-    flag_ptr, flag_value,
     M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG, TPP, eps,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
-    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr, SIGNAL: tl.constexpr,
+    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
 ):
     """Grid (programs along tokens, head groups): one ``_stage_program`` per program."""
     _stage_program(
@@ -282,9 +280,9 @@ def rope_qk_norm_bwd_kernel(
         xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, rq_ptr, srq_b, srq_h, srq_s,
         rk_ptr, srk_b, srk_h, srk_s, wq_ptr, swq, wk_ptr, swk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b,
         ssin_s, ssin_d, dqkv_ptr, s_dqkv_t, cs_ptr, wpart_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr,
-        sgsin_b, sgsin_s, sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wsup_ptr, flag_ptr, flag_value, M, S, HQ, HKV,
+        sgsin_b, sgsin_s, sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wsup_ptr, M, S, HQ, HKV,
         HEADS_PER_GROUP, NQG, NKG, TPP, eps, D, HALF, HALF_P2, D_P2, BLOCK_T, EXACT, NORM_AFTER_ROPE,
-        SAVED_ROTATED, GRAD_COS_SIN, FUSED_FINISH, SUPER, RECOMPUTE_RSTD, PF, SIGNAL
+        SAVED_ROTATED, GRAD_COS_SIN, FUSED_FINISH, SUPER, RECOMPUTE_RSTD, PF
     )
 
 
@@ -314,14 +312,12 @@ def _stage_program(
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
     gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wsup_ptr,
-    # SIGNAL: the last program stores flag_value at flag_ptr when everything is written
-    flag_ptr, flag_value,
     M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG, TPP, eps,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
-    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr, SIGNAL: tl.constexpr,
+    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
 ):
     """One (token chunk, head group) work item of the backward stage."""
     DT: tl.constexpr = gq_ptr.dtype.element_ty
@@ -382,55 +378,49 @@ def _stage_program(
         wrow = wpart_ptr + (group * n_prog_t + pid_t) * D
         tl.store(wrow + dh, tl.sum(wg1, axis=0), mask=dh < HALF)
         tl.store(wrow + HALF + dh, tl.sum(wg2, axis=0), mask=dh < HALF)
-    if FUSED_FINISH:
-        # The last program of this token chunk to finish (a ticket, not a sum: the
-        # results are summed in a fixed order) turns the chunk's partials into
-        # grad_cos/grad_sin; the last chunk to finish reduces the norm-weight partials.
-        # Tickets reset themselves for the next call. Acquire/release atomics order the
-        # partial stores; .cg loads read them from L2. The value-copy programs take tickets
-        # too, so the very last program knows that all of dQKV is written.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(tick_ptr + pid_t, 1)
-        if ticket == NQG + 2 * NKG - 1:
-            tl.store(tick_ptr + pid_t, 0)
-            if GRAD_COS_SIN:
-                for it in range(0, TPP):
-                    _finish_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
-                                    gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                                    (pid_t * TPP + it) * BLOCK_T, M, S, NQG, NKG,
-                                    D, D_P2, BLOCK_T, DT, EXACT, ".cg")
-            # norm weights, in two levels so no single program walks all the rows: the
-            # last chunk of each run of SUPER chunks sums their rows into a super row,
-            # the last super row to be written sums those
+        if FUSED_FINISH:
+            # The last program of this token chunk to finish (a ticket, not a sum: the
+            # results are summed in a fixed order) turns the chunk's partials into
+            # grad_cos/grad_sin; the last chunk to finish reduces the norm-weight partials.
+            # Tickets reset themselves for the next call. Acquire/release atomics order the
+            # partial stores; .cg loads read them from L2.
             tl.debug_barrier()
-            n_sup = tl.cdiv(n_prog_t, SUPER)
-            sup = pid_t // SUPER
-            c0 = sup * SUPER
-            n_in = tl.minimum(SUPER, n_prog_t - c0)
-            t2 = tl.atomic_add(tick_ptr + n_prog_t + sup, 1)
-            if t2 == n_in - 1:
-                tl.store(tick_ptr + n_prog_t + sup, 0)
-                wq_sum = _sum_rows(wpart_ptr, 0, NQG, n_prog_t, c0, n_in, D, D_P2, SUPER)
-                wk_sum = _sum_rows(wpart_ptr, NQG, NQG + NKG, n_prog_t, c0, n_in, D, D_P2, SUPER)
-                dd = tl.arange(0, D_P2)
-                tl.store(wsup_ptr + (sup * 2) * D + dd, wq_sum, mask=dd < D)
-                tl.store(wsup_ptr + (sup * 2 + 1) * D + dd, wk_sum, mask=dd < D)
+            ticket = tl.atomic_add(tick_ptr + pid_t, 1)
+            if ticket == NQG + NKG - 1:
+                tl.store(tick_ptr + pid_t, 0)
+                if GRAD_COS_SIN:
+                    for it in range(0, TPP):
+                        _finish_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
+                                        gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                                        (pid_t * TPP + it) * BLOCK_T, M, S, NQG, NKG,
+                                        D, D_P2, BLOCK_T, DT, EXACT, ".cg")
+                # norm weights, in two levels so no single program walks all the rows: the
+                # last chunk of each run of SUPER chunks sums their rows into a super row,
+                # the last super row to be written sums those
                 tl.debug_barrier()
-                t3 = tl.atomic_add(tick_ptr + n_prog_t + n_sup, 1)
-                if t3 == n_sup - 1:
-                    tl.store(tick_ptr + n_prog_t + n_sup, 0)
-                    rows = tl.arange(0, SUPER)[:, None]
-                    m = (rows < n_sup) & (dd[None, :] < D)
-                    q = tl.load(wsup_ptr + (rows * 2) * D + dd[None, :], mask=m, other=0.0, cache_modifier=".cg")
-                    k = tl.load(wsup_ptr + (rows * 2 + 1) * D + dd[None, :], mask=m, other=0.0,
-                                cache_modifier=".cg")
-                    _store_cast(gwq_ptr + dd * sgwq, tl.sum(q, axis=0), dd < D)
-                    _store_cast(gwk_ptr + dd * sgwk, tl.sum(k, axis=0), dd < D)
-                    if SIGNAL:
-                        # every program's stores happen-before this (the ticket chain): work
-                        # queued behind a stream wait on the flag may start now
-                        tl.debug_barrier()
-                        tl.atomic_xchg(flag_ptr, flag_value, sem="release", scope="sys")
+                n_sup = tl.cdiv(n_prog_t, SUPER)
+                sup = pid_t // SUPER
+                c0 = sup * SUPER
+                n_in = tl.minimum(SUPER, n_prog_t - c0)
+                t2 = tl.atomic_add(tick_ptr + n_prog_t + sup, 1)
+                if t2 == n_in - 1:
+                    tl.store(tick_ptr + n_prog_t + sup, 0)
+                    wq_sum = _sum_rows(wpart_ptr, 0, NQG, n_prog_t, c0, n_in, D, D_P2, SUPER)
+                    wk_sum = _sum_rows(wpart_ptr, NQG, NQG + NKG, n_prog_t, c0, n_in, D, D_P2, SUPER)
+                    dd = tl.arange(0, D_P2)
+                    tl.store(wsup_ptr + (sup * 2) * D + dd, wq_sum, mask=dd < D)
+                    tl.store(wsup_ptr + (sup * 2 + 1) * D + dd, wk_sum, mask=dd < D)
+                    tl.debug_barrier()
+                    t3 = tl.atomic_add(tick_ptr + n_prog_t + n_sup, 1)
+                    if t3 == n_sup - 1:
+                        tl.store(tick_ptr + n_prog_t + n_sup, 0)
+                        rows = tl.arange(0, SUPER)[:, None]
+                        m = (rows < n_sup) & (dd[None, :] < D)
+                        q = tl.load(wsup_ptr + (rows * 2) * D + dd[None, :], mask=m, other=0.0, cache_modifier=".cg")
+                        k = tl.load(wsup_ptr + (rows * 2 + 1) * D + dd[None, :], mask=m, other=0.0,
+                                    cache_modifier=".cg")
+                        _store_cast(gwq_ptr + dd * sgwq, tl.sum(q, axis=0), dd < D)
+                        _store_cast(gwk_ptr + dd * sgwk, tl.sum(k, axis=0), dd < D)
 
 
 @triton.jit

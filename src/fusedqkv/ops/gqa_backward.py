@@ -16,8 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import prequeue, single_launch
-from . import rope_qk_norm as stage_ops
+from . import single_launch
 from . import validation as V
 from .rope_qk_norm import pick_backend, rope_qk_norm_backward
 
@@ -158,26 +157,14 @@ def gqa_qkv_rope_qk_norm_backward(
                                        q_norm_weight, k_norm_weight, cos, sin, x2d, qkv_weight, dqkv=dqkv, dx2d=dx2d,
                                        dw=g_weight, gcos=g_cos, gsin=g_sin, gwq=g_qw, gwk=g_kw)
                 return out
+        finish = rope_qk_norm_backward(
+            grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
+            q_norm_weight, k_norm_weight, cos, sin,
+            dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
+            exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=g_hidden,
+        )
         x = hidden_states.reshape(M, sz["hidden"])
-
-        def stage(signal=None):
-            return rope_qk_norm_backward(
-                grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
-                q_norm_weight, k_norm_weight, cos, sin,
-                dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
-                exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=g_hidden,
-                signal=signal,
-            )
-
-        def products():
-            _mm_into(dqkv, qkv_weight, g_hidden.view(M, sz["hidden"]) if g_hidden.is_contiguous() else g_hidden)
-            _mm_into(dqkv.t(), x, g_weight)
-
-        if backend == "triton" and M > 0 and stage_ops.FUSED_FINISH and prequeue.available(device):
-            # the GEMMs are issued first, behind a device-side wait for the stage kernel
-            prequeue.run(device, products, stage)
-            return out
-        finish = stage()
-        products()
+        _mm_into(dqkv, qkv_weight, g_hidden.view(M, sz["hidden"]) if g_hidden.is_contiguous() else g_hidden)
+        _mm_into(dqkv.t(), x, g_weight)
         finish()
         return out

@@ -80,7 +80,7 @@ def rope_qk_norm_backward(
     grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight, cos, sin,
     *, dqkv, grad_cos=None, grad_sin=None, grad_q_norm_weight, grad_k_norm_weight,
     exact: bool, norm_after_rope: bool = True, saved_rotated: bool = True, backend: Optional[str] = None,
-    scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None, signal=None,
+    scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None,
 ):
     """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``.
 
@@ -94,10 +94,6 @@ def rope_qk_norm_backward(
     ``scratch``: optionally a tensor the caller will overwrite only after this stage (the
     dX GEMM's output): its memory holds the fp32 partials when it is large enough, so the
     stage allocates nothing extra.
-
-    ``signal``: ``(flag, value)`` -- on the GPU with the fused finish, the kernel's last
-    program stores ``value`` into the int32 tensor ``flag`` once every output is written
-    (work queued on another stream behind a wait on that flag may then start).
 
     Returns a callable that completes the norm-weight gradients: on the GPU a second,
     small launch that reduces the per-program partials, which the caller may queue
@@ -114,7 +110,7 @@ def rope_qk_norm_backward(
     return _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k,
                      q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
                      grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated, grad_cos_sin,
-                     scratch, eps, signal)
+                     scratch, eps)
 
 
 def _done():
@@ -178,15 +174,13 @@ def _partials(scratch, shapes, device):
 
 
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None, signal=None):
+                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None):
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     M = B * S
     if M == 0:
         gwq.zero_()
         gwk.zero_()
-        if signal is not None:
-            signal[0].fill_(signal[1])
         return _done
     block_t, heads_per_group, num_warps, prefetch = _launch_config(M, HQ, HKV, D, gq.device)
     n_tblocks = -(-M // block_t)
@@ -196,9 +190,6 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     nqg = -(-HQ // heads_per_group)
     nkg = -(-HKV // heads_per_group)  # the value heads use as many groups as the key heads
     fused = FUSED_FINISH
-    if signal is not None and not fused:
-        raise ValueError("signal: needs the fused finish (FUSED_FINISH)")
-    flag, flag_value = signal if signal is not None else (None, 0)
     # every allocation before the first launch
     # the fused finish consumes the partials inside the kernel, so the dX output (written
     # by the GEMM after it) can hold them; the separate finish kernel runs after the GEMMs
@@ -225,11 +216,11 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         cos, *cos.stride(), sin, *sin.stride(),
         dqkv, dqkv.stride(0), cs_part, w_part,
         gcos, *gcos.stride(), gsin, *gsin.stride(), gwq, gwq.stride(0), gwk, gwk.stride(0), tick, w_sup,
-        flag if flag is not None else tick, flag_value, M, S, HQ, HKV, heads_per_group, nqg, nkg, tpp, float(eps) if recompute else 0.0,
+        M, S, HQ, HKV, heads_per_group, nqg, nkg, tpp, float(eps) if recompute else 0.0,
         D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,
-        PF=prefetch, SIGNAL=flag is not None, num_warps=num_warps, enable_fp_fusion=fp_fusion,
+        PF=prefetch, num_warps=num_warps, enable_fp_fusion=fp_fusion,
     )
     if fused:
         return _done
