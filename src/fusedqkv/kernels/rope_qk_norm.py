@@ -21,6 +21,9 @@ Kernels (the forward lives in rope_qk_norm_fwd.py):
   - ``RECOMPUTE_RSTD``: recompute rstd from the saved activation (training: nothing but
     the projection output is kept between forward and backward) instead of loading it.
 
+  One program's work is ``_stage_program(pid_t, group, ...)``; the single-launch kernel
+  (gqa_bwd_single_launch.py) runs the same work items from a persistent loop.
+
 * The finish: sums the partials over head groups in a fixed order (deterministic; no
   atomics in any sum): grad_cos/grad_sin per token, with 091's rounding of the separate
   query and key sums, and the two norm-weight gradients. With ``FUSED_FINISH`` the last
@@ -136,7 +139,7 @@ def _rstd(x1, x2, eps, D: tl.constexpr):
 
 @triton.jit
 def _load_head(g_row, sg_h, sg_d, x_row, sx_h, sx_d, r_row, sr_h, h, h1, d, mask, tmask, HALF: tl.constexpr):
-    """Raw tiles of head h (nothing loaded once h reaches h1): both halves of g and x, and rstd."""
+    """Raw tiles of head h (masked off once h reaches h1): both halves of g and x, and rstd."""
     pmask = mask & (h < h1)
     g1 = tl.load(g_row + h * sg_h + d * sg_d, mask=pmask, other=0.0)
     g2 = tl.load(g_row + h * sg_h + (d + HALF) * sg_d, mask=pmask, other=0.0)
@@ -180,15 +183,17 @@ def _head_group_bwd(
     sn2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
     wg1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
     wg2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
-    # software pipelining by hand: the loads of heads h+1 .. h+PF are in flight while head
-    # h is computed (the stage is bound by memory latency: few bytes in flight per SM)
+    # The stage is bound by memory latency (few bytes in flight per SM): Triton's pipeliner
+    # keeps the tiles of the next PF - 1 heads in flight (cp.async into shared memory, so
+    # no registers) while head h is computed. A hand-rolled register queue of the same
+    # depth doubled the register count (benchmarks/NOTES.md, v7).
     for h in tl.range(h0, h1, num_stages=PF):
-        pf0 = _load_head(g_row, sg_h, sg_d, x_row, sx_h, sx_d, r_row, sr_h, h, h1, d, mask, tmask, HALF)
-        g1 = pf0[0].to(tl.float32)
-        g2 = pf0[1].to(tl.float32)
-        x1 = pf0[2].to(tl.float32)
-        x2 = pf0[3].to(tl.float32)
-        r = pf0[4].to(tl.float32)[:, None]
+        tiles = _load_head(g_row, sg_h, sg_d, x_row, sx_h, sx_d, r_row, sr_h, h, h1, d, mask, tmask, HALF)
+        g1 = tiles[0].to(tl.float32)
+        g2 = tiles[1].to(tl.float32)
+        x1 = tiles[2].to(tl.float32)
+        x2 = tiles[3].to(tl.float32)
+        r = tiles[4].to(tl.float32)[:, None]
         if NORM_AFTER_ROPE:
             # the norm sees the rotated tensor; grad_cos/sin need the tensor RoPE was applied
             # to. 091's reference "recovers" it by rotating the saved rotated tensor once

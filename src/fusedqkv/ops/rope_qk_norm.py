@@ -130,8 +130,8 @@ def _kernel(name: str) -> FastLaunch:
     return k
 
 
-# heads whose loads are in flight while one head is computed (the stage is bound by memory
-# latency; see benchmarks/NOTES.md, v7)
+# pipeline stages of the stage kernel's head loop (heads whose tiles are in flight, plus
+# the one computed); the stage is bound by memory latency (benchmarks/NOTES.md, v7)
 PREFETCH = 3
 
 # Finish (grad_cos/sin and norm-weight reductions) inside the main kernel by the last
@@ -173,6 +173,26 @@ def _partials(scratch, shapes, device):
     return out
 
 
+def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, cs_part, w_part, gcos, gsin, gwq, gwk):
+    """The stage kernels' tensor arguments, each followed by its strides, in parameter order
+    (``rope_qk_norm_bwd_kernel`` and the single-launch kernel share them). ``rq`` None
+    (rstd recomputed): a placeholder with zero strides that the kernel never reads."""
+    if rq is None:
+        rq = rk = w_part
+        rq_strides = rk_strides = (0, 0, 0)
+    else:
+        rq_strides, rk_strides = rq.stride()[:3], rk.stride()[:3]
+    return (
+        gq, *gq.stride(), gk, *gk.stride(), gv, *gv.stride(),
+        xq, *xq.stride(), xk, *xk.stride(),
+        rq, *rq_strides, rk, *rk_strides,
+        wq, wq.stride(0), wk, wk.stride(0),
+        cos, *cos.stride(), sin, *sin.stride(),
+        dqkv, dqkv.stride(0), cs_part, w_part,
+        gcos, *gcos.stride(), gsin, *gsin.stride(), gwq, gwq.stride(0), gwk, gwk.stride(0),
+    )
+
+
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                      exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None):
     B, HQ, S, D = gq.shape
@@ -201,22 +221,11 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     if not grad_cos_sin:
         gcos = gsin = cos  # never written: the kernels are compiled without those stores
     recompute = rq is None
-    if recompute:  # never read: the kernel is compiled without those loads
-        rq = rk = w_part
-        rq_strides = rk_strides = (0, 0, 0)
-    else:
-        rq_strides, rk_strides = rq.stride()[:3], rk.stride()[:3]
     # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
     fp_fusion = not exact
     _kernel("rope_qk_norm_bwd_kernel")[(n_prog_t, nqg + 2 * nkg)](
-        gq, *gq.stride(), gk, *gk.stride(), gv, *gv.stride(),
-        xq, *xq.stride(), xk, *xk.stride(),
-        rq, *rq_strides, rk, *rk_strides,
-        wq, wq.stride(0), wk, wk.stride(0),
-        cos, *cos.stride(), sin, *sin.stride(),
-        dqkv, dqkv.stride(0), cs_part, w_part,
-        gcos, *gcos.stride(), gsin, *gsin.stride(), gwq, gwq.stride(0), gwk, gwk.stride(0), tick, w_sup,
-        M, S, HQ, HKV, heads_per_group, nqg, nkg, tpp, float(eps) if recompute else 0.0,
+        *stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, cs_part, w_part, gcos, gsin, gwq, gwk),
+        tick, w_sup, M, S, HQ, HKV, heads_per_group, nqg, nkg, tpp, float(eps) if recompute else 0.0,
         D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,

@@ -13,7 +13,7 @@ import os
 import torch
 
 from .launch import FastLaunch
-from .rope_qk_norm import PREFETCH, _next_pow2, _sm_count
+from .rope_qk_norm import PREFETCH, _next_pow2, _sm_count, stage_tensor_args
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -103,19 +103,8 @@ def backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, x2d, W, *, dqkv, dx2d
     tick = _ticket_buffer(dev, n_dx_tiles + 2)
     if not grad_cos_sin:
         gcos = gsin = cos
-    if recompute:
-        rq = rk = w_part
-        rq_strides = rk_strides = (0, 0, 0)
-    else:
-        rq_strides, rk_strides = rq.stride()[:3], rk.stride()[:3]
     common = (
-        gq, *gq.stride(), gk, *gk.stride(), gv, *gv.stride(),
-        xq, *xq.stride(), xk, *xk.stride(),
-        rq, *rq_strides, rk, *rk_strides,
-        wq, wq.stride(0), wk, wk.stride(0),
-        cos, *cos.stride(), sin, *sin.stride(),
-        dqkv, dqkv.stride(0), cs_part, w_part,
-        gcos, *gcos.stride(), gsin, *gsin.stride(), gwq, gwq.stride(0), gwk, gwk.stride(0),
+        *stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, cs_part, w_part, gcos, gsin, gwq, gwk),
         x2d, *x2d.stride(), W, *W.stride(), dx2d, *dx2d.stride(), dw, *dw.stride(),
         x_part, tick,
         M, S, HQ, HKV, g, nqg, nkg, tpp, n_prog_t, NQKV, HIDDEN, k_per_split, float(eps) if recompute else 0.0,
