@@ -52,12 +52,17 @@ def _grid_barrier(bar_ptr, nprog):
 
 
 @triton.jit
+def _tile_offsets(tile, N, BR: tl.constexpr, BC: tl.constexpr):
+    """Row and column indices of output tile ``tile`` (row-major over tiles, N columns)."""
+    n_n = tl.cdiv(N, BC)
+    return (tile // n_n) * BR + tl.arange(0, BR), (tile % n_n) * BC + tl.arange(0, BC)
+
+
+@triton.jit
 def _dx_split(tile, split, dq_ptr, s_dq, w_ptr, sw_r, sw_c, M, NQKV, HIDDEN, K_PER_SPLIT,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     """One K-split of one dX tile: dQKV[m, k-range] . W[k-range, n] in fp32."""
-    n_n = tl.cdiv(HIDDEN, BN)
-    rm = (tile // n_n) * BM + tl.arange(0, BM)
-    rn = (tile % n_n) * BN + tl.arange(0, BN)
+    rm, rn = _tile_offsets(tile, HIDDEN, BM, BN)
     rk = tl.arange(0, BK)
     k_lo = split * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, NQKV)
@@ -74,9 +79,7 @@ def _dx_split(tile, split, dq_ptr, s_dq, w_ptr, sw_r, sw_c, M, NQKV, HIDDEN, K_P
 
 @triton.jit
 def _dx_store(tile, acc, ptr, s_t, s_h, M, HIDDEN, BM: tl.constexpr, BN: tl.constexpr):
-    n_n = tl.cdiv(HIDDEN, BN)
-    rm = (tile // n_n) * BM + tl.arange(0, BM)
-    rn = (tile % n_n) * BN + tl.arange(0, BN)
+    rm, rn = _tile_offsets(tile, HIDDEN, BM, BN)
     _store_cast(ptr + rm[:, None].to(tl.int64) * s_t + rn[None, :] * s_h, acc, (rm[:, None] < M) & (rn[None, :] < HIDDEN))
 
 
@@ -84,9 +87,7 @@ def _dx_store(tile, acc, ptr, s_t, s_h, M, HIDDEN, BM: tl.constexpr, BN: tl.cons
 def _dx_reduce(tile, part_ptr, dx_ptr, sdx_t, sdx_h, M, HIDDEN,
                BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
     """dX tile = sum of its SPLIT fp32 partials, in split order, rounded once."""
-    n_n = tl.cdiv(HIDDEN, BN)
-    rm = (tile // n_n) * BM + tl.arange(0, BM)
-    rn = (tile % n_n) * BN + tl.arange(0, BN)
+    rm, rn = _tile_offsets(tile, HIDDEN, BM, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < HIDDEN)
     acc = tl.zeros((BM, BN), tl.float32)
     for sp in tl.static_range(SPLIT):
@@ -99,9 +100,7 @@ def _dx_reduce(tile, part_ptr, dx_ptr, sdx_t, sdx_h, M, HIDDEN,
 def _dw_tile(item, dq_ptr, s_dq, x_ptr, sx_t, sx_h, dw_ptr, sdw_r, sdw_c, M, NQKV, HIDDEN,
              BJ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     """One dW tile: dQKV[:, j]^T . X[:, n], summed over all tokens."""
-    n_n = tl.cdiv(HIDDEN, BN)
-    rj = (item // n_n) * BJ + tl.arange(0, BJ)
-    rn = (item % n_n) * BN + tl.arange(0, BN)
+    rj, rn = _tile_offsets(item, HIDDEN, BJ, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BJ, BN), tl.float32)
     for m0 in tl.range(0, M, BK, num_stages=STAGES):

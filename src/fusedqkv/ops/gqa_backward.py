@@ -148,10 +148,10 @@ def gqa_qkv_rope_qk_norm_backward(
         M = sz["batch"] * sz["seq"]
         # every allocation before the first launch: the GPU must not wait on the host
         dqkv = torch.empty((M, sz["qkv"]), dtype=sz["dtype"], device=device)
-        if backend == "triton":
+        if backend == "triton" and single_launch.eligible(M, sz["head_dim"], sz["dtype"], device):
             x2d = _as_matrix(hidden_states, M, sz["hidden"])
             dx2d = _as_matrix(g_hidden, M, sz["hidden"])
-            if single_launch.eligible(M, sz["head_dim"], sz["dtype"], device, x2d, dx2d):
+            if x2d is not None and dx2d is not None:
                 # few tokens: stage and both products in one persistent launch
                 single_launch.backward(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
                                        q_norm_weight, k_norm_weight, cos, sin, x2d, qkv_weight, dqkv=dqkv, dx2d=dx2d,

@@ -34,7 +34,8 @@ def _sm_count(index: int) -> int:
 
 
 def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(tokens per block, heads per group, num_warps, heads of loads in flight) for the backward stage.
+    """(tokens per block, heads per group, num_warps, pipeline stages of the head loop) for the
+    backward stage.
 
     Few tokens: small head groups, for enough programs to fill the GPU. Many tokens: up to
     16 heads per group, so fewer fp32 grad_cos/sin partials.
@@ -46,12 +47,25 @@ def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> t
     # measured on the H200 (benchmarks/NOTES.md, v7): 8-token blocks with ~4 tile elements
     # per thread from ~1k tokens, 4-token blocks with ~2 per thread below
     block_t, per_thread = (8, 4) if M >= 1024 else (4, 2)
-    n_prog_t = min(-(-M // block_t), 256)
-    # fewest head groups (largest power of 2, at most 16 heads) reaching ~4 programs per SM
-    g = min(16, _next_pow2(max(hq, 1)))
-    while g > 1 and n_prog_t * (-(-hq // g) + 2 * -(-hkv // g)) < 4 * sms:
-        g //= 2
+    g = head_group_size(min(-(-M // block_t), 256), hq, hkv, 4 * sms)
     return block_t, g, _warps_for(block_t, d, per_thread), PREFETCH
+
+
+def head_group_size(n_prog_t: int, hq: int, hkv: int, target_items: int) -> int:
+    """Fewest head groups (the largest power of 2, at most 16 heads) that give at least
+    ``target_items`` (token chunk, head group) work items, when there are ``n_prog_t`` chunks."""
+    g = min(16, _next_pow2(max(hq, 1)))
+    while g > 1 and n_prog_t * (-(-hq // g) + 2 * -(-hkv // g)) < target_items:
+        g //= 2
+    return g
+
+
+def token_chunks(M: int, block_t: int) -> tuple[int, int]:
+    """(token blocks per chunk, chunks): at most 256 chunks, so at most 256 norm-weight partial
+    rows per head group."""
+    n_tblocks = -(-M // block_t)
+    tpp = -(-n_tblocks // 256)
+    return tpp, -(-n_tblocks // tpp)
 
 
 def _warps_for(block_t: int, d: int, per_thread: int = 2) -> int:
@@ -144,9 +158,10 @@ _SUPER = 16
 _tickets: dict = {}
 
 
-def _ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 tickets (per token chunk, per run of chunks, one per call), per (device,
-    stream); the kernel leaves them zero again, so the buffer is reused without a memset."""
+def ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 tickets per (device, stream). Every kernel that takes
+    tickets leaves them zero again, so the buffer is reused without a memset, and kernels
+    on one stream (which never overlap) may share it."""
     # the raw stream handle: no Stream object built on the hot path
     key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
     buf = _tickets.get(key)
@@ -203,10 +218,7 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         gwk.zero_()
         return _done
     block_t, heads_per_group, num_warps, prefetch = _launch_config(M, HQ, HKV, D, gq.device)
-    n_tblocks = -(-M // block_t)
-    # token blocks per program: at most ~256 norm-weight partial rows per head group
-    tpp = -(-n_tblocks // 256)
-    n_prog_t = -(-n_tblocks // tpp)
+    tpp, n_prog_t = token_chunks(M, block_t)
     nqg = -(-HQ // heads_per_group)
     nkg = -(-HKV // heads_per_group)  # the value heads use as many groups as the key heads
     fused = FUSED_FINISH
@@ -217,7 +229,7 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     cs_part, w_part, w_sup = _partials(scratch if fused else None,
                                        [(nqg + nkg, 2, M, D) if grad_cos_sin else (1,), (nqg + nkg, n_prog_t, D),
                                         (n_sup, 2, D)], gq.device)
-    tick = _ticket_buffer(gq.device, n_prog_t + n_sup + 1) if fused else w_part
+    tick = ticket_buffer(gq.device, n_prog_t + n_sup + 1) if fused else w_part
     if not grad_cos_sin:
         gcos = gsin = cos  # never written: the kernels are compiled without those stores
     recompute = rq is None

@@ -7,15 +7,12 @@ GEMMs (see :mod:`fusedqkv.kernels.gqa_bwd_single_launch`). The caller checks
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-from .launch import FastLaunch
-from .rope_qk_norm import PREFETCH, _next_pow2, _sm_count, stage_tensor_args
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .launch import _INTERPRET, FastLaunch
+from .rope_qk_norm import PREFETCH, _next_pow2, _sm_count, head_group_size, stage_tensor_args, ticket_buffer, token_chunks
 
 # Largest token count that takes the single launch. Off (0) by default: on the H200 its GEMM phase ran
 # at about half the speed of cuBLAS (benchmarks/NOTES.md, "single launch").
@@ -44,46 +41,25 @@ def _get_kernel() -> FastLaunch:
     return _kernel
 
 
-def eligible(M: int, d: int, dtype: torch.dtype, device: torch.device, x2d, dx2d) -> bool:
-    """Few tokens, a 16-bit activation dtype (the wgmma operands), and X / dX addressable as
-    [tokens, hidden] matrices."""
+def eligible(M: int, d: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Few tokens and a 16-bit activation dtype (the wgmma operands); the caller also needs
+    X and dX as [tokens, hidden] views."""
     return (0 < M <= MAX_TOKENS and dtype in (torch.bfloat16, torch.float16) and d % 16 == 0
-            and (device.type == "cuda" or _INTERPRET) and x2d is not None and dx2d is not None)
-
-
-@functools.lru_cache(maxsize=None)
-def _programs(index: int) -> int:
-    return _sm_count(index)
-
-
-_tickets: dict = {}
-
-
-def _ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
-    buf = _tickets.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _tickets[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
+            and (device.type == "cuda" or _INTERPRET))
 
 
 def backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, x2d, W, *, dqkv, dx2d, dw, gcos, gsin, gwq, gwk,
-             exact=True, norm_after_rope=True, saved_rotated=True, eps=None, programs=None):
+             exact=True, norm_after_rope=True, saved_rotated=True, eps=None):
     """Everything of the block backward in one launch (two under the CPU interpreter)."""
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     M = B * S
     NQKV, HIDDEN = W.shape
     dev = gq.device
-    nprog = programs or (_programs(dev.index if dev.index is not None else torch.cuda.current_device())
-                         if dev.type == "cuda" else 4)
-    n_tblocks = -(-M // BLOCK_T)
-    tpp = -(-n_tblocks // 256)
-    n_prog_t = -(-n_tblocks // tpp)
+    nprog = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 4
+    tpp, n_prog_t = token_chunks(M, BLOCK_T)
     # head groups: enough stage work items (~3 per program) to spread the stage over every SM
-    g = min(16, _next_pow2(max(HQ, 1)))
-    while g > 1 and n_prog_t * (-(-HQ // g) + 2 * -(-HKV // g)) < 3 * nprog:
-        g //= 2
+    g = head_group_size(n_prog_t, HQ, HKV, 3 * nprog)
     nqg, nkg = -(-HQ // g), -(-HKV // g)
     # dX split along the QKV axis so that every program has a tile to work on
     n_dx_tiles = -(-M // BM) * -(-HIDDEN // BN)
@@ -96,11 +72,11 @@ def backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, x2d, W, *, dqkv, dx2d
     n_cs = (nqg + nkg) * 2 * M * D if grad_cos_sin else 1
     n_w = (nqg + nkg) * n_prog_t * D
     n_x = split * M * HIDDEN if split > 1 else 1
-    scratch = torch.empty(n_cs + n_w + n_x + 8, device=dev, dtype=torch.float32)
+    scratch = torch.empty(n_cs + n_w + n_x, device=dev, dtype=torch.float32)
     cs_part = scratch[:n_cs]
     w_part = scratch[n_cs: n_cs + n_w]
     x_part = scratch[n_cs + n_w: n_cs + n_w + n_x]
-    tick = _ticket_buffer(dev, n_dx_tiles + 2)
+    tick = ticket_buffer(dev, n_dx_tiles + 2)
     if not grad_cos_sin:
         gcos = gsin = cos
     common = (
