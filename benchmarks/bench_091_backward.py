@@ -155,13 +155,12 @@ def main() -> int:
             orig_fused = stage.FUSED_FINISH
             for fused in (True, False):
                 stage.FUSED_FINISH = fused
-                for bt in (4, 8):
-                    for g in (4, 8, 16, 32):
-                        nw = stage._warps_for(bt, a[0].shape[-1])
-                        stage._launch_config = lambda m, hq, hkv, dd, dv, bt=bt, g=g, nw=nw: (bt, g, nw,
-                                                                                               stage.PREFETCH)
-                        tune[f"{'F' if fused else 'K'}_T{bt}_g{g}_w{nw}"] = timing.summarize(timing.time_kernel_span(
-                            impls["fusedqkv"], reps=max(20, args.reps // 2), flusher=flusher))["median"]
+                for bt, hb in ((1, 8), (2, 4), (4, 2), (8, 1), (1, 16), (2, 8)):
+                    nw = stage._warps_for(bt * hb, a[0].shape[-1], 4)
+                    stage._launch_config = lambda m, hq, hkv, dd, dv, bt=bt, hb=hb, nw=nw: (bt, hb, nw,
+                                                                                              stage.PREFETCH)
+                    tune[f"{'F' if fused else 'K'}_T{bt}_h{hb}_w{nw}"] = timing.summarize(timing.time_kernel_span(
+                        impls["fusedqkv"], reps=max(20, args.reps // 2), flusher=flusher))["median"]
             stage._launch_config = orig_cfg
             stage.FUSED_FINISH = orig_fused
             row["tune_ms"] = tune

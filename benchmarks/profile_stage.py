@@ -7,7 +7,7 @@ n-th profiled kernel maps to a printed line:
     ncu --clock-control none --metrics gpu__time_duration.sum -k regex:rope_qk_norm_bwd_kernel --csv \
         python3 benchmarks/profile_stage.py --workloads 11,9,1,5,0 --configs T4_g16_w4_p3,T8_g16_w4_p2
 
-A config is T<tokens per block>_g<heads per group>_w<warps>_p<heads prefetched>; "default" is the launcher's choice.
+A config is T<tokens per block>_g<heads per step>_w<warps>_p<head steps in flight>; "default" is the launcher's choice.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def main() -> int:
     ap.add_argument("--configs", default="default")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--variants", default="exact", help="exact (091), accurate (fp32, one rounding), nocs (exact, "
-                    "no grad_cos/sin): to price each part of the stage")
+                    "no grad_cos/sin), nofin (exact, the finish left to a second kernel that is not launched): "
+                    "to price each part of the stage")
     args = ap.parse_args()
     defn = problem.load_definition()
     dev = torch.device("cuda")
@@ -48,6 +49,7 @@ def main() -> int:
             else:
                 t, g, nw, pf = map(int, re.fullmatch(r"T(\d+)_g(\d+)_w(\d+)_p(\d+)", cfg).groups())
                 stage._launch_config = lambda *_a, t=t, g=g, nw=nw, pf=pf: (t, g, nw, pf)
+            stage.FUSED_FINISH = var != "nofin"
             for rep in range(args.reps + 1):
                 cs = (None, None) if var == "nocs" else (gc, gs)
                 stage.rope_qk_norm_backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv=dqkv, grad_cos=cs[0],
@@ -60,6 +62,7 @@ def main() -> int:
                     print(f"warmup {w.name} M={M} {cfg} {var}", file=sys.stderr, flush=True)
         torch.cuda.synchronize()
     stage._launch_config = orig
+    stage.FUSED_FINISH = True
     return 0
 
 

@@ -11,7 +11,7 @@ import torch
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
 from fusedqkv.ops import rope_qk_norm as stage
-from fusedqkv.ops import single_launch
+from fusedqkv.ops import projection, single_launch
 
 DEFN = problem.load_definition()
 REF = problem.load_official_reference()
@@ -51,23 +51,60 @@ INTERP_SHAPES = [
     (1, 8, 2, 9, 128),
     (2, 6, 3, 3, 32),
     (1, 2, 1, 3, 256),
-    # > 16 token chunks: both levels of the fused norm-weight reduction
+    # 12 programs of 8 tokens (the interpreter's 4 "SMs")
     (1, 2, 1, 90, 32),
 ]
 
 
-@pytest.mark.parametrize("fused_finish", [True, False], ids=["fused_finish", "finish_kernel"])
+@pytest.mark.parametrize("finish", ["fused", "fused_small_runs", "kernel"])
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
-def test_triton_kernel_bit_equals_cpu_path(shape, fused_finish, monkeypatch):
-    # the stage kernel, then torch.mm (the single launch is tested below)
+def test_triton_kernel_bit_equals_cpu_path(shape, finish, monkeypatch):
+    # the stage kernel, then torch.mm (the Triton products and the single launch: below)
     monkeypatch.setattr(single_launch, "MAX_TOKENS", 0)
-    monkeypatch.setattr(stage, "FUSED_FINISH", fused_finish)
+    monkeypatch.setattr(projection, "DW_MAX_TOKENS", 0)
+    monkeypatch.setattr(stage, "FUSED_FINISH", finish != "kernel")
+    if finish == "fused_small_runs":
+        # runs of 2 programs: both levels of the fused norm-weight reduction, the second
+        # one over several tiles of super rows once there are more than 4 programs
+        monkeypatch.setattr(stage, "_SUPER", 2)
     args = make_inputs(*shape, seed=sum(shape))
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
     tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
     for name, a, b in zip(("grad_hidden_states", "grad_cos", "grad_sin", "grad_qkv_weight",
                            "grad_q_norm_weight", "grad_k_norm_weight"), cpu, tri):
         assert torch.equal(a, b), name
+
+
+def _assert_product_close(name, a, b):
+    """Within one bf16 rounding (fp32 sums in another order than torch.mm), mostly equal."""
+    a, b = a.float(), b.float()
+    assert ((a - b).abs() <= a.abs() * 2 ** -7 + 1e-6).all(), name
+    assert (a == b).float().mean() > 0.98, name
+
+
+@pytest.mark.parametrize("products", ["triton_dw", "triton_dw_dx"])
+@pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
+def test_triton_products_match_cpu_path(shape, products, monkeypatch):
+    """The stage, then dW in Triton (and dX in Triton, split along NQKV and summed in fp32 in
+    split order): the stage's outputs bit-equal to the CPU path, the products within one bf16
+    rounding of torch.mm on the same dQKV."""
+    monkeypatch.setattr(single_launch, "MAX_TOKENS", 0)
+    monkeypatch.setattr(projection, "DW_MAX_TOKENS", 1 << 20)
+    monkeypatch.setattr(projection, "DX_MAX_TOKENS", 1 << 20 if products == "triton_dw_dx" else 0)
+    monkeypatch.setattr(projection, "DX_BM", 16)  # several token tiles and splits at these sizes
+    args = make_inputs(*shape, hidden=144, seed=sum(shape))  # 144: a partial 128-wide tile
+    cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
+    tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    for name, a, b in zip(("grad_cos", "grad_sin", "grad_q_norm_weight", "grad_k_norm_weight"), cpu[1:3] + cpu[4:],
+                          tri[1:3] + tri[4:]):
+        assert torch.equal(a, b), name
+    _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
+    if products == "triton_dw":
+        assert torch.equal(cpu[0], tri[0])  # torch.mm, as on the CPU path
+    else:
+        _assert_product_close("grad_hidden_states", cpu[0], tri[0])
+        again = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+        assert all(torch.equal(x, y) for x, y in zip(tri, again))
 
 
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
@@ -85,10 +122,8 @@ def test_single_launch_matches_cpu_path(shape, monkeypatch):
     for name, a, b in zip(("grad_cos", "grad_sin", "grad_q_norm_weight", "grad_k_norm_weight"), cpu[1:3] + cpu[4:],
                           tri[1:3] + tri[4:]):
         assert torch.equal(a, b), name
-    for name, a, b in (("grad_hidden_states", cpu[0], tri[0]), ("grad_qkv_weight", cpu[3], tri[3])):
-        a, b = a.float(), b.float()
-        assert ((a - b).abs() <= a.abs() * 2 ** -7 + 1e-6).all(), name
-        assert (a == b).float().mean() > 0.98, name
+    _assert_product_close("grad_hidden_states", cpu[0], tri[0])
+    _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -2,13 +2,15 @@
 
 Kernels (the forward lives in rope_qk_norm_fwd.py):
 
-* ``rope_qk_norm_bwd_kernel`` -- grid (token blocks, head groups). A program takes
-  BLOCK_T tokens and a group of query heads, key heads or value heads, and loops over
-  its heads with [tokens, head_dim/2] tiles (small tiles: no spills, and the head
-  groups give parallelism when there are few tokens). It writes dQKV token-major
-  ``[tokens, (Hq + 2*Hkv) * D]`` -- the ``[Q | K | V]`` layout the two projection
-  GEMMs read (V is a plain copy) -- and fp32 partials: the group's head-sums of
-  grad_cos/grad_sin per token and its norm-weight gradient.  Constexpr switches:
+* ``rope_qk_norm_bwd_kernel`` -- grid (token blocks, 2). A program takes a block of
+  BLOCK_T tokens and either every query and key head of it (axis 1 = 0) or the copy of
+  its value heads (axis 1 = 1). It walks the heads HB at a time with [HB * BLOCK_T rows,
+  head_dim/2] tiles (row = (head, token); the two halves of head_dim are separate tiles,
+  which is how rotate-half RoPE is done), so few tokens still give full tiles. It writes
+  dQKV token-major ``[tokens, (Hq + 2*Hkv) * D]`` -- the ``[Q | K | V]`` layout the two
+  projection GEMMs read -- and, as it holds every head of its tokens, grad_cos/grad_sin
+  complete (no partials, no cross-program finish), plus one fp32 partial row per program
+  of each norm-weight gradient. Constexpr switches:
 
   - ``EXACT``: reproduce the bf16 rounding points of SOL-ExecBench 091's eager
     reference (every eager low-precision op rounds its result) -- needed to pass
@@ -21,18 +23,15 @@ Kernels (the forward lives in rope_qk_norm_fwd.py):
   - ``RECOMPUTE_RSTD``: recompute rstd from the saved activation (training: nothing but
     the projection output is kept between forward and backward) instead of loading it.
 
-  One program's work is ``_stage_program(pid_t, group, ...)``; the single-launch kernel
+  One program's work is ``_stage_program(pid, kind, ...)``; the single-launch kernel
   (gqa_bwd_single_launch.py) runs the same work items from a persistent loop.
 
-* The finish: sums the partials over head groups in a fixed order (deterministic; no
-  atomics in any sum): grad_cos/grad_sin per token, with 091's rounding of the separate
-  query and key sums, and the two norm-weight gradients. With ``FUSED_FINISH`` the last
-  program of each token chunk to finish does it inside the main kernel (a self-resetting
-  ticket decides who is last); otherwise ``rope_qk_norm_bwd_finish_kernel`` does it as
-  a second launch queued after the GEMMs.
+* The norm-weight finish sums the partial rows in a fixed order (deterministic; no
+  atomics in any sum). With ``FUSED_FINISH`` the last programs to finish do it inside the
+  main kernel, in two levels (self-resetting tickets decide who is last); otherwise
+  ``rope_qk_norm_bwd_finish_kernel`` does it as a second launch queued after the GEMMs.
 
 All tensors are addressed through explicit strides so non-contiguous views work.
-Rotate-half RoPE is handled by loading the two halves of head_dim as separate tiles.
 """
 
 import os
@@ -68,24 +67,87 @@ def _rnd(x, DT: tl.constexpr, EXACT: tl.constexpr):
 @triton.jit
 def _store_cast(ptr, x, mask):
     # the final rounding to the destination dtype (round to nearest even)
-    if _SOFT_BF16_ROUND and ptr.dtype.element_ty == tl.bfloat16:
+    if x.dtype == ptr.dtype.element_ty:
+        tl.store(ptr, x, mask=mask)
+    elif _SOFT_BF16_ROUND and ptr.dtype.element_ty == tl.bfloat16:
         tl.store(ptr, _bf16_rne(x).to(tl.bfloat16), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s, tmask, dh,
-                 HALF: tl.constexpr):
-    """cos/sin halves of a block of tokens as fp32 [tokens, head_dim/2] tiles."""
+def load_cos_sin_raw(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s, tmask, dh,
+                     HALF: tl.constexpr):
+    """cos/sin halves of a block of tokens as [tokens, head_dim/2] tiles in their dtype."""
     cmask = tmask[:, None] & (dh[None, :] < HALF)
     cbase = cos_ptr + b[:, None] * scos_b + s[:, None] * scos_s
     sbase = sin_ptr + b[:, None] * ssin_b + s[:, None] * ssin_s
-    c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0).to(tl.float32)
-    c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0).to(tl.float32)
-    s1 = tl.load(sbase + dh[None, :] * ssin_d, mask=cmask, other=0.0).to(tl.float32)
-    s2 = tl.load(sbase + (dh[None, :] + HALF) * ssin_d, mask=cmask, other=0.0).to(tl.float32)
+    c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0)
+    c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0)
+    s1 = tl.load(sbase + dh[None, :] * ssin_d, mask=cmask, other=0.0)
+    s2 = tl.load(sbase + (dh[None, :] + HALF) * ssin_d, mask=cmask, other=0.0)
     return c1, c2, s1, s2
+
+
+@triton.jit
+def load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s, tmask, dh,
+                 HALF: tl.constexpr):
+    """cos/sin halves of a block of tokens as fp32 [tokens, head_dim/2] tiles."""
+    c1, c2, s1, s2 = load_cos_sin_raw(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s,
+                                      tmask, dh, HALF)
+    return c1.to(tl.float32), c2.to(tl.float32), s1.to(tl.float32), s2.to(tl.float32)
+
+
+@triton.jit
+def _to_lp(x, DT: tl.constexpr):
+    """fp32 -> the 16-bit dtype DT, round to nearest even (also under the interpreter)."""
+    if _SOFT_BF16_ROUND and DT == tl.bfloat16:
+        return _bf16_rne(x).to(DT)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
+def _lp_mul(a, b):
+    """a * b of two 16-bit float tensors in that dtype: one rounding, as an eager bf16/fp16
+    multiply (the exact product of two 16-bit values fits in fp32, so rounding it to 16 bits
+    once is what float math then a cast gives). Two elements per instruction."""
+    if _SOFT_BF16_ROUND:
+        return _rnd(a.to(tl.float32) * b.to(tl.float32), a.dtype, True).to(a.dtype)
+    elif a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+
+
+@triton.jit
+def _lp_add(a, b):
+    """a + b of two 16-bit float tensors in that dtype, one rounding (as eager: a sum of two
+    16-bit values either fits in fp32 or differs from the larger by less than half its
+    16-bit ulp, so float math then a cast rounds the same)."""
+    if _SOFT_BF16_ROUND:
+        return _rnd(a.to(tl.float32) + b.to(tl.float32), a.dtype, True).to(a.dtype)
+    elif a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("add.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+
+
+@triton.jit
+def _lp_sub(a, b):
+    """a - b, as ``_lp_add``."""
+    if _SOFT_BF16_ROUND:
+        return _rnd(a.to(tl.float32) - b.to(tl.float32), a.dtype, True).to(a.dtype)
+    elif a.dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise("sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise("sub.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float16,
+                                         is_pure=True, pack=2)
 
 
 @triton.jit
@@ -138,86 +200,106 @@ def _rstd(x1, x2, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _load_head(g_row, sg_h, sg_d, x_row, sx_h, sx_d, r_row, sr_h, h, h1, d, mask, tmask, HALF: tl.constexpr):
-    """Raw tiles of head h (masked off once h reaches h1): both halves of g and x, and rstd."""
-    pmask = mask & (h < h1)
-    g1 = tl.load(g_row + h * sg_h + d * sg_d, mask=pmask, other=0.0)
-    g2 = tl.load(g_row + h * sg_h + (d + HALF) * sg_d, mask=pmask, other=0.0)
-    x1 = tl.load(x_row + h * sx_h + d * sx_d, mask=pmask, other=0.0)
-    x2 = tl.load(x_row + h * sx_h + (d + HALF) * sx_d, mask=pmask, other=0.0)
-    r = tl.load(r_row + h * sr_h, mask=tmask & (h < h1), other=0.0)
-    return g1, g2, x1, x2, r
-
-
-@triton.jit
-def _head_group_bwd(
+def _head_set_bwd(
     g_ptr, sg_b, sg_h, sg_s, sg_d,
     x_ptr, sx_b, sx_h, sx_s, sx_d,
     r_ptr, sr_b, sr_h, sr_s,
     w_ptr, sw,
     dqkv_ptr, s_dqkv_t, col0,
-    cs_ptr, group, M,
-    h0, h1, b, s, tok, tmask,
-    c1, c2, s1, s2, eps,
+    H, b, s, tok, rmask, hb,
+    c1, c2, s1, s2, eps, cs1, cs2, sn1, sn2,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
     DT: tl.constexpr, EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
-    SAVED_ROTATED: tl.constexpr, GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr,
+    SAVED_ROTATED: tl.constexpr, GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr, HB: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
 ):
-    """Backward of heads [h0, h1) of one head set (query or key) for a block of tokens.
-    Returns the block's norm-weight gradient contributions per element ([tokens, D/2] x 2),
-    summed over the heads."""
+    """Backward of all H heads of one head set (query or key) for BLOCK_T tokens.
+
+    Tiles are [HB * BLOCK_T rows, head_dim/2]; row = (head within the HB-head step hb, token).
+    Adds the grad_cos/grad_sin contributions, summed over the head steps, to the per-row
+    accumulators ``cs1, cs2, sn1, sn2`` ([HB * BLOCK_T, D/2] fp32: cos first half, cos second
+    half, sin first, sin second; the caller sums the HB rows of each token) and returns
+    them, with the norm-weight gradient contributions summed over heads and tokens
+    ([D/2] x 2)."""
     d = tl.arange(0, HALF_P2)[None, :]
     dmask = tl.arange(0, HALF_P2) < HALF
-    mask = tmask[:, None] & (d < HALF)
     w1 = tl.load(w_ptr + tl.arange(0, HALF_P2) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + (tl.arange(0, HALF_P2) + HALF) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    g_row = g_ptr + b[:, None] * sg_b + s[:, None] * sg_s
-    x_row = x_ptr + b[:, None] * sx_b + s[:, None] * sx_s
-    r_row = r_ptr + b * sr_b + s * sr_s
-    out_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + col0
+    g_row = g_ptr + b[:, None] * sg_b + s[:, None] * sg_s + hb[:, None] * sg_h
+    x_row = x_ptr + b[:, None] * sx_b + s[:, None] * sx_s + hb[:, None] * sx_h
+    r_row = r_ptr + b * sr_b + s * sr_s + hb * sr_h
+    out_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + col0 + hb[:, None] * D
 
-    cs1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
-    cs2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
-    sn1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
-    sn2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
-    wg1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
-    wg2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
-    # The stage is bound by memory latency (few bytes in flight per SM): Triton's pipeliner
-    # keeps the tiles of the next PF - 1 heads in flight (cp.async into shared memory, so
-    # no registers) while head h is computed. A hand-rolled register queue of the same
-    # depth doubled the register count (benchmarks/NOTES.md, v7).
-    for h in tl.range(h0, h1, num_stages=PF):
-        tiles = _load_head(g_row, sg_h, sg_d, x_row, sx_h, sx_d, r_row, sr_h, h, h1, d, mask, tmask, HALF)
-        g1 = tiles[0].to(tl.float32)
-        g2 = tiles[1].to(tl.float32)
-        x1 = tiles[2].to(tl.float32)
-        x2 = tiles[3].to(tl.float32)
-        r = tiles[4].to(tl.float32)[:, None]
+    R: tl.constexpr = HB * BLOCK_T
+    wg1 = tl.zeros([R, HALF_P2], tl.float32)
+    wg2 = tl.zeros([R, HALF_P2], tl.float32)
+    # 091's exact mode in 16-bit math: each eager op (multiply, add) is one packed 16-bit
+    # instruction on two elements, instead of an fp32 op plus a round trip through 16 bits
+    LP: tl.constexpr = EXACT and NORM_AFTER_ROPE and (DT == tl.bfloat16 or DT == tl.float16)
+    cf1 = c1.to(tl.float32)
+    cf2 = c2.to(tl.float32)
+    sf1 = s1.to(tl.float32)
+    sf2 = s2.to(tl.float32)
+    # The stage is bound by memory latency: Triton's pipeliner keeps the tiles of the next
+    # PF - 1 head steps in flight (cp.async into shared memory, so no registers) while one
+    # is computed (benchmarks/NOTES.md, v7).
+    for h0 in tl.range(0, H, HB, num_stages=PF):
+        hmask = rmask & (h0 + hb < H)
+        mask = hmask[:, None] & (d < HALF)
+        g1r = tl.load(g_row + h0 * sg_h + d * sg_d, mask=mask, other=0.0)
+        g2r = tl.load(g_row + h0 * sg_h + (d + HALF) * sg_d, mask=mask, other=0.0)
+        x1r = tl.load(x_row + h0 * sx_h + d * sx_d, mask=mask, other=0.0)
+        x2r = tl.load(x_row + h0 * sx_h + (d + HALF) * sx_d, mask=mask, other=0.0)
+        r = tl.load(r_row + h0 * sr_h, mask=hmask, other=0.0).to(tl.float32)[:, None]
+        g1 = g1r.to(tl.float32)
+        g2 = g2r.to(tl.float32)
+        x1 = x1r.to(tl.float32)
+        x2 = x2r.to(tl.float32)
         if NORM_AFTER_ROPE:
             # the norm sees the rotated tensor; grad_cos/sin need the tensor RoPE was applied
             # to. 091's reference "recovers" it by rotating the saved rotated tensor once
             # more; for a saved raw tensor it is the forward rotation -- one formula.
-            o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, DT, EXACT)
+            if LP:
+                # x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1)
+                o1r = _lp_sub(_lp_mul(x1r, c1), _lp_mul(x2r, s1))
+                o2r = _lp_add(_lp_mul(x2r, c2), _lp_mul(x1r, s2))
+                o1 = o1r.to(tl.float32)
+                o2 = o2r.to(tl.float32)
+            else:
+                o1, o2 = _rotate(x1, x2, cf1, cf2, sf1, sf2, DT, EXACT)
+                o1r = o1
+                o2r = o2
             if SAVED_ROTATED:
                 n1 = x1
                 n2 = x2
                 p1 = o1
                 p2 = o2
+                p1r = o1r
+                p2r = o2r
             else:
                 n1 = o1
                 n2 = o2
                 p1 = x1
                 p2 = x2
+                p1r = x1r
+                p2r = x2r
             if RECOMPUTE_RSTD:
                 r = _rstd(n1, n2, eps, D)
-            gn1, gn2, a1, a2 = _rms_norm_bwd(g1, g2, n1, n2, r, w1, w2, D, DT, EXACT)
-            dx1, dx2 = _rope_bwd(gn1, gn2, c1, c2, s1, s2, DT, EXACT)
+            if LP:
+                gn1, gn2, a1, a2 = _rms_norm_bwd(g1, g2, n1, n2, r, w1, w2, D, DT, False)
+                q1r = _to_lp(gn1, DT)
+                q2r = _to_lp(gn2, DT)
+                # RoPE transpose as 091's reference: g*cos + cat(g2, -g1)*sin (see _rope_bwd)
+                dx1 = _lp_add(_lp_mul(q1r, c1), _lp_mul(q2r, s1))
+                dx2 = _lp_sub(_lp_mul(q2r, c2), _lp_mul(q1r, s2))
+            else:
+                gn1, gn2, a1, a2 = _rms_norm_bwd(g1, g2, n1, n2, r, w1, w2, D, DT, EXACT)
+                dx1, dx2 = _rope_bwd(gn1, gn2, cf1, cf2, sf1, sf2, DT, EXACT)
             q1 = gn1
             q2 = gn2
         else:
             # RoPE after the norm: the rotated tensor is x * r * w
-            gn1, gn2 = _rope_bwd(g1, g2, c1, c2, s1, s2, DT, EXACT)
+            gn1, gn2 = _rope_bwd(g1, g2, cf1, cf2, sf1, sf2, DT, EXACT)
             if RECOMPUTE_RSTD:
                 r = _rstd(x1, x2, eps, D)
             dx1, dx2, a1, a2 = _rms_norm_bwd(gn1, gn2, x1, x2, r, w1, w2, D, DT, EXACT)
@@ -227,24 +309,63 @@ def _head_group_bwd(
             q2 = g2
         wg1 += a1
         wg2 += a2
-        _store_cast(out_row + h * D + d, dx1, mask)
-        _store_cast(out_row + h * D + d + HALF, dx2, mask)
+        _store_cast(out_row + h0 * D + d, dx1, mask)
+        _store_cast(out_row + h0 * D + d + HALF, dx2, mask)
         if GRAD_COS_SIN:
             # d/dcos: g * p ; d/dsin: g * rotate_half(p), rotate_half(p) = cat(-p2, p1)
-            cs1 += _rnd(q1 * p1, DT, EXACT)
-            cs2 += _rnd(q2 * p2, DT, EXACT)
-            sn1 += _rnd(-(q1 * p2), DT, EXACT)
-            sn2 += _rnd(q2 * p1, DT, EXACT)
+            if LP:
+                cs1 += _lp_mul(q1r, p1r).to(tl.float32)
+                cs2 += _lp_mul(q2r, p2r).to(tl.float32)
+                sn1 -= _lp_mul(q1r, p2r).to(tl.float32)
+                sn2 += _lp_mul(q2r, p1r).to(tl.float32)
+            else:
+                cs1 += _rnd(q1 * p1, DT, EXACT)
+                cs2 += _rnd(q2 * p2, DT, EXACT)
+                sn1 += _rnd(-(q1 * p2), DT, EXACT)
+                sn2 += _rnd(q2 * p1, DT, EXACT)
+    return cs1, cs2, sn1, sn2, tl.sum(wg1, axis=0), tl.sum(wg2, axis=0)
 
-    if GRAD_COS_SIN:
-        # partials [groups, 2 (cos, sin), M, D] fp32
-        cs_row = cs_ptr + (group * 2 * M + tok[:, None]).to(tl.int64) * D
-        tl.store(cs_row + d, cs1, mask=mask)
-        tl.store(cs_row + HALF + d, cs2, mask=mask)
-        sn_row = cs_row + M.to(tl.int64) * D
-        tl.store(sn_row + d, sn1, mask=mask)
-        tl.store(sn_row + HALF + d, sn2, mask=mask)
-    return wg1, wg2
+
+@triton.jit
+def _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                   c1, c2, s1, s2, tok0, M, S, ADD_STORED: tl.constexpr,
+                   HALF: tl.constexpr, HALF_P2: tl.constexpr, DT: tl.constexpr, EXACT: tl.constexpr,
+                   HB: tl.constexpr, BLOCK_T: tl.constexpr):
+    """grad_cos/grad_sin of tokens [tok0, tok0 + BLOCK_T) from per-row sums: each summed over
+    the rows of its token and rounded; with ADD_STORED, added to the (rounded) values this
+    program stored there before and rounded again."""
+    t = tok0 + tl.arange(0, BLOCK_T)[:, None]
+    d = tl.arange(0, HALF_P2)[None, :]
+    m = (t < M) & (d < HALF)
+    tb = (t // S).to(tl.int64)
+    ts = t % S
+    p_c1 = gcos_ptr + tb * sgcos_b + ts * sgcos_s + d * sgcos_d
+    p_c2 = p_c1 + HALF * sgcos_d
+    p_s1 = gsin_ptr + tb * sgsin_b + ts * sgsin_s + d * sgsin_d
+    p_s2 = p_s1 + HALF * sgsin_d
+    v_c1 = _rnd(_token_sum(c1, HB, BLOCK_T, HALF_P2), DT, EXACT)
+    v_c2 = _rnd(_token_sum(c2, HB, BLOCK_T, HALF_P2), DT, EXACT)
+    v_s1 = _rnd(_token_sum(s1, HB, BLOCK_T, HALF_P2), DT, EXACT)
+    v_s2 = _rnd(_token_sum(s2, HB, BLOCK_T, HALF_P2), DT, EXACT)
+    if ADD_STORED:
+        tl.debug_barrier()  # the earlier stores of every thread of the program are done
+        v_c1 = _rnd(tl.load(p_c1, mask=m, other=0.0).to(tl.float32) + v_c1, DT, EXACT)
+        v_c2 = _rnd(tl.load(p_c2, mask=m, other=0.0).to(tl.float32) + v_c2, DT, EXACT)
+        v_s1 = _rnd(tl.load(p_s1, mask=m, other=0.0).to(tl.float32) + v_s1, DT, EXACT)
+        v_s2 = _rnd(tl.load(p_s2, mask=m, other=0.0).to(tl.float32) + v_s2, DT, EXACT)
+    _store_cast(p_c1, v_c1, m)
+    _store_cast(p_c2, v_c2, m)
+    _store_cast(p_s1, v_s1, m)
+    _store_cast(p_s2, v_s2, m)
+
+
+@triton.jit
+def _token_sum(x, HB: tl.constexpr, BLOCK_T: tl.constexpr, HALF_P2: tl.constexpr):
+    """[HB * BLOCK_T rows, D/2] -> [BLOCK_T, D/2]: the sum over the HB heads of each token."""
+    if HB == 1:
+        return x
+    else:
+        return tl.sum(tl.reshape(x, [HB, BLOCK_T, HALF_P2]), axis=0)
 
 
 @triton.jit
@@ -264,245 +385,177 @@ def rope_qk_norm_bwd_kernel(
     # cos / sin [B, S, D]
     cos_ptr, scos_b, scos_s, scos_d,
     sin_ptr, ssin_b, ssin_s, ssin_d,
-    # outputs: dQKV [M, (Hq + 2 Hkv) D]; fp32 partials of grad_cos/sin and the norm weights
+    # outputs: dQKV [M, (Hq + 2 Hkv) D]; grad_cos / grad_sin [B, S, D]
     dqkv_ptr, s_dqkv_t,
-    cs_ptr, wpart_ptr,
-    # final outputs and tickets (FUSED_FINISH only)
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wsup_ptr,
-    M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG, TPP, eps,
+    # norm-weight gradients [D], their fp32 partials [programs, 2, D] and super rows, tickets
+    gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr,
+    M, S, HQ, HKV, eps,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, HB: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
 ):
-    """Grid (programs along tokens, head groups): one ``_stage_program`` per program."""
+    """Grid (programs along tokens, 2): one ``_stage_program`` per program; axis 1 picks the
+    query+key work (0) or the value copy (1)."""
     _stage_program(
         tl.program_id(0), tl.program_id(1), tl.num_programs(0),
         gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,
         xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, rq_ptr, srq_b, srq_h, srq_s,
         rk_ptr, srk_b, srk_h, srk_s, wq_ptr, swq, wk_ptr, swk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b,
-        ssin_s, ssin_d, dqkv_ptr, s_dqkv_t, cs_ptr, wpart_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr,
-        sgsin_b, sgsin_s, sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wsup_ptr, M, S, HQ, HKV,
-        HEADS_PER_GROUP, NQG, NKG, TPP, eps, D, HALF, HALF_P2, D_P2, BLOCK_T, EXACT, NORM_AFTER_ROPE,
-        SAVED_ROTATED, GRAD_COS_SIN, FUSED_FINISH, SUPER, RECOMPUTE_RSTD, PF
+        ssin_s, ssin_d, dqkv_ptr, s_dqkv_t, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s,
+        sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, M, S, HQ, HKV, eps,
+        D, HALF, HALF_P2, D_P2, BLOCK_T, HB, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, FUSED_FINISH,
+        SUPER, RECOMPUTE_RSTD, PF
     )
 
 
 @triton.jit
 def _stage_program(
-    # which token chunk and head group, of how many chunks
-    pid_t, group, n_prog_t,
-    # grads of the block outputs [B, H, S, D]
+    # which token block, which work (0: query and key heads, 1: value copy), of how many blocks
+    pid, kind, n_prog,
     gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
     gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d,
     gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,
-    # saved activations [B, H, S, D]
     xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
     xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
-    # rstd [B, H, S] (a trailing size-1 dim dropped by the launcher)
     rq_ptr, srq_b, srq_h, srq_s,
     rk_ptr, srk_b, srk_h, srk_s,
-    # norm weights [D]
     wq_ptr, swq, wk_ptr, swk,
-    # cos / sin [B, S, D]
     cos_ptr, scos_b, scos_s, scos_d,
     sin_ptr, ssin_b, ssin_s, ssin_d,
-    # outputs: dQKV [M, (Hq + 2 Hkv) D]; fp32 partials of grad_cos/sin and the norm weights
     dqkv_ptr, s_dqkv_t,
-    cs_ptr, wpart_ptr,
-    # final outputs and tickets (FUSED_FINISH only)
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    gwq_ptr, sgwq, gwk_ptr, sgwk, tick_ptr, wsup_ptr,
-    M, S, HQ, HKV, HEADS_PER_GROUP, NQG, NKG, TPP, eps,
+    gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr,
+    M, S, HQ, HKV, eps,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, HB: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
 ):
-    """One (token chunk, head group) work item of the backward stage."""
+    """One work item of the backward stage: a block of BLOCK_T tokens, and either every query
+    and key head of it (grad_cos/grad_sin complete in the program: no partials) or the copy
+    of its value heads. (One block per program: a loop over several blocks, carrying the
+    norm-weight sums, took the 8-token kernel from ~150 to ~210 registers, sm_90 offline.)"""
     DT: tl.constexpr = gq_ptr.dtype.element_ty
-    dh = tl.arange(0, HALF_P2)
-    wg1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
-    wg2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
-    # each program takes TPP consecutive token blocks, so that the norm-weight partials
-    # (one row per program and group) stay few enough for a quick final reduction
-    for it in range(0, TPP):
-        tok = (pid_t * TPP + it) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = tok < M
-        b = (tok // S).to(tl.int64)
-        s = tok % S
-        if group < NQG + NKG:
-            c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
-                                          b, s, tmask, dh, HALF)
-            if group < NQG:
-                h0 = group * HEADS_PER_GROUP
-                a1, a2 = _head_group_bwd(
-                    gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
-                    xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
-                    rq_ptr, srq_b, srq_h, srq_s,
-                    wq_ptr, swq,
-                    dqkv_ptr, s_dqkv_t, 0,
-                    cs_ptr, group, M,
-                    h0, tl.minimum(h0 + HEADS_PER_GROUP, HQ), b, s, tok, tmask, c1, c2, s1, s2, eps,
-                    D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
-                    RECOMPUTE_RSTD, PF,
-                )
-            else:
-                h0 = (group - NQG) * HEADS_PER_GROUP
-                a1, a2 = _head_group_bwd(
-                    gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d,
-                    xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
-                    rk_ptr, srk_b, srk_h, srk_s,
-                    wk_ptr, swk,
-                    dqkv_ptr, s_dqkv_t, HQ * D,
-                    cs_ptr, group, M,
-                    h0, tl.minimum(h0 + HEADS_PER_GROUP, HKV), b, s, tok, tmask, c1, c2, s1, s2, eps,
-                    D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T,
-                    RECOMPUTE_RSTD, PF,
-                )
-            wg1 += a1
-            wg2 += a2
-        else:
-            # V needs no math: copy its heads of this group into the last third of dQKV
-            h0 = (group - NQG - NKG) * HEADS_PER_GROUP
-            h1 = tl.minimum(h0 + HEADS_PER_GROUP, HKV)
-            dv = tl.arange(0, D_P2)[None, :]
-            vmask = tmask[:, None] & (dv < D)
-            v_row = gv_ptr + b[:, None] * sgv_b + s[:, None] * sgv_s + dv * sgv_d
-            o_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + (HQ + HKV) * D + dv
-            for h in range(h0, h1):
-                v = tl.load(v_row + h * sgv_h, mask=vmask, other=0.0)
-                tl.store(o_row + h * D, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a copy
-    if group < NQG + NKG:
-        # norm-weight partials [groups, programs along tokens, D] fp32
-        wrow = wpart_ptr + (group * n_prog_t + pid_t) * D
-        tl.store(wrow + dh, tl.sum(wg1, axis=0), mask=dh < HALF)
-        tl.store(wrow + HALF + dh, tl.sum(wg2, axis=0), mask=dh < HALF)
-        if FUSED_FINISH:
-            # The last program of this token chunk to finish (a ticket, not a sum: the
-            # results are summed in a fixed order) turns the chunk's partials into
-            # grad_cos/grad_sin; the last chunk to finish reduces the norm-weight partials.
-            # Tickets reset themselves for the next call. Acquire/release atomics order the
-            # partial stores; .cg loads read them from L2.
-            tl.debug_barrier()
-            ticket = tl.atomic_add(tick_ptr + pid_t, 1)
-            if ticket == NQG + NKG - 1:
-                tl.store(tick_ptr + pid_t, 0)
-                if GRAD_COS_SIN:
-                    for it in range(0, TPP):
-                        _finish_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
-                                        gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                                        (pid_t * TPP + it) * BLOCK_T, M, S, NQG, NKG,
-                                        D, D_P2, BLOCK_T, DT, EXACT, ".cg")
-                # norm weights, in two levels so no single program walks all the rows: the
-                # last chunk of each run of SUPER chunks sums their rows into a super row,
-                # the last super row to be written sums those
-                tl.debug_barrier()
-                n_sup = tl.cdiv(n_prog_t, SUPER)
-                sup = pid_t // SUPER
-                c0 = sup * SUPER
-                n_in = tl.minimum(SUPER, n_prog_t - c0)
-                t2 = tl.atomic_add(tick_ptr + n_prog_t + sup, 1)
-                if t2 == n_in - 1:
-                    tl.store(tick_ptr + n_prog_t + sup, 0)
-                    wq_sum = _sum_rows(wpart_ptr, 0, NQG, n_prog_t, c0, n_in, D, D_P2, SUPER)
-                    wk_sum = _sum_rows(wpart_ptr, NQG, NQG + NKG, n_prog_t, c0, n_in, D, D_P2, SUPER)
-                    dd = tl.arange(0, D_P2)
-                    tl.store(wsup_ptr + (sup * 2) * D + dd, wq_sum, mask=dd < D)
-                    tl.store(wsup_ptr + (sup * 2 + 1) * D + dd, wk_sum, mask=dd < D)
-                    tl.debug_barrier()
-                    t3 = tl.atomic_add(tick_ptr + n_prog_t + n_sup, 1)
-                    if t3 == n_sup - 1:
-                        tl.store(tick_ptr + n_prog_t + n_sup, 0)
-                        rows = tl.arange(0, SUPER)[:, None]
-                        m = (rows < n_sup) & (dd[None, :] < D)
-                        q = tl.load(wsup_ptr + (rows * 2) * D + dd[None, :], mask=m, other=0.0, cache_modifier=".cg")
-                        k = tl.load(wsup_ptr + (rows * 2 + 1) * D + dd[None, :], mask=m, other=0.0,
-                                    cache_modifier=".cg")
-                        _store_cast(gwq_ptr + dd * sgwq, tl.sum(q, axis=0), dd < D)
-                        _store_cast(gwk_ptr + dd * sgwk, tl.sum(k, axis=0), dd < D)
-
-
-@triton.jit
-def _finish_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                    tok0, M, S, NQG, NKG,
-                    D: tl.constexpr, D_P2: tl.constexpr, BLOCK_T: tl.constexpr, DT: tl.constexpr,
-                    EXACT: tl.constexpr, CACHE: tl.constexpr):
-    """grad_cos / grad_sin of tokens [tok0, tok0 + BLOCK_T) from the head-group partials."""
-    d = tl.arange(0, D_P2)[None, :]
-    tok = tok0 + tl.arange(0, BLOCK_T)[:, None]
-    mask = (tok < M) & (d < D)
+    R: tl.constexpr = HB * BLOCK_T
+    rows = tl.arange(0, R)
+    hb = rows // BLOCK_T
+    tok0 = pid * BLOCK_T
+    tok = tok0 + rows % BLOCK_T
+    rmask = tok < M
     b = (tok // S).to(tl.int64)
     s = tok % S
-    for which in range(0, 2):  # 0: cos, 1: sin
-        q = tl.zeros([BLOCK_T, D_P2], tl.float32)
-        for g in range(0, NQG):
-            q += tl.load(cs_ptr + ((g * 2 + which) * M + tok).to(tl.int64) * D + d, mask=mask, other=0.0,
-                         cache_modifier=CACHE)
-        k = tl.zeros([BLOCK_T, D_P2], tl.float32)
-        for g in range(NQG, NQG + NKG):
-            k += tl.load(cs_ptr + ((g * 2 + which) * M + tok).to(tl.int64) * D + d, mask=mask, other=0.0,
-                         cache_modifier=CACHE)
-        # the reference sums q and k contributions separately (each rounded), then adds
-        v = _rnd(_rnd(q, DT, EXACT) + _rnd(k, DT, EXACT), DT, EXACT)
-        if which == 0:
-            _store_cast(gcos_ptr + b * sgcos_b + s * sgcos_s + d * sgcos_d, v, mask)
-        else:
-            _store_cast(gsin_ptr + b * sgsin_b + s * sgsin_s + d * sgsin_d, v, mask)
+    dh = tl.arange(0, HALF_P2)
+    hm = dh < HALF
+    if kind == 0:
+        c1, c2, s1, s2 = load_cos_sin_raw(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
+                                          b, s, rmask, dh, HALF)
+        z = tl.zeros([R, HALF_P2], tl.float32)
+        c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+            gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
+            rq_ptr, srq_b, srq_h, srq_s, wq_ptr, swq, dqkv_ptr, s_dqkv_t, 0,
+            HQ, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
+            D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
+            RECOMPUTE_RSTD, PF,
+        )
+        # norm-weight partials [programs, 2 (query, key), D] fp32
+        wrow = wpart_ptr + pid * 2 * D
+        tl.store(wrow + dh, a1, mask=hm)
+        tl.store(wrow + HALF + dh, a2, mask=hm)
+        if GRAD_COS_SIN and EXACT:
+            # the reference rounds the query sums and the key sums separately, then adds:
+            # the rounded query sums (exact in the output dtype) wait in grad_cos/sin while
+            # the key heads run (in registers they took ~80 more, sm_90 offline)
+            _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                           c_1, c_2, s_1, s_2, tok0, M, S, False,
+                           HALF, HALF_P2, DT, EXACT, HB, BLOCK_T)
+            c_1 = z
+            c_2 = z
+            s_1 = z
+            s_2 = z
+        # otherwise (fp32, one rounding) the key contributions add to the query sums
+        c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+            gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
+            rk_ptr, srk_b, srk_h, srk_s, wk_ptr, swk, dqkv_ptr, s_dqkv_t, HQ * D,
+            HKV, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, c_1, c_2, s_1, s_2,
+            D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
+            RECOMPUTE_RSTD, PF,
+        )
+        tl.store(wrow + D + dh, a1, mask=hm)
+        tl.store(wrow + D + HALF + dh, a2, mask=hm)
+        if GRAD_COS_SIN:
+            _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                           c_1, c_2, s_1, s_2, tok0, M, S, EXACT,
+                           HALF, HALF_P2, DT, EXACT, HB, BLOCK_T)
+        if FUSED_FINISH:
+            # Two levels: the last program of each run of SUPER programs to finish (a ticket,
+            # not a sum: the results are summed in a fixed order) sums their rows into a super
+            # row; the last super row to be written, all super rows. Tickets reset themselves
+            # for the next call. Acquire/release atomics order the partial stores; .cg loads
+            # read them from L2.
+            tl.debug_barrier()
+            n_sup = tl.cdiv(n_prog, SUPER)
+            sup = pid // SUPER
+            c0 = sup * SUPER
+            n_in = tl.minimum(SUPER, n_prog - c0)
+            t1 = tl.atomic_add(tick_ptr + sup, 1)
+            if t1 == n_in - 1:
+                tl.store(tick_ptr + sup, 0)
+                _sum_rows(wpart_ptr, c0, n_in, wsup_ptr + sup * 2 * D, D, D_P2, SUPER)
+                tl.debug_barrier()
+                t2 = tl.atomic_add(tick_ptr + n_sup, 1)
+                if t2 == n_sup - 1:
+                    tl.store(tick_ptr + n_sup, 0)
+                    _finish_norm_weight(wsup_ptr, n_sup, gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, SUPER, ".cg")
+    else:
+        # V needs no math: copy its heads into the last third of dQKV
+        dv = tl.arange(0, D_P2)[None, :]
+        v_row = gv_ptr + b[:, None] * sgv_b + s[:, None] * sgv_s + hb[:, None] * sgv_h + dv * sgv_d
+        o_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + (HQ + HKV) * D + hb[:, None] * D + dv
+        for h0 in range(0, HKV, HB):
+            vmask = (rmask & (h0 + hb < HKV))[:, None] & (dv < D)
+            v = tl.load(v_row + h0 * sgv_h, mask=vmask, other=0.0)
+            tl.store(o_row + h0 * D, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a copy
 
 
 @triton.jit
-def _finish_norm_weight(wpart_ptr, g0, g1, N_PROG_T, out_ptr, s_out,
-                        D: tl.constexpr, D_P2: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr):
-    """Sum of the partial rows of head groups [g0, g1) in a fixed order."""
-    d = tl.arange(0, D_P2)[None, :]
-    acc = tl.zeros([BLOCK_R, D_P2], tl.float32)
-    n_rows = (g1 - g0) * N_PROG_T
-    for r0 in range(0, n_rows, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)[:, None]
-        acc += tl.load(wpart_ptr + (g0 * N_PROG_T + rows) * D + d, mask=(rows < n_rows) & (d < D), other=0.0,
-                       cache_modifier=CACHE)
-    total = tl.sum(acc, axis=0)
-    dd = tl.arange(0, D_P2)
-    _store_cast(out_ptr + dd * s_out, total, dd < D)
-
-
-@triton.jit
-def _sum_rows(wpart_ptr, g0, g1, N_PROG_T, c0, n, D: tl.constexpr, D_P2: tl.constexpr, SUPER: tl.constexpr):
-    """Sum of partial rows (group g, chunk c) for g in [g0, g1), c in [c0, c0 + n): fixed order."""
+def _sum_rows(wpart_ptr, c0, n, out_ptr, D: tl.constexpr, D_P2: tl.constexpr, SUPER: tl.constexpr):
+    """Rows [c0, c0 + n) (n <= SUPER) of the [rows, 2, D] partials summed into out [2, D]:
+    one tile load per head set, fixed order."""
     rows = tl.arange(0, SUPER)[:, None]
     d = tl.arange(0, D_P2)[None, :]
     m = (rows < n) & (d < D)
-    acc = tl.zeros([SUPER, D_P2], tl.float32)
-    for g in range(g0, g1):
-        acc += tl.load(wpart_ptr + (g * N_PROG_T + c0 + rows) * D + d, mask=m, other=0.0, cache_modifier=".cg")
-    return tl.sum(acc, axis=0)
+    q = tl.load(wpart_ptr + ((c0 + rows) * 2) * D + d, mask=m, other=0.0, cache_modifier=".cg")
+    k = tl.load(wpart_ptr + ((c0 + rows) * 2 + 1) * D + d, mask=m, other=0.0, cache_modifier=".cg")
+    dd = tl.arange(0, D_P2)
+    tl.store(out_ptr + dd, tl.sum(q, axis=0), mask=dd < D)
+    tl.store(out_ptr + D + dd, tl.sum(k, axis=0), mask=dd < D)
 
 
 @triton.jit
-def rope_qk_norm_bwd_finish_kernel(
-    cs_ptr, wpart_ptr,
-    gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
-    gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    gwq_ptr, sgwq, gwk_ptr, sgwk,
-    M, S, NQG, NKG, N_PROG_T, N_FIN_T,
-    D: tl.constexpr, D_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-    EXACT: tl.constexpr, GRAD_COS_SIN: tl.constexpr,
-):
-    """Programs [0, N_FIN_T): grad_cos/grad_sin of BLOCK_T tokens each. The last two
-    programs: the query and the key norm-weight gradients. Fixed summation order."""
-    DT: tl.constexpr = gcos_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    if pid < N_FIN_T:
-        if GRAD_COS_SIN:
-            _finish_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                            pid * BLOCK_T, M, S, NQG, NKG, D, D_P2, BLOCK_T, DT, EXACT, "")
-    elif pid == N_FIN_T:
-        _finish_norm_weight(wpart_ptr, 0, NQG, N_PROG_T, gwq_ptr, sgwq, D, D_P2, BLOCK_R, "")
-    else:
-        _finish_norm_weight(wpart_ptr, NQG, NQG + NKG, N_PROG_T, gwk_ptr, sgwk, D, D_P2, BLOCK_R, "")
+def _finish_norm_weight(wpart_ptr, n_rows, gwq_ptr, sgwq, gwk_ptr, sgwk,
+                        D: tl.constexpr, D_P2: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr):
+    """The two norm-weight gradients from the rows of [rows, 2, D] partials, in a fixed order."""
+    d = tl.arange(0, D_P2)[None, :]
+    q = tl.zeros([BLOCK_R, D_P2], tl.float32)
+    k = tl.zeros([BLOCK_R, D_P2], tl.float32)
+    for r0 in range(0, n_rows, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)[:, None]
+        m = (rows < n_rows) & (d < D)
+        q += tl.load(wpart_ptr + (rows * 2) * D + d, mask=m, other=0.0, cache_modifier=CACHE)
+        k += tl.load(wpart_ptr + (rows * 2 + 1) * D + d, mask=m, other=0.0, cache_modifier=CACHE)
+    dd = tl.arange(0, D_P2)
+    _store_cast(gwq_ptr + dd * sgwq, tl.sum(q, axis=0), dd < D)
+    _store_cast(gwk_ptr + dd * sgwk, tl.sum(k, axis=0), dd < D)
+
+
+@triton.jit
+def rope_qk_norm_bwd_finish_kernel(wpart_ptr, n_rows, gwq_ptr, sgwq, gwk_ptr, sgwk,
+                                   D: tl.constexpr, D_P2: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The norm-weight gradients as a second launch (when the finish is not fused)."""
+    _finish_norm_weight(wpart_ptr, n_rows, gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, BLOCK_R, "")

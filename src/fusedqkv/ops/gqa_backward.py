@@ -16,9 +16,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import single_launch
+from . import projection, single_launch
 from . import validation as V
-from .rope_qk_norm import pick_backend, rope_qk_norm_backward
+from .rope_qk_norm import pick_backend, rope_qk_norm_backward, sm_count, ticket_buffer
 
 OUTPUT_NAMES = (
     "grad_hidden_states", "grad_cos", "grad_sin", "grad_qkv_weight", "grad_q_norm_weight", "grad_k_norm_weight",
@@ -157,14 +157,39 @@ def gqa_qkv_rope_qk_norm_backward(
                                        q_norm_weight, k_norm_weight, cos, sin, x2d, qkv_weight, dqkv=dqkv, dx2d=dx2d,
                                        dw=g_weight, gcos=g_cos, gsin=g_sin, gwq=g_qw, gwk=g_kw)
                 return out
-        finish = rope_qk_norm_backward(
+        # the GEMMs' operands before the stage's launch: between the launches the host does
+        # nothing but enqueue (at a few hundred tokens the GPU waits for it there)
+        x = hidden_states.reshape(M, sz["hidden"])
+        dx = g_hidden.view(M, sz["hidden"]) if g_hidden.is_contiguous() else g_hidden
+        dqkv_t = dqkv.t()
+        triton_dw = backend == "triton" and projection.dw_triton_eligible(M, sz["dtype"], device)
+        triton_dx = triton_dw and dx.dim() == 2 and projection.dx_triton_eligible(M, sz["dtype"], device)
+        if triton_dx:
+            split, k_per_split = projection.dx_plan(M, sz["qkv"], sz["hidden"], sm_count(device))
+            xpart = torch.empty((split, M, sz["hidden"]) if split > 1 else (1,), dtype=torch.float32, device=device)
+            xtick = ticket_buffer(device, -(-M // projection.DX_BM) * -(-sz["hidden"] // projection.DX_BN),
+                                  slot="dx")
+        launch_stage, finish = rope_qk_norm_backward(
             grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
             q_norm_weight, k_norm_weight, cos, sin,
             dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
-            exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=g_hidden,
+            exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=g_hidden, deferred=True,
         )
-        x = hidden_states.reshape(M, sz["hidden"])
-        _mm_into(dqkv, qkv_weight, g_hidden.view(M, sz["hidden"]) if g_hidden.is_contiguous() else g_hidden)
-        _mm_into(dqkv.t(), x, g_weight)
+        if triton_dw:
+            # dW (and dX) in Triton: their host work done before the first launch, the launches
+            # then queued back to back (a cuBLAS dX is queued while dW runs; projection.py)
+            launch_dw = projection.dw_triton(dqkv, x, g_weight, deferred=True)
+            launch_dx = (projection.dx_triton(dqkv, qkv_weight, dx, xpart, xtick, split, k_per_split, deferred=True)
+                         if triton_dx else None)
+            launch_stage()
+            launch_dw()
+            if launch_dx is not None:
+                launch_dx()
+            else:
+                _mm_into(dqkv, qkv_weight, dx)
+        else:
+            launch_stage()
+            _mm_into(dqkv, qkv_weight, dx)
+            _mm_into(dqkv_t, x, g_weight)
         finish()
         return out

@@ -17,7 +17,6 @@ Two backends with one semantics (fp32 math, one rounding to the input dtype):
 
 from __future__ import annotations
 
-import functools
 import numbers
 from typing import Optional
 
@@ -25,7 +24,7 @@ import torch
 
 from . import validation as V
 from .launch import FastLaunch
-from .rope_qk_norm import pick_backend
+from .rope_qk_norm import pick_backend, sm_count
 
 QK_NORM_POSITIONS = ("after_rope", "before_rope")
 
@@ -139,11 +138,6 @@ def rope_qk_norm_forward(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads:
     return q, k, rq, rk
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int]:
     """(tokens per program, heads per program, num_warps).
 
@@ -153,10 +147,7 @@ def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> t
     half_p2 = _next_pow2(d // 2)
     block_t = max(1, min(32, 1024 // half_p2))
     n_tb = -(-M // block_t)
-    if device.type == "cuda":
-        target = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        target = 1
+    target = 4 * sm_count(device) if device.type == "cuda" else 1
     group = 1
     for g in (8, 4, 2):
         if n_tb * (-(-hq // g) + -(-hkv // g)) >= target:

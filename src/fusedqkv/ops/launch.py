@@ -37,6 +37,8 @@ class FastLaunch:
 
     Runtime arguments are positional, in the kernel's parameter order; every constexpr
     parameter is passed by keyword, with the compile options (``num_warps`` ...).
+    ``FastLaunch(kernel).prepared(grid)(...)`` does the same host work but returns the
+    enqueue as a callable.
     """
 
     def __init__(self, fn):
@@ -46,24 +48,41 @@ class FastLaunch:
         self.enabled = not _INTERPRET
 
     def __getitem__(self, grid):
-        return lambda *args, **kw: self.launch(grid, args, kw)
+        return lambda *args, **kw: self.prepare(grid, args, kw)()
 
-    def launch(self, grid, args, kw):
+    def prepared(self, grid):
+        """``FastLaunch(kernel).prepared(grid)(*args, **kw)`` returns a callable that launches:
+        the host work (specialisation key, argument tuple) is done now, the enqueue when it is
+        called -- so a caller can do the work of several launches before the first kernel
+        starts, and then issue them back to back."""
+        return lambda *args, **kw: self.prepare(grid, args, kw)
+
+    def prepare(self, grid, args, kw):
         if not self.enabled or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
-            return self.fn[grid](*args, **kw)
+            return lambda: self.fn[grid](*args, **kw)
         key = (args[0].device.index, tuple(map(_spec, args)), tuple(sorted(kw.items())))
         ck = self.cache.get(key)
         if ck is None:
-            self.cache[key] = self.fn[grid](*args, **kw)  # compiles (or finds) and launches
-            return None
+            def first():  # compiles (or finds) and launches
+                self.cache[key] = self.fn[grid](*args, **kw)
+            return first
         try:
             full = args + tuple(kw[n] for n in self.params[len(args):])
             g1 = grid[1] if len(grid) > 1 else 1
             g2 = grid[2] if len(grid) > 2 else 1
             stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
-            ck.run(grid[0], g1, g2, stream, ck.function, ck.packed_metadata, None, None, None, *full)
+            run, function, meta = ck.run, ck.function, ck.packed_metadata
         except (AttributeError, KeyError, TypeError):  # a Triton whose internals differ
-            self.enabled = False
-            self.cache.clear()
-            return self.fn[grid](*args, **kw)
-        return None
+            return self._disable(grid, args, kw)
+
+        def launch():
+            try:
+                run(grid[0], g1, g2, stream, function, meta, None, None, None, *full)
+            except TypeError:  # a launcher whose signature differs
+                self._disable(grid, args, kw)()
+        return launch
+
+    def _disable(self, grid, args, kw):
+        self.enabled = False
+        self.cache.clear()
+        return lambda: self.fn[grid](*args, **kw)

@@ -33,39 +33,31 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 for the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(tokens per block, heads per group, num_warps, pipeline stages of the head loop) for the
-    backward stage.
+    """(tokens per block, heads per step, num_warps, pipeline stages of the head loop) for the
+    backward stage. A program takes every query and key head of its tokens, HB heads x
+    BLOCK_T tokens per step ([HB * BLOCK_T rows, D/2] tiles).
 
-    Few tokens: small head groups, for enough programs to fill the GPU. Many tokens: up to
-    16 heads per group, so fewer fp32 grad_cos/sin partials.
+    8 rows of ~4 elements per thread (v7's tile). Many tokens: 4-token blocks, 2 heads per
+    step. Fewer: fewer tokens per block, so that there are ~2 programs per SM, and more
+    heads per step, so each program keeps as many rows in flight.
     """
-    if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        sms = 4
-    # measured on the H200 (benchmarks/NOTES.md, v7): 8-token blocks with ~4 tile elements
-    # per thread from ~1k tokens, 4-token blocks with ~2 per thread below
-    block_t, per_thread = (8, 4) if M >= 1024 else (4, 2)
-    g = head_group_size(min(-(-M // block_t), 256), hq, hkv, 4 * sms)
-    return block_t, g, _warps_for(block_t, d, per_thread), PREFETCH
-
-
-def head_group_size(n_prog_t: int, hq: int, hkv: int, target_items: int) -> int:
-    """Fewest head groups (the largest power of 2, at most 16 heads) that give at least
-    ``target_items`` (token chunk, head group) work items, when there are ``n_prog_t`` chunks."""
-    g = min(16, _next_pow2(max(hq, 1)))
-    while g > 1 and n_prog_t * (-(-hq // g) + 2 * -(-hkv // g)) < target_items:
-        g //= 2
-    return g
-
-
-def token_chunks(M: int, block_t: int) -> tuple[int, int]:
-    """(token blocks per chunk, chunks): at most 256 chunks, so at most 256 norm-weight partial
-    rows per head group."""
-    n_tblocks = -(-M // block_t)
-    tpp = -(-n_tblocks // 256)
-    return tpp, -(-n_tblocks // tpp)
+    sms = sm_count(device)
+    rows = 8
+    # at most 4 tokens: the 8-token, one-head tile took 150 registers, 2 heads x 4 tokens 128
+    # (sm_90, offline)
+    block_t = 4
+    while block_t > 1 and -(-M // block_t) < 2 * sms:
+        block_t //= 2
+    hb = max(1, rows // block_t)
+    return block_t, hb, _warps_for(block_t * hb, d, 4), PREFETCH
 
 
 def _warps_for(block_t: int, d: int, per_thread: int = 2) -> int:
@@ -94,7 +86,7 @@ def rope_qk_norm_backward(
     grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight, cos, sin,
     *, dqkv, grad_cos=None, grad_sin=None, grad_q_norm_weight, grad_k_norm_weight,
     exact: bool, norm_after_rope: bool = True, saved_rotated: bool = True, backend: Optional[str] = None,
-    scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None,
+    scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None, deferred: bool = False,
 ):
     """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``.
 
@@ -112,6 +104,10 @@ def rope_qk_norm_backward(
     Returns a callable that completes the norm-weight gradients: on the GPU a second,
     small launch that reduces the per-program partials, which the caller may queue
     behind other work (the projection GEMMs) so its launch latency is hidden.
+
+    ``deferred``: launch nothing yet; return ``(launch, finish)``, ``launch`` a callable that
+    queues the stage with all its host work already done (the torch backend computes
+    at once and returns no-ops).
     """
     grad_cos_sin = grad_cos is not None
     if (rstd_q is None) != (rstd_k is None) or (rstd_q is None and eps is None):
@@ -120,11 +116,15 @@ def rope_qk_norm_backward(
         _backward_torch(grad_q, grad_k, grad_v, saved_q, saved_k, _rstd3(rstd_q), _rstd3(rstd_k),
                         q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
                         grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated, eps)
-        return _done
-    return _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k,
-                     q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
-                     grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated, grad_cos_sin,
-                     scratch, eps)
+        return (_done, _done) if deferred else _done
+    launch, finish = _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k,
+                                      q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
+                                      grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated,
+                                      grad_cos_sin, scratch, eps)
+    if deferred:
+        return launch, finish
+    launch()
+    return finish
 
 
 def _done():
@@ -148,22 +148,22 @@ def _kernel(name: str) -> FastLaunch:
 # the one computed); the stage is bound by memory latency (benchmarks/NOTES.md, v7)
 PREFETCH = 3
 
-# Finish (grad_cos/sin and norm-weight reductions) inside the main kernel by the last
-# program of each chunk (True), or as a second launch after the GEMMs (False).
+# Finish the norm-weight gradients inside the main kernel (True: the last programs to finish
+# reduce the per-program partials, in two levels) or in a second launch after the GEMMs.
 FUSED_FINISH = True
-# chunks per first-level norm-weight reduction of the fused finish (n_prog_t <= 256, so the
-# second level sums at most 16 rows)
-_SUPER = 16
+# programs per first-level reduction of the fused finish (the second level sums the super
+# rows, _SUPER at a time)
+_SUPER = 32
 
 _tickets: dict = {}
 
 
-def ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` zeroed int32 tickets per (device, stream). Every kernel that takes
+def ticket_buffer(device: torch.device, n: int, slot: str = "stage") -> torch.Tensor:
+    """At least ``n`` zeroed int32 tickets per (device, stream, slot). Every kernel that takes
     tickets leaves them zero again, so the buffer is reused without a memset, and kernels
-    on one stream (which never overlap) may share it."""
+    on one stream (which never overlap) may share a slot."""
     # the raw stream handle: no Stream object built on the hot path
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0, slot)
     buf = _tickets.get(key)
     if buf is None or buf.numel() < n:
         buf = _tickets[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
@@ -188,7 +188,7 @@ def _partials(scratch, shapes, device):
     return out
 
 
-def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, cs_part, w_part, gcos, gsin, gwq, gwk):
+def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk, w_part, w_sup, tick):
     """The stage kernels' tensor arguments, each followed by its strides, in parameter order
     (``rope_qk_norm_bwd_kernel`` and the single-launch kernel share them). ``rq`` None
     (rstd recomputed): a placeholder with zero strides that the kernel never reads."""
@@ -203,8 +203,9 @@ def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, cs_par
         rq, *rq_strides, rk, *rk_strides,
         wq, wq.stride(0), wk, wk.stride(0),
         cos, *cos.stride(), sin, *sin.stride(),
-        dqkv, dqkv.stride(0), cs_part, w_part,
-        gcos, *gcos.stride(), gsin, *gsin.stride(), gwq, gwq.stride(0), gwk, gwk.stride(0),
+        dqkv, dqkv.stride(0),
+        gcos, *gcos.stride(), gsin, *gsin.stride(),
+        gwq, gwq.stride(0), gwk, gwk.stride(0), w_part, w_sup, tick,
     )
 
 
@@ -216,48 +217,40 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     if M == 0:
         gwq.zero_()
         gwk.zero_()
-        return _done
-    block_t, heads_per_group, num_warps, prefetch = _launch_config(M, HQ, HKV, D, gq.device)
-    tpp, n_prog_t = token_chunks(M, block_t)
-    nqg = -(-HQ // heads_per_group)
-    nkg = -(-HKV // heads_per_group)  # the value heads use as many groups as the key heads
+        return _done, _done
+    block_t, hb, num_warps, prefetch = _launch_config(M, HQ, HKV, D, gq.device)
+    n_prog = -(-M // block_t)
+    n_sup = -(-n_prog // _SUPER)
     fused = FUSED_FINISH
-    # every allocation before the first launch
-    # the fused finish consumes the partials inside the kernel, so the dX output (written
-    # by the GEMM after it) can hold them; the separate finish kernel runs after the GEMMs
-    n_sup = -(-n_prog_t // _SUPER)
-    cs_part, w_part, w_sup = _partials(scratch if fused else None,
-                                       [(nqg + nkg, 2, M, D) if grad_cos_sin else (1,), (nqg + nkg, n_prog_t, D),
-                                        (n_sup, 2, D)], gq.device)
-    tick = ticket_buffer(gq.device, n_prog_t + n_sup + 1) if fused else w_part
+    # every allocation before the first launch. The fused finish consumes the partials inside
+    # the kernel, so the dX output (written by the GEMM after it) can hold them; the separate
+    # finish kernel runs after the GEMMs and needs memory of its own.
+    w_part, w_sup = _partials(scratch if fused else None, [(n_prog, 2, D), (n_sup, 2, D)], gq.device)
+    tick = ticket_buffer(gq.device, n_sup + 1) if fused else w_part
     if not grad_cos_sin:
         gcos = gsin = cos  # never written: the kernels are compiled without those stores
     recompute = rq is None
     # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
     fp_fusion = not exact
-    _kernel("rope_qk_norm_bwd_kernel")[(n_prog_t, nqg + 2 * nkg)](
-        *stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, cs_part, w_part, gcos, gsin, gwq, gwk),
-        tick, w_sup, M, S, HQ, HKV, heads_per_group, nqg, nkg, tpp, float(eps) if recompute else 0.0,
-        D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t,
+    launch = _kernel("rope_qk_norm_bwd_kernel").prepared((n_prog, 2))(
+        *stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
+                           w_part, w_sup, tick),
+        M, S, HQ, HKV, float(eps) if recompute else 0.0,
+        D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t, HB=hb,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,
         PF=prefetch, num_warps=num_warps, enable_fp_fusion=fp_fusion,
     )
     if fused:
-        return _done
-    fin_t = 16
-    n_fin_t = -(-M // fin_t) if grad_cos_sin else 0
+        return launch, _done
 
     def finish():
-        _kernel("rope_qk_norm_bwd_finish_kernel")[(n_fin_t + 2,)](
-            cs_part, w_part, gcos, *gcos.stride(), gsin, *gsin.stride(),
-            gwq, gwq.stride(0), gwk, gwk.stride(0),
-            M, S, nqg, nkg, n_prog_t, n_fin_t,
-            D=D, D_P2=_next_pow2(D), BLOCK_T=fin_t, BLOCK_R=32,
-            EXACT=exact, GRAD_COS_SIN=grad_cos_sin, num_warps=4, enable_fp_fusion=fp_fusion,
+        _kernel("rope_qk_norm_bwd_finish_kernel")[(1,)](
+            w_part, n_prog, gwq, gwq.stride(0), gwk, gwk.stride(0), D=D, D_P2=_next_pow2(D), BLOCK_R=32,
+            num_warps=4,
         )
 
-    return finish
+    return launch, finish
 
 
 def _rotate_half(t: torch.Tensor) -> torch.Tensor:

@@ -12,19 +12,21 @@ import os
 import torch
 
 from .launch import _INTERPRET, FastLaunch
-from .rope_qk_norm import PREFETCH, _next_pow2, _sm_count, head_group_size, stage_tensor_args, ticket_buffer, token_chunks
+from .rope_qk_norm import PREFETCH, _next_pow2, sm_count, stage_tensor_args, ticket_buffer
 
 # Largest token count that takes the single launch. Off (0) by default: on the H200 its GEMM phase ran
 # at about half the speed of cuBLAS (benchmarks/NOTES.md, "single launch").
 # FUSEDQKV_SINGLE_LAUNCH_MAX_TOKENS overrides it (0 turns the path off).
 MAX_TOKENS = int(os.environ.get("FUSEDQKV_SINGLE_LAUNCH_MAX_TOKENS", "0"))
 
-NUM_WARPS = 8  # two warpgroups for the wgmma tiles; the stage's 8-token tiles give 2 elements per thread
-BLOCK_T = 8
+NUM_WARPS = 8  # two warpgroups for the wgmma tiles
+# the stage's tiles: one token x 16 heads per step (4 elements per thread at head_dim 128), so
+# that few tokens still give ~2 work items per program
+BLOCK_T = 1
+HB = 16
 BM = BN = BJ = 128
 BK = BKW = 64
 STAGES = 3
-FIN_T = 16
 
 # run the two phases as two launches on the GPU too (no barrier): for profiling each phase
 SPLIT_PHASES = False
@@ -56,11 +58,8 @@ def backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, x2d, W, *, dqkv, dx2d
     M = B * S
     NQKV, HIDDEN = W.shape
     dev = gq.device
-    nprog = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 4
-    tpp, n_prog_t = token_chunks(M, BLOCK_T)
-    # head groups: enough stage work items (~3 per program) to spread the stage over every SM
-    g = head_group_size(n_prog_t, HQ, HKV, 3 * nprog)
-    nqg, nkg = -(-HQ // g), -(-HKV // g)
+    nprog = sm_count(dev)
+    n_prog_t = -(-M // BLOCK_T)
     # dX split along the QKV axis so that every program has a tile to work on
     n_dx_tiles = -(-M // BM) * -(-HIDDEN // BN)
     split = max(1, min(8, round(nprog / n_dx_tiles)))
@@ -69,26 +68,25 @@ def backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, x2d, W, *, dqkv, dx2d
     grad_cos_sin = gcos is not None
     recompute = rq is None
     # every allocation before the launch
-    n_cs = (nqg + nkg) * 2 * M * D if grad_cos_sin else 1
-    n_w = (nqg + nkg) * n_prog_t * D
+    n_w = n_prog_t * 2 * D
     n_x = split * M * HIDDEN if split > 1 else 1
-    scratch = torch.empty(n_cs + n_w + n_x, device=dev, dtype=torch.float32)
-    cs_part = scratch[:n_cs]
-    w_part = scratch[n_cs: n_cs + n_w]
-    x_part = scratch[n_cs + n_w: n_cs + n_w + n_x]
+    scratch = torch.empty(n_w + n_x, device=dev, dtype=torch.float32)
+    w_part = scratch[:n_w]
+    x_part = scratch[n_w: n_w + n_x]
     tick = ticket_buffer(dev, n_dx_tiles + 2)
     if not grad_cos_sin:
         gcos = gsin = cos
     common = (
-        *stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, cs_part, w_part, gcos, gsin, gwq, gwk),
+        *stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
+                           w_part, w_part, tick),
         x2d, *x2d.stride(), W, *W.stride(), dx2d, *dx2d.stride(), dw, *dw.stride(),
-        x_part, tick,
-        M, S, HQ, HKV, g, nqg, nkg, tpp, n_prog_t, NQKV, HIDDEN, k_per_split, float(eps) if recompute else 0.0,
+        x_part,
+        M, S, HQ, HKV, n_prog_t, NQKV, HIDDEN, k_per_split, float(eps) if recompute else 0.0,
     )
-    meta = dict(D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=BLOCK_T, PF=PREFETCH,
-                EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
+    meta = dict(D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=BLOCK_T, HB=HB,
+                PF=PREFETCH, EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
                 GRAD_COS_SIN=grad_cos_sin, RECOMPUTE_RSTD=recompute,
-                BM=BM, BN=BN, BK=BK, SPLIT=split, BJ=BJ, BKW=BKW, STAGES=STAGES, FIN_T=FIN_T,
+                BM=BM, BN=BN, BK=BK, SPLIT=split, BJ=BJ, BKW=BKW, STAGES=STAGES,
                 num_warps=NUM_WARPS, enable_fp_fusion=not exact)
     k = _get_kernel()
     if _INTERPRET or dev.type != "cuda" or SPLIT_PHASES:
