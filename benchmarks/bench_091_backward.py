@@ -155,12 +155,12 @@ def main() -> int:
             orig_fused = stage.FUSED_FINISH
             for fused in (True, False):
                 stage.FUSED_FINISH = fused
-                for bt, hb in ((1, 8), (2, 4), (4, 2), (8, 1), (1, 16), (2, 8)):
+                for bt, hb, gs in ((1, 8, 8), (2, 4, 8), (4, 2, 8), (1, 8, 0), (4, 2, 0), (8, 1, 0)):
                     nw = stage._warps_for(bt * hb, a[0].shape[-1], 4)
-                    stage._launch_config = lambda m, hq, hkv, dd, dv, bt=bt, hb=hb, nw=nw: (bt, hb, nw,
-                                                                                              stage.PREFETCH)
-                    tune[f"{'F' if fused else 'K'}_T{bt}_h{hb}_w{nw}"] = timing.summarize(timing.time_kernel_span(
-                        impls["fusedqkv"], reps=max(20, args.reps // 2), flusher=flusher))["median"]
+                    stage._launch_config = lambda *_a, c=(bt, hb, nw, stage.PREFETCH, gs): c
+                    tune[f"{'F' if fused else 'K'}_T{bt}_g{hb}_w{nw}" + (f"_G{gs}" if gs else "")] = timing.summarize(
+                        timing.time_kernel_span(impls["fusedqkv"], reps=max(20, args.reps // 2),
+                                                flusher=flusher))["median"]
             stage._launch_config = orig_cfg
             stage.FUSED_FINISH = orig_fused
             row["tune_ms"] = tune

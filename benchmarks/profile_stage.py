@@ -7,7 +7,8 @@ n-th profiled kernel maps to a printed line:
     ncu --clock-control none --metrics gpu__time_duration.sum -k regex:rope_qk_norm_bwd_kernel --csv \
         python3 benchmarks/profile_stage.py --workloads 11,9,1,5,0 --configs T4_g16_w4_p3,T8_g16_w4_p2
 
-A config is T<tokens per block>_g<heads per step>_w<warps>_p<head steps in flight>; "default" is the launcher's choice.
+A config is T<tokens per block>_g<heads per step>_w<warps>_p<head steps in flight>[_G<heads per group>]
+(no _G: every head in one program); "default" is the launcher's choice.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def main() -> int:
             if cfg == "default":
                 stage._launch_config = orig
             else:
-                t, g, nw, pf = map(int, re.fullmatch(r"T(\d+)_g(\d+)_w(\d+)_p(\d+)", cfg).groups())
-                stage._launch_config = lambda *_a, t=t, g=g, nw=nw, pf=pf: (t, g, nw, pf)
+                t, g, nw, pf, gsz = re.fullmatch(r"T(\d+)_g(\d+)_w(\d+)_p(\d+)(?:_G(\d+))?", cfg).groups()
+                cfg_t = (int(t), int(g), int(nw), int(pf), int(gsz or 0))
+                stage._launch_config = lambda *_a, c=cfg_t: c
             stage.FUSED_FINISH = var != "nofin"
             for rep in range(args.reps + 1):
                 cs = (None, None) if var == "nocs" else (gc, gs)

@@ -56,9 +56,19 @@ INTERP_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("finish", ["fused", "fused_small_runs", "kernel"])
+# launch configurations (tokens per block, heads per step, head steps in flight, heads per group
+# or 0 = every head in one program) beside the launcher's own choice
+STAGE_CONFIGS = {
+    "grouped_2heads": (1, 2, 2, 2),  # several query and key groups: the block finish sums them
+    "grouped_2x2": (2, 2, 3, 4),  # two steps per group, two tokens per block
+    "all_heads_4tokens": (4, 2, 3, 0),
+}
+
+
+@pytest.mark.parametrize("finish,config", [("fused", "auto"), ("fused_small_runs", "auto"), ("kernel", "auto")]
+                         + [("fused", c) for c in STAGE_CONFIGS] + [("fused_small_runs", "grouped_2heads")])
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
-def test_triton_kernel_bit_equals_cpu_path(shape, finish, monkeypatch):
+def test_triton_kernel_bit_equals_cpu_path(shape, finish, config, monkeypatch):
     # the stage kernel, then torch.mm (the Triton products and the single launch: below)
     monkeypatch.setattr(single_launch, "MAX_TOKENS", 0)
     monkeypatch.setattr(projection, "DW_MAX_TOKENS", 0)
@@ -67,6 +77,10 @@ def test_triton_kernel_bit_equals_cpu_path(shape, finish, monkeypatch):
         # runs of 2 programs: both levels of the fused norm-weight reduction, the second
         # one over several tiles of super rows once there are more than 4 programs
         monkeypatch.setattr(stage, "_SUPER", 2)
+    if config != "auto":
+        bt, hb, pf, gs = STAGE_CONFIGS[config]
+        monkeypatch.setattr(stage, "_launch_config", lambda *_a: (bt, hb, stage._warps_for(bt * hb, shape[4], 4),
+                                                                  pf, gs))
     args = make_inputs(*shape, seed=sum(shape))
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
     tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")

@@ -54,7 +54,7 @@ def gqa_bwd_single_launch_kernel(
     dqkv_ptr, s_dqkv_t,
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr,
+    gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr,
     # the projections: X [M, HIDDEN], W [NQKV, HIDDEN], dX [M, HIDDEN], dW [NQKV, HIDDEN]
     x_ptr, sx_t, sx_h, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, dw_ptr, sdw_r, sdw_c,
     # fp32 dX partials [SPLIT, M, HIDDEN] (the int32 tickets above: dX tiles, then barrier, exit)
@@ -80,9 +80,9 @@ def gqa_bwd_single_launch_kernel(
                 xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
                 wq_ptr, swq, wk_ptr, swk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
                 dqkv_ptr, s_dqkv_t, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, M, S, HQ, HKV, eps,
+                gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr, M, S, HQ, HKV, eps,
                 D, HALF, HALF_P2, D_P2, BLOCK_T, HB, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, False, 32,
-                RECOMPUTE_RSTD, PF,
+                RECOMPUTE_RSTD, PF, False, 1, 1, 1,
             )
     if PHASE == 3:
         _grid_barrier(tick_ptr + n_dx_tiles, nprog)

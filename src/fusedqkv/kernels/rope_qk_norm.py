@@ -206,14 +206,14 @@ def _head_set_bwd(
     r_ptr, sr_b, sr_h, sr_s,
     w_ptr, sw,
     dqkv_ptr, s_dqkv_t, col0,
-    H, b, s, tok, rmask, hb,
+    H0, H1, b, s, tok, rmask, hb,
     c1, c2, s1, s2, eps, cs1, cs2, sn1, sn2,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
     DT: tl.constexpr, EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
     SAVED_ROTATED: tl.constexpr, GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr, HB: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
 ):
-    """Backward of all H heads of one head set (query or key) for BLOCK_T tokens.
+    """Backward of heads [H0, H1) of one head set (query or key) for BLOCK_T tokens.
 
     Tiles are [HB * BLOCK_T rows, head_dim/2]; row = (head within the HB-head step hb, token).
     Adds the grad_cos/grad_sin contributions, summed over the head steps, to the per-row
@@ -243,8 +243,8 @@ def _head_set_bwd(
     # The stage is bound by memory latency: Triton's pipeliner keeps the tiles of the next
     # PF - 1 head steps in flight (cp.async into shared memory, so no registers) while one
     # is computed (benchmarks/NOTES.md, v7).
-    for h0 in tl.range(0, H, HB, num_stages=PF):
-        hmask = rmask & (h0 + hb < H)
+    for h0 in tl.range(H0, H1, HB, num_stages=PF):
+        hmask = rmask & (h0 + hb < H1)
         mask = hmask[:, None] & (d < HALF)
         g1r = tl.load(g_row + h0 * sg_h + d * sg_d, mask=mask, other=0.0)
         g2r = tl.load(g_row + h0 * sg_h + (d + HALF) * sg_d, mask=mask, other=0.0)
@@ -389,32 +389,36 @@ def rope_qk_norm_bwd_kernel(
     dqkv_ptr, s_dqkv_t,
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    # norm-weight gradients [D], their fp32 partials [programs, 2, D] and super rows, tickets
-    gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr,
+    # norm-weight gradients [D], their fp32 partials [programs, 2, D] and super rows, tickets;
+    # GROUPED: grad_cos/sin partials [groups, 2, M, D] and norm-weight rows [programs, groups, D]
+    gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr,
     M, S, HQ, HKV, eps,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr, HB: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
+    GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr,
 ):
-    """Grid (programs along tokens, 2): one ``_stage_program`` per program; axis 1 picks the
-    query+key work (0) or the value copy (1)."""
+    """Grid (token blocks, kinds): one ``_stage_program`` per program; axis 1 picks the
+    query+key work (0) or the value copy (1) -- GROUPED: a query group, a key group, or the
+    value copy (the last)."""
     _stage_program(
         tl.program_id(0), tl.program_id(1), tl.num_programs(0),
         gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,
         xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, rq_ptr, srq_b, srq_h, srq_s,
         rk_ptr, srk_b, srk_h, srk_s, wq_ptr, swq, wk_ptr, swk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b,
         ssin_s, ssin_d, dqkv_ptr, s_dqkv_t, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s,
-        sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, M, S, HQ, HKV, eps,
+        sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr, M, S, HQ, HKV, eps,
         D, HALF, HALF_P2, D_P2, BLOCK_T, HB, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, FUSED_FINISH,
-        SUPER, RECOMPUTE_RSTD, PF
+        SUPER, RECOMPUTE_RSTD, PF, GROUPED, NQG, NKG, GSIZE
     )
 
 
 @triton.jit
 def _stage_program(
-    # which token block, which work (0: query and key heads, 1: value copy), of how many blocks
+    # which token block, which work, of how many blocks. Work: the query and key heads (0) or the
+    # value copy (1); GROUPED: query head group (< NQG), key head group (< NQG + NKG), value copy
     pid, kind, n_prog,
     gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
     gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d,
@@ -429,20 +433,24 @@ def _stage_program(
     dqkv_ptr, s_dqkv_t,
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr,
+    gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr,
     M, S, HQ, HKV, eps,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr, HB: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
+    GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr,
 ):
     """One work item of the backward stage: a block of BLOCK_T tokens, and either every query
-    and key head of it (grad_cos/grad_sin complete in the program: no partials) or the copy
-    of its value heads. (One block per program: a loop over several blocks, carrying the
-    norm-weight sums, took the 8-token kernel from ~150 to ~210 registers, sm_90 offline.)"""
+    and key head of it (grad_cos/grad_sin complete in the program: no partials), or -- GROUPED,
+    for few tokens, where that leaves too few programs -- one group of GSIZE query or key heads
+    (fp32 partials; the last group of the block to finish sums them), or the copy of its value
+    heads. (One block per program: a loop over several blocks, carrying the norm-weight sums,
+    took the 8-token kernel from ~150 to ~210 registers, sm_90 offline.)"""
     DT: tl.constexpr = gq_ptr.dtype.element_ty
     R: tl.constexpr = HB * BLOCK_T
+    NG: tl.constexpr = NQG + NKG
     rows = tl.arange(0, R)
     hb = rows // BLOCK_T
     tok0 = pid * BLOCK_T
@@ -452,66 +460,95 @@ def _stage_program(
     s = tok % S
     dh = tl.arange(0, HALF_P2)
     hm = dh < HALF
-    if kind == 0:
+    if GROUPED:
+        n_qk = NG
+    else:
+        n_qk = 1
+    if kind < n_qk:
         c1, c2, s1, s2 = load_cos_sin_raw(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
                                           b, s, rmask, dh, HALF)
         z = tl.zeros([R, HALF_P2], tl.float32)
-        c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
-            gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
-            rq_ptr, srq_b, srq_h, srq_s, wq_ptr, swq, dqkv_ptr, s_dqkv_t, 0,
-            HQ, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
-            D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-            RECOMPUTE_RSTD, PF,
-        )
-        # norm-weight partials [programs, 2 (query, key), D] fp32
-        wrow = wpart_ptr + pid * 2 * D
-        tl.store(wrow + dh, a1, mask=hm)
-        tl.store(wrow + HALF + dh, a2, mask=hm)
-        if GRAD_COS_SIN and EXACT:
-            # the reference rounds the query sums and the key sums separately, then adds:
-            # the rounded query sums (exact in the output dtype) wait in grad_cos/sin while
-            # the key heads run (in registers they took ~80 more, sm_90 offline)
-            _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                           c_1, c_2, s_1, s_2, tok0, M, S, False,
-                           HALF, HALF_P2, DT, EXACT, HB, BLOCK_T)
-            c_1 = z
-            c_2 = z
-            s_1 = z
-            s_2 = z
-        # otherwise (fp32, one rounding) the key contributions add to the query sums
-        c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
-            gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
-            rk_ptr, srk_b, srk_h, srk_s, wk_ptr, swk, dqkv_ptr, s_dqkv_t, HQ * D,
-            HKV, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, c_1, c_2, s_1, s_2,
-            D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-            RECOMPUTE_RSTD, PF,
-        )
-        tl.store(wrow + D + dh, a1, mask=hm)
-        tl.store(wrow + D + HALF + dh, a2, mask=hm)
-        if GRAD_COS_SIN:
-            _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                           c_1, c_2, s_1, s_2, tok0, M, S, EXACT,
-                           HALF, HALF_P2, DT, EXACT, HB, BLOCK_T)
-        if FUSED_FINISH:
-            # Two levels: the last program of each run of SUPER programs to finish (a ticket,
-            # not a sum: the results are summed in a fixed order) sums their rows into a super
-            # row; the last super row to be written, all super rows. Tickets reset themselves
-            # for the next call. Acquire/release atomics order the partial stores; .cg loads
-            # read them from L2.
+        if GROUPED:
+            if kind < NQG:
+                h0 = kind * GSIZE
+                c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+                    gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
+                    rq_ptr, srq_b, srq_h, srq_s, wq_ptr, swq, dqkv_ptr, s_dqkv_t, 0,
+                    h0, tl.minimum(h0 + GSIZE, HQ), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
+                    D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
+                    RECOMPUTE_RSTD, PF,
+                )
+            else:
+                h0 = (kind - NQG) * GSIZE
+                c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+                    gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
+                    rk_ptr, srk_b, srk_h, srk_s, wk_ptr, swk, dqkv_ptr, s_dqkv_t, HQ * D,
+                    h0, tl.minimum(h0 + GSIZE, HKV), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
+                    D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
+                    RECOMPUTE_RSTD, PF,
+                )
+            # partials: this group's head sums of grad_cos/sin per token [groups, 2, M, D] and its
+            # norm-weight row [blocks, groups, D], fp32
+            if GRAD_COS_SIN:
+                _store_cs_partials(cs_ptr, kind, M, tok0, c_1, c_2, s_1, s_2, D, HALF, HALF_P2, HB, BLOCK_T)
+            grow = wgrp_ptr + (pid * NG + kind) * D
+            tl.store(grow + dh, a1, mask=hm)
+            tl.store(grow + HALF + dh, a2, mask=hm)
+            # the last group of this block to finish (a ticket, not a sum: the results are
+            # summed in a fixed order) turns the block's partials into grad_cos/sin and its
+            # query and key norm-weight rows. Acquire/release atomics order the partial stores;
+            # .cg loads read them from L2.
             tl.debug_barrier()
-            n_sup = tl.cdiv(n_prog, SUPER)
-            sup = pid // SUPER
-            c0 = sup * SUPER
-            n_in = tl.minimum(SUPER, n_prog - c0)
-            t1 = tl.atomic_add(tick_ptr + sup, 1)
-            if t1 == n_in - 1:
-                tl.store(tick_ptr + sup, 0)
-                _sum_rows(wpart_ptr, c0, n_in, wsup_ptr + sup * 2 * D, D, D_P2, SUPER)
-                tl.debug_barrier()
-                t2 = tl.atomic_add(tick_ptr + n_sup, 1)
-                if t2 == n_sup - 1:
-                    tl.store(tick_ptr + n_sup, 0)
-                    _finish_norm_weight(wsup_ptr, n_sup, gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, SUPER, ".cg")
+            t0 = tl.atomic_add(tick_ptr + pid, 1)
+            if t0 == NG - 1:
+                tl.store(tick_ptr + pid, 0)
+                if GRAD_COS_SIN:
+                    _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s,
+                                          sgsin_d, tok0, M, S, D, HALF, HALF_P2, DT, EXACT, NQG, NKG, BLOCK_T)
+                _finish_block_norm_weight(wgrp_ptr, wpart_ptr, pid, D, D_P2, NQG, NKG)
+                if FUSED_FINISH:
+                    _finish_norm_weight_levels(pid, n_prog, wpart_ptr, wsup_ptr, tick_ptr + n_prog,
+                                               gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, SUPER)
+        else:
+            c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+                gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
+                rq_ptr, srq_b, srq_h, srq_s, wq_ptr, swq, dqkv_ptr, s_dqkv_t, 0,
+                0, HQ, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
+                D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
+                RECOMPUTE_RSTD, PF,
+            )
+            # norm-weight partials [programs, 2 (query, key), D] fp32
+            wrow = wpart_ptr + pid * 2 * D
+            tl.store(wrow + dh, a1, mask=hm)
+            tl.store(wrow + HALF + dh, a2, mask=hm)
+            if GRAD_COS_SIN and EXACT:
+                # the reference rounds the query sums and the key sums separately, then adds:
+                # the rounded query sums (exact in the output dtype) wait in grad_cos/sin while
+                # the key heads run (in registers they took ~80 more, sm_90 offline)
+                _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                               c_1, c_2, s_1, s_2, tok0, M, S, False,
+                               HALF, HALF_P2, DT, EXACT, HB, BLOCK_T)
+                c_1 = z
+                c_2 = z
+                s_1 = z
+                s_2 = z
+            # otherwise (fp32, one rounding) the key contributions add to the query sums
+            c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+                gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
+                rk_ptr, srk_b, srk_h, srk_s, wk_ptr, swk, dqkv_ptr, s_dqkv_t, HQ * D,
+                0, HKV, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, c_1, c_2, s_1, s_2,
+                D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
+                RECOMPUTE_RSTD, PF,
+            )
+            tl.store(wrow + D + dh, a1, mask=hm)
+            tl.store(wrow + D + HALF + dh, a2, mask=hm)
+            if GRAD_COS_SIN:
+                _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                               c_1, c_2, s_1, s_2, tok0, M, S, EXACT,
+                               HALF, HALF_P2, DT, EXACT, HB, BLOCK_T)
+            if FUSED_FINISH:
+                _finish_norm_weight_levels(pid, n_prog, wpart_ptr, wsup_ptr, tick_ptr,
+                                           gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, SUPER)
     else:
         # V needs no math: copy its heads into the last third of dQKV
         dv = tl.arange(0, D_P2)[None, :]
@@ -521,6 +558,104 @@ def _stage_program(
             vmask = (rmask & (h0 + hb < HKV))[:, None] & (dv < D)
             v = tl.load(v_row + h0 * sgv_h, mask=vmask, other=0.0)
             tl.store(o_row + h0 * D, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a copy
+
+
+@triton.jit
+def _finish_norm_weight_levels(pid, n_prog, wpart_ptr, wsup_ptr, tick_ptr, gwq_ptr, sgwq, gwk_ptr, sgwk,
+                               D: tl.constexpr, D_P2: tl.constexpr, SUPER: tl.constexpr):
+    """After program ``pid`` wrote its [2, D] row of norm-weight partials: two levels, so no
+    program sums more than SUPER rows at once. The last program of each run of SUPER programs
+    to finish sums their rows into a super row; the last super row to be written, all super
+    rows. Tickets reset themselves for the next call."""
+    tl.debug_barrier()
+    n_sup = tl.cdiv(n_prog, SUPER)
+    sup = pid // SUPER
+    c0 = sup * SUPER
+    n_in = tl.minimum(SUPER, n_prog - c0)
+    t1 = tl.atomic_add(tick_ptr + sup, 1)
+    if t1 == n_in - 1:
+        tl.store(tick_ptr + sup, 0)
+        _sum_rows(wpart_ptr, c0, n_in, wsup_ptr + sup * 2 * D, D, D_P2, SUPER)
+        tl.debug_barrier()
+        t2 = tl.atomic_add(tick_ptr + n_sup, 1)
+        if t2 == n_sup - 1:
+            tl.store(tick_ptr + n_sup, 0)
+            _finish_norm_weight(wsup_ptr, n_sup, gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, SUPER, ".cg")
+
+
+@triton.jit
+def _store_cs_partials(cs_ptr, group, M, tok0, c1, c2, s1, s2, D: tl.constexpr, HALF: tl.constexpr,
+                       HALF_P2: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One head group's grad_cos/sin sums of a token block into partials [groups, 2, M, D]."""
+    t = tok0 + tl.arange(0, BLOCK_T)[:, None]
+    d = tl.arange(0, HALF_P2)[None, :]
+    m = (t < M) & (d < HALF)
+    pc = cs_ptr + ((group * 2) * M + t).to(tl.int64) * D + d
+    ps = pc + M.to(tl.int64) * D
+    tl.store(pc, _token_sum(c1, HB, BLOCK_T, HALF_P2), mask=m)
+    tl.store(pc + HALF, _token_sum(c2, HB, BLOCK_T, HALF_P2), mask=m)
+    tl.store(ps, _token_sum(s1, HB, BLOCK_T, HALF_P2), mask=m)
+    tl.store(ps + HALF, _token_sum(s2, HB, BLOCK_T, HALF_P2), mask=m)
+
+
+@triton.jit
+def _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                          tok0, M, S, D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, DT: tl.constexpr,
+                          EXACT: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, BLOCK_T: tl.constexpr):
+    """grad_cos/grad_sin of a token block from the head groups' partials: the query groups and
+    the key groups summed (fixed order) and rounded separately, then added, as the reference
+    does. The group loops are unrolled, so every load is in flight at once (one load per group
+    in a loop waited an L2 round trip each: 40 in a row at 091's 128 tokens, v7)."""
+    t = tok0 + tl.arange(0, BLOCK_T)[:, None]
+    d = tl.arange(0, HALF_P2)[None, :]
+    m = (t < M) & (d < HALF)
+    base = cs_ptr + t.to(tl.int64) * D + d
+    gstride = (2 * M).to(tl.int64) * D
+    sstride = M.to(tl.int64) * D
+    qc1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    qc2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    qs1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    qs2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    for g in tl.static_range(NQG):
+        qc1 += tl.load(base + g * gstride, mask=m, other=0.0, cache_modifier=".cg")
+        qc2 += tl.load(base + g * gstride + HALF, mask=m, other=0.0, cache_modifier=".cg")
+        qs1 += tl.load(base + g * gstride + sstride, mask=m, other=0.0, cache_modifier=".cg")
+        qs2 += tl.load(base + g * gstride + sstride + HALF, mask=m, other=0.0, cache_modifier=".cg")
+    kc1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    kc2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    ks1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    ks2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
+    for g in tl.static_range(NQG, NQG + NKG):
+        kc1 += tl.load(base + g * gstride, mask=m, other=0.0, cache_modifier=".cg")
+        kc2 += tl.load(base + g * gstride + HALF, mask=m, other=0.0, cache_modifier=".cg")
+        ks1 += tl.load(base + g * gstride + sstride, mask=m, other=0.0, cache_modifier=".cg")
+        ks2 += tl.load(base + g * gstride + sstride + HALF, mask=m, other=0.0, cache_modifier=".cg")
+    tb = (t // S).to(tl.int64)
+    ts = t % S
+    pc = gcos_ptr + tb * sgcos_b + ts * sgcos_s + d * sgcos_d
+    ps = gsin_ptr + tb * sgsin_b + ts * sgsin_s + d * sgsin_d
+    _store_cast(pc, _rnd(_rnd(qc1, DT, EXACT) + _rnd(kc1, DT, EXACT), DT, EXACT), m)
+    _store_cast(pc + HALF * sgcos_d, _rnd(_rnd(qc2, DT, EXACT) + _rnd(kc2, DT, EXACT), DT, EXACT), m)
+    _store_cast(ps, _rnd(_rnd(qs1, DT, EXACT) + _rnd(ks1, DT, EXACT), DT, EXACT), m)
+    _store_cast(ps + HALF * sgsin_d, _rnd(_rnd(qs2, DT, EXACT) + _rnd(ks2, DT, EXACT), DT, EXACT), m)
+
+
+@triton.jit
+def _finish_block_norm_weight(wgrp_ptr, wpart_ptr, pid, D: tl.constexpr, D_P2: tl.constexpr, NQG: tl.constexpr,
+                              NKG: tl.constexpr):
+    """A token block's group rows [groups, D] of norm-weight partials summed into its query and
+    key rows [2, D] (fixed order, unrolled)."""
+    dd = tl.arange(0, D_P2)
+    m = dd < D
+    row = wgrp_ptr + (pid * (NQG + NKG)) * D + dd
+    q = tl.zeros([D_P2], tl.float32)
+    for g in tl.static_range(NQG):
+        q += tl.load(row + g * D, mask=m, other=0.0, cache_modifier=".cg")
+    k = tl.zeros([D_P2], tl.float32)
+    for g in tl.static_range(NQG, NQG + NKG):
+        k += tl.load(row + g * D, mask=m, other=0.0, cache_modifier=".cg")
+    tl.store(wpart_ptr + (pid * 2) * D + dd, q, mask=m)
+    tl.store(wpart_ptr + (pid * 2 + 1) * D + dd, k, mask=m)
 
 
 @triton.jit

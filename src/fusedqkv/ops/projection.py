@@ -17,7 +17,7 @@ import torch
 from .launch import _INTERPRET, FastLaunch
 
 # Largest token count whose dW runs in Triton (0: never). FUSEDQKV_TRITON_DW_MAX_TOKENS overrides.
-DW_MAX_TOKENS = int(os.environ.get("FUSEDQKV_TRITON_DW_MAX_TOKENS", "256"))
+DW_MAX_TOKENS = int(os.environ.get("FUSEDQKV_TRITON_DW_MAX_TOKENS", "0"))
 # dW tiles: [DW_BJ rows of dW, DW_BN columns], DW_BK tokens per step
 DW_BJ, DW_BN, DW_BK, DW_WARPS, DW_STAGES = 128, 128, 64, 8, 3
 # Largest token count whose dX also runs in Triton (0: never). FUSEDQKV_TRITON_DX_MAX_TOKENS overrides.

@@ -40,24 +40,32 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(tokens per block, heads per step, num_warps, pipeline stages of the head loop) for the
-    backward stage. A program takes every query and key head of its tokens, HB heads x
-    BLOCK_T tokens per step ([HB * BLOCK_T rows, D/2] tiles).
+def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(tokens per block, heads per step, num_warps, pipeline stages of the head loop, heads
+    per group or 0) for the backward stage; tiles are [heads per step x tokens per block rows,
+    D/2], 8 rows of ~4 elements per thread (v7's tile).
 
-    8 rows of ~4 elements per thread (v7's tile). Many tokens: 4-token blocks, 2 heads per
-    step. Fewer: fewer tokens per block, so that there are ~2 programs per SM, and more
-    heads per step, so each program keeps as many rows in flight.
+    Many tokens (3+ blocks of 8 per SM): a program takes every query and key head of an
+    8-token block, one head per step, and grad_cos/sin need no partials; from 1k tokens, of a
+    4-token block, two heads per step. Fewer: programs take one group of 8 heads ("grouped"),
+    so that there are enough of them; the last group of a block to finish sums the groups'
+    partials.
+    Measured on the H200: benchmarks/NOTES.md, v9.
     """
     sms = sm_count(device)
     rows = 8
-    # at most 4 tokens: the 8-token, one-head tile took 150 registers, 2 heads x 4 tokens 128
-    # (sm_90, offline)
-    block_t = 4
-    while block_t > 1 and -(-M // block_t) < 2 * sms:
-        block_t //= 2
-    hb = max(1, rows // block_t)
-    return block_t, hb, _warps_for(block_t * hb, d, 4), PREFETCH
+    nw = _warps_for(rows, d, 4)
+    if -(-M // 8) >= 3 * sms:
+        return 8, 1, nw, PREFETCH, 0
+    if M > 1024:
+        return 4, 2, nw, PREFETCH, 0
+    return 4, 2, nw, PREFETCH, 8
+
+
+# Register cap of the stage kernel with 4 warps: four programs per SM. The 16-bit math took
+# the 4-token tile to 151 registers (3 per SM) and 2048 tokens from 36.5 to 51.8 us; capped,
+# ptxas fits it in 128 without spills (sm_90, offline).
+MAX_REGISTERS = 128
 
 
 def _warps_for(block_t: int, d: int, per_thread: int = 2) -> int:
@@ -188,7 +196,8 @@ def _partials(scratch, shapes, device):
     return out
 
 
-def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk, w_part, w_sup, tick):
+def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk, w_part, w_sup, tick,
+                      cs_part=None, w_grp=None):
     """The stage kernels' tensor arguments, each followed by its strides, in parameter order
     (``rope_qk_norm_bwd_kernel`` and the single-launch kernel share them). ``rq`` None
     (rstd recomputed): a placeholder with zero strides that the kernel never reads."""
@@ -206,6 +215,7 @@ def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, 
         dqkv, dqkv.stride(0),
         gcos, *gcos.stride(), gsin, *gsin.stride(),
         gwq, gwq.stride(0), gwk, gwk.stride(0), w_part, w_sup, tick,
+        w_part if cs_part is None else cs_part, w_part if w_grp is None else w_grp,
     )
 
 
@@ -218,28 +228,39 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         gwq.zero_()
         gwk.zero_()
         return _done, _done
-    block_t, hb, num_warps, prefetch = _launch_config(M, HQ, HKV, D, gq.device)
+    block_t, hb, num_warps, prefetch, gsize = _launch_config(M, HQ, HKV, D, gq.device)
+    grouped = gsize > 0
+    nqg, nkg = (-(-HQ // gsize), -(-HKV // gsize)) if grouped else (1, 1)
     n_prog = -(-M // block_t)
     n_sup = -(-n_prog // _SUPER)
     fused = FUSED_FINISH
     # every allocation before the first launch. The fused finish consumes the partials inside
     # the kernel, so the dX output (written by the GEMM after it) can hold them; the separate
-    # finish kernel runs after the GEMMs and needs memory of its own.
-    w_part, w_sup = _partials(scratch if fused else None, [(n_prog, 2, D), (n_sup, 2, D)], gq.device)
-    tick = ticket_buffer(gq.device, n_sup + 1) if fused else w_part
+    # finish kernel runs after the GEMMs and needs memory of its own. (The grouped mode's
+    # grad_cos/sin partials and group rows are always consumed inside the kernel.)
+    shapes = [(n_prog, 2, D), (n_sup, 2, D)]
+    if grouped:
+        shapes += [(nqg + nkg, 2, M, D) if grad_cos_sin else (1,), (n_prog, nqg + nkg, D)]
+    parts = _partials(scratch if fused else None, shapes, gq.device)
+    w_part, w_sup = parts[:2]
+    cs_part, w_grp = parts[2:] if grouped else (None, None)
+    n_tick = (n_prog if grouped else 0) + (n_sup + 1 if fused else 0)
+    tick = ticket_buffer(gq.device, n_tick) if n_tick else w_part
     if not grad_cos_sin:
         gcos = gsin = cos  # never written: the kernels are compiled without those stores
     recompute = rq is None
     # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
     fp_fusion = not exact
-    launch = _kernel("rope_qk_norm_bwd_kernel").prepared((n_prog, 2))(
+    launch = _kernel("rope_qk_norm_bwd_kernel").prepared((n_prog, nqg + nkg + 1 if grouped else 2))(
         *stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                           w_part, w_sup, tick),
+                           w_part, w_sup, tick, cs_part, w_grp),
         M, S, HQ, HKV, float(eps) if recompute else 0.0,
         D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t, HB=hb,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,
-        PF=prefetch, num_warps=num_warps, enable_fp_fusion=fp_fusion,
+        PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1),
+        num_warps=num_warps, enable_fp_fusion=fp_fusion,
+        **({"maxnreg": MAX_REGISTERS} if num_warps == 4 and gq.is_cuda else {}),
     )
     if fused:
         return launch, _done
