@@ -43,28 +43,27 @@ def sm_count(device: torch.device) -> int:
 def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(tokens per block, heads per step, num_warps, pipeline stages of the head loop, heads
     per group or 0) for the backward stage; tiles are [heads per step x tokens per block rows,
-    D/2], 8 rows of ~4 elements per thread (v7's tile).
+    D/2] of ~4 elements per thread, one head per step (two or more heads per step cost a
+    cross-warp sum per token: slower on every workload measured).
 
     Many tokens (3+ blocks of 8 per SM): a program takes every query and key head of an
-    8-token block, one head per step, and grad_cos/sin need no partials; from 1k tokens, of a
-    4-token block, two heads per step. Fewer: programs take one group of 8 heads ("grouped"),
-    so that there are enough of them; the last group of a block to finish sums the groups'
-    partials.
-    Measured on the H200: benchmarks/NOTES.md, v9.
+    8-token block, and grad_cos/sin need no partials. Fewer: programs take one group of 16
+    heads of 8 tokens, or from 1k tokens down 8 heads of 4 tokens ("grouped"), so that there
+    are enough of them; the last group of a block to finish sums the groups' partials.
+    Measured on the H200: benchmarks/NOTES.md, v9c.
     """
     sms = sm_count(device)
-    rows = 8
-    nw = _warps_for(rows, d, 4)
     if -(-M // 8) >= 3 * sms:
-        return 8, 1, nw, PREFETCH, 0
+        return 8, 1, _warps_for(8, d, 4), PREFETCH, 0
     if M > 1024:
-        return 4, 2, nw, PREFETCH, 0
-    return 4, 2, nw, PREFETCH, 8
+        return 8, 1, _warps_for(8, d, 4), PREFETCH, 16
+    return 4, 1, _warps_for(4, d, 4), PREFETCH, 8
 
 
 # Register cap of the stage kernel with 4 warps: four programs per SM. The 16-bit math took
-# the 4-token tile to 151 registers (3 per SM) and 2048 tokens from 36.5 to 51.8 us; capped,
-# ptxas fits it in 128 without spills (sm_90, offline).
+# a 4-token x 2-head tile to 151 registers (3 per SM) and 2048 tokens from 36.5 to 51.8 us;
+# capped, ptxas fits it in 128 without spills (sm_90, offline). (The 2-warp tile spills under
+# the cap and runs uncapped, six programs per SM.)
 MAX_REGISTERS = 128
 
 
