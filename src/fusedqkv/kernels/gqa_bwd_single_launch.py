@@ -67,7 +67,6 @@ def gqa_bwd_single_launch_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
     BJ: tl.constexpr, BKW: tl.constexpr, STAGES: tl.constexpr, PHASE: tl.constexpr,
 ):
-    DT: tl.constexpr = gq_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_dx_tiles = tl.cdiv(M, BM) * tl.cdiv(HIDDEN, BN)
