@@ -35,48 +35,6 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
-def host_profile(a, out, n=200):
-    """Host time of each phase of one call (the GPU is not the bottleneck at 128 tokens)."""
-    import cProfile
-    import pstats
-    import time as _t
-
-    from fusedqkv.ops import gqa_backward as gb
-
-    gq, gk, gv, hs, cos, sin, W, wq, wk, xq, xk, rq, rk, eps = a
-    M = hs.shape[0] * hs.shape[1]
-    dq = torch.empty(M, W.shape[0], device=gq.device, dtype=gq.dtype)
-    gc, gs = torch.empty_like(cos), torch.empty_like(sin)
-    g1, g2 = torch.empty_like(wq), torch.empty_like(wk)
-    phases = {
-        "validate": lambda: gb.validate_backward_inputs(a),
-        "empty(dqkv)": lambda: torch.empty(M, W.shape[0], device=gq.device, dtype=gq.dtype),
-        "stage launch": lambda: stage.rope_qk_norm_backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv=dq,
-                                                            grad_cos=gc, grad_sin=gs, grad_q_norm_weight=g1,
-                                                            grad_k_norm_weight=g2, exact=True),
-        "mm": lambda: torch.mm(dq, W, out=out[0].view(M, -1)),
-        "full call": lambda: gqa_qkv_rope_qk_norm_backward(*a, out=out),
-    }
-    fin = phases["stage launch"]()
-    phases["finish launch"] = fin
-    for k, fn in phases.items():
-        fn()
-        torch.cuda.synchronize()
-        t0 = _t.perf_counter()
-        for _ in range(n):
-            fn()
-        dt = (_t.perf_counter() - t0) / n * 1e6
-        torch.cuda.synchronize()
-        print(f"host {k:<14s} {dt:8.1f} us", flush=True)
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        gqa_qkv_rope_qk_norm_backward(*a, out=out)
-    pr.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(14)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_091_out")
@@ -164,8 +122,6 @@ def main() -> int:
             stage._launch_config = orig_cfg
             stage.FUSED_FINISH = orig_fused
             row["tune_ms"] = tune
-        if args.diag and w.index == 11:
-            host_profile(a, out)
         if args.diag:
             tb = gqa_qkv_rope_qk_norm_backward(*a, backend="torch")
             row["diag_torch_backend_on_gpu"] = [c.to_json() for c in problem.check_outputs(names, tb, ref_out, w)]

@@ -27,43 +27,11 @@ from fusedqkv.bench import harness, problem, timing
 SLEEP_NAME = "spin_kernel"  # torch.cuda._sleep's kernel
 
 
-def calls_from_profile(prof):
-    """Device kernels grouped into calls split at each flush; sleep kernels dropped."""
-    evs = []
-    for e in prof.events():
-        if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
-            evs.append((e.name, float(e.time_range.start), float(e.time_range.end)))
-    calls, cur = [], None
-    for name, s, e in sorted(evs, key=lambda x: x[1]):
-        if timing.FLUSH_KERNEL_NAME in name:
-            if cur:
-                calls.append(cur)
-            cur = []
-            continue
-        if cur is None or SLEEP_NAME in name:
-            continue
-        cur.append((name, s, e))
-    if cur:
-        calls.append(cur)
-    return [c for c in calls if c]
-
-
 def profile_calls(fn, flusher, reps, sleep_cycles=0):
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        flusher()
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            flusher()
-            if sleep_cycles:
-                torch.cuda._sleep(sleep_cycles)
-            fn()
-        flusher()
-        torch.cuda.synchronize()
-    return calls_from_profile(prof)
+    """Kernels of each call; with ``sleep_cycles``, a GPU sleep queued first (and dropped)."""
+    before = (lambda: torch.cuda._sleep(sleep_cycles)) if sleep_cycles else None
+    return [c for c in timing.profile_kernel_calls(fn, reps=reps, warmup=3, flusher=flusher, before=before,
+                                                   skip=(SLEEP_NAME,)) if c]
 
 
 def short(name: str) -> str:

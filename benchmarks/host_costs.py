@@ -37,6 +37,7 @@ def host_us(fn, n=200, reps=5):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="11,15")
+    ap.add_argument("--cprofile", action="store_true", help="also the Python profile of 200 whole calls")
     args = ap.parse_args()
     defn = problem.load_definition()
     dev = torch.device("cuda")
@@ -71,6 +72,17 @@ def main() -> int:
         for k, fn in cases.items():
             fn()
             print(f"  {k:<24s} {host_us(fn):8.1f}", flush=True)
+        if args.cprofile:
+            import cProfile
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(200):
+                gqa_qkv_rope_qk_norm_backward(*a, out=out)
+            pr.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(14)
     return 0
 
 

@@ -9,7 +9,10 @@ K="-k regex:rope_qk_norm_bwd_kernel --clock-control none"
 ncu $K --metrics gpu__time_duration.sum,dram__bytes.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active --csv \
     python3 benchmarks/profile_stage.py --workloads ${WLS:-11,9,1,5,0} --configs ${CFGS:-default} --variants ${VARS:-exact} \
     > "$OUT/sweep.csv" 2> "$OUT/sweep.order"
-# 2) full sections for the default config on two workloads
+python3 benchmarks/ncu_table.py "$OUT/sweep.csv" "$OUT/sweep.order"
+[[ ${DETAIL_WLS:-1,5} == none ]] && exit 0
+# 2) full sections for the default config on two workloads (DETAIL_WLS=none skips them)
 ncu $K --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
-    python3 benchmarks/profile_stage.py --workloads ${DETAIL_WLS:-1,5} > "$OUT/detail.txt" 2>&1
+    --section SourceCounters \
+    python3 benchmarks/profile_stage.py --workloads ${DETAIL_WLS:-1,5} --configs ${DETAIL_CFGS:-default} > "$OUT/detail.txt" 2>&1

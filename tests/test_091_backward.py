@@ -89,6 +89,13 @@ def test_triton_kernel_bit_equals_cpu_path(shape, finish, config, monkeypatch):
         assert torch.equal(a, b), name
 
 
+def _assert_stage_outputs_equal(cpu, tri):
+    """grad_cos, grad_sin and the norm-weight gradients: bit-equal to the CPU path."""
+    for name, a, b in zip(("grad_cos", "grad_sin", "grad_q_norm_weight", "grad_k_norm_weight"), cpu[1:3] + cpu[4:],
+                          tri[1:3] + tri[4:]):
+        assert torch.equal(a, b), name
+
+
 def _assert_product_close(name, a, b):
     """Within one bf16 rounding (fp32 sums in another order than torch.mm), mostly equal."""
     a, b = a.float(), b.float()
@@ -109,9 +116,7 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
     args = make_inputs(*shape, hidden=144, seed=sum(shape))  # 144: a partial 128-wide tile
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
     tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
-    for name, a, b in zip(("grad_cos", "grad_sin", "grad_q_norm_weight", "grad_k_norm_weight"), cpu[1:3] + cpu[4:],
-                          tri[1:3] + tri[4:]):
-        assert torch.equal(a, b), name
+    _assert_stage_outputs_equal(cpu, tri)
     _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
     if products == "triton_dw":
         assert torch.equal(cpu[0], tri[0])  # torch.mm, as on the CPU path
@@ -133,9 +138,7 @@ def test_single_launch_matches_cpu_path(shape, monkeypatch):
     assert single_launch.eligible(M, shape[4], torch.bfloat16, torch.device("cpu")) == single_launch._INTERPRET
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
     tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
-    for name, a, b in zip(("grad_cos", "grad_sin", "grad_q_norm_weight", "grad_k_norm_weight"), cpu[1:3] + cpu[4:],
-                          tri[1:3] + tri[4:]):
-        assert torch.equal(a, b), name
+    _assert_stage_outputs_equal(cpu, tri)
     _assert_product_close("grad_hidden_states", cpu[0], tri[0])
     _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
 

@@ -71,34 +71,42 @@ def time_cuda_events(fn: Callable[[], object], reps: int = 50, warmup: int = 5, 
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
-def kernel_spans_from_events(events) -> list:
-    """Group device activities into calls split at each flush kernel; span of each call in ms.
-
-    ``events`` are (name, start_us, end_us) for device activities, in any order.
-    """
-    spans, cur = [], None
+def kernel_calls_from_events(events, skip: tuple = ()) -> list:
+    """Group device activities into calls split at each flush: per call, its (name, start_us,
+    end_us) in start order. ``events`` in any order; activities whose name contains one of
+    ``skip`` are dropped."""
+    calls, cur = [], None
     for name, start, end in sorted(events, key=lambda e: e[1]):
         if FLUSH_KERNEL_NAME in name:
-            if cur is not None:
-                spans.append(cur)
-            cur = [None, None]
+            if cur:
+                calls.append(cur)
+            cur = []
             continue
-        if cur is None:
-            continue  # activity before the first flush (warm-up tail)
-        cur[0] = start if cur[0] is None else min(cur[0], start)
-        cur[1] = end if cur[1] is None else max(cur[1], end)
-    if cur is not None:
-        spans.append(cur)
-    return [(e - s) / 1000.0 for s, e in spans if s is not None]
+        if cur is None or any(k in name for k in skip):
+            continue  # activity before the first flush (warm-up tail), or skipped
+        cur.append((name, start, end))
+    if cur:
+        calls.append(cur)
+    return calls
 
 
-def time_kernel_span(fn: Callable[[], object], reps: int = 50, warmup: int = 5, flusher: L2Flusher | None = None) -> list:
+def _span_ms(call) -> float:
+    """First kernel start to last kernel end of one call, in ms."""
+    return (max(e for _, _, e in call) - min(s for _, s, _ in call)) / 1000.0
+
+
+def profile_kernel_calls(fn: Callable[[], object], reps: int = 50, warmup: int = 5, flusher: L2Flusher | None = None,
+                         before: Callable[[], object] | None = None, skip: tuple = ()) -> list:
+    """The device kernels of each of ``reps`` calls, L2 flushed before each one (and ``before``
+    queued after the flush, e.g. a GPU sleep whose kernel ``skip`` then drops)."""
     from torch.profiler import ProfilerActivity, profile
 
     flusher = _warm_up(fn, warmup, flusher)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             flusher()
+            if before is not None:
+                before()
             fn()
         flusher()  # closes the last call
         torch.cuda.synchronize()
@@ -106,7 +114,11 @@ def time_kernel_span(fn: Callable[[], object], reps: int = 50, warmup: int = 5, 
     for e in prof.events():
         if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
             evs.append((e.name, float(e.time_range.start), float(e.time_range.end)))
-    return kernel_spans_from_events(evs)
+    return kernel_calls_from_events(evs, skip)
+
+
+def time_kernel_span(fn: Callable[[], object], reps: int = 50, warmup: int = 5, flusher: L2Flusher | None = None) -> list:
+    return [_span_ms(c) for c in profile_kernel_calls(fn, reps, warmup, flusher)]
 
 
 def time_cpu(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> list:

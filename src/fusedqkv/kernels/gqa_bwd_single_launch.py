@@ -23,7 +23,7 @@ two launches and the barrier is not compiled.
 import triton
 import triton.language as tl
 
-from .projection_grads import _dw_tile, _dx_reduce, _dx_split, _dx_store
+from .projection_grads import _dw_tile, _dx_item
 from .rope_qk_norm import _finish_norm_weight, _stage_program
 
 @triton.jit
@@ -93,21 +93,8 @@ def gqa_bwd_single_launch_kernel(
             if item < n_fin:
                 _finish_norm_weight(wpart_ptr, N_PROG_T, gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, 32, ".cg")
             elif item < n_fin + n_dx:
-                tile = (item - n_fin) // SPLIT
-                split = (item - n_fin) % SPLIT
-                acc = _dx_split(tile, split, dqkv_ptr, s_dqkv_t, w_ptr, sw_r, sw_c, M, NQKV, HIDDEN, K_PER_SPLIT,
-                                BM, BN, BK, STAGES)
-                if SPLIT == 1:
-                    _dx_store(tile, acc, dx_ptr, sdx_t, sdx_h, M, HIDDEN, BM, BN)
-                else:
-                    # fp32 partials [SPLIT, M, HIDDEN]; the last split of this tile to finish
-                    # sums them in split order
-                    _dx_store(tile, acc, xpart_ptr + (split * M).to(tl.int64) * HIDDEN, HIDDEN, 1, M, HIDDEN, BM, BN)
-                    tl.debug_barrier()
-                    ticket = tl.atomic_add(tick_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                    if ticket == SPLIT - 1:
-                        tl.store(tick_ptr + tile, 0)
-                        _dx_reduce(tile, xpart_ptr, dx_ptr, sdx_t, sdx_h, M, HIDDEN, BM, BN, SPLIT)
+                _dx_item(item - n_fin, dqkv_ptr, s_dqkv_t, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, tick_ptr,
+                         M, NQKV, HIDDEN, K_PER_SPLIT, BM, BN, BK, SPLIT, STAGES)
             else:
                 _dw_tile(item - n_fin - n_dx, dqkv_ptr, s_dqkv_t, x_ptr, sx_t, sx_h, dw_ptr, sdw_r, sdw_c,
                          M, NQKV, HIDDEN, BJ, BN, BKW, STAGES)

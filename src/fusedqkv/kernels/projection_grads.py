@@ -103,13 +103,14 @@ def dw_kernel(dq_ptr, s_dq, x_ptr, sx_t, sx_h, dw_ptr, sdw_r, sdw_c, M, NQKV, HI
 
 
 @triton.jit
-def dx_kernel(dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, tick_ptr, M, NQKV, HIDDEN,
-              K_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-              STAGES: tl.constexpr):
-    """Grid (output tiles * SPLIT,): one K-split of one dX tile; with SPLIT > 1 the fp32
-    partials ``[SPLIT, M, HIDDEN]`` are summed by the last split of the tile to finish."""
-    tile = tl.program_id(0) // SPLIT
-    split = tl.program_id(0) % SPLIT
+def _dx_item(item, dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, tick_ptr, M, NQKV, HIDDEN,
+             K_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+             STAGES: tl.constexpr):
+    """Work item ``item`` = tile * SPLIT + split: one K-split of one dX tile; with SPLIT > 1 the
+    fp32 partials ``[SPLIT, M, HIDDEN]`` are summed, in split order, by the last split of the
+    tile to finish (a self-resetting ticket)."""
+    tile = item // SPLIT
+    split = item % SPLIT
     acc = _dx_split(tile, split, dq_ptr, s_dq, w_ptr, sw_r, sw_c, M, NQKV, HIDDEN, K_PER_SPLIT, BM, BN, BK, STAGES)
     if SPLIT == 1:
         _dx_store(tile, acc, dx_ptr, sdx_t, sdx_h, M, HIDDEN, BM, BN)
@@ -120,3 +121,12 @@ def dx_kernel(dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, 
         if ticket == SPLIT - 1:
             tl.store(tick_ptr + tile, 0)
             _dx_reduce(tile, xpart_ptr, dx_ptr, sdx_t, sdx_h, M, HIDDEN, BM, BN, SPLIT)
+
+
+@triton.jit
+def dx_kernel(dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, tick_ptr, M, NQKV, HIDDEN,
+              K_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+              STAGES: tl.constexpr):
+    """Grid (output tiles * SPLIT,): one ``_dx_item`` per program."""
+    _dx_item(tl.program_id(0), dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, tick_ptr, M, NQKV,
+             HIDDEN, K_PER_SPLIT, BM, BN, BK, SPLIT, STAGES)

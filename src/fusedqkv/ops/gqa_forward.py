@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import validation as V
-from .launch import FastLaunch
+from .launch import kernel
 from .rope_qk_norm import pick_backend, sm_count
 
 QK_NORM_POSITIONS = ("after_rope", "before_rope")
@@ -159,15 +159,7 @@ def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> t
     return block_t, group, num_warps
 
 
-_fwd_kernel = None
-
-
 def _forward_triton(qkv, wq, wk, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope, config=None):
-    global _fwd_kernel
-    if _fwd_kernel is None:  # triton is imported only on the Triton backend
-        from ..kernels.rope_qk_norm_fwd import rope_qk_norm_fwd_kernel
-
-        _fwd_kernel = FastLaunch(rope_qk_norm_fwd_kernel)
     B, S, n_tot = qkv.shape
     M = B * S
     if M == 0:
@@ -180,7 +172,7 @@ def _forward_triton(qkv, wq, wk, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_a
         raise ValueError("qkv: batch and seq must be addressable as one token axis")
     nqg = -(-hq // group)
     grid = (-(-M // block_t), nqg + -(-hkv // group))
-    _fwd_kernel[grid](
+    kernel("rope_qk_norm_fwd", "rope_qk_norm_fwd_kernel")[grid](
         qkv, s_t,
         wq, wq.stride(0), wk, wk.stride(0),
         cos, *cos.stride(), sin, *sin.stride(),

@@ -13,6 +13,7 @@ time, and afterwards calls the compiled kernel's launcher directly.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -86,3 +87,16 @@ class FastLaunch:
         self.enabled = False
         self.cache.clear()
         return lambda: self.fn[grid](*args, **kw)
+
+
+_kernels: dict = {}
+
+
+def kernel(module: str, name: str) -> FastLaunch:
+    """The FastLaunch of ``fusedqkv.kernels.<module>.<name>``, imported on first use (triton is
+    only needed on the Triton backend) and kept, so its specialisation cache lives on."""
+    k = _kernels.get((module, name))
+    if k is None:
+        mod = importlib.import_module(f"fusedqkv.kernels.{module}")
+        k = _kernels[(module, name)] = FastLaunch(getattr(mod, name))
+    return k

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .launch import _INTERPRET, FastLaunch
+from .launch import _INTERPRET, FastLaunch, kernel
 
 # Largest token count whose dW runs in Triton (0: never). FUSEDQKV_TRITON_DW_MAX_TOKENS overrides.
 DW_MAX_TOKENS = int(os.environ.get("FUSEDQKV_TRITON_DW_MAX_TOKENS", "0"))
@@ -26,16 +26,8 @@ DX_MAX_TOKENS = int(os.environ.get("FUSEDQKV_TRITON_DX_MAX_TOKENS", "0"))
 # DX_PROGRAMS_PER_SM programs per SM (at most DX_MAX_SPLIT splits)
 DX_BM, DX_BN, DX_BK, DX_WARPS, DX_STAGES, DX_PROGRAMS_PER_SM, DX_MAX_SPLIT = 64, 128, 64, 4, 4, 2, 16
 
-_kernels: dict = {}
-
-
 def _kernel(name: str) -> FastLaunch:
-    k = _kernels.get(name)
-    if k is None:  # triton is imported only on the Triton backend
-        from ..kernels import projection_grads as K
-
-        k = _kernels[name] = FastLaunch(getattr(K, name))
-    return k
+    return kernel("projection_grads", name)
 
 
 def dw_triton_eligible(M: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .launch import FastLaunch
+from .launch import FastLaunch, kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -138,17 +138,8 @@ def _done():
     return None
 
 
-_kernels: dict = {}
-
-
 def _kernel(name: str) -> FastLaunch:
-    # imported lazily: triton is only needed on the Triton backend
-    k = _kernels.get(name)
-    if k is None:
-        from ..kernels import rope_qk_norm as K
-
-        k = _kernels[name] = FastLaunch(getattr(K, name))
-    return k
+    return kernel("rope_qk_norm", name)
 
 
 # pipeline stages of the stage kernel's head loop (heads whose tiles are in flight, plus

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .launch import _INTERPRET, FastLaunch
+from .launch import _INTERPRET, kernel
 from .rope_qk_norm import PREFETCH, _next_pow2, sm_count, stage_tensor_args, ticket_buffer
 
 # Largest token count that takes the single launch. Off (0) by default: on the H200 its GEMM phase ran
@@ -30,18 +30,6 @@ STAGES = 3
 
 # run the two phases as two launches on the GPU too (no barrier): for profiling each phase
 SPLIT_PHASES = False
-
-_kernel = None
-
-
-def _get_kernel() -> FastLaunch:
-    global _kernel
-    if _kernel is None:  # triton is imported only on the Triton backend
-        from ..kernels.gqa_bwd_single_launch import gqa_bwd_single_launch_kernel
-
-        _kernel = FastLaunch(gqa_bwd_single_launch_kernel)
-    return _kernel
-
 
 def eligible(M: int, d: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Few tokens and a 16-bit activation dtype (the wgmma operands); the caller also needs
@@ -88,7 +76,7 @@ def backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, x2d, W, *, dqkv, dx2d
                 GRAD_COS_SIN=grad_cos_sin, RECOMPUTE_RSTD=recompute,
                 BM=BM, BN=BN, BK=BK, SPLIT=split, BJ=BJ, BKW=BKW, STAGES=STAGES,
                 num_warps=NUM_WARPS, enable_fp_fusion=not exact)
-    k = _get_kernel()
+    k = kernel("gqa_bwd_single_launch", "gqa_bwd_single_launch_kernel")
     if _INTERPRET or dev.type != "cuda" or SPLIT_PHASES:
         # programs run one after another here: no grid barrier, two launches
         k[(nprog,)](*common, PHASE=1, **meta)
