@@ -16,7 +16,7 @@ The tile functions are shared with the single-launch kernel.
 import triton
 import triton.language as tl
 
-from .rope_qk_norm import _SOFT_BF16_ROUND, _store_cast
+from .rope_qk_norm import _SOFT_BF16_ROUND, _store_cast, _to_lp
 
 # Triton 3.6's interpreter multiplies 16-bit float operands of tl.dot as raw bits; under it
 # the operands are widened to fp32 first (exact: bf16/fp16 -> fp32 loses nothing)
@@ -130,3 +130,75 @@ def dx_kernel(dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, 
     """Grid (output tiles * SPLIT,): one ``_dx_item`` per program."""
     _dx_item(tl.program_id(0), dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, tick_ptr, M, NQKV,
              HIDDEN, K_PER_SPLIT, BM, BN, BK, SPLIT, STAGES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Both products in one launch through TMA descriptors (few tokens)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _dx_tma_split(tile, split, dq_desc, w_desc, HIDDEN, K_PER_SPLIT,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+    """One K-split of one dX tile, dQKV[m, k-range] . W[k-range, n] in fp32; a split running
+    past NQKV reads the descriptors' zero fill."""
+    n_n = tl.cdiv(HIDDEN, BN)
+    m0 = (tile // n_n) * BM
+    n0 = (tile % n_n) * BN
+    k_lo = split * K_PER_SPLIT
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in tl.range(k_lo, k_lo + K_PER_SPLIT, BK, num_stages=STAGES):
+        acc = _mma(dq_desc.load([m0, k0]), w_desc.load([k0, n0]), acc)
+    return acc, m0, n0
+
+
+@triton.jit
+def products_kernel(dqx_desc, w_desc, dqw_desc, x_desc, dx_desc, dw_desc, xpart_ptr, tick_ptr,
+                    M, M_PAD, HIDDEN, K_PER_SPLIT, N_DX_ITEMS,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                    STAGES_X: tl.constexpr, BJ: tl.constexpr, BNW: tl.constexpr, BKW: tl.constexpr,
+                    STAGES_W: tl.constexpr, DO_DX: tl.constexpr, DO_DW: tl.constexpr, PDL: tl.constexpr):
+    """dX = dQKV . W and dW = dQKV^T . X in one grid: programs [0, N_DX_ITEMS) are dX items
+    (``tile * SPLIT + split``), the rest dW tiles ([BJ, BNW], the whole token axis, one
+    rounding). All operands go through TMA descriptors (zero fill past every edge, stores
+    clipped), so ragged token counts need no masks.
+
+    dX is split along NQKV so that few tokens still give every SM work; each split stores its
+    fp32 partial [BM, BN] in ``xpart`` ([SPLIT, M_PAD, HIDDEN]) and takes a ticket; the last
+    split of a tile sums the SPLIT partials in split order (deterministic) and rounds once.
+    ``tick`` holds one zeroed int32 per dX tile and is left zeroed.
+    ``PDL``: launched as a programmatic dependent of the stage that writes dQKV; every
+    program waits for it before touching dQKV.
+    """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    if DO_DX and pid < N_DX_ITEMS:
+        tile = pid // SPLIT
+        split = pid % SPLIT
+        acc, m0, n0 = _dx_tma_split(tile, split, dqx_desc, w_desc, HIDDEN, K_PER_SPLIT, BM, BN, BK, STAGES_X)
+        if SPLIT == 1:
+            dx_desc.store([m0, n0], _to_lp(acc, dx_desc.dtype))
+        else:
+            rm = m0 + tl.arange(0, BM)
+            rn = n0 + tl.arange(0, BN)
+            offs = rm[:, None].to(tl.int64) * HIDDEN + rn[None, :]
+            cmask = (rm[:, None] < M_PAD) & (rn[None, :] < HIDDEN)
+            part = xpart_ptr + offs
+            tl.store(part + split * (M_PAD * HIDDEN), acc, mask=cmask, cache_modifier=".cg")
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tick_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                tl.store(tick_ptr + tile, 0)
+                tot = tl.zeros((BM, BN), tl.float32)
+                for _ in tl.range(0, SPLIT):  # split order, whichever split came last
+                    tot += tl.load(part, mask=cmask, other=0.0, cache_modifier=".cg")
+                    part += M_PAD * HIDDEN
+                dx_desc.store([m0, n0], _to_lp(tot, dx_desc.dtype))
+    elif DO_DW:
+        item = pid - N_DX_ITEMS if DO_DX else pid
+        n_n = tl.cdiv(HIDDEN, BNW)
+        j0 = (item // n_n) * BJ
+        n0 = (item % n_n) * BNW
+        acc = tl.zeros((BJ, BNW), tl.float32)
+        for m0 in tl.range(0, M, BKW, num_stages=STAGES_W):
+            acc = _mma(tl.trans(dqw_desc.load([m0, j0])), x_desc.load([m0, n0]), acc)
+        dw_desc.store([j0, n0], _to_lp(acc, dw_desc.dtype))

@@ -120,6 +120,17 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch.mm(a, b).view(out.shape))
 
 
+def _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd, q_norm_weight,
+           k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend, scratch):
+    """The RoPE/QK-norm stage in 091's exact mode, prepared: returns (launch, finish)."""
+    return rope_qk_norm_backward(
+        grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
+        q_norm_weight, k_norm_weight, cos, sin,
+        dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
+        exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=scratch, deferred=True,
+    )
+
+
 def gqa_qkv_rope_qk_norm_backward(
     grad_query, grad_key, grad_value, hidden_states, cos, sin, qkv_weight, q_norm_weight, k_norm_weight,
     query_pre_norm, key_pre_norm, q_rstd, k_rstd, eps, *, out: Optional[Sequence[torch.Tensor]] = None,
@@ -162,6 +173,23 @@ def gqa_qkv_rope_qk_norm_backward(
         x = hidden_states.reshape(M, sz["hidden"])
         dx = g_hidden.view(M, sz["hidden"]) if g_hidden.is_contiguous() else g_hidden
         dqkv_t = dqkv.t()
+        x2d = _as_matrix(hidden_states, M, sz["hidden"])
+        if (backend == "triton" and dx.dim() == 2 and x2d is not None
+                and projection.products_eligible(M, sz["dtype"], device, dqkv, qkv_weight, x2d, dx, g_weight)):
+            # few tokens: both products in one Triton launch queued right behind the stage (a
+            # torch.mm costs the host ~15 us before its kernel is queued; the GPU would wait)
+            sms = sm_count(device)
+            tiles = projection.products_plan(M, sz["qkv"], sz["hidden"], sms)[2]
+            launch_products = projection.products_triton(dqkv, qkv_weight, x2d, dx, g_weight,
+                                                         ticket_buffer(device, tiles, slot="products"), sms,
+                                                         deferred=True)
+            launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
+                                          k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
+                                          g_kw, backend, g_hidden)
+            launch_stage()
+            launch_products()
+            finish()
+            return out
         triton_dw = backend == "triton" and projection.dw_triton_eligible(M, sz["dtype"], device)
         triton_dx = triton_dw and dx.dim() == 2 and projection.dx_triton_eligible(M, sz["dtype"], device)
         if triton_dx:
@@ -169,12 +197,9 @@ def gqa_qkv_rope_qk_norm_backward(
             xpart = torch.empty((split, M, sz["hidden"]) if split > 1 else (1,), dtype=torch.float32, device=device)
             xtick = ticket_buffer(device, -(-M // projection.DX_BM) * -(-sz["hidden"] // projection.DX_BN),
                                   slot="dx")
-        launch_stage, finish = rope_qk_norm_backward(
-            grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
-            q_norm_weight, k_norm_weight, cos, sin,
-            dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
-            exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=g_hidden, deferred=True,
-        )
+        launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
+                                      q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend,
+                                      g_hidden)
         if triton_dw:
             # dW (and dX) in Triton: their host work done before the first launch, the launches
             # then queued back to back (a cuBLAS dX is queued while dW runs; projection.py)

@@ -24,6 +24,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def _spec(a):
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
+    if hasattr(a, "block_shape") and hasattr(a, "base"):  # a host TMA descriptor: Triton specialises on these
+        return ("tensordesc", a.base.dtype, tuple(a.block_shape), a.padding)
     if isinstance(a, bool):
         return ("u1", a)
     if isinstance(a, int):
@@ -59,9 +61,11 @@ class FastLaunch:
         return lambda *args, **kw: self.prepare(grid, args, kw)
 
     def prepare(self, grid, args, kw):
-        if not self.enabled or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
+        first = args[0].base if args and hasattr(args[0], "base") else (args[0] if args else None)
+        if not self.enabled or not isinstance(first, torch.Tensor) or not first.is_cuda:
             return lambda: self.fn[grid](*args, **kw)
-        key = (args[0].device.index, tuple(map(_spec, args)), tuple(sorted(kw.items())))
+        device = first.device.index
+        key = (device, tuple(map(_spec, args)), tuple(sorted(kw.items())))
         ck = self.cache.get(key)
         if ck is None:
             def first():  # compiles (or finds) and launches
@@ -71,7 +75,7 @@ class FastLaunch:
             full = args + tuple(kw[n] for n in self.params[len(args):])
             g1 = grid[1] if len(grid) > 1 else 1
             g2 = grid[2] if len(grid) > 2 else 1
-            stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+            stream = torch._C._cuda_getCurrentRawStream(device)
             run, function, meta = ck.run, ck.function, ck.packed_metadata
         except (AttributeError, KeyError, TypeError):  # a Triton whose internals differ
             return self._disable(grid, args, kw)

@@ -80,3 +80,69 @@ def dw_triton(dqkv: torch.Tensor, x2d: torch.Tensor, dw: torch.Tensor, deferred:
         BJ=DW_BJ, BN=DW_BN, BK=DW_BK, STAGES=DW_STAGES, num_warps=DW_WARPS,
     )
     return launch if deferred else launch()
+
+
+# ---------------------------------------------------------------------------------------------
+# Both products in one Triton launch (TMA descriptors), for few tokens
+# ---------------------------------------------------------------------------------------------
+# Largest token count whose two products run as one Triton launch right behind the stage
+# (0: never). FUSEDQKV_TRITON_PRODUCTS_MAX_TOKENS overrides.
+PRODUCTS_MAX_TOKENS = int(os.environ.get("FUSEDQKV_TRITON_PRODUCTS_MAX_TOKENS", "0"))
+# dX tiles [P_BM tokens, P_BN columns], P_BK of NQKV per step, split along NQKV to about
+# P_PROGRAMS_PER_SM dX programs per SM; dW tiles [P_BJ rows, P_BNW columns], P_BKW tokens per step
+P_BM, P_BN, P_BK, P_STAGES_X = 64, 128, 64, 4
+P_BJ, P_BNW, P_BKW, P_STAGES_W = 128, 128, 64, 3
+P_WARPS, P_PROGRAMS_PER_SM, P_MAX_SPLIT = 8, 2, 16
+# launch the products as a programmatic dependent of the stage (their launch overlaps its tail)
+P_PDL = 0
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A 2-D operand TMA can address: unit column stride, 16-byte aligned base and row stride."""
+    es = t.element_size()
+    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
+            and t.stride(0) >= t.shape[1])
+
+
+def products_eligible(M: int, dtype: torch.dtype, device: torch.device, *operands: torch.Tensor) -> bool:
+    """Few tokens, a 16-bit dtype, a CUDA device (or the interpreter), operands TMA can address."""
+    return (0 < M <= PRODUCTS_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
+            and (device.type == "cuda" or _INTERPRET) and all(_tma_ready(t) for t in operands))
+
+
+def products_plan(M: int, NQKV: int, HIDDEN: int, sms: int) -> tuple[int, int, int]:
+    """(splits, NQKV columns per split, dX tiles) of the dX part: about P_PROGRAMS_PER_SM dX
+    programs per SM."""
+    tiles = -(-M // P_BM) * -(-HIDDEN // P_BN)
+    split = max(1, min(P_MAX_SPLIT, -(-P_PROGRAMS_PER_SM * sms // tiles)))
+    k_per_split = -(-NQKV // (split * P_BK)) * P_BK
+    return -(-NQKV // k_per_split), k_per_split, tiles
+
+
+def products_triton(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor,
+                    tick: torch.Tensor, sms: int, deferred: bool = False, do_dx: bool = True, do_dw: bool = True):
+    """dx = dqkv . w and dw = dqkv^T . x2d in one launch (``products_eligible`` operands;
+    ``tick``: at least as many zeroed int32 as dX tiles, left zeroed). Every allocation and
+    descriptor is made here, before the launch; ``deferred``: return the enqueue as a callable."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, NQKV = dqkv.shape
+    HIDDEN = w.shape[1]
+    split, k_per_split, tiles = products_plan(M, NQKV, HIDDEN, sms)
+    m_pad = -(-M // P_BM) * P_BM
+    xpart = (torch.empty((split, m_pad, HIDDEN), dtype=torch.float32, device=dqkv.device) if split > 1 and do_dx
+             else tick)
+    n_dx = tiles * split if do_dx else 0
+    n_dw = -(-NQKV // P_BJ) * -(-HIDDEN // P_BNW) if do_dw else 0
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    launch = kernel("projection_grads", "products_kernel").prepared((n_dx + n_dw,))(
+        desc(dqkv, [P_BM, P_BK]), desc(w, [P_BK, P_BN]), desc(dqkv, [P_BKW, P_BJ]), desc(x2d, [P_BKW, P_BNW]),
+        desc(dx, [P_BM, P_BN]), desc(dw, [P_BJ, P_BNW]), xpart, tick, M, m_pad, HIDDEN, k_per_split, n_dx,
+        BM=P_BM, BN=P_BN, BK=P_BK, SPLIT=split, STAGES_X=P_STAGES_X, BJ=P_BJ, BNW=P_BNW, BKW=P_BKW,
+        STAGES_W=P_STAGES_W, DO_DX=do_dx, DO_DW=do_dw, PDL=bool(P_PDL) and not _INTERPRET, num_warps=P_WARPS,
+        launch_pdl=bool(P_PDL) and not _INTERPRET,
+    )
+    return launch if deferred else launch()
