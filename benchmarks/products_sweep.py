@@ -31,6 +31,8 @@ CONFIGS = {
     "pps1": {"P_PROGRAMS_PER_SM": 1},
     "sw2": {"P_STAGES_W": 2},
     "bk128": {"P_BK": 128, "P_STAGES_X": 3},
+    "r128": {"P_MAXNREG": 128},
+    "r128pps4": {"P_MAXNREG": 128, "P_PROGRAMS_PER_SM": 4},
 }
 
 
@@ -56,7 +58,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=4096)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     cycles = int(150e-6 * 1.98e9)
     flusher = timing.L2Flusher(dev)
     sms = sm_count(dev)

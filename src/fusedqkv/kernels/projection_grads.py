@@ -197,8 +197,8 @@ def products_kernel(dqx_desc, w_desc, dqw_desc, x_desc, dx_desc, dw_desc, xpart_
         item = pid - N_DX_ITEMS if DO_DX else pid
         n_n = tl.cdiv(HIDDEN, BNW)
         j0 = (item // n_n) * BJ
-        n0 = (item % n_n) * BNW
-        acc = tl.zeros((BJ, BNW), tl.float32)
-        for m0 in tl.range(0, M, BKW, num_stages=STAGES_W):
-            acc = _mma(tl.trans(dqw_desc.load([m0, j0])), x_desc.load([m0, n0]), acc)
-        dw_desc.store([j0, n0], _to_lp(acc, dw_desc.dtype))
+        nw0 = (item % n_n) * BNW
+        acc_w = tl.zeros((BJ, BNW), tl.float32)
+        for t0 in tl.range(0, M, BKW, num_stages=STAGES_W):
+            acc_w = _mma(tl.trans(dqw_desc.load([t0, j0])), x_desc.load([t0, nw0]), acc_w)
+        dw_desc.store([j0, nw0], _to_lp(acc_w, dw_desc.dtype))

@@ -61,7 +61,9 @@ class FastLaunch:
         return lambda *args, **kw: self.prepare(grid, args, kw)
 
     def prepare(self, grid, args, kw):
-        first = args[0].base if args and hasattr(args[0], "base") else (args[0] if args else None)
+        first = args[0] if args else None
+        if first is not None and not isinstance(first, torch.Tensor) and hasattr(first, "block_shape"):
+            first = first.base  # a host TMA descriptor
         if not self.enabled or not isinstance(first, torch.Tensor) or not first.is_cuda:
             return lambda: self.fn[grid](*args, **kw)
         device = first.device.index

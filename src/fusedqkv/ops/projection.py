@@ -93,6 +93,8 @@ PRODUCTS_MAX_TOKENS = int(os.environ.get("FUSEDQKV_TRITON_PRODUCTS_MAX_TOKENS", 
 P_BM, P_BN, P_BK, P_STAGES_X = 64, 128, 64, 4
 P_BJ, P_BNW, P_BKW, P_STAGES_W = 128, 128, 64, 3
 P_WARPS, P_PROGRAMS_PER_SM, P_MAX_SPLIT = 8, 2, 16
+# register cap (0: none); 128 lets two 8-warp programs share an SM
+P_MAXNREG = 0
 # launch the products as a programmatic dependent of the stage (their launch overlaps its tail)
 P_PDL = 0
 
@@ -143,6 +145,6 @@ def products_triton(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: 
         desc(dx, [P_BM, P_BN]), desc(dw, [P_BJ, P_BNW]), xpart, tick, M, m_pad, HIDDEN, k_per_split, n_dx,
         BM=P_BM, BN=P_BN, BK=P_BK, SPLIT=split, STAGES_X=P_STAGES_X, BJ=P_BJ, BNW=P_BNW, BKW=P_BKW,
         STAGES_W=P_STAGES_W, DO_DX=do_dx, DO_DW=do_dw, PDL=bool(P_PDL) and not _INTERPRET, num_warps=P_WARPS,
-        launch_pdl=bool(P_PDL) and not _INTERPRET,
+        launch_pdl=bool(P_PDL) and not _INTERPRET, **({"maxnreg": P_MAXNREG} if P_MAXNREG and not _INTERPRET else {}),
     )
     return launch if deferred else launch()
