@@ -52,8 +52,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="products_out")
     ap.add_argument("--tokens", default="128,131,256,512,586,1024")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="names from CONFIGS, or name:P_ATTR=value/P_ATTR=value (ints)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--parts", action="store_true", help="also time each config's dX and dW parts alone")
     ap.add_argument("--nqkv", type=int, default=6144)
     ap.add_argument("--hidden", type=int, default=4096)
     args = ap.parse_args()
@@ -63,6 +65,13 @@ def main() -> int:
     flusher = timing.L2Flusher(dev)
     sms = sm_count(dev)
     projection.PRODUCTS_MAX_TOKENS = 1 << 30
+    names = []
+    for c in args.configs.split(","):
+        if ":" in c:
+            name, spec = c.split(":", 1)
+            CONFIGS[name] = {k: int(v) for k, v in (kv.split("=") for kv in spec.split("/"))}
+            c = name
+        names.append(c)
     rows = []
     for M in [int(t) for t in args.tokens.split(",")]:
         g = torch.Generator(device=dev).manual_seed(M)
@@ -80,7 +89,7 @@ def main() -> int:
         for part in ("dx", "dw"):
             f = (lambda: torch.mm(dq, w, out=dx)) if part == "dx" else (lambda: torch.mm(dq.t(), x, out=dw))
             row[f"cublas_{part}"] = spans(f, flusher, args.reps, cycles)
-        for name in args.configs.split(","):
+        for name in names:
             old = {k: getattr(projection, k) for k in CONFIGS[name]}
             for k, v in CONFIGS[name].items():
                 setattr(projection, k, v)
@@ -94,11 +103,11 @@ def main() -> int:
                 row[name] = {"dx_close": closeness(dx, rdx), "dw_close": closeness(dw, rdw),
                              "plan": projection.products_plan(M, args.nqkv, args.hidden, sms),
                              "padded": spans(fn, flusher, args.reps, cycles)}
-                if name == "A":
+                if args.parts:
                     for part in ("dx", "dw"):
                         f = lambda part=part: projection.products_triton(dq, w, x, dx, dw, tick, sms,  # noqa: E731
                                                                          do_dx=part == "dx", do_dw=part == "dw")
-                        row[f"A_{part}_only"] = spans(f, flusher, args.reps, cycles)
+                        row[name][f"{part}_only"] = spans(f, flusher, args.reps, cycles)
             except Exception as e:  # a config that does not compile or fit: recorded, not fatal
                 row[name] = {"error": repr(e)[:300]}
             for k, v in old.items():
@@ -108,21 +117,20 @@ def main() -> int:
     with open(os.path.join(args.out, "products_sweep.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     print(f"\n{torch.cuda.get_device_name()} | cold L2 | GPU-only span, median of {args.reps}, us")
-    names = args.configs.split(",")
-    print(f"{'tokens':>6s} {'cuBLAS':>7s} {'(dx':>6s} {'dw)':>6s} {'A_dx':>6s} {'A_dw':>6s} " +
-          " ".join(f"{n:>8s}" for n in names) + "   min close dx/dw")
+    print(f"{'tokens':>6s} {'cuBLAS':>7s} {'(dx':>6s} {'dw)':>6s} " +
+          " ".join(f"{n:>16s}" for n in names) + "   min close dx/dw    [cells: both (dx-only/dw-only)]")
     for r in rows:
         cells = []
         worst = 1.0
         for n in names:
             v = r[n]
             if "error" in v:
-                cells.append(f"{'ERR':>8s}")
+                cells.append(f"{'ERR':>16s}")
             else:
-                cells.append(f"{v['padded'][0]:8.1f}")
+                parts = (f"({v['dx_only'][0]:.0f}/{v['dw_only'][0]:.0f})" if "dx_only" in v else "")
+                cells.append(f"{v['padded'][0]:6.1f}{parts:>10s}")
                 worst = min(worst, v["dx_close"][0], v["dw_close"][0])
         print(f"{r['tokens']:6d} {r['cublas'][0]:7.1f} {r['cublas_dx'][0]:6.1f} {r['cublas_dw'][0]:6.1f} "
-              f"{r.get('A_dx_only', (float('nan'),))[0]:6.1f} {r.get('A_dw_only', (float('nan'),))[0]:6.1f} "
               + " ".join(cells) + f"   {worst:.4f}")
     return 0
 
