@@ -12,6 +12,7 @@ Head counts and sizes come from the tensors: 091's configuration (32 query heads
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -120,14 +121,28 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch.mm(a, b).view(out.shape))
 
 
+# Up to this many tokens the stage asks the L2 for the first L2_PREFETCH_MB MiB of the weight
+# while it runs: there the stage is bound by latency (DRAM nearly idle) and the dX product
+# after it by streaming the weight from DRAM (0: never). FUSEDQKV_L2_PREFETCH_MAX_TOKENS overrides.
+L2_PREFETCH_MAX_TOKENS = int(os.environ.get("FUSEDQKV_L2_PREFETCH_MAX_TOKENS", "0"))
+L2_PREFETCH_MB = int(os.environ.get("FUSEDQKV_L2_PREFETCH_MB", "24"))
+
+
 def _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd, q_norm_weight,
-           k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend, scratch):
-    """The RoPE/QK-norm stage in 091's exact mode, prepared: returns (launch, finish)."""
+           k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend, scratch, weight=None):
+    """The RoPE/QK-norm stage in 091's exact mode, prepared: returns (launch, finish).
+    ``weight``: the projection weight, prefetched into L2 at few tokens (the dX product's operand)."""
+    pf = None
+    M = grad_query.shape[0] * grad_query.shape[2]
+    if (weight is not None and 0 < M <= L2_PREFETCH_MAX_TOKENS and weight.is_contiguous()
+            and weight.data_ptr() % 16 == 0):
+        pf = (weight, min(weight.numel() * weight.element_size(), L2_PREFETCH_MB << 20) // 16 * 16)
     return rope_qk_norm_backward(
         grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
         q_norm_weight, k_norm_weight, cos, sin,
         dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
         exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=scratch, deferred=True,
+        l2_prefetch=pf,
     )
 
 
@@ -185,7 +200,7 @@ def gqa_qkv_rope_qk_norm_backward(
                                                          deferred=True)
             launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
                                           k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
-                                          g_kw, backend, g_hidden)
+                                          g_kw, backend, g_hidden, qkv_weight)
             launch_stage()
             launch_products()
             finish()
@@ -199,7 +214,7 @@ def gqa_qkv_rope_qk_norm_backward(
                                   slot="dx")
         launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
                                       q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend,
-                                      g_hidden)
+                                      g_hidden, qkv_weight)
         if triton_dw:
             # dW (and dX) in Triton: their host work done before the first launch, the launches
             # then queued back to back (a cuBLAS dX is queued while dW runs; projection.py)
