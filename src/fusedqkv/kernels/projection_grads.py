@@ -202,3 +202,45 @@ def products_kernel(dqx_desc, w_desc, dqw_desc, x_desc, dx_desc, dw_desc, xpart_
         for t0 in tl.range(0, M, BKW, num_stages=STAGES_W):
             acc_w = _mma(tl.trans(dqw_desc.load([t0, j0])), x_desc.load([t0, nw0]), acc_w)
         dw_desc.store([j0, nw0], _to_lp(acc_w, dw_desc.dtype))
+
+
+@triton.jit
+def tma_matmul_kernel(a_desc, b_desc, c_desc, R, C, K, BR: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                      TRANS_A: tl.constexpr, NPROG: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
+                      WAIT_AT_END: tl.constexpr):
+    """Persistent C[R, C] = A . B through TMA descriptors, the whole K axis per tile (fp32,
+    one rounding; no split, deterministic). ``TRANS_A``: ``a_desc`` addresses A^T ([K, R],
+    blocks [BK, BR]) -- dW = dQKV^T . X reads dQKV as stored -- else A ([R, K], blocks
+    [BR, BK]); ``b_desc`` addresses B [K, C] in blocks [BK, BC]. NPROG programs stride over
+    the tiles; the tile and K loops are flattened into one software pipeline, so the next
+    tile's loads are in flight while a tile's result is stored.
+
+    ``PDL``: launched as a programmatic dependent; waits for the kernel before it first.
+    ``TRIGGER``: lets the next programmatic dependent launch at once (it must not read what
+    this kernel writes). ``WAIT_AT_END``: waits for the kernel before it at the end instead
+    of the start (this kernel only reads what finished before that kernel started)."""
+    if PDL and not WAIT_AT_END:
+        tl.extra.cuda.gdc_wait()
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    n_c = tl.cdiv(C, BC)
+    n_tiles = tl.cdiv(R, BR) * n_c
+    k_steps = tl.cdiv(K, BK)
+    tile_out = pid - NPROG
+    for tile in tl.range(pid, n_tiles, NPROG, flatten=True):
+        r0 = (tile // n_c) * BR
+        c0 = (tile % n_c) * BC
+        acc = tl.zeros((BR, BC), tl.float32)
+        for kk in range(k_steps):
+            if TRANS_A:
+                a = tl.trans(a_desc.load([kk * BK, r0]))
+            else:
+                a = a_desc.load([r0, kk * BK])
+            acc = _mma(a, b_desc.load([kk * BK, c0]), acc)
+        # the store's indices recomputed from a counter of its own (not carried through the
+        # pipelined loads)
+        tile_out += NPROG
+        c_desc.store([(tile_out // n_c) * BR, (tile_out % n_c) * BC], _to_lp(acc, c_desc.dtype))
+    if PDL and WAIT_AT_END:
+        tl.extra.cuda.gdc_wait()

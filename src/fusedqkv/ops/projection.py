@@ -148,3 +148,29 @@ def products_triton(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: 
         launch_pdl=bool(P_PDL) and not _INTERPRET, **({"maxnreg": P_MAXNREG} if P_MAXNREG and not _INTERPRET else {}),
     )
     return launch if deferred else launch()
+
+
+def tma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, trans_a: bool, block: tuple[int, int, int],
+               num_warps: int, num_stages: int, programs: int, pdl: bool = False, trigger: bool = False,
+               wait_at_end: bool = False, deferred: bool = False):
+    """c = a . b (``trans_a``: c = a^T . b) with ``tma_matmul_kernel``: ``block`` = (rows, cols,
+    K step) of a tile, ``programs`` persistent programs. Operands ``_tma_ready``. ``deferred``:
+    return the enqueue as a callable."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    br, bc, bk = block
+    R, C = c.shape
+    K = a.shape[0] if trans_a else a.shape[1]
+    n_tiles = -(-R // br) * -(-C // bc)
+    nprog = max(1, min(programs, n_tiles))
+
+    def desc(t, blk):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), blk)
+
+    pdl = pdl and not _INTERPRET
+    launch = kernel("projection_grads", "tma_matmul_kernel").prepared((nprog,))(
+        desc(a, [bk, br] if trans_a else [br, bk]), desc(b, [bk, bc]), desc(c, [br, bc]), R, C, K,
+        BR=br, BC=bc, BK=bk, TRANS_A=trans_a, NPROG=nprog, PDL=pdl, TRIGGER=trigger and pdl,
+        WAIT_AT_END=wait_at_end, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+    )
+    return launch if deferred else launch()
