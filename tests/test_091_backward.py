@@ -103,7 +103,7 @@ def _assert_product_close(name, a, b):
     assert (a == b).float().mean() > 0.98, name
 
 
-@pytest.mark.parametrize("products", ["triton_dw", "triton_dw_dx", "one_launch_tma"])
+@pytest.mark.parametrize("products", ["triton_dw", "triton_dw_dx", "one_launch_tma", "pdl_chain"])
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
 def test_triton_products_match_cpu_path(shape, products, monkeypatch):
     """The stage, then dW in Triton (and dX in Triton, split along NQKV and summed in fp32 in
@@ -113,6 +113,15 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
     monkeypatch.setattr(projection, "DW_MAX_TOKENS", 1 << 20)
     monkeypatch.setattr(projection, "DX_MAX_TOKENS", 1 << 20 if products == "triton_dw_dx" else 0)
     monkeypatch.setattr(projection, "DX_BM", 16)  # several token tiles and splits at these sizes
+    if products == "pdl_chain":  # dX and dW as persistent TMA launches behind the stage
+        monkeypatch.setattr(projection, "CHAIN_IN_INTERPRETER", True)
+        # small tiles, fewer programs than tiles: several tiles per program, a partial last
+        # tile and K step (hidden 144, ragged token counts)
+        monkeypatch.setattr(projection, "CHAIN_DX", ((16, 32, 32), 4, 2, 1))
+        monkeypatch.setattr(projection, "CHAIN_DW", ((32, 64, 16), 4, 2, 1))
+        used = []
+        real = projection.chain_launches
+        monkeypatch.setattr(projection, "chain_launches", lambda *a: used.append(1) or real(*a))
     if products == "one_launch_tma":  # both products in one launch through TMA descriptors
         monkeypatch.setattr(projection, "PRODUCTS_MAX_TOKENS", 1 << 20)
         # small tiles: several token tiles, several dX splits, a partial last split and tile
@@ -124,6 +133,8 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
     tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
     _assert_stage_outputs_equal(cpu, tri)
     _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
+    if products == "pdl_chain":
+        assert used
     if products == "one_launch_tma":
         M, nqkv = shape[0] * shape[3], (shape[1] + 2 * shape[2]) * shape[4]
         assert projection.products_plan(M, nqkv, 144, stage.sm_count(torch.device("cpu")))[0] > 1

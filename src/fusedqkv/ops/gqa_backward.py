@@ -190,6 +190,20 @@ def gqa_qkv_rope_qk_norm_backward(
         dqkv_t = dqkv.t()
         x2d = _as_matrix(hidden_states, M, sz["hidden"])
         if (backend == "triton" and dx.dim() == 2 and x2d is not None
+                and projection.chain_eligible(M, sz["dtype"], device, dqkv, qkv_weight, x2d, dx, g_weight)):
+            # few tokens: the products as two Triton launches chained behind the stage (a
+            # torch.mm costs the host ~15 us before its kernel is queued: the GPU would wait),
+            # dX and dW side by side on the GPU
+            launch_dx, launch_dw = projection.chain_launches(dqkv, qkv_weight, x2d, dx, g_weight, sm_count(device))
+            launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
+                                          k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
+                                          g_kw, backend, g_hidden, qkv_weight)
+            launch_stage()
+            launch_dx()
+            launch_dw()
+            finish()
+            return out
+        if (backend == "triton" and dx.dim() == 2 and x2d is not None
                 and projection.products_eligible(M, sz["dtype"], device, dqkv, qkv_weight, x2d, dx, g_weight)):
             # few tokens: both products in one Triton launch queued right behind the stage (a
             # torch.mm costs the host ~15 us before its kernel is queued; the GPU would wait)

@@ -174,3 +174,43 @@ def tma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, trans_a: bo
         WAIT_AT_END=wait_at_end, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     return launch if deferred else launch()
+
+
+# ---------------------------------------------------------------------------------------------
+# dX and dW as two persistent TMA launches chained behind the stage (few tokens)
+# ---------------------------------------------------------------------------------------------
+# Largest token count whose products run as the PDL chain stage -> dX -> dW (0: never).
+# FUSEDQKV_CHAIN_MAX_TOKENS overrides.
+CHAIN_MAX_TOKENS = int(os.environ.get("FUSEDQKV_CHAIN_MAX_TOKENS", "200"))
+# (tile rows, cols, K step), warps, pipeline stages, programs per SM -- from the H200 sweep
+# (benchmarks/NOTES.md, "PDL chain")
+CHAIN_DX = ((64, 64, 64), 4, 6, 1)
+CHAIN_DW = ((128, 128, 64), 8, 2, 1)
+
+
+# Under TRITON_INTERPRET=1 the chain runs only when asked (its GEMMs are slow to emulate;
+# the tests turn it on at small sizes)
+CHAIN_IN_INTERPRETER = False
+
+
+def chain_eligible(M: int, dtype: torch.dtype, device: torch.device, *operands: torch.Tensor) -> bool:
+    """Few tokens, a 16-bit dtype, a CUDA device (or the interpreter when asked), operands TMA
+    can address."""
+    return (0 < M <= CHAIN_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
+            and (device.type == "cuda" or (_INTERPRET and CHAIN_IN_INTERPRETER))
+            and all(_tma_ready(t) for t in operands))
+
+
+def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor,
+                   sms: int):
+    """The two products as enqueue callables, to be queued right behind the stage that writes
+    ``dqkv``: dX = dqkv . w waits for the stage (programmatic dependent launch: its programs
+    start while the stage drains) and at once lets dW = dqkv^T . x2d launch, which then runs
+    beside it -- dX streams the weight in, dW streams its result out -- and waits for dX only
+    at its end, so the stream's next work still follows both."""
+    (bx, wx, sx, px), (bw, ww, sw, pw) = CHAIN_DX, CHAIN_DW
+    launch_dx = tma_matmul(dqkv, w, dx, trans_a=False, block=bx, num_warps=wx, num_stages=sx, programs=px * sms,
+                           pdl=True, trigger=True, deferred=True)
+    launch_dw = tma_matmul(dqkv, x2d, dw, trans_a=True, block=bw, num_warps=ww, num_stages=sw, programs=pw * sms,
+                           pdl=True, wait_at_end=True, deferred=True)
+    return launch_dx, launch_dw
