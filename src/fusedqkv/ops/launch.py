@@ -79,7 +79,9 @@ class FastLaunch:
             g2 = grid[2] if len(grid) > 2 else 1
             stream = torch._C._cuda_getCurrentRawStream(device)
             run, function, meta = ck.run, ck.function, ck.packed_metadata
-        except (AttributeError, KeyError, TypeError):  # a Triton whose internals differ
+            if any(_is_desc(a) for a in full):
+                return _descriptor_launch(run, function, meta, (grid[0], g1, g2), stream, full)
+        except (AttributeError, KeyError, TypeError, ImportError):  # a Triton whose internals differ
             return self._disable(grid, args, kw)
 
         def launch():
@@ -93,6 +95,36 @@ class FastLaunch:
         self.enabled = False
         self.cache.clear()
         return lambda: self.fn[grid](*args, **kw)
+
+
+def _is_desc(a) -> bool:
+    return not isinstance(a, torch.Tensor) and hasattr(a, "block_shape") and hasattr(a, "base")
+
+
+def _descriptor_launch(run, function, meta, grid, stream, full):
+    """The enqueue of a kernel taking host TMA descriptors, with every descriptor encoded now:
+    Triton's launcher would encode them (``fill_tma_descriptor``, a few us of host time each)
+    inside the enqueue, i.e. between our launches."""
+    import inspect
+
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    if run.global_scratch_size or run.profile_scratch_size:
+        raise TypeError("kernel needs scratch memory")
+    closure = inspect.getclosurevars(run.launch).nonlocals  # Triton's tensordesc wrapper
+    raw, metas = closure["launcher"], closure["tensordesc_meta"]
+    expanded, k = [], 0
+    for a in full:
+        if _is_desc(a):
+            expanded.extend(make_tensordesc_arg(a, metas[k]))
+            k += 1
+        else:
+            expanded.append(a)
+    coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+    def launch():
+        raw(grid[0], grid[1], grid[2], stream, function, coop, pdl, None, None, meta, None, None, None, *expanded)
+    return launch
 
 
 _kernels: dict = {}

@@ -186,6 +186,9 @@ CHAIN_MAX_TOKENS = int(os.environ.get("FUSEDQKV_CHAIN_MAX_TOKENS", "200"))
 # (benchmarks/NOTES.md, "PDL chain")
 CHAIN_DX = ((64, 64, 64), 4, 6, 1)
 CHAIN_DW = ((128, 128, 64), 8, 2, 1)
+# above this many tokens dX tiles take 128 rows (so that, to 256 tokens, two rows of tiles
+# still cover all tokens in one wave)
+CHAIN_DX_TALL_FROM = 129
 
 
 # Under TRITON_INTERPRET=1 the chain runs only when asked (its GEMMs are slow to emulate;
@@ -209,6 +212,8 @@ def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: t
     beside it -- dX streams the weight in, dW streams its result out -- and waits for dX only
     at its end, so the stream's next work still follows both."""
     (bx, wx, sx, px), (bw, ww, sw, pw) = CHAIN_DX, CHAIN_DW
+    if dqkv.shape[0] >= CHAIN_DX_TALL_FROM:
+        bx = (max(bx[0], 128), bx[1], bx[2])
     launch_dx = tma_matmul(dqkv, w, dx, trans_a=False, block=bx, num_warps=wx, num_stages=sx, programs=px * sms,
                            pdl=True, trigger=True, deferred=True)
     launch_dw = tma_matmul(dqkv, x2d, dw, trans_a=True, block=bw, num_warps=ww, num_stages=sw, programs=pw * sms,
