@@ -417,11 +417,14 @@ def rope_qk_norm_bwd_kernel(
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
     GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr,
-    L2_PREFETCH: tl.constexpr,
+    L2_PREFETCH: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Grid (token blocks, kinds): one ``_stage_program`` per program; axis 1 picks the
     query+key work (0) or the value copy (1) -- GROUPED: a query group, a key group, or the
-    value copy (the last)."""
+    value copy (the last). ``LAUNCH_DEPENDENTS``: a programmatic dependent launched after
+    this kernel may start at once (it must not read what the stage writes before it waits)."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     if L2_PREFETCH:
         _prefetch_l2(pf_ptr, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), pf_chunk, pf_bytes, 8)
     _stage_program(

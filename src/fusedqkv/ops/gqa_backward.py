@@ -129,7 +129,8 @@ L2_PREFETCH_MB = int(os.environ.get("FUSEDQKV_L2_PREFETCH_MB", "24"))
 
 
 def _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd, q_norm_weight,
-           k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend, scratch, weight=None):
+           k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend, scratch, weight=None,
+           launch_dependents=False):
     """The RoPE/QK-norm stage in 091's exact mode, prepared: returns (launch, finish).
     ``weight``: the projection weight, prefetched into L2 at few tokens (the dX product's operand)."""
     pf = None
@@ -142,7 +143,7 @@ def _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rst
         q_norm_weight, k_norm_weight, cos, sin,
         dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
         exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=scratch, deferred=True,
-        l2_prefetch=pf,
+        l2_prefetch=pf, launch_dependents=launch_dependents,
     )
 
 
@@ -197,10 +198,27 @@ def gqa_qkv_rope_qk_norm_backward(
             launch_dx, launch_dw = projection.chain_launches(dqkv, qkv_weight, x2d, dx, g_weight, sm_count(device))
             launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
                                           k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
-                                          g_kw, backend, g_hidden, qkv_weight)
+                                          g_kw, backend, g_hidden, qkv_weight,
+                                          launch_dependents=bool(projection.CHAIN_EARLY_LAUNCH))
             launch_stage()
             launch_dx()
             launch_dw()
+            finish()
+            return out
+        if (backend == "triton" and dx.dim() == 2 and x2d is not None and g_weight.is_contiguous()
+                and projection.head_start_eligible(M, sz["dtype"], device, grad_value, hidden_states, g_weight)):
+            # a few hundred tokens: the value rows of dW (which need only grad_value) run in
+            # Triton beside the stage; the host's torch.mm work for dX is done while they run
+            qk = (sz["num_heads"] + sz["num_kv_heads"]) * sz["head_dim"]
+            launch_dwv = projection.dw_value(grad_value, hidden_states, g_weight[qk:], sm_count(device), pdl=True,
+                                             deferred=True)
+            launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
+                                          k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
+                                          g_kw, backend, g_hidden, qkv_weight, launch_dependents=True)
+            launch_stage()
+            launch_dwv()
+            torch.mm(dqkv, qkv_weight, out=dx)
+            torch.mm(dqkv[:, :qk].t(), x2d, out=g_weight[:qk])
             finish()
             return out
         if (backend == "triton" and dx.dim() == 2 and x2d is not None

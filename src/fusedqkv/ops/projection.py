@@ -189,6 +189,8 @@ CHAIN_DW = ((128, 128, 64), 8, 2, 1)
 # above this many tokens dX tiles take 128 rows (so that, to 256 tokens, two rows of tiles
 # still cover all tokens in one wave)
 CHAIN_DX_TALL_FROM = 129
+# 1: the stage lets dX's programs launch at its start (they wait for it on the GPU)
+CHAIN_EARLY_LAUNCH = 0
 
 
 # Under TRITON_INTERPRET=1 the chain runs only when asked (its GEMMs are slow to emulate;
@@ -219,3 +221,52 @@ def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: t
     launch_dw = tma_matmul(dqkv, x2d, dw, trans_a=True, block=bw, num_warps=ww, num_stages=sw, programs=pw * sms,
                            pdl=True, wait_at_end=True, deferred=True)
     return launch_dx, launch_dw
+
+
+# ---------------------------------------------------------------------------------------------
+# The value rows of dW beside the stage (a head start for the cuBLAS products)
+# ---------------------------------------------------------------------------------------------
+# Tokens above CHAIN_MAX_TOKENS and up to this many: the value rows of dW run in Triton
+# beside the stage, straight from grad_value, and cover the host's ~15 us of torch.mm work
+# before the first cuBLAS product is queued (0: never). FUSEDQKV_HEAD_START_MAX_TOKENS overrides.
+HEAD_START_MAX_TOKENS = int(os.environ.get("FUSEDQKV_HEAD_START_MAX_TOKENS", "0"))
+# (columns per tile, tokens per step, warps, stages, programs per SM)
+DWV_CONFIG = (128, 64, 8, 3, 1)
+
+
+def _tma_ready_nd(t: torch.Tensor) -> bool:
+    es = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in t.stride()[:-1]))
+
+
+def head_start_eligible(M: int, dtype: torch.dtype, device: torch.device, grad_value: torch.Tensor,
+                        x3d: torch.Tensor, dw: torch.Tensor) -> bool:
+    return (CHAIN_MAX_TOKENS < M <= HEAD_START_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
+            and (device.type == "cuda" or (_INTERPRET and CHAIN_IN_INTERPRETER))
+            and grad_value.shape[-1] in (16, 32, 64, 128, 256)
+            and _tma_ready_nd(grad_value) and _tma_ready_nd(x3d) and _tma_ready(dw))
+
+
+def dw_value(grad_value: torch.Tensor, x3d: torch.Tensor, dw_v: torch.Tensor, sms: int, pdl: bool = False,
+             deferred: bool = False):
+    """dw_v [HKV*D, HIDDEN] = the value rows of dW, from ``grad_value`` [B, HKV, S, D] and
+    ``x3d`` [B, S, HIDDEN] (``dw_value_kernel``). ``pdl``: launched as a programmatic dependent
+    of the stage, which lets it start at once; it waits for the stage at its end, so the
+    stream's next work still follows both. ``deferred``: return the enqueue as a callable."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, HKV, S, D = grad_value.shape
+    HIDDEN = x3d.shape[2]
+    bc, bk, nw, st, pps = DWV_CONFIG
+    n_tiles = HKV * -(-HIDDEN // bc)
+    nprog = max(1, min(pps * sms, n_tiles))
+
+    def desc(t, blk):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), blk)
+
+    pdl = pdl and not _INTERPRET
+    launch = kernel("projection_grads", "dw_value_kernel").prepared((nprog,))(
+        desc(grad_value, [1, 1, bk, D]), desc(x3d, [1, bk, bc]), desc(dw_v, [D, bc]), B, S, HKV, HIDDEN,
+        D=D, BC=bc, BK=bk, NPROG=nprog, PDL=pdl, WAIT_AT_END=pdl, num_warps=nw, num_stages=st, launch_pdl=pdl,
+    )
+    return launch if deferred else launch()

@@ -94,7 +94,7 @@ def rope_qk_norm_backward(
     *, dqkv, grad_cos=None, grad_sin=None, grad_q_norm_weight, grad_k_norm_weight,
     exact: bool, norm_after_rope: bool = True, saved_rotated: bool = True, backend: Optional[str] = None,
     scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None, deferred: bool = False,
-    l2_prefetch: Optional[tuple] = None,
+    l2_prefetch: Optional[tuple] = None, launch_dependents: bool = False,
 ):
     """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``.
 
@@ -117,6 +117,9 @@ def rope_qk_norm_backward(
     ``nbytes`` of that contiguous tensor's memory (the operand the kernel after the stage
     streams; GPU only, fire and forget).
 
+    ``launch_dependents``: a programmatic dependent launch queued right after the stage may
+    start at once, beside it (GPU only).
+
     ``deferred``: launch nothing yet; return ``(launch, finish)``, ``launch`` a callable that
     queues the stage with all its host work already done (the torch backend computes
     at once and returns no-ops).
@@ -132,7 +135,7 @@ def rope_qk_norm_backward(
     launch, finish = _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k,
                                       q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
                                       grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated,
-                                      grad_cos_sin, scratch, eps, l2_prefetch)
+                                      grad_cos_sin, scratch, eps, l2_prefetch, launch_dependents)
     if deferred:
         return launch, finish
     launch()
@@ -217,7 +220,8 @@ def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, 
 
 
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None, l2_prefetch=None):
+                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None, l2_prefetch=None,
+                     launch_dependents=False):
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     M = B * S
@@ -261,6 +265,7 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,
         PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1), L2_PREFETCH=pf_bytes > 0,
+        LAUNCH_DEPENDENTS=launch_dependents and gq.is_cuda,
         num_warps=num_warps, enable_fp_fusion=fp_fusion,
         **({"maxnreg": MAX_REGISTERS} if num_warps == 4 and gq.is_cuda else {}),
     )
