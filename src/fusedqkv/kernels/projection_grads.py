@@ -132,78 +132,6 @@ def dx_kernel(dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, 
              HIDDEN, K_PER_SPLIT, BM, BN, BK, SPLIT, STAGES)
 
 
-# ---------------------------------------------------------------------------------------------
-# Both products in one launch through TMA descriptors (few tokens)
-# ---------------------------------------------------------------------------------------------
-@triton.jit
-def _dx_tma_split(tile, split, dq_desc, w_desc, HIDDEN, K_PER_SPLIT,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-    """One K-split of one dX tile, dQKV[m, k-range] . W[k-range, n] in fp32; a split running
-    past NQKV reads the descriptors' zero fill."""
-    n_n = tl.cdiv(HIDDEN, BN)
-    m0 = (tile // n_n) * BM
-    n0 = (tile % n_n) * BN
-    k_lo = split * K_PER_SPLIT
-    acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in tl.range(k_lo, k_lo + K_PER_SPLIT, BK, num_stages=STAGES):
-        acc = _mma(dq_desc.load([m0, k0]), w_desc.load([k0, n0]), acc)
-    return acc, m0, n0
-
-
-@triton.jit
-def products_kernel(dqx_desc, w_desc, dqw_desc, x_desc, dx_desc, dw_desc, xpart_ptr, tick_ptr,
-                    M, M_PAD, HIDDEN, K_PER_SPLIT, N_DX_ITEMS,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                    STAGES_X: tl.constexpr, BJ: tl.constexpr, BNW: tl.constexpr, BKW: tl.constexpr,
-                    STAGES_W: tl.constexpr, DO_DX: tl.constexpr, DO_DW: tl.constexpr, PDL: tl.constexpr):
-    """dX = dQKV . W and dW = dQKV^T . X in one grid: programs [0, N_DX_ITEMS) are dX items
-    (``tile * SPLIT + split``), the rest dW tiles ([BJ, BNW], the whole token axis, one
-    rounding). All operands go through TMA descriptors (zero fill past every edge, stores
-    clipped), so ragged token counts need no masks.
-
-    dX is split along NQKV so that few tokens still give every SM work; each split stores its
-    fp32 partial [BM, BN] in ``xpart`` ([SPLIT, M_PAD, HIDDEN]) and takes a ticket; the last
-    split of a tile sums the SPLIT partials in split order (deterministic) and rounds once.
-    ``tick`` holds one zeroed int32 per dX tile and is left zeroed.
-    ``PDL``: launched as a programmatic dependent of the stage that writes dQKV; every
-    program waits for it before touching dQKV.
-    """
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    pid = tl.program_id(0)
-    if DO_DX and pid < N_DX_ITEMS:
-        tile = pid // SPLIT
-        split = pid % SPLIT
-        acc, m0, n0 = _dx_tma_split(tile, split, dqx_desc, w_desc, HIDDEN, K_PER_SPLIT, BM, BN, BK, STAGES_X)
-        if SPLIT == 1:
-            dx_desc.store([m0, n0], _to_lp(acc, dx_desc.dtype))
-        else:
-            rm = m0 + tl.arange(0, BM)
-            rn = n0 + tl.arange(0, BN)
-            offs = rm[:, None].to(tl.int64) * HIDDEN + rn[None, :]
-            cmask = (rm[:, None] < M_PAD) & (rn[None, :] < HIDDEN)
-            part = xpart_ptr + offs
-            tl.store(part + split * (M_PAD * HIDDEN), acc, mask=cmask, cache_modifier=".cg")
-            tl.debug_barrier()
-            ticket = tl.atomic_add(tick_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT - 1:
-                tl.store(tick_ptr + tile, 0)
-                tot = tl.zeros((BM, BN), tl.float32)
-                for _ in tl.range(0, SPLIT):  # split order, whichever split came last
-                    tot += tl.load(part, mask=cmask, other=0.0, cache_modifier=".cg")
-                    part += M_PAD * HIDDEN
-                dx_desc.store([m0, n0], _to_lp(tot, dx_desc.dtype))
-    elif DO_DW:
-        item = pid - N_DX_ITEMS if DO_DX else pid
-        n_n = tl.cdiv(HIDDEN, BNW)
-        j0 = (item // n_n) * BJ
-        nw0 = (item % n_n) * BNW
-        acc_w = tl.zeros((BJ, BNW), tl.float32)
-        for t0 in tl.range(0, M, BKW, num_stages=STAGES_W):
-            acc_w = _mma(tl.trans(dqw_desc.load([t0, j0])), x_desc.load([t0, nw0]), acc_w)
-        dw_desc.store([j0, nw0], _to_lp(acc_w, dw_desc.dtype))
-
-
 @triton.jit
 def tma_matmul_kernel(a_desc, b_desc, c_desc, R, C, K, BR: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                       TRANS_A: tl.constexpr, NPROG: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
@@ -242,36 +170,5 @@ def tma_matmul_kernel(a_desc, b_desc, c_desc, R, C, K, BR: tl.constexpr, BC: tl.
         # pipelined loads)
         tile_out += NPROG
         c_desc.store([(tile_out // n_c) * BR, (tile_out % n_c) * BC], _to_lp(acc, c_desc.dtype))
-    if PDL and WAIT_AT_END:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def dw_value_kernel(gv_desc, x_desc, dw_desc, B, S, HKV, HIDDEN, D: tl.constexpr, BC: tl.constexpr,
-                    BK: tl.constexpr, NPROG: tl.constexpr, PDL: tl.constexpr, WAIT_AT_END: tl.constexpr):
-    """The value rows of dW straight from grad_value: dW_v[h*D + d, n] = sum over (b, s) of
-    grad_value[b, h, s, d] * X[b, s, n] -- no dependence on the RoPE/QK-norm stage, so it can
-    run beside it. ``gv_desc``: grad_value [B, HKV, S, D] in blocks [1, 1, BK, D]; ``x_desc``:
-    X [B, S, HIDDEN] in blocks [1, BK, BC]; ``dw_desc``: dW_v [HKV*D, HIDDEN] in blocks
-    [D, BC]. A tile is one head's D rows by BC columns, the (b, s) axis summed in fp32
-    (zero fill past S in each batch), one rounding; NPROG persistent programs.
-    ``PDL``/``WAIT_AT_END``: as ``tma_matmul_kernel``."""
-    if PDL and not WAIT_AT_END:
-        tl.extra.cuda.gdc_wait()
-    pid = tl.program_id(0)
-    n_c = tl.cdiv(HIDDEN, BC)
-    n_tiles = HKV * n_c
-    s_steps = tl.cdiv(S, BK)
-    for tile in tl.range(pid, n_tiles, NPROG):
-        h = tile // n_c
-        c0 = (tile % n_c) * BC
-        acc = tl.zeros((D, BC), tl.float32)
-        for step in range(B * s_steps):
-            b = step // s_steps
-            s0 = (step % s_steps) * BK
-            a = tl.reshape(gv_desc.load([b, h, s0, 0]), (BK, D))
-            x = tl.reshape(x_desc.load([b, s0, c0]), (BK, BC))
-            acc = _mma(tl.trans(a), x, acc)
-        dw_desc.store([h * D, c0], _to_lp(acc, dw_desc.dtype))
     if PDL and WAIT_AT_END:
         tl.extra.cuda.gdc_wait()

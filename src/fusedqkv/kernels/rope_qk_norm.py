@@ -369,21 +369,6 @@ def _token_sum(x, HB: tl.constexpr, BLOCK_T: tl.constexpr, HALF_P2: tl.constexpr
 
 
 @triton.jit
-def _prefetch_l2(base_ptr, prog, chunk, total, NPIECE: tl.constexpr):
-    """Ask the L2 for bytes [prog * chunk, (prog + 1) * chunk) of ``base_ptr``'s memory, clipped
-    to ``total``, as NPIECE bulk prefetches (``chunk`` a multiple of 16 * NPIECE). Fire and
-    forget: the program goes on at once while DRAM fills the L2 (a kernel bound by latency
-    leaves DRAM idle; the next kernel then reads those bytes from L2)."""
-    piece = chunk // NPIECE
-    start = prog.to(tl.int64) * chunk + tl.arange(0, NPIECE).to(tl.int64) * piece
-    size = tl.minimum(tl.maximum(total - start, 0), piece).to(tl.int32)
-    ok = size > 0
-    addr = base_ptr.to(tl.pointer_type(tl.int8)) + tl.where(ok, start, 0)
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tcp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r",
-                              [addr.to(tl.int64), tl.where(ok, size, 16)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def rope_qk_norm_bwd_kernel(
     # grads of the block outputs [B, H, S, D]
     gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
@@ -408,25 +393,16 @@ def rope_qk_norm_bwd_kernel(
     # GROUPED: grad_cos/sin partials [groups, 2, M, D] and norm-weight rows [programs, groups, D]
     gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr,
     M, S, HQ, HKV, eps,
-    # L2_PREFETCH: every program first asks the L2 for its share (pf_chunk bytes) of the first
-    # pf_bytes bytes at pf_ptr -- the operand the next kernel streams (dX's weight)
-    pf_ptr, pf_chunk, pf_bytes,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr, HB: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
     GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr,
-    L2_PREFETCH: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Grid (token blocks, kinds): one ``_stage_program`` per program; axis 1 picks the
     query+key work (0) or the value copy (1) -- GROUPED: a query group, a key group, or the
-    value copy (the last). ``LAUNCH_DEPENDENTS``: a programmatic dependent launched after
-    this kernel may start at once (it must not read what the stage writes before it waits)."""
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
-    if L2_PREFETCH:
-        _prefetch_l2(pf_ptr, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), pf_chunk, pf_bytes, 8)
+    value copy (the last)."""
     _stage_program(
         tl.program_id(0), tl.program_id(1), tl.num_programs(0),
         gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,

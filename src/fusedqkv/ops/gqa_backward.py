@@ -12,7 +12,6 @@ Head counts and sizes come from the tensors: 091's configuration (32 query heads
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -121,29 +120,14 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch.mm(a, b).view(out.shape))
 
 
-# Up to this many tokens the stage asks the L2 for the first L2_PREFETCH_MB MiB of the weight
-# while it runs: there the stage is bound by latency (DRAM nearly idle) and the dX product
-# after it by streaming the weight from DRAM (0: never). FUSEDQKV_L2_PREFETCH_MAX_TOKENS overrides.
-L2_PREFETCH_MAX_TOKENS = int(os.environ.get("FUSEDQKV_L2_PREFETCH_MAX_TOKENS", "0"))
-L2_PREFETCH_MB = int(os.environ.get("FUSEDQKV_L2_PREFETCH_MB", "24"))
-
-
 def _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd, q_norm_weight,
-           k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend, scratch, weight=None,
-           launch_dependents=False):
-    """The RoPE/QK-norm stage in 091's exact mode, prepared: returns (launch, finish).
-    ``weight``: the projection weight, prefetched into L2 at few tokens (the dX product's operand)."""
-    pf = None
-    M = grad_query.shape[0] * grad_query.shape[2]
-    if (weight is not None and 0 < M <= L2_PREFETCH_MAX_TOKENS and weight.is_contiguous()
-            and weight.data_ptr() % 16 == 0):
-        pf = (weight, min(weight.numel() * weight.element_size(), L2_PREFETCH_MB << 20) // 16 * 16)
+           k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend, scratch):
+    """The RoPE/QK-norm stage in 091's exact mode, prepared: returns (launch, finish)."""
     return rope_qk_norm_backward(
         grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
         q_norm_weight, k_norm_weight, cos, sin,
         dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
         exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=scratch, deferred=True,
-        l2_prefetch=pf, launch_dependents=launch_dependents,
     )
 
 
@@ -198,43 +182,10 @@ def gqa_qkv_rope_qk_norm_backward(
             launch_dx, launch_dw = projection.chain_launches(dqkv, qkv_weight, x2d, dx, g_weight, sm_count(device))
             launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
                                           k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
-                                          g_kw, backend, g_hidden, qkv_weight,
-                                          launch_dependents=bool(projection.CHAIN_EARLY_LAUNCH))
+                                          g_kw, backend, g_hidden)
             launch_stage()
             launch_dx()
             launch_dw()
-            finish()
-            return out
-        if (backend == "triton" and dx.dim() == 2 and x2d is not None and g_weight.is_contiguous()
-                and projection.head_start_eligible(M, sz["dtype"], device, grad_value, hidden_states, g_weight)):
-            # a few hundred tokens: the value rows of dW (which need only grad_value) run in
-            # Triton beside the stage; the host's torch.mm work for dX is done while they run
-            qk = (sz["num_heads"] + sz["num_kv_heads"]) * sz["head_dim"]
-            launch_dwv = projection.dw_value(grad_value, hidden_states, g_weight[qk:], sm_count(device), pdl=True,
-                                             deferred=True)
-            launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
-                                          k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
-                                          g_kw, backend, g_hidden, qkv_weight, launch_dependents=True)
-            launch_stage()
-            launch_dwv()
-            torch.mm(dqkv, qkv_weight, out=dx)
-            torch.mm(dqkv[:, :qk].t(), x2d, out=g_weight[:qk])
-            finish()
-            return out
-        if (backend == "triton" and dx.dim() == 2 and x2d is not None
-                and projection.products_eligible(M, sz["dtype"], device, dqkv, qkv_weight, x2d, dx, g_weight)):
-            # few tokens: both products in one Triton launch queued right behind the stage (a
-            # torch.mm costs the host ~15 us before its kernel is queued; the GPU would wait)
-            sms = sm_count(device)
-            tiles = projection.products_plan(M, sz["qkv"], sz["hidden"], sms)[2]
-            launch_products = projection.products_triton(dqkv, qkv_weight, x2d, dx, g_weight,
-                                                         ticket_buffer(device, tiles, slot="products"), sms,
-                                                         deferred=True)
-            launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
-                                          k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
-                                          g_kw, backend, g_hidden, qkv_weight)
-            launch_stage()
-            launch_products()
             finish()
             return out
         triton_dw = backend == "triton" and projection.dw_triton_eligible(M, sz["dtype"], device)
@@ -246,7 +197,7 @@ def gqa_qkv_rope_qk_norm_backward(
                                   slot="dx")
         launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
                                       q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend,
-                                      g_hidden, qkv_weight)
+                                      g_hidden)
         if triton_dw:
             # dW (and dX) in Triton: their host work done before the first launch, the launches
             # then queued back to back (a cuBLAS dX is queued while dW runs; projection.py)

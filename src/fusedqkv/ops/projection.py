@@ -1,11 +1,15 @@
 """Launchers of the projection-gradient kernels (:mod:`fusedqkv.kernels.projection_grads`).
 
-The block backward's two products run on cuBLAS (``torch.mm``) by default. At few tokens
-dW = dQKV^T . X is bound by writing dW, and what decides the official time (first kernel
-start to last kernel end) is how soon the host queues each launch after the stage:
-``torch.mm`` costs the host ~15 us, a Triton launch through :class:`FastLaunch` a few. So up
-to ``DW_MAX_TOKENS`` tokens dW is a Triton kernel queued right behind the stage, and the
-cuBLAS dX is queued while it runs.
+The block backward's two products run on cuBLAS (``torch.mm``) from 129 tokens. Below, what
+decides the official time (first kernel start to last kernel end) is how soon the host queues
+each launch after the stage -- ``torch.mm`` costs the host ~15 us, a Triton launch through
+:class:`FastLaunch` a few -- and the products are bound by memory: dX streams the weight in,
+dW streams its result out. There they run as the *PDL chain* (``chain_launches``): two
+persistent TMA kernels queued right behind the stage as programmatic dependent launches, dX
+and dW side by side on the GPU (benchmarks/NOTES.md, "PDL chain").
+
+``dw_triton``/``dx_triton`` (pointer-based tiles, off by default) are the earlier attempt,
+kept because the single launch shares their tile functions.
 """
 
 from __future__ import annotations
@@ -29,18 +33,15 @@ DX_BM, DX_BN, DX_BK, DX_WARPS, DX_STAGES, DX_PROGRAMS_PER_SM, DX_MAX_SPLIT = 64,
 def _kernel(name: str) -> FastLaunch:
     return kernel("projection_grads", name)
 
-
 def dw_triton_eligible(M: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Few tokens, a 16-bit activation dtype (the tensor-core operands), a CUDA device (or the
     interpreter)."""
     return (0 < M <= DW_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
             and (device.type == "cuda" or _INTERPRET))
 
-
 def dx_triton_eligible(M: int, dtype: torch.dtype, device: torch.device) -> bool:
     return (0 < M <= DX_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
             and (device.type == "cuda" or _INTERPRET))
-
 
 def dx_plan(M: int, NQKV: int, HIDDEN: int, sms: int) -> tuple[int, int]:
     """(splits, NQKV columns per split) of the Triton dX: enough programs for every SM."""
@@ -48,7 +49,6 @@ def dx_plan(M: int, NQKV: int, HIDDEN: int, sms: int) -> tuple[int, int]:
     split = max(1, min(DX_MAX_SPLIT, -(-DX_PROGRAMS_PER_SM * sms // tiles)))
     k_per_split = -(-NQKV // (split * DX_BK)) * DX_BK
     return -(-NQKV // k_per_split), k_per_split
-
 
 def dx_triton(dqkv: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, xpart: torch.Tensor, tick: torch.Tensor,
               split: int, k_per_split: int, deferred: bool = False):
@@ -67,7 +67,6 @@ def dx_triton(dqkv: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, xpart: torc
     )
     return launch if deferred else launch()
 
-
 def dw_triton(dqkv: torch.Tensor, x2d: torch.Tensor, dw: torch.Tensor, deferred: bool = False):
     """dw = dqkv^T . x2d (``dqkv`` [M, NQKV] with unit column stride, ``x2d`` [M, HIDDEN],
     ``dw`` [NQKV, HIDDEN], any strides), fp32 accumulation, one rounding. ``deferred``:
@@ -81,74 +80,11 @@ def dw_triton(dqkv: torch.Tensor, x2d: torch.Tensor, dw: torch.Tensor, deferred:
     )
     return launch if deferred else launch()
 
-
-# ---------------------------------------------------------------------------------------------
-# Both products in one Triton launch (TMA descriptors), for few tokens
-# ---------------------------------------------------------------------------------------------
-# Largest token count whose two products run as one Triton launch right behind the stage
-# (0: never). FUSEDQKV_TRITON_PRODUCTS_MAX_TOKENS overrides.
-PRODUCTS_MAX_TOKENS = int(os.environ.get("FUSEDQKV_TRITON_PRODUCTS_MAX_TOKENS", "0"))
-# dX tiles [P_BM tokens, P_BN columns], P_BK of NQKV per step, split along NQKV to about
-# P_PROGRAMS_PER_SM dX programs per SM; dW tiles [P_BJ rows, P_BNW columns], P_BKW tokens per step
-P_BM, P_BN, P_BK, P_STAGES_X = 64, 128, 64, 4
-P_BJ, P_BNW, P_BKW, P_STAGES_W = 128, 128, 64, 3
-P_WARPS, P_PROGRAMS_PER_SM, P_MAX_SPLIT = 8, 2, 16
-# register cap (0: none); 128 lets two 8-warp programs share an SM
-P_MAXNREG = 0
-# launch the products as a programmatic dependent of the stage (their launch overlaps its tail)
-P_PDL = 0
-
-
 def _tma_ready(t: torch.Tensor) -> bool:
     """A 2-D operand TMA can address: unit column stride, 16-byte aligned base and row stride."""
     es = t.element_size()
     return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
             and t.stride(0) >= t.shape[1])
-
-
-def products_eligible(M: int, dtype: torch.dtype, device: torch.device, *operands: torch.Tensor) -> bool:
-    """Few tokens, a 16-bit dtype, a CUDA device (or the interpreter), operands TMA can address."""
-    return (0 < M <= PRODUCTS_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
-            and (device.type == "cuda" or _INTERPRET) and all(_tma_ready(t) for t in operands))
-
-
-def products_plan(M: int, NQKV: int, HIDDEN: int, sms: int) -> tuple[int, int, int]:
-    """(splits, NQKV columns per split, dX tiles) of the dX part: about P_PROGRAMS_PER_SM dX
-    programs per SM."""
-    tiles = -(-M // P_BM) * -(-HIDDEN // P_BN)
-    split = max(1, min(P_MAX_SPLIT, -(-P_PROGRAMS_PER_SM * sms // tiles)))
-    k_per_split = -(-NQKV // (split * P_BK)) * P_BK
-    return -(-NQKV // k_per_split), k_per_split, tiles
-
-
-def products_triton(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor,
-                    tick: torch.Tensor, sms: int, deferred: bool = False, do_dx: bool = True, do_dw: bool = True):
-    """dx = dqkv . w and dw = dqkv^T . x2d in one launch (``products_eligible`` operands;
-    ``tick``: at least as many zeroed int32 as dX tiles, left zeroed). Every allocation and
-    descriptor is made here, before the launch; ``deferred``: return the enqueue as a callable."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    M, NQKV = dqkv.shape
-    HIDDEN = w.shape[1]
-    split, k_per_split, tiles = products_plan(M, NQKV, HIDDEN, sms)
-    m_pad = -(-M // P_BM) * P_BM
-    xpart = (torch.empty((split, m_pad, HIDDEN), dtype=torch.float32, device=dqkv.device) if split > 1 and do_dx
-             else tick)
-    n_dx = tiles * split if do_dx else 0
-    n_dw = -(-NQKV // P_BJ) * -(-HIDDEN // P_BNW) if do_dw else 0
-
-    def desc(t, block):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
-
-    launch = kernel("projection_grads", "products_kernel").prepared((n_dx + n_dw,))(
-        desc(dqkv, [P_BM, P_BK]), desc(w, [P_BK, P_BN]), desc(dqkv, [P_BKW, P_BJ]), desc(x2d, [P_BKW, P_BNW]),
-        desc(dx, [P_BM, P_BN]), desc(dw, [P_BJ, P_BNW]), xpart, tick, M, m_pad, HIDDEN, k_per_split, n_dx,
-        BM=P_BM, BN=P_BN, BK=P_BK, SPLIT=split, STAGES_X=P_STAGES_X, BJ=P_BJ, BNW=P_BNW, BKW=P_BKW,
-        STAGES_W=P_STAGES_W, DO_DX=do_dx, DO_DW=do_dw, PDL=bool(P_PDL) and not _INTERPRET, num_warps=P_WARPS,
-        launch_pdl=bool(P_PDL) and not _INTERPRET, **({"maxnreg": P_MAXNREG} if P_MAXNREG and not _INTERPRET else {}),
-    )
-    return launch if deferred else launch()
-
 
 def tma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, trans_a: bool, block: tuple[int, int, int],
                num_warps: int, num_stages: int, programs: int, pdl: bool = False, trigger: bool = False,
@@ -175,28 +111,19 @@ def tma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, trans_a: bo
     )
     return launch if deferred else launch()
 
-
 # ---------------------------------------------------------------------------------------------
 # dX and dW as two persistent TMA launches chained behind the stage (few tokens)
 # ---------------------------------------------------------------------------------------------
 # Largest token count whose products run as the PDL chain stage -> dX -> dW (0: never).
 # FUSEDQKV_CHAIN_MAX_TOKENS overrides.
-CHAIN_MAX_TOKENS = int(os.environ.get("FUSEDQKV_CHAIN_MAX_TOKENS", "200"))
+CHAIN_MAX_TOKENS = int(os.environ.get("FUSEDQKV_CHAIN_MAX_TOKENS", "128"))
 # (tile rows, cols, K step), warps, pipeline stages, programs per SM -- from the H200 sweep
 # (benchmarks/NOTES.md, "PDL chain")
 CHAIN_DX = ((64, 64, 64), 4, 6, 1)
 CHAIN_DW = ((128, 128, 64), 8, 2, 1)
-# above this many tokens dX tiles take 128 rows (so that, to 256 tokens, two rows of tiles
-# still cover all tokens in one wave)
-CHAIN_DX_TALL_FROM = 129
-# 1: the stage lets dX's programs launch at its start (they wait for it on the GPU)
-CHAIN_EARLY_LAUNCH = 0
-
-
 # Under TRITON_INTERPRET=1 the chain runs only when asked (its GEMMs are slow to emulate;
 # the tests turn it on at small sizes)
 CHAIN_IN_INTERPRETER = False
-
 
 def chain_eligible(M: int, dtype: torch.dtype, device: torch.device, *operands: torch.Tensor) -> bool:
     """Few tokens, a 16-bit dtype, a CUDA device (or the interpreter when asked), operands TMA
@@ -204,7 +131,6 @@ def chain_eligible(M: int, dtype: torch.dtype, device: torch.device, *operands: 
     return (0 < M <= CHAIN_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
             and (device.type == "cuda" or (_INTERPRET and CHAIN_IN_INTERPRETER))
             and all(_tma_ready(t) for t in operands))
-
 
 def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor,
                    sms: int):
@@ -214,59 +140,8 @@ def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: t
     beside it -- dX streams the weight in, dW streams its result out -- and waits for dX only
     at its end, so the stream's next work still follows both."""
     (bx, wx, sx, px), (bw, ww, sw, pw) = CHAIN_DX, CHAIN_DW
-    if dqkv.shape[0] >= CHAIN_DX_TALL_FROM:
-        bx = (max(bx[0], 128), bx[1], bx[2])
     launch_dx = tma_matmul(dqkv, w, dx, trans_a=False, block=bx, num_warps=wx, num_stages=sx, programs=px * sms,
                            pdl=True, trigger=True, deferred=True)
     launch_dw = tma_matmul(dqkv, x2d, dw, trans_a=True, block=bw, num_warps=ww, num_stages=sw, programs=pw * sms,
                            pdl=True, wait_at_end=True, deferred=True)
     return launch_dx, launch_dw
-
-
-# ---------------------------------------------------------------------------------------------
-# The value rows of dW beside the stage (a head start for the cuBLAS products)
-# ---------------------------------------------------------------------------------------------
-# Tokens above CHAIN_MAX_TOKENS and up to this many: the value rows of dW run in Triton
-# beside the stage, straight from grad_value, and cover the host's ~15 us of torch.mm work
-# before the first cuBLAS product is queued (0: never). FUSEDQKV_HEAD_START_MAX_TOKENS overrides.
-HEAD_START_MAX_TOKENS = int(os.environ.get("FUSEDQKV_HEAD_START_MAX_TOKENS", "0"))
-# (columns per tile, tokens per step, warps, stages, programs per SM)
-DWV_CONFIG = (128, 64, 8, 3, 1)
-
-
-def _tma_ready_nd(t: torch.Tensor) -> bool:
-    es = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in t.stride()[:-1]))
-
-
-def head_start_eligible(M: int, dtype: torch.dtype, device: torch.device, grad_value: torch.Tensor,
-                        x3d: torch.Tensor, dw: torch.Tensor) -> bool:
-    return (CHAIN_MAX_TOKENS < M <= HEAD_START_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
-            and (device.type == "cuda" or (_INTERPRET and CHAIN_IN_INTERPRETER))
-            and grad_value.shape[-1] in (16, 32, 64, 128, 256)
-            and _tma_ready_nd(grad_value) and _tma_ready_nd(x3d) and _tma_ready(dw))
-
-
-def dw_value(grad_value: torch.Tensor, x3d: torch.Tensor, dw_v: torch.Tensor, sms: int, pdl: bool = False,
-             deferred: bool = False):
-    """dw_v [HKV*D, HIDDEN] = the value rows of dW, from ``grad_value`` [B, HKV, S, D] and
-    ``x3d`` [B, S, HIDDEN] (``dw_value_kernel``). ``pdl``: launched as a programmatic dependent
-    of the stage, which lets it start at once; it waits for the stage at its end, so the
-    stream's next work still follows both. ``deferred``: return the enqueue as a callable."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    B, HKV, S, D = grad_value.shape
-    HIDDEN = x3d.shape[2]
-    bc, bk, nw, st, pps = DWV_CONFIG
-    n_tiles = HKV * -(-HIDDEN // bc)
-    nprog = max(1, min(pps * sms, n_tiles))
-
-    def desc(t, blk):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), blk)
-
-    pdl = pdl and not _INTERPRET
-    launch = kernel("projection_grads", "dw_value_kernel").prepared((nprog,))(
-        desc(grad_value, [1, 1, bk, D]), desc(x3d, [1, bk, bc]), desc(dw_v, [D, bc]), B, S, HKV, HIDDEN,
-        D=D, BC=bc, BK=bk, NPROG=nprog, PDL=pdl, WAIT_AT_END=pdl, num_warps=nw, num_stages=st, launch_pdl=pdl,
-    )
-    return launch if deferred else launch()

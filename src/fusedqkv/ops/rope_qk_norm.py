@@ -94,7 +94,6 @@ def rope_qk_norm_backward(
     *, dqkv, grad_cos=None, grad_sin=None, grad_q_norm_weight, grad_k_norm_weight,
     exact: bool, norm_after_rope: bool = True, saved_rotated: bool = True, backend: Optional[str] = None,
     scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None, deferred: bool = False,
-    l2_prefetch: Optional[tuple] = None, launch_dependents: bool = False,
 ):
     """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``.
 
@@ -113,13 +112,6 @@ def rope_qk_norm_backward(
     small launch that reduces the per-program partials, which the caller may queue
     behind other work (the projection GEMMs) so its launch latency is hidden.
 
-    ``l2_prefetch``: ``(tensor, nbytes)``: the stage's programs also ask the L2 for the first
-    ``nbytes`` of that contiguous tensor's memory (the operand the kernel after the stage
-    streams; GPU only, fire and forget).
-
-    ``launch_dependents``: a programmatic dependent launch queued right after the stage may
-    start at once, beside it (GPU only).
-
     ``deferred``: launch nothing yet; return ``(launch, finish)``, ``launch`` a callable that
     queues the stage with all its host work already done (the torch backend computes
     at once and returns no-ops).
@@ -135,7 +127,7 @@ def rope_qk_norm_backward(
     launch, finish = _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k,
                                       q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
                                       grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated,
-                                      grad_cos_sin, scratch, eps, l2_prefetch, launch_dependents)
+                                      grad_cos_sin, scratch, eps)
     if deferred:
         return launch, finish
     launch()
@@ -153,8 +145,6 @@ def _kernel(name: str) -> FastLaunch:
 # pipeline stages of the stage kernel's head loop (heads whose tiles are in flight, plus
 # the one computed); the stage is bound by memory latency (benchmarks/NOTES.md, v7)
 PREFETCH = 3
-# bulk L2 prefetches per program (kernels/rope_qk_norm._prefetch_l2's NPIECE)
-_PREFETCH_PIECES = 8
 
 # Finish the norm-weight gradients inside the main kernel (True: the last programs to finish
 # reduce the per-program partials, in two levels) or in a second launch after the GEMMs.
@@ -220,8 +210,7 @@ def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, 
 
 
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None, l2_prefetch=None,
-                     launch_dependents=False):
+                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None):
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     M = B * S
@@ -250,22 +239,16 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     if not grad_cos_sin:
         gcos = gsin = cos  # never written: the kernels are compiled without those stores
     recompute = rq is None
-    n_grid = n_prog * (nqg + nkg + 1 if grouped else 2)
-    pf_ptr, pf_chunk, pf_bytes = dqkv, 0, 0
-    if l2_prefetch is not None and l2_prefetch[1] > 0 and gq.is_cuda:
-        pf_ptr, pf_bytes = l2_prefetch
-        pf_chunk = -(-pf_bytes // (n_grid * 16 * _PREFETCH_PIECES)) * 16 * _PREFETCH_PIECES
     # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
     fp_fusion = not exact
     launch = _kernel("rope_qk_norm_bwd_kernel").prepared((n_prog, nqg + nkg + 1 if grouped else 2))(
         *stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                            w_part, w_sup, tick, cs_part, w_grp),
-        M, S, HQ, HKV, float(eps) if recompute else 0.0, pf_ptr, pf_chunk, pf_bytes,
+        M, S, HQ, HKV, float(eps) if recompute else 0.0,
         D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t, HB=hb,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,
-        PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1), L2_PREFETCH=pf_bytes > 0,
-        LAUNCH_DEPENDENTS=launch_dependents and gq.is_cuda,
+        PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1),
         num_warps=num_warps, enable_fp_fusion=fp_fusion,
         **({"maxnreg": MAX_REGISTERS} if num_warps == 4 and gq.is_cuda else {}),
     )
