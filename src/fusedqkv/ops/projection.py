@@ -145,3 +145,54 @@ def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: t
     launch_dw = tma_matmul(dqkv, x2d, dw, trans_a=True, block=bw, num_warps=ww, num_stages=sw, programs=pw * sms,
                            pdl=True, wait_at_end=True, deferred=True)
     return launch_dx, launch_dw
+
+
+# ---------------------------------------------------------------------------------------------
+# dW's value rows beside the stage (from 129 tokens)
+# ---------------------------------------------------------------------------------------------
+# From CHAIN_MAX_TOKENS + 1 to this many tokens, dW's value rows (which need only grad_value)
+# run in Triton first, and the stage is launched as its programmatic dependent so both share
+# the GPU: the product is bound by the tensor cores, the stage by memory. cuBLAS then does dX
+# and dW's query/key rows (0: never). FUSEDQKV_VALUE_ROWS_MAX_TOKENS overrides.
+VALUE_ROWS_MAX_TOKENS = int(os.environ.get("FUSEDQKV_VALUE_ROWS_MAX_TOKENS", "0"))
+# (columns per tile, tokens per step, warps, stages, programs per SM)
+DWV_CONFIG = (256, 64, 8, 3, 1)
+
+
+def _tma_ready_nd(t: torch.Tensor) -> bool:
+    es = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in t.stride()[:-1])
+
+
+def value_rows_eligible(M: int, dtype: torch.dtype, device: torch.device, grad_value: torch.Tensor,
+                        x3d: torch.Tensor, dw: torch.Tensor) -> bool:
+    """From CHAIN_MAX_TOKENS + 1 to VALUE_ROWS_MAX_TOKENS tokens, a 16-bit dtype, a CUDA device (or
+    the interpreter when asked), a power-of-two head_dim, operands TMA can address."""
+    d = grad_value.shape[-1]
+    return (CHAIN_MAX_TOKENS < M <= VALUE_ROWS_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
+            and (device.type == "cuda" or (_INTERPRET and CHAIN_IN_INTERPRETER))
+            and 16 <= d <= 256 and d & (d - 1) == 0
+            and _tma_ready_nd(grad_value) and _tma_ready_nd(x3d) and _tma_ready(dw))
+
+
+def dw_value_rows(grad_value: torch.Tensor, x3d: torch.Tensor, dw_v: torch.Tensor, sms: int,
+                  trigger: bool = False, deferred: bool = False):
+    """dw_v [HKV*D, HIDDEN] = the value rows of dW, from ``grad_value`` [B, HKV, S, D] and ``x3d``
+    [B, S, HIDDEN] (``dw_value_kernel``). ``trigger``: the kernel queued next, launched as a
+    programmatic dependent, may start at once. ``deferred``: return the enqueue as a callable."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, HKV, S, D = grad_value.shape
+    HIDDEN = x3d.shape[2]
+    bc, bk, nw, st, pps = DWV_CONFIG
+    n_tiles = HKV * -(-HIDDEN // bc)
+    nprog = max(1, min(pps * sms, n_tiles))
+
+    def desc(t, blk):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), blk)
+
+    launch = kernel("projection_grads", "dw_value_kernel").prepared((nprog,))(
+        desc(grad_value, [1, 1, bk, D]), desc(x3d, [1, bk, bc]), desc(dw_v, [D, bc]), B, S, HKV, HIDDEN,
+        D=D, BC=bc, BK=bk, NPROG=nprog, TRIGGER=trigger and not _INTERPRET, num_warps=nw, num_stages=st,
+    )
+    return launch if deferred else launch()
