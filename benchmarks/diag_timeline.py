@@ -35,7 +35,7 @@ def profile_calls(fn, flusher, reps, sleep_cycles=0):
 
 
 def short(name: str) -> str:
-    for k in ("rope_qk_norm_bwd", "single_launch", "tma_matmul_kernel", "dw_value_kernel", "dw_kernel", "dx_kernel", "nvjet", "sm90_xmma", "cutlass", "gemm",
+    for k in ("rope_qk_norm_bwd", "single_launch", "tma_matmul_kernel", "dw_kernel", "dx_kernel", "nvjet", "sm90_xmma", "cutlass", "gemm",
               "Kernel"):
         if k in name:
             return k if k != "Kernel" else name[:40]
@@ -64,8 +64,7 @@ def apply_settings(spec: str) -> dict:
         mod_name, attr = lhs.rsplit(".", 1)
         mod = importlib.import_module(f"fusedqkv.ops.{mod_name}")
         old[item] = (mod, attr, getattr(mod, attr))
-        cur = getattr(mod, attr)
-        setattr(mod, attr, tuple(int(v) for v in val.split("/")) if isinstance(cur, tuple) else type(cur)(val))
+        setattr(mod, attr, type(getattr(mod, attr))(val))
     return old
 
 

@@ -172,33 +172,3 @@ def tma_matmul_kernel(a_desc, b_desc, c_desc, R, C, K, BR: tl.constexpr, BC: tl.
         c_desc.store([(tile_out // n_c) * BR, (tile_out % n_c) * BC], _to_lp(acc, c_desc.dtype))
     if PDL and WAIT_AT_END:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def dw_value_kernel(gv_desc, x_desc, dw_desc, B, S, HKV, HIDDEN, D: tl.constexpr, BC: tl.constexpr,
-                    BK: tl.constexpr, NPROG: tl.constexpr, TRIGGER: tl.constexpr):
-    """The value rows of dW straight from grad_value: dW_v[h*D + d, n] = sum over (b, s) of
-    grad_value[b, h, s, d] * X[b, s, n]. It needs nothing from the RoPE/QK-norm stage, so the
-    stage can run beside it: this kernel is bound by the tensor cores, the stage by memory.
-    ``gv_desc``: grad_value [B, HKV, S, D] in blocks [1, 1, BK, D]; ``x_desc``: X [B, S, HIDDEN]
-    in blocks [1, BK, BC]; ``dw_desc``: dW_v [HKV*D, HIDDEN] in blocks [D, BC]. A tile is one
-    head's D rows by BC columns, the (b, s) axis summed in fp32 (zero fill past S in each
-    batch), one rounding; NPROG persistent programs. ``TRIGGER``: the next kernel (the stage,
-    a programmatic dependent launch) may start at once."""
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    n_c = tl.cdiv(HIDDEN, BC)
-    n_tiles = HKV * n_c
-    s_steps = tl.cdiv(S, BK)
-    for tile in tl.range(pid, n_tiles, NPROG):
-        h = tile // n_c
-        c0 = (tile % n_c) * BC
-        acc = tl.zeros((D, BC), tl.float32)
-        for step in range(B * s_steps):
-            b = step // s_steps
-            s0 = (step % s_steps) * BK
-            a = tl.reshape(gv_desc.load([b, h, s0, 0]), (BK, D))
-            x = tl.reshape(x_desc.load([b, s0, c0]), (BK, BC))
-            acc = _mma(tl.trans(a), x, acc)
-        dw_desc.store([h * D, c0], _to_lp(acc, dw_desc.dtype))

@@ -399,13 +399,10 @@ def rope_qk_norm_bwd_kernel(
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
     GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr,
-    WAIT_PRIMARY: tl.constexpr,
 ):
     """Grid (token blocks, kinds): one ``_stage_program`` per program; axis 1 picks the
     query+key work (0) or the value copy (1) -- GROUPED: a query group, a key group, or the
-    value copy (the last). ``WAIT_PRIMARY``: launched as the programmatic dependent of a kernel
-    it does not read from (dW's value rows); program (0, 0) waits for that kernel at its end,
-    so the stage completes after it and the stream's next work follows both."""
+    value copy (the last)."""
     _stage_program(
         tl.program_id(0), tl.program_id(1), tl.num_programs(0),
         gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,
@@ -416,9 +413,6 @@ def rope_qk_norm_bwd_kernel(
         D, HALF, HALF_P2, D_P2, BLOCK_T, HB, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, FUSED_FINISH,
         SUPER, RECOMPUTE_RSTD, PF, GROUPED, NQG, NKG, GSIZE
     )
-    if WAIT_PRIMARY:
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

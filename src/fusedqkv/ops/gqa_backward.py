@@ -121,14 +121,13 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd, q_norm_weight,
-           k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend, scratch, after_primary=False):
+           k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend, scratch):
     """The RoPE/QK-norm stage in 091's exact mode, prepared: returns (launch, finish)."""
     return rope_qk_norm_backward(
         grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
         q_norm_weight, k_norm_weight, cos, sin,
         dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
         exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=scratch, deferred=True,
-        after_primary=after_primary,
     )
 
 
@@ -187,25 +186,6 @@ def gqa_qkv_rope_qk_norm_backward(
             launch_stage()
             launch_dx()
             launch_dw()
-            finish()
-            return out
-        if (backend == "triton" and dx.dim() == 2 and g_weight.is_contiguous()
-                and projection.value_rows_eligible(M, sz["dtype"], device, grad_value, hidden_states, g_weight)):
-            # dW's value rows need only grad_value: they run in Triton first and the stage runs
-            # beside them (tensor cores and memory at once); cuBLAS then does dX and dW's
-            # query/key rows
-            qk = (sz["num_heads"] + sz["num_kv_heads"]) * sz["head_dim"]
-            launch_dwv = projection.dw_value_rows(grad_value, hidden_states, g_weight[qk:], sm_count(device),
-                                                  trigger=True, deferred=True)
-            launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
-                                          k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
-                                          g_kw, backend, g_hidden, after_primary=True)
-            dw_qk = g_weight[:qk]
-            dqkv_qk_t = dqkv[:, :qk].t()
-            launch_dwv()
-            launch_stage()
-            _mm_into(dqkv, qkv_weight, dx)
-            torch.mm(dqkv_qk_t, x, out=dw_qk)
             finish()
             return out
         triton_dw = backend == "triton" and projection.dw_triton_eligible(M, sz["dtype"], device)

@@ -94,7 +94,6 @@ def rope_qk_norm_backward(
     *, dqkv, grad_cos=None, grad_sin=None, grad_q_norm_weight, grad_k_norm_weight,
     exact: bool, norm_after_rope: bool = True, saved_rotated: bool = True, backend: Optional[str] = None,
     scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None, deferred: bool = False,
-    after_primary: bool = False,
 ):
     """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``.
 
@@ -113,10 +112,6 @@ def rope_qk_norm_backward(
     small launch that reduces the per-program partials, which the caller may queue
     behind other work (the projection GEMMs) so its launch latency is hidden.
 
-    ``after_primary``: launch as the programmatic dependent of the kernel queued just before,
-    which the stage does not read from and which lets it start at once (GPU only; the stage
-    still completes after that kernel).
-
     ``deferred``: launch nothing yet; return ``(launch, finish)``, ``launch`` a callable that
     queues the stage with all its host work already done (the torch backend computes
     at once and returns no-ops).
@@ -132,7 +127,7 @@ def rope_qk_norm_backward(
     launch, finish = _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k,
                                       q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
                                       grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated,
-                                      grad_cos_sin, scratch, eps, after_primary and grad_q.is_cuda)
+                                      grad_cos_sin, scratch, eps)
     if deferred:
         return launch, finish
     launch()
@@ -215,8 +210,7 @@ def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, 
 
 
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None,
-                     after_primary=False):
+                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None):
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     M = B * S
@@ -255,7 +249,7 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,
         PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1),
-        WAIT_PRIMARY=after_primary, num_warps=num_warps, launch_pdl=after_primary, enable_fp_fusion=fp_fusion,
+        num_warps=num_warps, enable_fp_fusion=fp_fusion,
         **({"maxnreg": MAX_REGISTERS} if num_warps == 4 and gq.is_cuda else {}),
     )
     if fused:
