@@ -64,7 +64,8 @@ def apply_settings(spec: str) -> dict:
         mod_name, attr = lhs.rsplit(".", 1)
         mod = importlib.import_module(f"fusedqkv.ops.{mod_name}")
         old[item] = (mod, attr, getattr(mod, attr))
-        setattr(mod, attr, type(getattr(mod, attr))(val))
+        cur = getattr(mod, attr)
+        setattr(mod, attr, tuple(int(v) for v in val.split("/")) if isinstance(cur, tuple) else type(cur)(val))
     return old
 
 
