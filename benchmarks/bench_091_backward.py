@@ -5,8 +5,9 @@ One run, all 16 workloads, on the GPU:
     (matched ratio per output; grad_cos/grad_sin bit-equality rate), and determinism
     (two calls bitwise identical);
   * cold-L2 timing (L2 flushed before every iteration), median of --reps, by CUDA events
-    and by kernel span, of: fusedqkv (destination passing), the official eager reference,
-    and the floor of the two cuBLAS GEMMs alone (dQKV precomputed);
+    and by kernel span (the official timer; taken in --rounds interleaved rounds), of:
+    fusedqkv (destination passing), the official eager reference, and the floor of the two
+    cuBLAS GEMMs alone (dQKV precomputed);
   * with --tune: the RoPE/QK-norm stage alone under several launch configurations.
 
 Needs the official pack: FUSEDQKV_SOL_EXECBENCH=<folder holding 091_.../definition.json>.
@@ -39,6 +40,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_091_out")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=3, help="kernel-span samples taken in this many interleaved rounds")
     ap.add_argument("--workloads", default="all")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--diag", action="store_true", help="torch backend on the GPU vs the kernel; host time per call")
@@ -85,8 +87,16 @@ def main() -> int:
                "events_ms": {}, "span_ms": {}}
         for k, fn in impls.items():
             row["events_ms"][k] = timing.summarize(timing.time_cuda_events(fn, reps=args.reps, flusher=flusher))
-            if not args.no_span:
-                row["span_ms"][k] = timing.summarize(timing.time_kernel_span(fn, reps=args.reps, flusher=flusher))
+        if not args.no_span:
+            # interleaved rounds (fused, eager, floor, fused, ...): a drift of the card's clocks
+            # or of the host during the run falls on every implementation alike, not on one
+            spans = {k: [] for k in impls}
+            per_round = -(-args.reps // args.rounds)
+            for _ in range(args.rounds):
+                for k, fn in impls.items():
+                    spans[k] += timing.time_kernel_span(fn, reps=per_round, flusher=flusher)
+            for k in impls:
+                row["span_ms"][k] = timing.summarize(spans[k])
 
         if args.paths and M <= args.paths_max_tokens:
             orig = single_launch.MAX_TOKENS
