@@ -117,8 +117,8 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
         monkeypatch.setattr(projection, "CHAIN_IN_INTERPRETER", True)
         # small tiles, fewer programs than tiles: several tiles per program, a partial last
         # tile and K step (hidden 144, ragged token counts)
-        monkeypatch.setattr(projection, "CHAIN_DX", ((16, 32, 32), 4, 2, 1))
-        monkeypatch.setattr(projection, "CHAIN_DW", ((32, 64, 16), 4, 2, 1))
+        monkeypatch.setattr(projection, "CHAIN_DX", (16, 32, 32, 4, 2, 1))
+        monkeypatch.setattr(projection, "CHAIN_DW", (32, 64, 16, 4, 2, 1))
         used = []
         real = projection.chain_launches
         monkeypatch.setattr(projection, "chain_launches", lambda *a: used.append(1) or real(*a))

@@ -117,10 +117,13 @@ def tma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, trans_a: bo
 # Largest token count whose products run as the PDL chain stage -> dX -> dW (0: never).
 # FUSEDQKV_CHAIN_MAX_TOKENS overrides.
 CHAIN_MAX_TOKENS = int(os.environ.get("FUSEDQKV_CHAIN_MAX_TOKENS", "128"))
-# (tile rows, cols, K step), warps, pipeline stages, programs per SM -- from the H200 sweep
-# (benchmarks/NOTES.md, "PDL chain")
-CHAIN_DX = ((64, 64, 64), 4, 6, 1)
-CHAIN_DW = ((128, 128, 64), 8, 2, 1)
+# (tile rows, cols, K step, warps, pipeline stages, programs per SM) of dX and dW -- from the
+# H200 sweeps (benchmarks/NOTES.md, "PDL chain"); to 128 tokens, and above (two rows of dX
+# tiles no longer cover the tokens: every tile gets a program of its own)
+CHAIN_DX = (64, 64, 64, 4, 6, 1)
+CHAIN_DW = (128, 128, 64, 8, 2, 1)
+CHAIN_DX_ABOVE_128 = (64, 64, 64, 4, 6, 2)
+CHAIN_DW_ABOVE_128 = (128, 128, 64, 8, 2, 2)
 # Under TRITON_INTERPRET=1 the chain runs only when asked (its GEMMs are slow to emulate;
 # the tests turn it on at small sizes)
 CHAIN_IN_INTERPRETER = False
@@ -139,9 +142,9 @@ def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: t
     start while the stage drains) and at once lets dW = dqkv^T . x2d launch, which then runs
     beside it -- dX streams the weight in, dW streams its result out -- and waits for dX only
     at its end, so the stream's next work still follows both."""
-    (bx, wx, sx, px), (bw, ww, sw, pw) = CHAIN_DX, CHAIN_DW
-    launch_dx = tma_matmul(dqkv, w, dx, trans_a=False, block=bx, num_warps=wx, num_stages=sx, programs=px * sms,
-                           pdl=True, trigger=True, deferred=True)
-    launch_dw = tma_matmul(dqkv, x2d, dw, trans_a=True, block=bw, num_warps=ww, num_stages=sw, programs=pw * sms,
-                           pdl=True, wait_at_end=True, deferred=True)
+    cx, cw = (CHAIN_DX, CHAIN_DW) if dqkv.shape[0] <= 128 else (CHAIN_DX_ABOVE_128, CHAIN_DW_ABOVE_128)
+    launch_dx = tma_matmul(dqkv, w, dx, trans_a=False, block=cx[:3], num_warps=cx[3], num_stages=cx[4],
+                           programs=cx[5] * sms, pdl=True, trigger=True, deferred=True)
+    launch_dw = tma_matmul(dqkv, x2d, dw, trans_a=True, block=cw[:3], num_warps=cw[3], num_stages=cw[4],
+                           programs=cw[5] * sms, pdl=True, wait_at_end=True, deferred=True)
     return launch_dx, launch_dw
