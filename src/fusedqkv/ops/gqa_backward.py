@@ -175,7 +175,8 @@ def gqa_qkv_rope_qk_norm_backward(
         dqkv_t = dqkv.t()
         x2d = _as_matrix(hidden_states, M, sz["hidden"])
         if (backend == "triton" and dx.dim() == 2 and x2d is not None
-                and projection.chain_eligible(M, sz["dtype"], device, dqkv, qkv_weight, x2d, dx, g_weight)):
+                and projection.chain_eligible(M, sz["dtype"], device, sm_count(device), dqkv, qkv_weight, x2d, dx,
+                                              g_weight)):
             # few tokens: the products as two Triton launches chained behind the stage (a
             # torch.mm costs the host ~15 us before its kernel is queued: the GPU would wait),
             # dX and dW side by side on the GPU

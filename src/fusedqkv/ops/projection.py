@@ -14,6 +14,7 @@ kept because the single launch shares their tile functions.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -116,7 +117,11 @@ def tma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, trans_a: bo
 # ---------------------------------------------------------------------------------------------
 # Largest token count whose products run as the PDL chain stage -> dX -> dW (0: never).
 # FUSEDQKV_CHAIN_MAX_TOKENS overrides.
-CHAIN_MAX_TOKENS = int(os.environ.get("FUSEDQKV_CHAIN_MAX_TOKENS", "128"))
+CHAIN_MAX_TOKENS = int(os.environ.get("FUSEDQKV_CHAIN_MAX_TOKENS", "256"))
+# ... and only where dX's tiles spread evenly over the SMs (tiles / SMs over its ceiling):
+# at 131 tokens three rows of tiles put two tiles on some SMs and one on others, and dX takes
+# twice as long (benchmarks/NOTES.md)
+CHAIN_MIN_BALANCE = 0.85
 # (tile rows, cols, K step, warps, pipeline stages, programs per SM) of dX and dW -- from the
 # H200 sweeps (benchmarks/NOTES.md, "PDL chain"); to 128 tokens, and above (two rows of dX
 # tiles no longer cover the tokens: every tile gets a program of its own)
@@ -128,12 +133,27 @@ CHAIN_DW_ABOVE_128 = (128, 128, 64, 8, 2, 2)
 # the tests turn it on at small sizes)
 CHAIN_IN_INTERPRETER = False
 
-def chain_eligible(M: int, dtype: torch.dtype, device: torch.device, *operands: torch.Tensor) -> bool:
-    """Few tokens, a 16-bit dtype, a CUDA device (or the interpreter when asked), operands TMA
-    can address."""
+def _chain_dx_config(M: int) -> tuple:
+    return CHAIN_DX if M <= 128 else CHAIN_DX_ABOVE_128
+
+
+def chain_balance(M: int, HIDDEN: int, sms: int) -> float:
+    """How evenly dX's tiles spread over the SMs: 1.0 when no SM gets more than one, or every SM
+    as many."""
+    br, bc = _chain_dx_config(M)[:2]
+    per_sm = -(-M // br) * -(-HIDDEN // bc) / sms
+    return 1.0 if per_sm <= 1 else per_sm / math.ceil(per_sm)
+
+
+def chain_eligible(M: int, dtype: torch.dtype, device: torch.device, sms: int, dqkv: torch.Tensor, w: torch.Tensor,
+                   x2d: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor) -> bool:
+    """Few tokens, dX tiles spread evenly, a 16-bit dtype, a CUDA device (or the interpreter
+    when asked), operands TMA can address."""
     return (0 < M <= CHAIN_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
             and (device.type == "cuda" or (_INTERPRET and CHAIN_IN_INTERPRETER))
-            and all(_tma_ready(t) for t in operands))
+            and all(_tma_ready(t) for t in (dqkv, w, x2d, dx, dw))
+            and chain_balance(M, dx.shape[1], sms) >= CHAIN_MIN_BALANCE)
+
 
 def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor,
                    sms: int):
@@ -142,7 +162,7 @@ def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: t
     start while the stage drains) and at once lets dW = dqkv^T . x2d launch, which then runs
     beside it -- dX streams the weight in, dW streams its result out -- and waits for dX only
     at its end, so the stream's next work still follows both."""
-    cx, cw = (CHAIN_DX, CHAIN_DW) if dqkv.shape[0] <= 128 else (CHAIN_DX_ABOVE_128, CHAIN_DW_ABOVE_128)
+    cx, cw = _chain_dx_config(dqkv.shape[0]), CHAIN_DW if dqkv.shape[0] <= 128 else CHAIN_DW_ABOVE_128
     launch_dx = tma_matmul(dqkv, w, dx, trans_a=False, block=cx[:3], num_warps=cx[3], num_stages=cx[4],
                            programs=cx[5] * sms, pdl=True, trigger=True, deferred=True)
     launch_dw = tma_matmul(dqkv, x2d, dw, trans_a=True, block=cw[:3], num_warps=cw[3], num_stages=cw[4],
