@@ -115,6 +115,7 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
     monkeypatch.setattr(projection, "DX_BM", 16)  # several token tiles and splits at these sizes
     if products == "pdl_chain":  # dX and dW as persistent TMA launches behind the stage
         monkeypatch.setattr(projection, "CHAIN_IN_INTERPRETER", True)
+        monkeypatch.setattr(projection, "CHAIN_MIN_BALANCE", 0.0)  # a performance rule (tested below)
         # small tiles, fewer programs than tiles: several tiles per program, a partial last
         # tile and K step (hidden 144, ragged token counts)
         monkeypatch.setattr(projection, "CHAIN_DX", (16, 32, 32, 4, 2, 1))
@@ -135,6 +136,16 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
         _assert_product_close("grad_hidden_states", cpu[0], tri[0])
         again = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
         assert all(torch.equal(x, y) for x, y in zip(tri, again))
+
+
+def test_chain_takes_only_evenly_spread_token_counts():
+    """The PDL chain's dX tiles on an H200 (132 SMs, hidden 4096): to 128 tokens at most one tile
+    per SM; 131 tokens put two on some SMs and one on others (dX twice as long: cuBLAS then);
+    256 tokens about two on every SM."""
+    bal = {m: projection.chain_balance(m, 4096, 132) for m in (1, 37, 128, 131, 192, 193, 256)}
+    assert bal[1] == bal[37] == 1.0
+    assert all(bal[m] >= projection.CHAIN_MIN_BALANCE for m in (128, 193, 256))
+    assert all(bal[m] < projection.CHAIN_MIN_BALANCE for m in (131, 192))
 
 
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
