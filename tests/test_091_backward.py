@@ -103,7 +103,7 @@ def _assert_product_close(name, a, b):
     assert (a == b).float().mean() > 0.98, name
 
 
-@pytest.mark.parametrize("products", ["triton_dw", "triton_dw_dx", "pdl_chain"])
+@pytest.mark.parametrize("products", ["triton_dw", "triton_dw_dx", "pdl_chain", "hybrid"])
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
 def test_triton_products_match_cpu_path(shape, products, monkeypatch):
     """The stage, then dW in Triton (and dX in Triton, split along NQKV and summed in fp32 in
@@ -123,14 +123,22 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
         used = []
         real = projection.chain_launches
         monkeypatch.setattr(projection, "chain_launches", lambda *a: used.append(1) or real(*a))
+    if products == "hybrid":  # dW as the chain's TMA kernel behind the stage, dX torch.mm
+        monkeypatch.setattr(projection, "CHAIN_IN_INTERPRETER", True)
+        monkeypatch.setattr(projection, "CHAIN_MAX_TOKENS", 0)
+        monkeypatch.setattr(projection, "HYBRID_MAX_TOKENS", 1 << 20)
+        monkeypatch.setattr(projection, "HYBRID_DW", (32, 64, 16, 4, 2, 1))
+        used = []
+        real = projection.hybrid_dw_launch
+        monkeypatch.setattr(projection, "hybrid_dw_launch", lambda *a: used.append(1) or real(*a))
     args = make_inputs(*shape, hidden=144, seed=sum(shape))  # 144: a partial 128-wide tile
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
     tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
     _assert_stage_outputs_equal(cpu, tri)
     _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
-    if products == "pdl_chain":
+    if products in ("pdl_chain", "hybrid"):
         assert used
-    if products == "triton_dw":
+    if products in ("triton_dw", "hybrid"):
         assert torch.equal(cpu[0], tri[0])  # torch.mm, as on the CPU path
     else:
         _assert_product_close("grad_hidden_states", cpu[0], tri[0])

@@ -189,6 +189,18 @@ def gqa_qkv_rope_qk_norm_backward(
             launch_dw()
             finish()
             return out
+        if (backend == "triton" and x2d is not None
+                and projection.hybrid_eligible(M, sz["dtype"], device, dqkv, x2d, g_weight)):
+            # a few hundred tokens: dW in Triton right behind the stage, cuBLAS dX queued while it runs
+            launch_dw = projection.hybrid_dw_launch(dqkv, x2d, g_weight, sm_count(device))
+            launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
+                                          k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
+                                          g_kw, backend, g_hidden)
+            launch_stage()
+            launch_dw()
+            _mm_into(dqkv, qkv_weight, dx)
+            finish()
+            return out
         triton_dw = backend == "triton" and projection.dw_triton_eligible(M, sz["dtype"], device)
         triton_dx = triton_dw and dx.dim() == 2 and projection.dx_triton_eligible(M, sz["dtype"], device)
         if triton_dx:

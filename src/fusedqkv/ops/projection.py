@@ -168,3 +168,26 @@ def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: t
     launch_dw = tma_matmul(dqkv, x2d, dw, trans_a=True, block=cw[:3], num_warps=cw[3], num_stages=cw[4],
                            programs=cw[5] * sms, pdl=True, wait_at_end=True, deferred=True)
     return launch_dx, launch_dw
+
+
+# From here to HYBRID_MAX_TOKENS tokens (where the chain does not apply), dW runs as the chain's
+# Triton kernel right behind the stage and cuBLAS does dX: the host's torch.mm time is spent
+# while dW runs instead of between the stage and the first product (0: never).
+# FUSEDQKV_HYBRID_MAX_TOKENS overrides.
+HYBRID_MAX_TOKENS = int(os.environ.get("FUSEDQKV_HYBRID_MAX_TOKENS", "0"))
+HYBRID_DW = (128, 128, 64, 8, 2, 2)
+
+
+def hybrid_eligible(M: int, dtype: torch.dtype, device: torch.device, dqkv: torch.Tensor, x2d: torch.Tensor,
+                    dw: torch.Tensor) -> bool:
+    return (0 < M <= HYBRID_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
+            and (device.type == "cuda" or (_INTERPRET and CHAIN_IN_INTERPRETER))
+            and all(_tma_ready(t) for t in (dqkv, x2d, dw)))
+
+
+def hybrid_dw_launch(dqkv: torch.Tensor, x2d: torch.Tensor, dw: torch.Tensor, sms: int):
+    """dW = dqkv^T . x2d as an enqueue callable: a programmatic dependent of the stage queued just
+    before it (waits for it on the GPU)."""
+    c = HYBRID_DW
+    return tma_matmul(dqkv, x2d, dw, trans_a=True, block=c[:3], num_warps=c[3], num_stages=c[4],
+                      programs=c[5] * sms, pdl=True, deferred=True)
