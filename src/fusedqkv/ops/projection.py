@@ -172,9 +172,11 @@ def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: t
 
 # From here to HYBRID_MAX_TOKENS tokens (where the chain does not apply), dW runs as the chain's
 # Triton kernel right behind the stage and cuBLAS does dX: the host's torch.mm time is spent
-# while dW runs instead of between the stage and the first product (0: never).
+# while dW runs instead of between the stage and the first product (0: never). Measured at
+# 131-586 tokens (benchmarks/NOTES.md, "hybrid"): 2-6 us slower than cuBLAS when the host is
+# quick, 17-25 us faster when it is not.
 # FUSEDQKV_HYBRID_MAX_TOKENS overrides.
-HYBRID_MAX_TOKENS = int(os.environ.get("FUSEDQKV_HYBRID_MAX_TOKENS", "0"))
+HYBRID_MAX_TOKENS = int(os.environ.get("FUSEDQKV_HYBRID_MAX_TOKENS", "600"))
 HYBRID_DW = (128, 128, 64, 8, 2, 2)
 
 
