@@ -4,7 +4,8 @@
 its 6 outputs. It reproduces the eager reference's low-precision rounding points
 (``exact`` mode of the RoPE/QK-norm stage), so dQKV matches the reference's
 ``grad_qkv_states`` and the result passes the official tolerance check; then
-dX = dQKV . W and dW = dQKV^T . X run on cuBLAS.
+dX = dQKV . W and dW = dQKV^T . X run on cuBLAS, or at few tokens as Triton TMA kernels chained
+behind the stage (``ops/projection.py``).
 
 Head counts and sizes come from the tensors: 091's configuration (32 query heads,
 8 KV heads, head_dim 128, hidden 4096) is one of many.

@@ -1,12 +1,18 @@
 """Launchers of the projection-gradient kernels (:mod:`fusedqkv.kernels.projection_grads`).
 
-The block backward's two products run on cuBLAS (``torch.mm``) from 129 tokens. Below, what
-decides the official time (first kernel start to last kernel end) is how soon the host queues
-each launch after the stage -- ``torch.mm`` costs the host ~15 us, a Triton launch through
-:class:`FastLaunch` a few -- and the products are bound by memory: dX streams the weight in,
-dW streams its result out. There they run as the *PDL chain* (``chain_launches``): two
-persistent TMA kernels queued right behind the stage as programmatic dependent launches, dX
-and dW side by side on the GPU (benchmarks/NOTES.md, "PDL chain").
+At few tokens what decides the official time (first kernel start to last kernel end) is how
+soon the host queues each launch after the stage -- ``torch.mm`` costs the host ~15 us, a
+Triton launch through :class:`FastLaunch` a few -- and the products are bound by memory: dX
+streams the weight in, dW streams its result out. So:
+
+* to 256 tokens, where dX's tiles spread evenly over the SMs, the *PDL chain*
+  (``chain_launches``): two persistent TMA kernels queued right behind the stage as
+  programmatic dependent launches, dX and dW side by side on the GPU;
+* otherwise to 600 tokens, the *hybrid* (``hybrid_dw_launch``): dW as the chain's kernel right
+  behind the stage, the cuBLAS dX queued by the host while it runs;
+* above, both products on cuBLAS (``torch.mm``).
+
+(benchmarks/NOTES.md, session 4.)
 
 ``dw_triton``/``dx_triton`` (pointer-based tiles, off by default) are the earlier attempt,
 kept because the single launch shares their tile functions.
