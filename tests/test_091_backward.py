@@ -71,7 +71,6 @@ STAGE_CONFIGS = {
 def test_triton_kernel_bit_equals_cpu_path(shape, finish, config, monkeypatch):
     # the stage kernel, then torch.mm (the Triton products and the single launch: below)
     monkeypatch.setattr(single_launch, "MAX_TOKENS", 0)
-    monkeypatch.setattr(projection, "DW_MAX_TOKENS", 0)
     monkeypatch.setattr(stage, "FUSED_FINISH", finish != "kernel")
     if finish == "fused_small_runs":
         # runs of 2 programs: both levels of the fused norm-weight reduction, the second
@@ -103,16 +102,14 @@ def _assert_product_close(name, a, b):
     assert (a == b).float().mean() > 0.98, name
 
 
-@pytest.mark.parametrize("products", ["triton_dw", "triton_dw_dx", "pdl_chain", "hybrid"])
+@pytest.mark.parametrize("products", ["pdl_chain", "hybrid"])
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
 def test_triton_products_match_cpu_path(shape, products, monkeypatch):
-    """The stage, then dW in Triton (and dX in Triton, split along NQKV and summed in fp32 in
-    split order): the stage's outputs bit-equal to the CPU path, the products within one bf16
-    rounding of torch.mm on the same dQKV."""
+    """The stage, then the products as the persistent TMA kernels: both chained behind the stage
+    (pdl_chain), or dW only with dX on torch.mm (hybrid). The stage's outputs bit-equal to the
+    CPU path, the Triton products within one bf16 rounding of torch.mm on the same dQKV, and
+    repeated calls bitwise identical."""
     monkeypatch.setattr(single_launch, "MAX_TOKENS", 0)
-    monkeypatch.setattr(projection, "DW_MAX_TOKENS", 1 << 20)
-    monkeypatch.setattr(projection, "DX_MAX_TOKENS", 1 << 20 if products == "triton_dw_dx" else 0)
-    monkeypatch.setattr(projection, "DX_BM", 16)  # several token tiles and splits at these sizes
     if products == "pdl_chain":  # dX and dW as persistent TMA launches behind the stage
         monkeypatch.setattr(projection, "CHAIN_IN_INTERPRETER", True)
         monkeypatch.setattr(projection, "CHAIN_MIN_BALANCE", 0.0)  # a performance rule (tested below)
@@ -136,14 +133,13 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
     tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
     _assert_stage_outputs_equal(cpu, tri)
     _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
-    if products in ("pdl_chain", "hybrid"):
-        assert used
-    if products in ("triton_dw", "hybrid"):
+    assert used
+    if products == "hybrid":
         assert torch.equal(cpu[0], tri[0])  # torch.mm, as on the CPU path
     else:
         _assert_product_close("grad_hidden_states", cpu[0], tri[0])
-        again = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
-        assert all(torch.equal(x, y) for x, y in zip(tri, again))
+    again = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    assert all(torch.equal(x, y) for x, y in zip(tri, again))
 
 
 def test_chain_takes_only_evenly_spread_token_counts():

@@ -1,16 +1,13 @@
 """Triton kernels for the two projection gradients of the block backward, from dQKV
 ``[tokens, NQKV]`` (token-major, as the RoPE/QK-norm stage writes it):
 
-* ``dw_kernel``: dW = dQKV^T . X ``[NQKV, HIDDEN]``, one program per output tile, the
-  whole token axis summed in fp32 and rounded once (as cuBLAS does; no split, no
-  atomics). At a few hundred tokens dW is bound by writing its 2 * NQKV * HIDDEN bytes,
-  and a Triton launch costs the host a few microseconds where ``torch.mm`` costs ~15
-  (benchmarks/NOTES.md, v9): issued right after the stage, it keeps the GPU busy while the
-  host issues the cuBLAS dX behind it.
-* ``dx_kernel``: dX = dQKV . W ``[tokens, HIDDEN]`` split along NQKV; the last split of a
-  tile to finish (a self-resetting ticket) sums the fp32 partials in split order.
-
-The tile functions are shared with the single-launch kernel.
+* ``tma_matmul_kernel``: a persistent TMA matmul (host descriptors, the tile and K loops
+  flattened into one software pipeline, fp32, one rounding, no split: deterministic), used
+  for dX = dQKV . W and dW = dQKV^T . X at few tokens, chained behind the stage by
+  programmatic dependent launch (``ops/projection.py``).
+* the single launch's product tiles (``_dw_tile``: one dW tile over the whole token axis;
+  ``_dx_item``: one K-split of a dX tile, the last split of a tile -- a self-resetting
+  ticket -- summing the fp32 partials in split order).
 """
 
 import triton
@@ -95,14 +92,6 @@ def _dw_tile(item, dq_ptr, s_dq, x_ptr, sx_t, sx_h, dw_ptr, sdw_r, sdw_c, M, NQK
 
 
 @triton.jit
-def dw_kernel(dq_ptr, s_dq, x_ptr, sx_t, sx_h, dw_ptr, sdw_r, sdw_c, M, NQKV, HIDDEN,
-              BJ: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
-    """Grid (output tiles,): dW[j-tile, n-tile] = dQKV[:, j-tile]^T . X[:, n-tile]."""
-    _dw_tile(tl.program_id(0), dq_ptr, s_dq, x_ptr, sx_t, sx_h, dw_ptr, sdw_r, sdw_c, M, NQKV, HIDDEN,
-             BJ, BN, BK, STAGES)
-
-
-@triton.jit
 def _dx_item(item, dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, tick_ptr, M, NQKV, HIDDEN,
              K_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
              STAGES: tl.constexpr):
@@ -121,15 +110,6 @@ def _dx_item(item, dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_
         if ticket == SPLIT - 1:
             tl.store(tick_ptr + tile, 0)
             _dx_reduce(tile, xpart_ptr, dx_ptr, sdx_t, sdx_h, M, HIDDEN, BM, BN, SPLIT)
-
-
-@triton.jit
-def dx_kernel(dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, tick_ptr, M, NQKV, HIDDEN,
-              K_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-              STAGES: tl.constexpr):
-    """Grid (output tiles * SPLIT,): one ``_dx_item`` per program."""
-    _dx_item(tl.program_id(0), dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_ptr, tick_ptr, M, NQKV,
-             HIDDEN, K_PER_SPLIT, BM, BN, BK, SPLIT, STAGES)
 
 
 @triton.jit

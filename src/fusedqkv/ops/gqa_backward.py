@@ -19,7 +19,7 @@ import torch
 
 from . import projection, single_launch
 from . import validation as V
-from .rope_qk_norm import pick_backend, rope_qk_norm_backward, sm_count, ticket_buffer
+from .rope_qk_norm import pick_backend, rope_qk_norm_backward, sm_count
 
 OUTPUT_NAMES = (
     "grad_hidden_states", "grad_cos", "grad_sin", "grad_qkv_weight", "grad_q_norm_weight", "grad_k_norm_weight",
@@ -202,31 +202,11 @@ def gqa_qkv_rope_qk_norm_backward(
             _mm_into(dqkv, qkv_weight, dx)
             finish()
             return out
-        triton_dw = backend == "triton" and projection.dw_triton_eligible(M, sz["dtype"], device)
-        triton_dx = triton_dw and dx.dim() == 2 and projection.dx_triton_eligible(M, sz["dtype"], device)
-        if triton_dx:
-            split, k_per_split = projection.dx_plan(M, sz["qkv"], sz["hidden"], sm_count(device))
-            xpart = torch.empty((split, M, sz["hidden"]) if split > 1 else (1,), dtype=torch.float32, device=device)
-            xtick = ticket_buffer(device, -(-M // projection.DX_BM) * -(-sz["hidden"] // projection.DX_BN),
-                                  slot="dx")
         launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
                                       q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend,
                                       g_hidden)
-        if triton_dw:
-            # dW (and dX) in Triton: their host work done before the first launch, the launches
-            # then queued back to back (a cuBLAS dX is queued while dW runs; projection.py)
-            launch_dw = projection.dw_triton(dqkv, x, g_weight, deferred=True)
-            launch_dx = (projection.dx_triton(dqkv, qkv_weight, dx, xpart, xtick, split, k_per_split, deferred=True)
-                         if triton_dx else None)
-            launch_stage()
-            launch_dw()
-            if launch_dx is not None:
-                launch_dx()
-            else:
-                _mm_into(dqkv, qkv_weight, dx)
-        else:
-            launch_stage()
-            _mm_into(dqkv, qkv_weight, dx)
-            _mm_into(dqkv_t, x, g_weight)
+        launch_stage()
+        _mm_into(dqkv, qkv_weight, dx)
+        _mm_into(dqkv_t, x, g_weight)
         finish()
         return out

@@ -13,9 +13,6 @@ streams the weight in, dW streams its result out. So:
 * above, both products on cuBLAS (``torch.mm``).
 
 (benchmarks/NOTES.md, session 4.)
-
-``dw_triton``/``dx_triton`` (pointer-based tiles, off by default) are the earlier attempt,
-kept because the single launch shares their tile functions.
 """
 
 from __future__ import annotations
@@ -25,67 +22,7 @@ import os
 
 import torch
 
-from .launch import _INTERPRET, FastLaunch, kernel
-
-# Largest token count whose dW runs in Triton (0: never). FUSEDQKV_TRITON_DW_MAX_TOKENS overrides.
-DW_MAX_TOKENS = int(os.environ.get("FUSEDQKV_TRITON_DW_MAX_TOKENS", "0"))
-# dW tiles: [DW_BJ rows of dW, DW_BN columns], DW_BK tokens per step
-DW_BJ, DW_BN, DW_BK, DW_WARPS, DW_STAGES = 128, 128, 64, 8, 3
-# Largest token count whose dX also runs in Triton (0: never). FUSEDQKV_TRITON_DX_MAX_TOKENS overrides.
-DX_MAX_TOKENS = int(os.environ.get("FUSEDQKV_TRITON_DX_MAX_TOKENS", "0"))
-# dX tiles [DX_BM tokens, DX_BN columns], DX_BK of NQKV per step, split along NQKV into about
-# DX_PROGRAMS_PER_SM programs per SM (at most DX_MAX_SPLIT splits)
-DX_BM, DX_BN, DX_BK, DX_WARPS, DX_STAGES, DX_PROGRAMS_PER_SM, DX_MAX_SPLIT = 64, 128, 64, 4, 4, 2, 16
-
-def _kernel(name: str) -> FastLaunch:
-    return kernel("projection_grads", name)
-
-def dw_triton_eligible(M: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Few tokens, a 16-bit activation dtype (the tensor-core operands), a CUDA device (or the
-    interpreter)."""
-    return (0 < M <= DW_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
-            and (device.type == "cuda" or _INTERPRET))
-
-def dx_triton_eligible(M: int, dtype: torch.dtype, device: torch.device) -> bool:
-    return (0 < M <= DX_MAX_TOKENS and dtype in (torch.bfloat16, torch.float16)
-            and (device.type == "cuda" or _INTERPRET))
-
-def dx_plan(M: int, NQKV: int, HIDDEN: int, sms: int) -> tuple[int, int]:
-    """(splits, NQKV columns per split) of the Triton dX: enough programs for every SM."""
-    tiles = -(-M // DX_BM) * -(-HIDDEN // DX_BN)
-    split = max(1, min(DX_MAX_SPLIT, -(-DX_PROGRAMS_PER_SM * sms // tiles)))
-    k_per_split = -(-NQKV // (split * DX_BK)) * DX_BK
-    return -(-NQKV // k_per_split), k_per_split
-
-def dx_triton(dqkv: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, xpart: torch.Tensor, tick: torch.Tensor,
-              split: int, k_per_split: int, deferred: bool = False):
-    """dx = dqkv . w (``dqkv`` [M, NQKV] with unit column stride, ``w`` [NQKV, HIDDEN], ``dx``
-    [M, HIDDEN], any strides), split along NQKV as ``dx_plan`` says: ``xpart`` holds the
-    fp32 partials [split, M, HIDDEN], ``tick`` one zeroed int32 ticket per output tile (left
-    zero again). The splits are summed in a fixed order (deterministic). ``deferred``: return
-    the enqueue as a callable instead."""
-    M, NQKV = dqkv.shape
-    HIDDEN = w.shape[1]
-    tiles = -(-M // DX_BM) * -(-HIDDEN // DX_BN)
-    launch = _kernel("dx_kernel").prepared((tiles * split,))(
-        dqkv, dqkv.stride(0), w, w.stride(0), w.stride(1), dx, dx.stride(0), dx.stride(1), xpart, tick,
-        M, NQKV, HIDDEN, k_per_split, BM=DX_BM, BN=DX_BN, BK=DX_BK, SPLIT=split, STAGES=DX_STAGES,
-        num_warps=DX_WARPS,
-    )
-    return launch if deferred else launch()
-
-def dw_triton(dqkv: torch.Tensor, x2d: torch.Tensor, dw: torch.Tensor, deferred: bool = False):
-    """dw = dqkv^T . x2d (``dqkv`` [M, NQKV] with unit column stride, ``x2d`` [M, HIDDEN],
-    ``dw`` [NQKV, HIDDEN], any strides), fp32 accumulation, one rounding. ``deferred``:
-    return the enqueue as a callable instead."""
-    M, NQKV = dqkv.shape
-    HIDDEN = x2d.shape[1]
-    n_tiles = -(-NQKV // DW_BJ) * -(-HIDDEN // DW_BN)
-    launch = _kernel("dw_kernel").prepared((n_tiles,))(
-        dqkv, dqkv.stride(0), x2d, x2d.stride(0), x2d.stride(1), dw, dw.stride(0), dw.stride(1), M, NQKV, HIDDEN,
-        BJ=DW_BJ, BN=DW_BN, BK=DW_BK, STAGES=DW_STAGES, num_warps=DW_WARPS,
-    )
-    return launch if deferred else launch()
+from .launch import _INTERPRET, kernel
 
 def _tma_ready(t: torch.Tensor) -> bool:
     """A 2-D operand TMA can address: unit column stride, 16-byte aligned base and row stride."""
