@@ -142,6 +142,39 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
     assert all(torch.equal(x, y) for x, y in zip(tri, again))
 
 
+@pytest.mark.parametrize("case", ["hidden_not_16B_rows", "strided_weight", "fp32"])
+def test_products_fall_back_to_torch_mm_where_tma_cannot_address(case, monkeypatch):
+    """Operands TMA cannot address (rows that are not a multiple of 16 bytes; a weight with a
+    non-unit column stride, which only dX reads) and 32-bit activations take torch.mm instead
+    of the TMA kernels -- never a failed launch -- and give the CPU path's results."""
+    monkeypatch.setattr(projection, "CHAIN_IN_INTERPRETER", True)
+    monkeypatch.setattr(projection, "CHAIN_MIN_BALANCE", 0.0)
+    used = {"chain": 0, "hybrid": 0}
+    chain, hybrid = projection.chain_launches, projection.hybrid_dw_launch
+    monkeypatch.setattr(projection, "chain_launches", lambda *a: used.update(chain=1) or chain(*a))
+    monkeypatch.setattr(projection, "hybrid_dw_launch", lambda *a: used.update(hybrid=1) or hybrid(*a))
+    hidden = 100 if case == "hidden_not_16B_rows" else 64  # 200-byte rows
+    args = make_inputs(1, 4, 2, 5, 64, hidden=hidden, seed=11,
+                       dtype=torch.float32 if case == "fp32" else torch.bfloat16)
+    if case == "strided_weight":
+        args[6] = args[6].t().contiguous().t()
+    cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
+    tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    if case == "fp32":  # fp32 sums in the kernel's order: close, not bit-equal
+        assert used == {"chain": 0, "hybrid": 0}
+        for a, b in zip(cpu, tri):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        return
+    _assert_stage_outputs_equal(cpu, tri)
+    assert torch.equal(cpu[0], tri[0])  # dX: torch.mm in every case
+    if case == "strided_weight":  # dW does not read the weight: the hybrid's TMA dW
+        assert used == {"chain": 0, "hybrid": 1}
+        _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
+    else:
+        assert used == {"chain": 0, "hybrid": 0}
+        assert torch.equal(cpu[3], tri[3])
+
+
 def test_chain_takes_only_evenly_spread_token_counts():
     """The PDL chain's dX tiles on an H200 (132 SMs, hidden 4096): to 128 tokens at most one tile
     per SM; 131 tokens put two on some SMs and one on others (dX twice as long: cuBLAS then);
