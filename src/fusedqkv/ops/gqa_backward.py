@@ -121,17 +121,6 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch.mm(a, b).view(out.shape))
 
 
-def _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd, q_norm_weight,
-           k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend, scratch):
-    """The RoPE/QK-norm stage in 091's exact mode, prepared: returns (launch, finish)."""
-    return rope_qk_norm_backward(
-        grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
-        q_norm_weight, k_norm_weight, cos, sin,
-        dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
-        exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=scratch, deferred=True,
-    )
-
-
 def gqa_qkv_rope_qk_norm_backward(
     grad_query, grad_key, grad_value, hidden_states, cos, sin, qkv_weight, q_norm_weight, k_norm_weight,
     query_pre_norm, key_pre_norm, q_rstd, k_rstd, eps, *, out: Optional[Sequence[torch.Tensor]] = None,
@@ -169,44 +158,39 @@ def gqa_qkv_rope_qk_norm_backward(
                                        q_norm_weight, k_norm_weight, cos, sin, x2d, qkv_weight, dqkv=dqkv, dx2d=dx2d,
                                        dw=g_weight, gcos=g_cos, gsin=g_sin, gwq=g_qw, gwk=g_kw)
                 return out
-        # the GEMMs' operands before the stage's launch: between the launches the host does
-        # nothing but enqueue (at a few hundred tokens the GPU waits for it there)
+        # the products' operands and launches prepared before the stage's launch: between the
+        # launches the host does nothing but enqueue (at a few hundred tokens the GPU waits for it)
         x = hidden_states.reshape(M, sz["hidden"])
         dx = g_hidden.view(M, sz["hidden"]) if g_hidden.is_contiguous() else g_hidden
         dqkv_t = dqkv.t()
         x2d = _as_matrix(hidden_states, M, sz["hidden"])
-        if (backend == "triton" and dx.dim() == 2 and x2d is not None
-                and projection.chain_eligible(M, sz["dtype"], device, sm_count(device), dqkv, qkv_weight, x2d, dx,
-                                              g_weight)):
-            # few tokens: the products as two Triton launches chained behind the stage (a
-            # torch.mm costs the host ~15 us before its kernel is queued: the GPU would wait),
-            # dX and dW side by side on the GPU
-            launch_dx, launch_dw = projection.chain_launches(dqkv, qkv_weight, x2d, dx, g_weight, sm_count(device))
-            launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
-                                          k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
-                                          g_kw, backend, g_hidden)
-            launch_stage()
-            launch_dx()
-            launch_dw()
-            finish()
-            return out
-        if (backend == "triton" and x2d is not None
-                and projection.hybrid_eligible(M, sz["dtype"], device, dqkv, x2d, g_weight)):
-            # a few hundred tokens: dW in Triton right behind the stage, cuBLAS dX queued while it runs
-            launch_dw = projection.hybrid_dw_launch(dqkv, x2d, g_weight, sm_count(device))
-            launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd,
-                                          k_rstd, q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw,
-                                          g_kw, backend, g_hidden)
-            launch_stage()
-            launch_dw()
-            _mm_into(dqkv, qkv_weight, dx)
-            finish()
-            return out
-        launch_stage, finish = _stage(grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
-                                      q_norm_weight, k_norm_weight, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, backend,
-                                      g_hidden)
+        sms = sm_count(device)
+        launch_dx = launch_dw = None  # None: torch.mm (cuBLAS)
+        if backend == "triton" and x2d is not None:
+            if dx.dim() == 2 and projection.chain_eligible(M, sz["dtype"], device, sms, dqkv, qkv_weight, x2d, dx,
+                                                           g_weight):
+                # few tokens: both products as Triton launches chained behind the stage (a
+                # torch.mm costs the host ~15 us before its kernel is queued: the GPU would
+                # wait), dX and dW side by side on the GPU
+                launch_dx, launch_dw = projection.chain_launches(dqkv, qkv_weight, x2d, dx, g_weight, sms)
+            elif projection.hybrid_eligible(M, sz["dtype"], device, dqkv, x2d, g_weight):
+                # a few hundred tokens: dW in Triton right behind the stage, the cuBLAS dX queued
+                # while it runs
+                launch_dw = projection.hybrid_dw_launch(dqkv, x2d, g_weight, sms)
+        launch_stage, finish = rope_qk_norm_backward(
+            grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
+            q_norm_weight, k_norm_weight, cos, sin,
+            dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
+            exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=g_hidden, deferred=True,
+        )
         launch_stage()
-        _mm_into(dqkv, qkv_weight, dx)
-        _mm_into(dqkv_t, x, g_weight)
+        if launch_dx is not None:
+            launch_dx()
+        if launch_dw is not None:
+            launch_dw()
+        if launch_dx is None:
+            _mm_into(dqkv, qkv_weight, dx)
+        if launch_dw is None:
+            _mm_into(dqkv_t, x, g_weight)
         finish()
         return out

@@ -21,10 +21,15 @@ import torch
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _is_desc(a) -> bool:
+    """A host TMA descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``)."""
+    return not isinstance(a, torch.Tensor) and hasattr(a, "block_shape") and hasattr(a, "base")
+
+
 def _spec(a):
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
-    if hasattr(a, "block_shape") and hasattr(a, "base"):  # a host TMA descriptor: Triton specialises on these
+    if _is_desc(a):  # Triton specialises on a host TMA descriptor's dtype and block
         return ("tensordesc", a.base.dtype, tuple(a.block_shape), a.padding)
     if isinstance(a, bool):
         return ("u1", a)
@@ -62,8 +67,8 @@ class FastLaunch:
 
     def prepare(self, grid, args, kw):
         first = args[0] if args else None
-        if first is not None and not isinstance(first, torch.Tensor) and hasattr(first, "block_shape"):
-            first = first.base  # a host TMA descriptor
+        if _is_desc(first):
+            first = first.base
         if not self.enabled or not isinstance(first, torch.Tensor) or not first.is_cuda:
             return lambda: self.fn[grid](*args, **kw)
         device = first.device.index
@@ -95,10 +100,6 @@ class FastLaunch:
         self.enabled = False
         self.cache.clear()
         return lambda: self.fn[grid](*args, **kw)
-
-
-def _is_desc(a) -> bool:
-    return not isinstance(a, torch.Tensor) and hasattr(a, "block_shape") and hasattr(a, "base")
 
 
 _raw_launchers: dict = {}  # id(CudaLauncher) -> (it, the launcher it wraps, descriptor metadata)
