@@ -65,7 +65,13 @@ def apply_settings(spec: str) -> dict:
         mod = importlib.import_module(f"fusedqkv.ops.{mod_name}")
         old[item] = (mod, attr, getattr(mod, attr))
         cur = getattr(mod, attr)
-        setattr(mod, attr, tuple(int(v) for v in val.split("/")) if isinstance(cur, tuple) else type(cur)(val))
+        if isinstance(cur, tuple):
+            new = tuple(int(v) for v in val.split("/"))
+        elif isinstance(cur, bool):
+            new = val not in ("0", "False", "false")
+        else:
+            new = type(cur)(val)
+        setattr(mod, attr, new)
     return old
 
 

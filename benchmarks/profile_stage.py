@@ -51,12 +51,14 @@ def main() -> int:
                 t, g, nw, pf, gsz = re.fullmatch(r"T(\d+)_g(\d+)_w(\d+)_p(\d+)(?:_G(\d+))?", cfg).groups()
                 cfg_t = (int(t), int(g), int(nw), int(pf), int(gsz or 0))
                 stage._launch_config = lambda *_a, c=cfg_t: c
-            stage.FUSED_FINISH = var != "nofin"
+            stage.FUSED_FINISH = "nofin" not in var
+            if hasattr(stage, "STAGE_TMA"):
+                stage.STAGE_TMA = "notma" not in var
             for rep in range(args.reps + 1):
-                cs = (None, None) if var == "nocs" else (gc, gs)
+                cs = (None, None) if "nocs" in var else (gc, gs)
                 stage.rope_qk_norm_backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv=dqkv, grad_cos=cs[0],
                                             grad_sin=cs[1], grad_q_norm_weight=g1,
-                                            grad_k_norm_weight=g2, exact=var != "accurate",
+                                            grad_k_norm_weight=g2, exact="accurate" not in var,
                                             scratch=scratch)
                 if rep:
                     print(f"launch {w.name} M={M} {cfg} {var} rep{rep}", file=sys.stderr, flush=True)

@@ -80,8 +80,9 @@ def gqa_bwd_single_launch_kernel(
                 wq_ptr, swq, wk_ptr, swk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
                 dqkv_ptr, s_dqkv_t, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
                 gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr, M, S, HQ, HKV, eps,
+                gq_ptr, gq_ptr, gq_ptr, gq_ptr,  # no TMA descriptors: placeholders
                 D, HALF, HALF_P2, D_P2, BLOCK_T, HB, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, False, 32,
-                RECOMPUTE_RSTD, PF, False, 1, 1, 1,
+                RECOMPUTE_RSTD, PF, False, 1, 1, 1, False,
             )
     if PHASE == 3:
         _grid_barrier(tick_ptr + n_dx_tiles, nprog)

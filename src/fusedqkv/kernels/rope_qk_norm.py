@@ -22,6 +22,8 @@ Kernels (the forward lives in rope_qk_norm_fwd.py):
   - ``GRAD_COS_SIN``: compute grad_cos/grad_sin at all.
   - ``RECOMPUTE_RSTD``: recompute rstd from the saved activation (training: nothing but
     the projection output is kept between forward and backward) instead of loading it.
+  - ``TMA``: the q/k gradient and activation tiles come through host TMA descriptors
+    (token blocks then never straddle two sequences); otherwise per-thread loads.
 
   One program's work is ``_stage_program(pid, kind, ...)``; the single-launch kernel
   (gqa_bwd_single_launch.py) runs the same work items from a persistent loop.
@@ -184,12 +186,19 @@ def _rms_norm_bwd(g1, g2, x1, x2, r, w1, w2, D: tl.constexpr, DT: tl.constexpr, 
     gw2 = g2 * w2
     grad_rstd = tl.sum(gw1 * x1, axis=1, keep_dims=True) + tl.sum(gw2 * x2, axis=1, keep_dims=True)
     neg_r3 = -(r * r * r)
-    dx1 = _rnd(gw1 * r + grad_rstd * ((neg_r3 * x1) / D), DT, EXACT)
-    dx2 = _rnd(gw2 * r + grad_rstd * ((neg_r3 * x2) / D), DT, EXACT)
-    # weight-gradient contribution g * (x * r), per element: the caller sums over tokens
-    # once per program (a sum over the token axis crosses warps: shared memory and a
-    # barrier, too costly once per head)
-    return dx1, dx2, g1 * (x1 * r), g2 * (x2 * r)
+    if (D & (D - 1)) == 0:
+        # (neg_r3 * x) / D == (neg_r3 / D) * x bit for bit when D is a power of two (both
+        # are the rounded product scaled exactly): one multiply per element less
+        c = neg_r3 / D
+        dx1 = _rnd(gw1 * r + grad_rstd * (c * x1), DT, EXACT)
+        dx2 = _rnd(gw2 * r + grad_rstd * (c * x2), DT, EXACT)
+    else:
+        dx1 = _rnd(gw1 * r + grad_rstd * ((neg_r3 * x1) / D), DT, EXACT)
+        dx2 = _rnd(gw2 * r + grad_rstd * ((neg_r3 * x2) / D), DT, EXACT)
+    # x * r: the caller accumulates the weight gradient g * (x * r) per element (one fma)
+    # and sums over tokens once per program (a sum over the token axis crosses warps:
+    # shared memory and a barrier, too costly once per head)
+    return dx1, dx2, x1 * r, x2 * r
 
 
 @triton.jit
@@ -208,10 +217,11 @@ def _head_set_bwd(
     dqkv_ptr, s_dqkv_t, col0,
     H0, H1, b, s, tok, rmask, hb,
     c1, c2, s1, s2, eps, cs1, cs2, sn1, sn2,
+    g_desc, x_desc, b0, s0,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
     DT: tl.constexpr, EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
     SAVED_ROTATED: tl.constexpr, GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr, HB: tl.constexpr,
-    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
+    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr, TMA: tl.constexpr,
 ):
     """Backward of heads [H0, H1) of one head set (query or key) for BLOCK_T tokens.
 
@@ -220,7 +230,13 @@ def _head_set_bwd(
     accumulators ``cs1, cs2, sn1, sn2`` ([HB * BLOCK_T, D/2] fp32: cos first half, cos second
     half, sin first, sin second; the caller sums the HB rows of each token) and returns
     them, with the norm-weight gradient contributions summed over heads and tokens
-    ([D/2] x 2)."""
+    ([D/2] x 2).
+
+    TMA: g and x come through host TMA descriptors of their [B, H, S, D] tensors (box
+    [1, 1, BLOCK_T, D/2]; HB == 1 and the block's tokens are s0 + i of batch b0): one thread
+    issues each tile's copy, so the loop spends no instructions on addresses and masks and
+    keeps PF - 1 head steps in flight through shared memory; rows past the sequence come
+    back zero."""
     d = tl.arange(0, HALF_P2)[None, :]
     dmask = tl.arange(0, HALF_P2) < HALF
     w1 = tl.load(w_ptr + tl.arange(0, HALF_P2) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
@@ -246,10 +262,16 @@ def _head_set_bwd(
     for h0 in tl.range(H0, H1, HB, num_stages=PF):
         hmask = rmask & (h0 + hb < H1)
         mask = hmask[:, None] & (d < HALF)
-        g1r = tl.load(g_row + h0 * sg_h + d * sg_d, mask=mask, other=0.0)
-        g2r = tl.load(g_row + h0 * sg_h + (d + HALF) * sg_d, mask=mask, other=0.0)
-        x1r = tl.load(x_row + h0 * sx_h + d * sx_d, mask=mask, other=0.0)
-        x2r = tl.load(x_row + h0 * sx_h + (d + HALF) * sx_d, mask=mask, other=0.0)
+        if TMA:
+            g1r = tl.reshape(g_desc.load([b0, h0, s0, 0]), [BLOCK_T, HALF_P2])
+            g2r = tl.reshape(g_desc.load([b0, h0, s0, HALF]), [BLOCK_T, HALF_P2])
+            x1r = tl.reshape(x_desc.load([b0, h0, s0, 0]), [BLOCK_T, HALF_P2])
+            x2r = tl.reshape(x_desc.load([b0, h0, s0, HALF]), [BLOCK_T, HALF_P2])
+        else:
+            g1r = tl.load(g_row + h0 * sg_h + d * sg_d, mask=mask, other=0.0)
+            g2r = tl.load(g_row + h0 * sg_h + (d + HALF) * sg_d, mask=mask, other=0.0)
+            x1r = tl.load(x_row + h0 * sx_h + d * sx_d, mask=mask, other=0.0)
+            x2r = tl.load(x_row + h0 * sx_h + (d + HALF) * sx_d, mask=mask, other=0.0)
         r = tl.load(r_row + h0 * sr_h, mask=hmask, other=0.0).to(tl.float32)[:, None]
         g1 = g1r.to(tl.float32)
         g2 = g2r.to(tl.float32)
@@ -297,18 +319,23 @@ def _head_set_bwd(
                 dx1, dx2 = _rope_bwd(gn1, gn2, cf1, cf2, sf1, sf2, DT, EXACT)
             q1 = gn1
             q2 = gn2
+            wn1 = g1
+            wn2 = g2
         else:
             # RoPE after the norm: the rotated tensor is x * r * w
             gn1, gn2 = _rope_bwd(g1, g2, cf1, cf2, sf1, sf2, DT, EXACT)
             if RECOMPUTE_RSTD:
                 r = _rstd(x1, x2, eps, D)
             dx1, dx2, a1, a2 = _rms_norm_bwd(gn1, gn2, x1, x2, r, w1, w2, D, DT, EXACT)
-            p1 = x1 * r * w1
-            p2 = x2 * r * w2
+            p1 = a1 * w1  # x * r * w
+            p2 = a2 * w2
             q1 = g1
             q2 = g2
-        wg1 += a1
-        wg2 += a2
+            wn1 = gn1
+            wn2 = gn2
+        # fp32 sums of g * (x * r) whose order is free anyway: fused multiply-adds
+        wg1 = tl.fma(wn1, a1, wg1)
+        wg2 = tl.fma(wn2, a2, wg2)
         _store_cast(out_row + h0 * D + d, dx1, mask)
         _store_cast(out_row + h0 * D + d + HALF, dx2, mask)
         if GRAD_COS_SIN:
@@ -328,7 +355,7 @@ def _head_set_bwd(
 
 @triton.jit
 def _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                   c1, c2, s1, s2, tok0, M, S, ADD_STORED: tl.constexpr,
+                   c1, c2, s1, s2, tok0, t_end, S, ADD_STORED: tl.constexpr,
                    HALF: tl.constexpr, HALF_P2: tl.constexpr, DT: tl.constexpr, EXACT: tl.constexpr,
                    HB: tl.constexpr, BLOCK_T: tl.constexpr):
     """grad_cos/grad_sin of tokens [tok0, tok0 + BLOCK_T) from per-row sums: each summed over
@@ -336,7 +363,7 @@ def _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin
     program stored there before and rounded again."""
     t = tok0 + tl.arange(0, BLOCK_T)[:, None]
     d = tl.arange(0, HALF_P2)[None, :]
-    m = (t < M) & (d < HALF)
+    m = (t < t_end) & (d < HALF)
     tb = (t // S).to(tl.int64)
     ts = t % S
     p_c1 = gcos_ptr + tb * sgcos_b + ts * sgcos_s + d * sgcos_d
@@ -393,12 +420,14 @@ def rope_qk_norm_bwd_kernel(
     # GROUPED: grad_cos/sin partials [groups, 2, M, D] and norm-weight rows [programs, groups, D]
     gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr,
     M, S, HQ, HKV, eps,
+    # TMA: host descriptors of grad/saved q and k (else placeholders never read)
+    gq_desc, xq_desc, gk_desc, xk_desc,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr, HB: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
-    GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr,
+    GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (token blocks, kinds): one ``_stage_program`` per program; axis 1 picks the
     query+key work (0) or the value copy (1) -- GROUPED: a query group, a key group, or the
@@ -410,8 +439,9 @@ def rope_qk_norm_bwd_kernel(
         rk_ptr, srk_b, srk_h, srk_s, wq_ptr, swq, wk_ptr, swk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b,
         ssin_s, ssin_d, dqkv_ptr, s_dqkv_t, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s,
         sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr, M, S, HQ, HKV, eps,
+        gq_desc, xq_desc, gk_desc, xk_desc,
         D, HALF, HALF_P2, D_P2, BLOCK_T, HB, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, FUSED_FINISH,
-        SUPER, RECOMPUTE_RSTD, PF, GROUPED, NQG, NKG, GSIZE
+        SUPER, RECOMPUTE_RSTD, PF, GROUPED, NQG, NKG, GSIZE, TMA
     )
 
 
@@ -435,12 +465,14 @@ def _stage_program(
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
     gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr,
     M, S, HQ, HKV, eps,
+    # TMA: host descriptors of grad/saved q and k (else placeholders never read)
+    gq_desc, xq_desc, gk_desc, xk_desc,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr, HB: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
-    GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr,
+    GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr, TMA: tl.constexpr,
 ):
     """One work item of the backward stage: a block of BLOCK_T tokens, and either every query
     and key head of it (grad_cos/grad_sin complete in the program: no partials), or -- GROUPED,
@@ -453,9 +485,21 @@ def _stage_program(
     NG: tl.constexpr = NQG + NKG
     rows = tl.arange(0, R)
     hb = rows // BLOCK_T
-    tok0 = pid * BLOCK_T
+    if TMA:
+        # blocks never straddle two sequences (a TMA box is one batch's rows): block pid is
+        # tokens s0 .. s0 + BLOCK_T of sequence b0, those past S masked (and zero-filled)
+        n_sb = tl.cdiv(S, BLOCK_T)
+        b0 = pid // n_sb
+        s0 = (pid % n_sb) * BLOCK_T
+        tok0 = b0 * S + s0
+        t_end = b0 * S + S
+    else:
+        b0 = 0
+        s0 = 0
+        tok0 = pid * BLOCK_T
+        t_end = M
     tok = tok0 + rows % BLOCK_T
-    rmask = tok < M
+    rmask = tok < t_end
     b = (tok // S).to(tl.int64)
     s = tok % S
     dh = tl.arange(0, HALF_P2)
@@ -475,8 +519,9 @@ def _stage_program(
                     gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
                     rq_ptr, srq_b, srq_h, srq_s, wq_ptr, swq, dqkv_ptr, s_dqkv_t, 0,
                     h0, tl.minimum(h0 + GSIZE, HQ), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
+                    gq_desc, xq_desc, b0, s0,
                     D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                    RECOMPUTE_RSTD, PF,
+                    RECOMPUTE_RSTD, PF, TMA,
                 )
             else:
                 h0 = (kind - NQG) * GSIZE
@@ -484,13 +529,14 @@ def _stage_program(
                     gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
                     rk_ptr, srk_b, srk_h, srk_s, wk_ptr, swk, dqkv_ptr, s_dqkv_t, HQ * D,
                     h0, tl.minimum(h0 + GSIZE, HKV), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
+                    gk_desc, xk_desc, b0, s0,
                     D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                    RECOMPUTE_RSTD, PF,
+                    RECOMPUTE_RSTD, PF, TMA,
                 )
             # partials: this group's head sums of grad_cos/sin per token [groups, 2, M, D] and its
             # norm-weight row [blocks, groups, D], fp32
             if GRAD_COS_SIN:
-                _store_cs_partials(cs_ptr, kind, M, tok0, c_1, c_2, s_1, s_2, D, HALF, HALF_P2, HB, BLOCK_T)
+                _store_cs_partials(cs_ptr, kind, M, tok0, t_end, c_1, c_2, s_1, s_2, D, HALF, HALF_P2, HB, BLOCK_T)
             grow = wgrp_ptr + (pid * NG + kind) * D
             tl.store(grow + dh, a1, mask=hm)
             tl.store(grow + HALF + dh, a2, mask=hm)
@@ -504,7 +550,7 @@ def _stage_program(
                 tl.store(tick_ptr + pid, 0)
                 if GRAD_COS_SIN:
                     _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s,
-                                          sgsin_d, tok0, M, S, D, HALF, HALF_P2, DT, EXACT, NQG, NKG, BLOCK_T)
+                                          sgsin_d, tok0, t_end, M, S, D, HALF, HALF_P2, DT, EXACT, NQG, NKG, BLOCK_T)
                 _finish_block_norm_weight(wgrp_ptr, wpart_ptr, pid, D, D_P2, NQG, NKG)
                 if FUSED_FINISH:
                     _finish_norm_weight_levels(pid, n_prog, wpart_ptr, wsup_ptr, tick_ptr + n_prog,
@@ -514,8 +560,9 @@ def _stage_program(
                 gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
                 rq_ptr, srq_b, srq_h, srq_s, wq_ptr, swq, dqkv_ptr, s_dqkv_t, 0,
                 0, HQ, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
+                gq_desc, xq_desc, b0, s0,
                 D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                RECOMPUTE_RSTD, PF,
+                RECOMPUTE_RSTD, PF, TMA,
             )
             # norm-weight partials [programs, 2 (query, key), D] fp32
             wrow = wpart_ptr + pid * 2 * D
@@ -526,7 +573,7 @@ def _stage_program(
                 # the rounded query sums (exact in the output dtype) wait in grad_cos/sin while
                 # the key heads run (in registers they took ~80 more, sm_90 offline)
                 _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                               c_1, c_2, s_1, s_2, tok0, M, S, False,
+                               c_1, c_2, s_1, s_2, tok0, t_end, S, False,
                                HALF, HALF_P2, DT, EXACT, HB, BLOCK_T)
                 c_1 = z
                 c_2 = z
@@ -537,14 +584,15 @@ def _stage_program(
                 gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
                 rk_ptr, srk_b, srk_h, srk_s, wk_ptr, swk, dqkv_ptr, s_dqkv_t, HQ * D,
                 0, HKV, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, c_1, c_2, s_1, s_2,
+                gk_desc, xk_desc, b0, s0,
                 D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                RECOMPUTE_RSTD, PF,
+                RECOMPUTE_RSTD, PF, TMA,
             )
             tl.store(wrow + D + dh, a1, mask=hm)
             tl.store(wrow + D + HALF + dh, a2, mask=hm)
             if GRAD_COS_SIN:
                 _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                               c_1, c_2, s_1, s_2, tok0, M, S, EXACT,
+                               c_1, c_2, s_1, s_2, tok0, t_end, S, EXACT,
                                HALF, HALF_P2, DT, EXACT, HB, BLOCK_T)
             if FUSED_FINISH:
                 _finish_norm_weight_levels(pid, n_prog, wpart_ptr, wsup_ptr, tick_ptr,
@@ -584,12 +632,13 @@ def _finish_norm_weight_levels(pid, n_prog, wpart_ptr, wsup_ptr, tick_ptr, gwq_p
 
 
 @triton.jit
-def _store_cs_partials(cs_ptr, group, M, tok0, c1, c2, s1, s2, D: tl.constexpr, HALF: tl.constexpr,
+def _store_cs_partials(cs_ptr, group, M, tok0, t_end, c1, c2, s1, s2, D: tl.constexpr, HALF: tl.constexpr,
                        HALF_P2: tl.constexpr, HB: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One head group's grad_cos/sin sums of a token block into partials [groups, 2, M, D]."""
+    """One head group's grad_cos/sin sums of a token block (its tokens below t_end) into
+    partials [groups, 2, M, D]."""
     t = tok0 + tl.arange(0, BLOCK_T)[:, None]
     d = tl.arange(0, HALF_P2)[None, :]
-    m = (t < M) & (d < HALF)
+    m = (t < t_end) & (d < HALF)
     pc = cs_ptr + ((group * 2) * M + t).to(tl.int64) * D + d
     ps = pc + M.to(tl.int64) * D
     tl.store(pc, _token_sum(c1, HB, BLOCK_T, HALF_P2), mask=m)
@@ -600,7 +649,8 @@ def _store_cs_partials(cs_ptr, group, M, tok0, c1, c2, s1, s2, D: tl.constexpr, 
 
 @triton.jit
 def _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                          tok0, M, S, D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, DT: tl.constexpr,
+                          tok0, t_end, M, S, D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
+                          DT: tl.constexpr,
                           EXACT: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, BLOCK_T: tl.constexpr):
     """grad_cos/grad_sin of a token block from the head groups' partials: the query groups and
     the key groups summed (fixed order) and rounded separately, then added, as the reference
@@ -608,7 +658,7 @@ def _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr,
     in a loop waited an L2 round trip each: 40 in a row at 091's 128 tokens, v7)."""
     t = tok0 + tl.arange(0, BLOCK_T)[:, None]
     d = tl.arange(0, HALF_P2)[None, :]
-    m = (t < M) & (d < HALF)
+    m = (t < t_end) & (d < HALF)
     base = cs_ptr + t.to(tl.int64) * D + d
     gstride = (2 * M).to(tl.int64) * D
     sstride = M.to(tl.int64) * D

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional
 
 import torch
 
-from .launch import FastLaunch, kernel
+from .launch import _INTERPRET, FastLaunch, kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -146,6 +147,24 @@ def _kernel(name: str) -> FastLaunch:
 # the one computed); the stage is bound by memory latency (benchmarks/NOTES.md, v7)
 PREFETCH = 3
 
+# Feed the stage's q/k tiles through TMA (host descriptors, one thread per tile copy) where
+# the tensors allow it (benchmarks/NOTES.md, v10); else per-thread loads.
+STAGE_TMA = os.environ.get("FUSEDQKV_STAGE_TMA", "1") != "0"
+
+
+def _tma_4d(t: torch.Tensor, half: int) -> bool:
+    """A [B, H, S, D] tensor a TMA descriptor can address in [1, 1, rows, D/2] boxes."""
+    es = t.element_size()
+    return (t.is_cuda or _INTERPRET) and t.stride(3) == 1 and t.data_ptr() % 16 == 0 and half & (half - 1) == 0 \
+        and half * es >= 16 and all((st * es) % 16 == 0 for st in t.stride()[:3])
+
+
+def _stage_descriptors(block_t: int, half: int, *tensors):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_t, half]) for t in tensors]
+
+
 # Finish the norm-weight gradients inside the main kernel (True: the last programs to finish
 # reduce the per-program partials, in two levels) or in a second launch after the GEMMs.
 FUSED_FINISH = True
@@ -221,7 +240,10 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     block_t, hb, num_warps, prefetch, gsize = _launch_config(M, HQ, HKV, D, gq.device)
     grouped = gsize > 0
     nqg, nkg = (-(-HQ // gsize), -(-HKV // gsize)) if grouped else (1, 1)
-    n_prog = -(-M // block_t)
+    # (the 4-token tiles of few tokens measured no faster through TMA: v10)
+    tma = STAGE_TMA and block_t >= 8 and hb == 1 and all(_tma_4d(t, D // 2) for t in (gq, xq, gk, xk))
+    # TMA: blocks of one sequence each (a box never spans two)
+    n_prog = B * -(-S // block_t) if tma else -(-M // block_t)
     n_sup = -(-n_prog // _SUPER)
     fused = FUSED_FINISH
     # every allocation before the first launch. The fused finish consumes the partials inside
@@ -245,10 +267,11 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         *stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                            w_part, w_sup, tick, cs_part, w_grp),
         M, S, HQ, HKV, float(eps) if recompute else 0.0,
+        *(_stage_descriptors(block_t, D // 2, gq, xq, gk, xk) if tma else (gq, gq, gq, gq)),
         D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t, HB=hb,
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,
-        PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1),
+        PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1), TMA=tma,
         num_warps=num_warps, enable_fp_fusion=fp_fusion,
         **({"maxnreg": MAX_REGISTERS} if num_warps == 4 and gq.is_cuda else {}),
     )
