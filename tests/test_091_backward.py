@@ -102,14 +102,21 @@ def _assert_product_close(name, a, b):
     assert (a == b).float().mean() > 0.98, name
 
 
+@pytest.mark.parametrize("finish", ["finish_in_dw", "finish_in_stage"])
 @pytest.mark.parametrize("products", ["pdl_chain", "hybrid"])
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
-def test_triton_products_match_cpu_path(shape, products, monkeypatch):
+def test_triton_products_match_cpu_path(shape, products, finish, monkeypatch):
     """The stage, then the products as the persistent TMA kernels: both chained behind the stage
-    (pdl_chain), or dW only with dX on torch.mm (hybrid). The stage's outputs bit-equal to the
-    CPU path, the Triton products within one bf16 rounding of torch.mm on the same dQKV, and
-    repeated calls bitwise identical."""
+    (pdl_chain), or dW only with dX on torch.mm (hybrid); the norm-weight finish run by the dW
+    launch or at the stage's end. The stage's outputs bit-equal to the CPU path, the Triton
+    products within one bf16 rounding of torch.mm on the same dQKV, and repeated calls bitwise
+    identical."""
     monkeypatch.setattr(single_launch, "MAX_TOKENS", 0)
+    monkeypatch.setattr(projection, "NORM_FINISH_IN_DW_MIN_TOKENS", 1 if finish == "finish_in_dw" else 0)
+    finishes = []
+    real_tma = projection.tma_matmul
+    monkeypatch.setattr(projection, "tma_matmul",
+                        lambda *a, **k: finishes.append(k.get("finish") is not None) or real_tma(*a, **k))
     if products == "pdl_chain":  # dX and dW as persistent TMA launches behind the stage
         monkeypatch.setattr(projection, "CHAIN_IN_INTERPRETER", True)
         monkeypatch.setattr(projection, "CHAIN_MIN_BALANCE", 0.0)  # a performance rule (tested below)
@@ -119,7 +126,7 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
         monkeypatch.setattr(projection, "CHAIN_DW", (32, 64, 16, 4, 2, 1))
         used = []
         real = projection.chain_launches
-        monkeypatch.setattr(projection, "chain_launches", lambda *a: used.append(1) or real(*a))
+        monkeypatch.setattr(projection, "chain_launches", lambda *a, **k: used.append(1) or real(*a, **k))
     if products == "hybrid":  # dW as the chain's TMA kernel behind the stage, dX torch.mm
         monkeypatch.setattr(projection, "CHAIN_IN_INTERPRETER", True)
         monkeypatch.setattr(projection, "CHAIN_MAX_TOKENS", 0)
@@ -127,7 +134,7 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
         monkeypatch.setattr(projection, "HYBRID_DW", (32, 64, 16, 4, 2, 1))
         used = []
         real = projection.hybrid_dw_launch
-        monkeypatch.setattr(projection, "hybrid_dw_launch", lambda *a: used.append(1) or real(*a))
+        monkeypatch.setattr(projection, "hybrid_dw_launch", lambda *a, **k: used.append(1) or real(*a, **k))
     args = make_inputs(*shape, hidden=144, seed=sum(shape))  # 144: a partial 128-wide tile
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
     tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
@@ -140,6 +147,8 @@ def test_triton_products_match_cpu_path(shape, products, monkeypatch):
         _assert_product_close("grad_hidden_states", cpu[0], tri[0])
     again = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
     assert all(torch.equal(x, y) for x, y in zip(tri, again))
+    # the finish went to exactly one launch (dW) or to none
+    assert finishes.count(True) == (2 if finish == "finish_in_dw" else 0)
 
 
 @pytest.mark.parametrize("case", ["hidden_not_16B_rows", "strided_weight", "fp32"])
@@ -151,8 +160,8 @@ def test_products_fall_back_to_torch_mm_where_tma_cannot_address(case, monkeypat
     monkeypatch.setattr(projection, "CHAIN_MIN_BALANCE", 0.0)
     used = {"chain": 0, "hybrid": 0}
     chain, hybrid = projection.chain_launches, projection.hybrid_dw_launch
-    monkeypatch.setattr(projection, "chain_launches", lambda *a: used.update(chain=1) or chain(*a))
-    monkeypatch.setattr(projection, "hybrid_dw_launch", lambda *a: used.update(hybrid=1) or hybrid(*a))
+    monkeypatch.setattr(projection, "chain_launches", lambda *a, **k: used.update(chain=1) or chain(*a, **k))
+    monkeypatch.setattr(projection, "hybrid_dw_launch", lambda *a, **k: used.update(hybrid=1) or hybrid(*a, **k))
     hidden = 100 if case == "hidden_not_16B_rows" else 64  # 200-byte rows
     args = make_inputs(1, 4, 2, 5, 64, hidden=hidden, seed=11,
                        dtype=torch.float32 if case == "fp32" else torch.bfloat16)
@@ -238,3 +247,11 @@ def test_partials_in_scratch_memory_give_the_same_result(exact):
     for a, b in zip(run(None), with_scratch):
         assert torch.equal(a, b)
 
+
+
+def test_norm_finish_moves_to_dw_above_128_tokens():
+    """The stage keeps its norm-weight finish at <= 128 tokens (it would otherwise end before the
+    host has queued the products), above that dW runs it."""
+    assert projection.NORM_FINISH_IN_DW_MIN_TOKENS == 129
+    assert not projection.norm_finish_in_dw(128)
+    assert projection.norm_finish_in_dw(129) and projection.norm_finish_in_dw(586)

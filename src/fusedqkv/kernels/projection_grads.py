@@ -13,7 +13,7 @@
 import triton
 import triton.language as tl
 
-from .rope_qk_norm import _SOFT_BF16_ROUND, _store_cast, _to_lp
+from .rope_qk_norm import _SOFT_BF16_ROUND, _finish_norm_weight, _store_cast, _to_lp
 
 # Triton 3.6's interpreter multiplies 16-bit float operands of tl.dot as raw bits; under it
 # the operands are widened to fp32 first (exact: bf16/fp16 -> fp32 loses nothing)
@@ -113,9 +113,12 @@ def _dx_item(item, dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_
 
 
 @triton.jit
-def tma_matmul_kernel(a_desc, b_desc, c_desc, R, C, K, BR: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+def tma_matmul_kernel(a_desc, b_desc, c_desc, R, C, K,
+                      fin_part_ptr, fin_rows, fin_gwq_ptr, fin_sgwq, fin_gwk_ptr, fin_sgwk,
+                      BR: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                       TRANS_A: tl.constexpr, NPROG: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
-                      WAIT_AT_END: tl.constexpr):
+                      WAIT_AT_END: tl.constexpr, FINISH: tl.constexpr, FIN_D: tl.constexpr,
+                      FIN_D_P2: tl.constexpr):
     """Persistent C[R, C] = A . B through TMA descriptors, the whole K axis per tile (fp32,
     one rounding; no split, deterministic). ``TRANS_A``: ``a_desc`` addresses A^T ([K, R],
     blocks [BK, BR]) -- dW = dQKV^T . X reads dQKV as stored -- else A ([R, K], blocks
@@ -126,12 +129,21 @@ def tma_matmul_kernel(a_desc, b_desc, c_desc, R, C, K, BR: tl.constexpr, BC: tl.
     ``PDL``: launched as a programmatic dependent; waits for the kernel before it first.
     ``TRIGGER``: lets the next programmatic dependent launch at once (it must not read what
     this kernel writes). ``WAIT_AT_END``: waits for the kernel before it at the end instead
-    of the start (this kernel only reads what finished before that kernel started)."""
+    of the start (this kernel only reads what finished before that kernel started).
+
+    ``FINISH``: the last program (it has no more tiles than any other) also sums the RoPE/QK-norm
+    stage's norm-weight rows ``fin_part`` [fin_rows, 2, FIN_D] into the two norm-weight
+    gradients -- off the stage's critical path; the stage must have completed before this
+    kernel started reading (as for its operands)."""
     if PDL and not WAIT_AT_END:
         tl.extra.cuda.gdc_wait()
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
+    if FINISH:
+        if pid == NPROG - 1:
+            _finish_norm_weight(fin_part_ptr, fin_rows, fin_gwq_ptr, fin_sgwq, fin_gwk_ptr, fin_sgwk, FIN_D,
+                                FIN_D_P2, 32, ".cg")
     n_c = tl.cdiv(C, BC)
     n_tiles = tl.cdiv(R, BR) * n_c
     k_steps = tl.cdiv(K, BK)

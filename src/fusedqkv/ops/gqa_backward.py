@@ -114,6 +114,10 @@ def _as_matrix(t: torch.Tensor, rows: int, cols: int) -> Optional[torch.Tensor]:
         return None
 
 
+def _nothing():
+    return None
+
+
 def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     if out.is_contiguous():
         torch.mm(a, b, out=out)
@@ -165,24 +169,35 @@ def gqa_qkv_rope_qk_norm_backward(
         dqkv_t = dqkv.t()
         x2d = _as_matrix(hidden_states, M, sz["hidden"])
         sms = sm_count(device)
-        launch_dx = launch_dw = None  # None: torch.mm (cuBLAS)
+        # which products run where: "chain" (few tokens: both products as Triton launches chained
+        # behind the stage -- a torch.mm costs the host ~15 us before its kernel is queued, and the
+        # GPU would wait -- dX and dW side by side on the GPU), "hybrid" (a few hundred tokens: dW
+        # in Triton right behind the stage, the cuBLAS dX queued while it runs), or cuBLAS both
+        path = "cublas"
         if backend == "triton" and x2d is not None:
             if dx.dim() == 2 and projection.chain_eligible(M, sz["dtype"], device, sms, dqkv, qkv_weight, x2d, dx,
                                                            g_weight):
-                # few tokens: both products as Triton launches chained behind the stage (a
-                # torch.mm costs the host ~15 us before its kernel is queued: the GPU would
-                # wait), dX and dW side by side on the GPU
-                launch_dx, launch_dw = projection.chain_launches(dqkv, qkv_weight, x2d, dx, g_weight, sms)
+                path = "chain"
             elif projection.hybrid_eligible(M, sz["dtype"], device, dqkv, x2d, g_weight):
-                # a few hundred tokens: dW in Triton right behind the stage, the cuBLAS dX queued
-                # while it runs
-                launch_dw = projection.hybrid_dw_launch(dqkv, x2d, g_weight, sms)
+                path = "hybrid"
+        # with a Triton dW the stage leaves its norm-weight finish (a chain of L2 round trips at
+        # its end) to dW, which runs it on a program with a tile less
+        finish_in_dw = path != "cublas" and projection.norm_finish_in_dw(M)
         launch_stage, finish = rope_qk_norm_backward(
             grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
             q_norm_weight, k_norm_weight, cos, sin,
             dqkv=dqkv, grad_cos=g_cos, grad_sin=g_sin, grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
             exact=True, norm_after_rope=True, saved_rotated=True, backend=backend, scratch=g_hidden, deferred=True,
+            finish_outside=finish_in_dw,
         )
+        launch_dx = launch_dw = None  # None: torch.mm (cuBLAS)
+        if path == "chain":
+            launch_dx, launch_dw = projection.chain_launches(dqkv, qkv_weight, x2d, dx, g_weight, sms,
+                                                             finish=finish if finish_in_dw else None)
+        elif path == "hybrid":
+            launch_dw = projection.hybrid_dw_launch(dqkv, x2d, g_weight, sms, finish=finish if finish_in_dw else None)
+        if finish_in_dw:
+            finish = _nothing
         launch_stage()
         if launch_dx is not None:
             launch_dx()

@@ -33,11 +33,12 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def tma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, trans_a: bool, config: tuple, sms: int,
-               pdl: bool = False, trigger: bool = False, wait_at_end: bool = False):
+               pdl: bool = False, trigger: bool = False, wait_at_end: bool = False, finish=None):
     """The enqueue (a callable; all host work done now) of c = a . b (``trans_a``: c = a^T . b)
     with ``tma_matmul_kernel``. ``config`` = (tile rows, cols, K step, warps, pipeline stages,
     persistent programs per SM). Operands ``_tma_ready``. ``pdl``/``trigger``/``wait_at_end``:
-    as the kernel's ``PDL``/``TRIGGER``/``WAIT_AT_END``."""
+    as the kernel's ``PDL``/``TRIGGER``/``WAIT_AT_END``. ``finish``: a
+    ``rope_qk_norm.NormWeightFinish`` the kernel runs as well (``FINISH``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     br, bc, bk, num_warps, num_stages, per_sm = config
@@ -50,10 +51,16 @@ def tma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, trans_a: bo
         return TensorDescriptor(t, list(t.shape), list(t.stride()), blk)
 
     pdl = pdl and not _INTERPRET
+    if finish is not None:
+        fin = (finish.part, finish.n_rows, finish.gwq, finish.gwq.stride(0), finish.gwk, finish.gwk.stride(0))
+        fin_d = finish.d
+    else:  # placeholders the kernel never reads
+        fin, fin_d = (c, 0, c, 1, c, 1), 1
     return kernel("projection_grads", "tma_matmul_kernel").prepared((nprog,))(
-        desc(a, [bk, br] if trans_a else [br, bk]), desc(b, [bk, bc]), desc(c, [br, bc]), R, C, K,
+        desc(a, [bk, br] if trans_a else [br, bk]), desc(b, [bk, bc]), desc(c, [br, bc]), R, C, K, *fin,
         BR=br, BC=bc, BK=bk, TRANS_A=trans_a, NPROG=nprog, PDL=pdl, TRIGGER=trigger and pdl,
-        WAIT_AT_END=wait_at_end, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        WAIT_AT_END=wait_at_end, FINISH=finish is not None, FIN_D=fin_d, FIN_D_P2=1 << max(0, fin_d - 1).bit_length(),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 
 
@@ -108,16 +115,27 @@ def chain_eligible(M: int, dtype: torch.dtype, device: torch.device, sms: int, d
 
 
 def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor,
-                   sms: int):
+                   sms: int, finish=None):
     """The two products as enqueue callables, to be queued right behind the stage that writes
     ``dqkv``: dX = dqkv . w waits for the stage (programmatic dependent launch: its programs
     start while the stage drains) and at once lets dW = dqkv^T . x2d launch, which then runs
     beside it -- dX streams the weight in, dW streams its result out -- and waits for dX only
-    at its end, so the stream's next work still follows both."""
+    at its end, so the stream's next work still follows both. ``finish``: the stage's
+    norm-weight finish, run by dW (which starts after the stage completed)."""
     cx, cw = _chain_configs(dqkv.shape[0])
     return (tma_matmul(dqkv, w, dx, trans_a=False, config=cx, sms=sms, pdl=True, trigger=True),
-            tma_matmul(dqkv, x2d, dw, trans_a=True, config=cw, sms=sms, pdl=True, wait_at_end=True))
+            tma_matmul(dqkv, x2d, dw, trans_a=True, config=cw, sms=sms, pdl=True, wait_at_end=True, finish=finish))
 
+
+# From this many tokens the stage's norm-weight finish runs inside the Triton dW launch (chain
+# and hybrid) rather than at the stage's end: the stage ends 3-4 us sooner. Below, the stage
+# (~9.5 us without it at 128 tokens) would end before the host has queued dX and dW behind it,
+# and the GPU waits for the host instead (benchmarks/NOTES.md, v10b).
+NORM_FINISH_IN_DW_MIN_TOKENS = int(os.environ.get("FUSEDQKV_NORM_FINISH_IN_DW_MIN_TOKENS", "129"))
+
+
+def norm_finish_in_dw(M: int) -> bool:
+    return 0 < NORM_FINISH_IN_DW_MIN_TOKENS <= M
 
 # From here to HYBRID_MAX_TOKENS tokens (where the chain does not apply), dW runs as the chain's
 # Triton kernel right behind the stage and cuBLAS does dX: the host's torch.mm time is spent
@@ -134,7 +152,7 @@ def hybrid_eligible(M: int, dtype: torch.dtype, device: torch.device, dqkv: torc
     return _triton_products_allowed(M, HYBRID_MAX_TOKENS, dtype, device, (dqkv, x2d, dw))
 
 
-def hybrid_dw_launch(dqkv: torch.Tensor, x2d: torch.Tensor, dw: torch.Tensor, sms: int):
+def hybrid_dw_launch(dqkv: torch.Tensor, x2d: torch.Tensor, dw: torch.Tensor, sms: int, finish=None):
     """dW = dqkv^T . x2d as an enqueue callable: a programmatic dependent of the stage queued just
-    before it (waits for it on the GPU)."""
-    return tma_matmul(dqkv, x2d, dw, trans_a=True, config=HYBRID_DW, sms=sms, pdl=True)
+    before it (waits for it on the GPU); it also runs the stage's norm-weight ``finish``."""
+    return tma_matmul(dqkv, x2d, dw, trans_a=True, config=HYBRID_DW, sms=sms, pdl=True, finish=finish)

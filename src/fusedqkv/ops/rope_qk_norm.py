@@ -95,6 +95,7 @@ def rope_qk_norm_backward(
     *, dqkv, grad_cos=None, grad_sin=None, grad_q_norm_weight, grad_k_norm_weight,
     exact: bool, norm_after_rope: bool = True, saved_rotated: bool = True, backend: Optional[str] = None,
     scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None, deferred: bool = False,
+    finish_outside: bool = False,
 ):
     """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``.
 
@@ -116,6 +117,11 @@ def rope_qk_norm_backward(
     ``deferred``: launch nothing yet; return ``(launch, finish)``, ``launch`` a callable that
     queues the stage with all its host work already done (the torch backend computes
     at once and returns no-ops).
+
+    ``finish_outside``: the stage's kernel leaves the norm-weight gradients' last reduction
+    (a chain of dependent L2 round trips at its end, 3-4 us at few tokens) to ``finish``, a
+    :class:`NormWeightFinish` that a later kernel of the caller's may run (the Triton dW
+    product does, on a program with a tile less) or that launches it when called.
     """
     grad_cos_sin = grad_cos is not None
     if (rstd_q is None) != (rstd_k is None) or (rstd_q is None and eps is None):
@@ -128,7 +134,7 @@ def rope_qk_norm_backward(
     launch, finish = _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k,
                                       q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
                                       grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated,
-                                      grad_cos_sin, scratch, eps)
+                                      grad_cos_sin, scratch, eps, finish_outside)
     if deferred:
         return launch, finish
     launch()
@@ -228,8 +234,25 @@ def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, 
     )
 
 
+class NormWeightFinish:
+    """The last step of the norm-weight gradients: fp32 rows ``part`` [n_rows, 2 (query, key), D],
+    one per stage program, summed in a fixed order into ``gwq``/``gwk``. Called, it launches
+    ``rope_qk_norm_bwd_finish_kernel``; a Triton kernel of the caller's may instead run
+    ``_finish_norm_weight`` on these fields (after the stage has completed)."""
+
+    def __init__(self, part: torch.Tensor, n_rows: int, gwq: torch.Tensor, gwk: torch.Tensor, d: int):
+        self.part, self.n_rows, self.gwq, self.gwk, self.d = part, n_rows, gwq, gwk, d
+
+    def __call__(self):
+        _kernel("rope_qk_norm_bwd_finish_kernel")[(1,)](
+            self.part, self.n_rows, self.gwq, self.gwq.stride(0), self.gwk, self.gwk.stride(0), D=self.d,
+            D_P2=_next_pow2(self.d), BLOCK_R=32, num_warps=4,
+        )
+
+
 def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None):
+                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None,
+                     finish_outside=False):
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     M = B * S
@@ -245,7 +268,7 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     # TMA: blocks of one sequence each (a box never spans two)
     n_prog = B * -(-S // block_t) if tma else -(-M // block_t)
     n_sup = -(-n_prog // _SUPER)
-    fused = FUSED_FINISH
+    fused = FUSED_FINISH and not finish_outside
     # every allocation before the first launch. The fused finish consumes the partials inside
     # the kernel, so the dX output (written by the GEMM after it) can hold them; the separate
     # finish kernel runs after the GEMMs and needs memory of its own. (The grouped mode's
@@ -277,14 +300,7 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
     )
     if fused:
         return launch, _done
-
-    def finish():
-        _kernel("rope_qk_norm_bwd_finish_kernel")[(1,)](
-            w_part, n_prog, gwq, gwq.stride(0), gwk, gwk.stride(0), D=D, D_P2=_next_pow2(D), BLOCK_R=32,
-            num_warps=4,
-        )
-
-    return launch, finish
+    return launch, NormWeightFinish(w_part, n_prog, gwq, gwk, D)
 
 
 def _rotate_half(t: torch.Tensor) -> torch.Tensor:
