@@ -112,7 +112,7 @@ def test_triton_products_match_cpu_path(shape, products, finish, monkeypatch):
     products within one bf16 rounding of torch.mm on the same dQKV, and repeated calls bitwise
     identical."""
     monkeypatch.setattr(single_launch, "MAX_TOKENS", 0)
-    monkeypatch.setattr(projection, "NORM_FINISH_IN_DW_MIN_TOKENS", 1 if finish == "finish_in_dw" else 0)
+    monkeypatch.setattr(projection, "NORM_FINISH_IN_DW", finish == "finish_in_dw")
     finishes = []
     real_tma = projection.tma_matmul
     monkeypatch.setattr(projection, "tma_matmul",
@@ -248,10 +248,3 @@ def test_partials_in_scratch_memory_give_the_same_result(exact):
         assert torch.equal(a, b)
 
 
-
-def test_norm_finish_moves_to_dw_above_128_tokens():
-    """The stage keeps its norm-weight finish at <= 128 tokens (it would otherwise end before the
-    host has queued the products), above that dW runs it."""
-    assert projection.NORM_FINISH_IN_DW_MIN_TOKENS == 129
-    assert not projection.norm_finish_in_dw(128)
-    assert projection.norm_finish_in_dw(129) and projection.norm_finish_in_dw(586)

@@ -182,7 +182,7 @@ def gqa_qkv_rope_qk_norm_backward(
                 path = "hybrid"
         # with a Triton dW the stage leaves its norm-weight finish (a chain of L2 round trips at
         # its end) to dW, which runs it on a program with a tile less
-        finish_in_dw = path != "cublas" and projection.norm_finish_in_dw(M)
+        finish_in_dw = path != "cublas" and projection.NORM_FINISH_IN_DW
         launch_stage, finish = rope_qk_norm_backward(
             grad_query, grad_key, grad_value, query_pre_norm, key_pre_norm, q_rstd, k_rstd,
             q_norm_weight, k_norm_weight, cos, sin,

@@ -127,15 +127,10 @@ def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: t
             tma_matmul(dqkv, x2d, dw, trans_a=True, config=cw, sms=sms, pdl=True, wait_at_end=True, finish=finish))
 
 
-# From this many tokens the stage's norm-weight finish runs inside the Triton dW launch (chain
-# and hybrid) rather than at the stage's end: the stage ends 3-4 us sooner. Below, the stage
-# (~9.5 us without it at 128 tokens) would end before the host has queued dX and dW behind it,
-# and the GPU waits for the host instead (benchmarks/NOTES.md, v10b).
-NORM_FINISH_IN_DW_MIN_TOKENS = int(os.environ.get("FUSEDQKV_NORM_FINISH_IN_DW_MIN_TOKENS", "129"))
-
-
-def norm_finish_in_dw(M: int) -> bool:
-    return 0 < NORM_FINISH_IN_DW_MIN_TOKENS <= M
+# The stage's norm-weight finish runs inside the Triton dW launch (chain and hybrid) rather than
+# at the stage's end, which then comes 3-4 us sooner (benchmarks/NOTES.md, v10b).
+# FUSEDQKV_NORM_FINISH_IN_DW=0 keeps it in the stage.
+NORM_FINISH_IN_DW = os.environ.get("FUSEDQKV_NORM_FINISH_IN_DW", "1") != "0"
 
 # From here to HYBRID_MAX_TOKENS tokens (where the chain does not apply), dW runs as the chain's
 # Triton kernel right behind the stage and cuBLAS does dX: the host's torch.mm time is spent
