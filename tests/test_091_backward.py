@@ -246,5 +246,3 @@ def test_partials_in_scratch_memory_give_the_same_result(exact):
     assert not bool(torch.isnan(scratch).all())  # the partials went there
     for a, b in zip(run(None), with_scratch):
         assert torch.equal(a, b)
-
-
