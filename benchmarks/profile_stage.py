@@ -35,6 +35,7 @@ def main() -> int:
     defn = problem.load_definition()
     dev = torch.device("cuda")
     orig = stage._launch_config
+    orig_regs, orig_regs_g8 = stage.MAX_REGISTERS, getattr(stage, "MAX_REGISTERS_GROUPED_8", 0)
     for wi in (int(x) for x in args.workloads.split(",")):
         w = defn.workloads[wi]
         a = list(problem.generate_inputs(defn, w, device=dev, seed=w.index).values())
@@ -51,6 +52,9 @@ def main() -> int:
                 t, g, nw, pf, gsz = re.fullmatch(r"T(\d+)_g(\d+)_w(\d+)_p(\d+)(?:_G(\d+))?", cfg).groups()
                 cfg_t = (int(t), int(g), int(nw), int(pf), int(gsz or 0))
                 stage._launch_config = lambda *_a, c=cfg_t: c
+            regs = [int(t[1:]) for t in var.split("+") if t[:1] == "r" and t[1:].isdigit()]
+            stage.MAX_REGISTERS = regs[0] if regs else orig_regs
+            stage.MAX_REGISTERS_GROUPED_8 = regs[0] if regs else orig_regs_g8
             stage.FUSED_FINISH = "nofin" not in var
             if hasattr(stage, "STAGE_TMA"):
                 stage.STAGE_TMA = "notma" not in var
@@ -66,6 +70,7 @@ def main() -> int:
                     print(f"warmup {w.name} M={M} {cfg} {var}", file=sys.stderr, flush=True)
         torch.cuda.synchronize()
     stage._launch_config = orig
+    stage.MAX_REGISTERS, stage.MAX_REGISTERS_GROUPED_8 = orig_regs, orig_regs_g8
     stage.FUSED_FINISH = True
     return 0
 
