@@ -114,10 +114,6 @@ def _as_matrix(t: torch.Tensor, rows: int, cols: int) -> Optional[torch.Tensor]:
         return None
 
 
-def _nothing():
-    return None
-
-
 def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     if out.is_contiguous():
         torch.mm(a, b, out=out)
@@ -196,8 +192,6 @@ def gqa_qkv_rope_qk_norm_backward(
                                                              finish=finish if finish_in_dw else None)
         elif path == "hybrid":
             launch_dw = projection.hybrid_dw_launch(dqkv, x2d, g_weight, sms, finish=finish if finish_in_dw else None)
-        if finish_in_dw:
-            finish = _nothing
         launch_stage()
         if launch_dx is not None:
             launch_dx()
@@ -207,5 +201,6 @@ def gqa_qkv_rope_qk_norm_backward(
             _mm_into(dqkv, qkv_weight, dx)
         if launch_dw is None:
             _mm_into(dqkv_t, x, g_weight)
-        finish()
+        if not finish_in_dw:  # (else dW has run it)
+            finish()
         return out

@@ -23,6 +23,7 @@ import os
 import torch
 
 from .launch import _INTERPRET, kernel
+from .rope_qk_norm import _next_pow2
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -59,7 +60,7 @@ def tma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, trans_a: bo
     return kernel("projection_grads", "tma_matmul_kernel").prepared((nprog,))(
         desc(a, [bk, br] if trans_a else [br, bk]), desc(b, [bk, bc]), desc(c, [br, bc]), R, C, K, *fin,
         BR=br, BC=bc, BK=bk, TRANS_A=trans_a, NPROG=nprog, PDL=pdl, TRIGGER=trigger and pdl,
-        WAIT_AT_END=wait_at_end, FINISH=finish is not None, FIN_D=fin_d, FIN_D_P2=1 << max(0, fin_d - 1).bit_length(),
+        WAIT_AT_END=wait_at_end, FINISH=finish is not None, FIN_D=fin_d, FIN_D_P2=_next_pow2(fin_d),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 
