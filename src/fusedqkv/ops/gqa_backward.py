@@ -167,9 +167,8 @@ def gqa_qkv_rope_qk_norm_backward(
         sms = sm_count(device)
         # which products run where: "chain" (few tokens: both products as Triton launches chained
         # behind the stage -- a torch.mm costs the host ~15 us before its kernel is queued, and the
-        # GPU would wait -- dX and dW side by side on the GPU), "hybrid" (a few hundred tokens: dW's
-        # first rows in Triton right behind the stage, the cuBLAS dX queued while they run, then
-        # the rest of dW on cuBLAS), or cuBLAS both
+        # GPU would wait -- dX and dW side by side on the GPU), "hybrid" (a few hundred tokens: dW
+        # in Triton right behind the stage, the cuBLAS dX queued while it runs), or cuBLAS both
         path = "cublas"
         if backend == "triton" and x2d is not None:
             if dx.dim() == 2 and projection.chain_eligible(M, sz["dtype"], device, sms, dqkv, qkv_weight, x2d, dx,
@@ -188,15 +187,11 @@ def gqa_qkv_rope_qk_norm_backward(
             finish_outside=finish_in_dw,
         )
         launch_dx = launch_dw = None  # None: torch.mm (cuBLAS)
-        dw_rows = 0  # leading rows of dW computed by a Triton launch; torch.mm does the rest
         if path == "chain":
             launch_dx, launch_dw = projection.chain_launches(dqkv, qkv_weight, x2d, dx, g_weight, sms,
                                                              finish=finish if finish_in_dw else None)
-            dw_rows = sz["qkv"]
         elif path == "hybrid":
-            dw_rows = projection.hybrid_triton_dw_rows(sz["qkv"])
-            launch_dw = projection.hybrid_dw_launch(dqkv[:, :dw_rows], x2d, g_weight[:dw_rows], sms,
-                                                    finish=finish if finish_in_dw else None)
+            launch_dw = projection.hybrid_dw_launch(dqkv, x2d, g_weight, sms, finish=finish if finish_in_dw else None)
         launch_stage()
         if launch_dx is not None:
             launch_dx()
@@ -204,8 +199,8 @@ def gqa_qkv_rope_qk_norm_backward(
             launch_dw()
         if launch_dx is None:
             _mm_into(dqkv, qkv_weight, dx)
-        if dw_rows < sz["qkv"]:
-            _mm_into(dqkv_t[dw_rows:], x, g_weight[dw_rows:])
+        if launch_dw is None:
+            _mm_into(dqkv_t, x, g_weight)
         if not finish_in_dw:  # (else dW has run it)
             finish()
         return out

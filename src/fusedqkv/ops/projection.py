@@ -8,9 +8,8 @@ streams the weight in, dW streams its result out. So:
 * to 256 tokens, where dX's tiles spread evenly over the SMs, the *PDL chain*
   (``chain_launches``): two persistent TMA kernels queued right behind the stage as
   programmatic dependent launches, dX and dW side by side on the GPU;
-* otherwise to 600 tokens, the *hybrid* (``hybrid_dw_launch``): dW's first rows as the chain's
-  kernel right behind the stage, the cuBLAS dX queued by the host while it runs, then the rest
-  of dW on cuBLAS;
+* otherwise to 600 tokens, the *hybrid* (``hybrid_dw_launch``): dW as the chain's kernel right
+  behind the stage, the cuBLAS dX queued by the host while it runs;
 * above, both products on cuBLAS (``torch.mm``).
 
 (benchmarks/NOTES.md, session 4.)
@@ -142,11 +141,6 @@ NORM_FINISH_IN_DW = os.environ.get("FUSEDQKV_NORM_FINISH_IN_DW", "1") != "0"
 # FUSEDQKV_HYBRID_MAX_TOKENS overrides.
 HYBRID_MAX_TOKENS = int(os.environ.get("FUSEDQKV_HYBRID_MAX_TOKENS", "600"))
 HYBRID_DW = (128, 128, 64, 8, 2, 2)
-# ... and of dW only its first rows (rounded up to whole tiles; 0: every row): enough Triton work
-# to cover the host's torch.mm time of dX, after which cuBLAS, faster than the Triton kernel at
-# these sizes, does dX and then the rest of dW.
-# FUSEDQKV_HYBRID_TRITON_DW_ROWS overrides.
-HYBRID_TRITON_DW_ROWS = int(os.environ.get("FUSEDQKV_HYBRID_TRITON_DW_ROWS", "1024"))
 
 
 def hybrid_eligible(M: int, dtype: torch.dtype, device: torch.device, dqkv: torch.Tensor, x2d: torch.Tensor,
@@ -154,16 +148,7 @@ def hybrid_eligible(M: int, dtype: torch.dtype, device: torch.device, dqkv: torc
     return _triton_products_allowed(M, HYBRID_MAX_TOKENS, dtype, device, (dqkv, x2d, dw))
 
 
-def hybrid_triton_dw_rows(nqkv: int) -> int:
-    """How many leading rows of dW (of ``nqkv``) the hybrid's Triton kernel computes: whole tiles."""
-    br = HYBRID_DW[0]
-    rows = -(-HYBRID_TRITON_DW_ROWS // br) * br
-    return nqkv if rows <= 0 or rows >= nqkv else rows
-
-
 def hybrid_dw_launch(dqkv: torch.Tensor, x2d: torch.Tensor, dw: torch.Tensor, sms: int, finish=None):
     """dW = dqkv^T . x2d as an enqueue callable: a programmatic dependent of the stage queued just
-    before it (waits for it on the GPU); it also runs the stage's norm-weight ``finish``. The
-    caller passes the leading columns of dQKV and rows of dW (``hybrid_triton_dw_rows``) when
-    the rest goes to cuBLAS."""
+    before it (waits for it on the GPU); it also runs the stage's norm-weight ``finish``."""
     return tma_matmul(dqkv, x2d, dw, trans_a=True, config=HYBRID_DW, sms=sms, pdl=True, finish=finish)
