@@ -5,6 +5,7 @@ configurations: each alone, both in order on one stream, both on two streams, an
 programmatic dependent launch (dX lets dW launch at once; dW waits for dX at its end).
 
     PYTHONPATH=src python3 benchmarks/mm_sweep.py --out $OUT/mm --pairs "64/64/64/4/6/1+128/128/64/8/2/1"
+    PYTHONPATH=src python3 benchmarks/mm_sweep.py --out $OUT/mm --tokens 131,512 --dw "128/128/64/8/2/2,..."
 
 A configuration is rows/cols/K-step/warps/stages/programs-per-SM.
 """
@@ -47,7 +48,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="mm_out")
     ap.add_argument("--tokens", default="128,256,512")
-    ap.add_argument("--pairs", required=True, help="dxcfg+dwcfg,... (cfg = rows/cols/K-step/warps/stages/programs-per-SM)")
+    ap.add_argument("--pairs", default="", help="dxcfg+dwcfg,... (cfg = rows/cols/K-step/warps/stages/programs-per-SM)")
+    ap.add_argument("--dw", default="", help="dW configurations timed alone: cfg,cfg,...")
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -69,7 +71,19 @@ def main() -> int:
                                cycles),
                "cublas_dx": spans(lambda: torch.mm(dq, w, out=dx), flusher, args.reps, cycles),
                "cublas_dw": spans(lambda: torch.mm(dq.t(), x, out=dw), flusher, args.reps, cycles)}
-        for pair in args.pairs.split(","):
+        for cfg in filter(None, args.dw.split(",")):
+            r = {}
+            try:
+                ldw = projection.tma_matmul(dq, x, dw, trans_a=True, config=parse(cfg), sms=sms)
+                dw.fill_(float("nan"))
+                ldw()
+                torch.cuda.synchronize()
+                r["close"] = [closeness(dw, rdw)]
+                r["dw"] = spans(ldw, flusher, args.reps, cycles)
+            except Exception as e:  # noqa: BLE001 -- a config that does not fit: recorded
+                r["error"] = repr(e)[:300]
+            row["dw " + cfg] = r
+        for pair in filter(None, args.pairs.split(",")):
             cx, cw = (parse(c) for c in pair.split("+"))
             r = {}
             try:
@@ -118,7 +132,11 @@ def main() -> int:
     print(f"\n{torch.cuda.get_device_name()} | cold L2 | GPU-only span, median of {args.reps}, us")
     for r in rows:
         print(f"tokens {r['tokens']}: cuBLAS {r['cublas']:.1f} (dx {r['cublas_dx']:.1f}, dw {r['cublas_dw']:.1f})")
-        for pair in args.pairs.split(","):
+        for cfg in filter(None, args.dw.split(",")):
+            v = r["dw " + cfg]
+            print(f"  dW {cfg:<31s} " + (f"ERROR {v['error'][:120]}" if "error" in v else
+                                           f"dw {v['dw']:6.1f}  close {v['close'][0]:.4f}"))
+        for pair in filter(None, args.pairs.split(",")):
             v = r[pair]
             if "error" in v:
                 print(f"  {pair:<34s} ERROR {v['error'][:120]}")
