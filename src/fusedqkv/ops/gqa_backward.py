@@ -4,7 +4,7 @@
 its 6 outputs. It reproduces the eager reference's low-precision rounding points
 (``exact`` mode of the RoPE/QK-norm stage), so dQKV matches the reference's
 ``grad_qkv_states`` and the result passes the official tolerance check; then
-dX = dQKV . W and dW = dQKV^T . X run on cuBLAS, or at few tokens as Triton TMA kernels chained
+dX = dQKV . W and dW = dQKV^T . X run on cuBLAS, or to ~2.5k tokens partly as Triton TMA kernels chained
 behind the stage (``ops/projection.py``).
 
 Head counts and sizes come from the tensors: 091's configuration (32 query heads,
@@ -167,8 +167,8 @@ def gqa_qkv_rope_qk_norm_backward(
         sms = sm_count(device)
         # which products run where: "chain" (few tokens: both products as Triton launches chained
         # behind the stage -- a torch.mm costs the host ~15 us before its kernel is queued, and the
-        # GPU would wait -- dX and dW side by side on the GPU), "hybrid" (a few hundred tokens: dW
-        # in Triton right behind the stage, the cuBLAS dX queued while it runs), or cuBLAS both
+        # GPU would wait -- dX and dW side by side on the GPU), "hybrid" (to ~2.5k tokens: dW in
+        # Triton right behind the stage, the cuBLAS dX queued while it runs), or cuBLAS both
         path = "cublas"
         if backend == "triton" and x2d is not None:
             if dx.dim() == 2 and projection.chain_eligible(M, sz["dtype"], device, sms, dqkv, qkv_weight, x2d, dx,

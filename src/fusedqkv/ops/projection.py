@@ -5,14 +5,14 @@ soon the host queues each launch after the stage -- ``torch.mm`` costs the host 
 Triton launch through :class:`FastLaunch` a few -- and the products are bound by memory: dX
 streams the weight in, dW streams its result out. So:
 
-* to 256 tokens, where dX's tiles spread evenly over the SMs, the *PDL chain*
+* to 128 tokens, where dX's tiles spread evenly over the SMs, the *PDL chain*
   (``chain_launches``): two persistent TMA kernels queued right behind the stage as
   programmatic dependent launches, dX and dW side by side on the GPU;
-* otherwise to 600 tokens, the *hybrid* (``hybrid_dw_launch``): dW as the chain's kernel right
-  behind the stage, the cuBLAS dX queued by the host while it runs;
+* otherwise to 2560 tokens, the *hybrid* (``hybrid_dw_launch``): dW as the chain's kernel right
+  behind the stage (as fast as cuBLAS's there), the cuBLAS dX queued by the host while it runs;
 * above, both products on cuBLAS (``torch.mm``).
 
-(benchmarks/NOTES.md, session 4.)
+(benchmarks/NOTES.md, sessions 4 and 6.)
 """
 
 from __future__ import annotations
@@ -68,9 +68,10 @@ def tma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, trans_a: bo
 # ---------------------------------------------------------------------------------------------
 # dX and dW as two persistent TMA launches chained behind the stage (few tokens)
 # ---------------------------------------------------------------------------------------------
-# Largest token count whose products run as the PDL chain stage -> dX -> dW (0: never).
-# FUSEDQKV_CHAIN_MAX_TOKENS overrides.
-CHAIN_MAX_TOKENS = int(os.environ.get("FUSEDQKV_CHAIN_MAX_TOKENS", "256"))
+# Largest token count whose products run as the PDL chain stage -> dX -> dW (0: never). Above
+# 128 tokens the hybrid (below) is faster since its dW got cuBLAS-fast (256 tokens: 67.1 vs 68.7
+# us without host gaps; session 6 in NOTES). FUSEDQKV_CHAIN_MAX_TOKENS overrides.
+CHAIN_MAX_TOKENS = int(os.environ.get("FUSEDQKV_CHAIN_MAX_TOKENS", "128"))
 # ... and only where dX's tiles spread evenly over the SMs (tiles / SMs over its ceiling):
 # at 131 tokens three rows of tiles put two tiles on some SMs and one on others, and dX takes
 # twice as long (benchmarks/NOTES.md)
@@ -81,7 +82,9 @@ CHAIN_MIN_BALANCE = 0.85
 CHAIN_DX = (64, 64, 64, 4, 6, 1)
 CHAIN_DW = (128, 128, 64, 8, 2, 1)
 CHAIN_DX_ABOVE_128 = (64, 64, 64, 4, 6, 2)
-CHAIN_DW_ABOVE_128 = (128, 128, 64, 8, 2, 2)
+# (one warpgroup per 128 x 128 tile, 32-token K steps four deep: 59.0 vs 62.7 us for the pair at 256
+# tokens; session 6 in NOTES)
+CHAIN_DW_ABOVE_128 = (128, 128, 32, 4, 4, 2)
 # Under TRITON_INTERPRET=1 the chain runs only when asked (its GEMMs are slow to emulate;
 # the tests turn it on at small sizes)
 CHAIN_IN_INTERPRETER = False
@@ -135,12 +138,17 @@ NORM_FINISH_IN_DW = os.environ.get("FUSEDQKV_NORM_FINISH_IN_DW", "1") != "0"
 
 # From here to HYBRID_MAX_TOKENS tokens (where the chain does not apply), dW runs as the chain's
 # Triton kernel right behind the stage and cuBLAS does dX: the host's torch.mm time is spent
-# while dW runs instead of between the stage and the first product (0: never). Measured at
-# 131-586 tokens (benchmarks/NOTES.md, "hybrid"): 2-6 us slower than cuBLAS when the host is
-# quick, 17-25 us faster when it is not.
+# while dW runs instead of between the stage and the first product, cuBLAS's dW (a memset, then
+# its kernel ~3 us later) is replaced by one as fast, and the stage leaves its norm-weight
+# finish to dW (0: never). Measured on the H200 without host gaps (session 6 in NOTES): 131
+# tokens 56.5 vs 67.9 us (the previous dW tile), 586 108.3 vs 122.1, 1571 242.1 vs 248.0
+# (cuBLAS both), 2164 319.2 vs 324.1; but 4096 588.4 vs 579.7 (Triton's dW 274 vs cuBLAS 260).
 # FUSEDQKV_HYBRID_MAX_TOKENS overrides.
-HYBRID_MAX_TOKENS = int(os.environ.get("FUSEDQKV_HYBRID_MAX_TOKENS", "600"))
-HYBRID_DW = (128, 128, 64, 8, 2, 2)
+HYBRID_MAX_TOKENS = int(os.environ.get("FUSEDQKV_HYBRID_MAX_TOKENS", "2560"))
+# one warpgroup per 128 x 128 tile, 32-token K steps five deep, two programs per SM: as fast as
+# cuBLAS's dW from 128 to 2048 tokens on the H200 (512 tokens: 43.3 vs 45.1 us; the 8-warp,
+# 64-token-step tile took 55.1); session 6 in NOTES
+HYBRID_DW = (128, 128, 32, 4, 5, 2)
 
 
 def hybrid_eligible(M: int, dtype: torch.dtype, device: torch.device, dqkv: torch.Tensor, x2d: torch.Tensor,
