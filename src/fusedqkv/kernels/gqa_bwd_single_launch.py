@@ -65,7 +65,7 @@ def gqa_bwd_single_launch_kernel(
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, RECOMPUTE_RSTD: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-    BJ: tl.constexpr, BKW: tl.constexpr, STAGES: tl.constexpr, PHASE: tl.constexpr,
+    BJ: tl.constexpr, BKW: tl.constexpr, STAGES: tl.constexpr, PHASE: tl.constexpr, LP2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -82,7 +82,7 @@ def gqa_bwd_single_launch_kernel(
                 gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr, M, S, HQ, HKV, eps,
                 gq_ptr, gq_ptr, gq_ptr, gq_ptr,  # no TMA descriptors: placeholders
                 D, HALF, HALF_P2, D_P2, BLOCK_T, HB, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, False, 32,
-                RECOMPUTE_RSTD, PF, False, 1, 1, 1, False,
+                RECOMPUTE_RSTD, PF, False, 1, 1, 1, False, LP2,
             )
     if PHASE == 3:
         _grid_barrier(tick_ptr + n_dx_tiles, nprog)

@@ -110,11 +110,12 @@ def _to_lp(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _lp_mul(a, b):
+def _lp_mul(a, b, HW: tl.constexpr):
     """a * b of two 16-bit float tensors in that dtype: one rounding, as an eager bf16/fp16
     multiply (the exact product of two 16-bit values fits in fp32, so rounding it to 16 bits
-    once is what float math then a cast gives). Two elements per instruction."""
-    if _SOFT_BF16_ROUND:
+    once is what float math then a cast gives). ``HW`` (sm_90 and newer): two elements per
+    instruction; else fp32 math and a cast, the same result."""
+    if _SOFT_BF16_ROUND or not HW:
         return _rnd(a.to(tl.float32) * b.to(tl.float32), a.dtype, True).to(a.dtype)
     elif a.dtype == tl.bfloat16:
         return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.bfloat16,
@@ -125,11 +126,11 @@ def _lp_mul(a, b):
 
 
 @triton.jit
-def _lp_add(a, b):
+def _lp_add(a, b, HW: tl.constexpr):
     """a + b of two 16-bit float tensors in that dtype, one rounding (as eager: a sum of two
     16-bit values either fits in fp32 or differs from the larger by less than half its
-    16-bit ulp, so float math then a cast rounds the same)."""
-    if _SOFT_BF16_ROUND:
+    16-bit ulp, so float math then a cast rounds the same). ``HW`` as for ``_lp_mul``."""
+    if _SOFT_BF16_ROUND or not HW:
         return _rnd(a.to(tl.float32) + b.to(tl.float32), a.dtype, True).to(a.dtype)
     elif a.dtype == tl.bfloat16:
         return tl.inline_asm_elementwise("add.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.bfloat16,
@@ -140,9 +141,9 @@ def _lp_add(a, b):
 
 
 @triton.jit
-def _lp_sub(a, b):
+def _lp_sub(a, b, HW: tl.constexpr):
     """a - b, as ``_lp_add``."""
-    if _SOFT_BF16_ROUND:
+    if _SOFT_BF16_ROUND or not HW:
         return _rnd(a.to(tl.float32) - b.to(tl.float32), a.dtype, True).to(a.dtype)
     elif a.dtype == tl.bfloat16:
         return tl.inline_asm_elementwise("sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.bfloat16,
@@ -221,7 +222,7 @@ def _head_set_bwd(
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
     DT: tl.constexpr, EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
     SAVED_ROTATED: tl.constexpr, GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr, HB: tl.constexpr,
-    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr, TMA: tl.constexpr,
+    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr, TMA: tl.constexpr, LP2: tl.constexpr,
 ):
     """Backward of heads [H0, H1) of one head set (query or key) for BLOCK_T tokens.
 
@@ -283,8 +284,8 @@ def _head_set_bwd(
             # more; for a saved raw tensor it is the forward rotation -- one formula.
             if LP:
                 # x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1)
-                o1r = _lp_sub(_lp_mul(x1r, c1), _lp_mul(x2r, s1))
-                o2r = _lp_add(_lp_mul(x2r, c2), _lp_mul(x1r, s2))
+                o1r = _lp_sub(_lp_mul(x1r, c1, LP2), _lp_mul(x2r, s1, LP2), LP2)
+                o2r = _lp_add(_lp_mul(x2r, c2, LP2), _lp_mul(x1r, s2, LP2), LP2)
                 o1 = o1r.to(tl.float32)
                 o2 = o2r.to(tl.float32)
             else:
@@ -312,8 +313,8 @@ def _head_set_bwd(
                 q1r = _to_lp(gn1, DT)
                 q2r = _to_lp(gn2, DT)
                 # RoPE transpose as 091's reference: g*cos + cat(g2, -g1)*sin (see _rope_bwd)
-                dx1 = _lp_add(_lp_mul(q1r, c1), _lp_mul(q2r, s1))
-                dx2 = _lp_sub(_lp_mul(q2r, c2), _lp_mul(q1r, s2))
+                dx1 = _lp_add(_lp_mul(q1r, c1, LP2), _lp_mul(q2r, s1, LP2), LP2)
+                dx2 = _lp_sub(_lp_mul(q2r, c2, LP2), _lp_mul(q1r, s2, LP2), LP2)
             else:
                 gn1, gn2, a1, a2 = _rms_norm_bwd(g1, g2, n1, n2, r, w1, w2, D, DT, EXACT)
                 dx1, dx2 = _rope_bwd(gn1, gn2, cf1, cf2, sf1, sf2, DT, EXACT)
@@ -341,10 +342,10 @@ def _head_set_bwd(
         if GRAD_COS_SIN:
             # d/dcos: g * p ; d/dsin: g * rotate_half(p), rotate_half(p) = cat(-p2, p1)
             if LP:
-                cs1 += _lp_mul(q1r, p1r).to(tl.float32)
-                cs2 += _lp_mul(q2r, p2r).to(tl.float32)
-                sn1 -= _lp_mul(q1r, p2r).to(tl.float32)
-                sn2 += _lp_mul(q2r, p1r).to(tl.float32)
+                cs1 += _lp_mul(q1r, p1r, LP2).to(tl.float32)
+                cs2 += _lp_mul(q2r, p2r, LP2).to(tl.float32)
+                sn1 -= _lp_mul(q1r, p2r, LP2).to(tl.float32)
+                sn2 += _lp_mul(q2r, p1r, LP2).to(tl.float32)
             else:
                 cs1 += _rnd(q1 * p1, DT, EXACT)
                 cs2 += _rnd(q2 * p2, DT, EXACT)
@@ -428,6 +429,7 @@ def rope_qk_norm_bwd_kernel(
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
     GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr, TMA: tl.constexpr,
+    LP2: tl.constexpr,
 ):
     """Grid (token blocks, kinds): one ``_stage_program`` per program; axis 1 picks the
     query+key work (0) or the value copy (1) -- GROUPED: a query group, a key group, or the
@@ -441,7 +443,7 @@ def rope_qk_norm_bwd_kernel(
         sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr, M, S, HQ, HKV, eps,
         gq_desc, xq_desc, gk_desc, xk_desc,
         D, HALF, HALF_P2, D_P2, BLOCK_T, HB, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, FUSED_FINISH,
-        SUPER, RECOMPUTE_RSTD, PF, GROUPED, NQG, NKG, GSIZE, TMA
+        SUPER, RECOMPUTE_RSTD, PF, GROUPED, NQG, NKG, GSIZE, TMA, LP2
     )
 
 
@@ -473,6 +475,7 @@ def _stage_program(
     GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
     GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr, TMA: tl.constexpr,
+    LP2: tl.constexpr,
 ):
     """One work item of the backward stage: a block of BLOCK_T tokens, and either every query
     and key head of it (grad_cos/grad_sin complete in the program: no partials), or -- GROUPED,
@@ -521,7 +524,7 @@ def _stage_program(
                     h0, tl.minimum(h0 + GSIZE, HQ), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
                     gq_desc, xq_desc, b0, s0,
                     D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                    RECOMPUTE_RSTD, PF, TMA,
+                    RECOMPUTE_RSTD, PF, TMA, LP2,
                 )
             else:
                 h0 = (kind - NQG) * GSIZE
@@ -531,7 +534,7 @@ def _stage_program(
                     h0, tl.minimum(h0 + GSIZE, HKV), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
                     gk_desc, xk_desc, b0, s0,
                     D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                    RECOMPUTE_RSTD, PF, TMA,
+                    RECOMPUTE_RSTD, PF, TMA, LP2,
                 )
             # partials: this group's head sums of grad_cos/sin per token [groups, 2, M, D] and its
             # norm-weight row [blocks, groups, D], fp32
@@ -562,7 +565,7 @@ def _stage_program(
                 0, HQ, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
                 gq_desc, xq_desc, b0, s0,
                 D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                RECOMPUTE_RSTD, PF, TMA,
+                RECOMPUTE_RSTD, PF, TMA, LP2,
             )
             # norm-weight partials [programs, 2 (query, key), D] fp32
             wrow = wpart_ptr + pid * 2 * D
@@ -586,7 +589,7 @@ def _stage_program(
                 0, HKV, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, c_1, c_2, s_1, s_2,
                 gk_desc, xk_desc, b0, s0,
                 D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                RECOMPUTE_RSTD, PF, TMA,
+                RECOMPUTE_RSTD, PF, TMA, LP2,
             )
             tl.store(wrow + D + dh, a1, mask=hm)
             tl.store(wrow + D + HALF + dh, a2, mask=hm)

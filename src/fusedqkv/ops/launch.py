@@ -13,12 +13,27 @@ time, and afterwards calls the compiled kernel's launcher directly.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
 import torch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def sm90_or_newer(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer (Hopper on): what TMA descriptors,
+    programmatic dependent launch and the 16-bit pair arithmetic of the exact stage need.
+    Older GPUs take the per-thread loads, fp32 math with a cast (the same roundings) and cuBLAS."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
 def _is_desc(a) -> bool:

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from .launch import _INTERPRET, kernel
+from .launch import _INTERPRET, kernel, sm90_or_newer
 from .rope_qk_norm import _next_pow2
 
 
@@ -106,7 +106,7 @@ def chain_balance(M: int, HIDDEN: int, sms: int) -> float:
 def _triton_products_allowed(M: int, max_tokens: int, dtype: torch.dtype, device: torch.device,
                              operands) -> bool:
     return (0 < M <= max_tokens and dtype in (torch.bfloat16, torch.float16)
-            and (device.type == "cuda" or (_INTERPRET and CHAIN_IN_INTERPRETER))
+            and ((device.type == "cuda" and sm90_or_newer(device)) or (_INTERPRET and CHAIN_IN_INTERPRETER))
             and all(_tma_ready(t) for t in operands))
 
 

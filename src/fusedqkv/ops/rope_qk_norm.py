@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .launch import _INTERPRET, FastLaunch, kernel
+from .launch import _INTERPRET, FastLaunch, kernel, sm90_or_newer
 
 
 def _next_pow2(n: int) -> int:
@@ -165,7 +165,7 @@ STAGE_TMA = os.environ.get("FUSEDQKV_STAGE_TMA", "1") != "0"
 def _tma_4d(t: torch.Tensor, half: int) -> bool:
     """A [B, H, S, D] tensor a TMA descriptor can address in [1, 1, rows, D/2] boxes."""
     es = t.element_size()
-    return (t.is_cuda or _INTERPRET) and t.stride(3) == 1 and t.data_ptr() % 16 == 0 and half & (half - 1) == 0 \
+    return (_INTERPRET or (t.is_cuda and sm90_or_newer(t.device))) and t.stride(3) == 1 and t.data_ptr() % 16 == 0 and half & (half - 1) == 0 \
         and half * es >= 16 and all((st * es) % 16 == 0 for st in t.stride()[:3])
 
 
@@ -299,6 +299,7 @@ def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, g
         EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
         GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,
         PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1), TMA=tma,
+        LP2=sm90_or_newer(gq.device),
         num_warps=num_warps, enable_fp_fusion=fp_fusion,
         **({"maxnreg": MAX_REGISTERS_GROUPED_8 if grouped and block_t == 8 else MAX_REGISTERS}
            if num_warps == 4 and gq.is_cuda else {}),

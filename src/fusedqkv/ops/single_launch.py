@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .launch import _INTERPRET, kernel
+from .launch import _INTERPRET, kernel, sm90_or_newer
 from .rope_qk_norm import PREFETCH, _next_pow2, sm_count, stage_tensor_args, ticket_buffer
 
 # Largest token count that takes the single launch. Off (0) by default: on the H200 its GEMM phase ran
@@ -74,7 +74,7 @@ def backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, x2d, W, *, dqkv, dx2d
     meta = dict(D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=BLOCK_T, HB=HB,
                 PF=PREFETCH, EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
                 GRAD_COS_SIN=grad_cos_sin, RECOMPUTE_RSTD=recompute,
-                BM=BM, BN=BN, BK=BK, SPLIT=split, BJ=BJ, BKW=BKW, STAGES=STAGES,
+                BM=BM, BN=BN, BK=BK, SPLIT=split, BJ=BJ, BKW=BKW, STAGES=STAGES, LP2=sm90_or_newer(dev),
                 num_warps=NUM_WARPS, enable_fp_fusion=not exact)
     k = kernel("gqa_bwd_single_launch", "gqa_bwd_single_launch_kernel")
     if _INTERPRET or dev.type != "cuda" or SPLIT_PHASES:
