@@ -142,7 +142,9 @@ NORM_FINISH_IN_DW = os.environ.get("FUSEDQKV_NORM_FINISH_IN_DW", "1") != "0"
 # its kernel ~3 us later) is replaced by one as fast, and the stage leaves its norm-weight
 # finish to dW (0: never). Measured on the H200 without host gaps (session 6 in NOTES): 131
 # tokens 56.5 vs 67.9 us (the previous dW tile), 586 108.3 vs 122.1, 1571 242.1 vs 248.0
-# (cuBLAS both), 2164 319.2 vs 324.1; but 4096 588.4 vs 579.7 (Triton's dW 274 vs cuBLAS 260).
+# (cuBLAS both), 2164 319.2 vs 324.1; but 4096 588.4 vs 579.7 (Triton's dW 274 vs cuBLAS 260;
+# dW alone, the Triton tile falls behind cuBLAS's by more than the memset and finish it saves
+# from ~3k tokens).
 # FUSEDQKV_HYBRID_MAX_TOKENS overrides.
 HYBRID_MAX_TOKENS = int(os.environ.get("FUSEDQKV_HYBRID_MAX_TOKENS", "2560"))
 # one warpgroup per 128 x 128 tile, 32-token K steps five deep, two programs per SM: as fast as
