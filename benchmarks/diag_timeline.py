@@ -35,7 +35,7 @@ def profile_calls(fn, flusher, reps, sleep_cycles=0):
 
 
 def short(name: str) -> str:
-    for k in ("rope_qk_norm_bwd", "single_launch", "tma_matmul_kernel", "dw_kernel", "dx_kernel", "nvjet", "sm90_xmma", "cutlass", "gemm",
+    for k in ("rope_qk_norm_bwd", "single_launch", "tma_matmul_kernel", "nvjet", "sm90_xmma", "cutlass", "gemm",
               "Kernel"):
         if k in name:
             return k if k != "Kernel" else name[:40]

@@ -653,8 +653,8 @@ def _store_cs_partials(cs_ptr, group, M, tok0, t_end, c1, c2, s1, s2, D: tl.cons
 @triton.jit
 def _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
                           tok0, t_end, M, S, D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
-                          DT: tl.constexpr,
-                          EXACT: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, BLOCK_T: tl.constexpr):
+                          DT: tl.constexpr, EXACT: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr,
+                          BLOCK_T: tl.constexpr):
     """grad_cos/grad_sin of a token block from the head groups' partials: the query groups and
     the key groups summed (fixed order) and rounded separately, then added, as the reference
     does. The group loops are unrolled, so every load is in flight at once (one load per group

@@ -160,10 +160,9 @@ def gqa_qkv_rope_qk_norm_backward(
                 return out
         # the products' operands and launches prepared before the stage's launch: between the
         # launches the host does nothing but enqueue (at a few hundred tokens the GPU waits for it)
-        x = hidden_states.reshape(M, sz["hidden"])
+        x2d = _as_matrix(hidden_states, M, sz["hidden"])  # None: no view; cuBLAS then reads a copy
+        x = x2d if x2d is not None else hidden_states.reshape(M, sz["hidden"])
         dx = g_hidden.view(M, sz["hidden"]) if g_hidden.is_contiguous() else g_hidden
-        dqkv_t = dqkv.t()
-        x2d = _as_matrix(hidden_states, M, sz["hidden"])
         sms = sm_count(device)
         # which products run where: "chain" (few tokens: both products as Triton launches chained
         # behind the stage -- a torch.mm costs the host ~15 us before its kernel is queued, and the
@@ -200,7 +199,7 @@ def gqa_qkv_rope_qk_norm_backward(
         if launch_dx is None:
             _mm_into(dqkv, qkv_weight, dx)
         if launch_dw is None:
-            _mm_into(dqkv_t, x, g_weight)
+            _mm_into(dqkv.t(), x, g_weight)
         if not finish_in_dw:  # (else dW has run it)
             finish()
         return out

@@ -165,8 +165,10 @@ STAGE_TMA = os.environ.get("FUSEDQKV_STAGE_TMA", "1") != "0"
 def _tma_4d(t: torch.Tensor, half: int) -> bool:
     """A [B, H, S, D] tensor a TMA descriptor can address in [1, 1, rows, D/2] boxes."""
     es = t.element_size()
-    return (_INTERPRET or (t.is_cuda and sm90_or_newer(t.device))) and t.stride(3) == 1 and t.data_ptr() % 16 == 0 and half & (half - 1) == 0 \
-        and half * es >= 16 and all((st * es) % 16 == 0 for st in t.stride()[:3])
+    if not (_INTERPRET or (t.is_cuda and sm90_or_newer(t.device))):
+        return False
+    return (t.stride(3) == 1 and t.data_ptr() % 16 == 0 and half & (half - 1) == 0 and half * es >= 16
+            and all((st * es) % 16 == 0 for st in t.stride()[:3]))
 
 
 def _stage_descriptors(block_t: int, half: int, *tensors):
