@@ -36,6 +36,8 @@ from fusedqkv.bench import timing
 
 CONFIGS = {
     "091_h4096_q32_kv8": dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm_position="after_rope"),
+    "h4096_q32_kv8_before": dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                                 qk_norm_position="before_rope"),
     "h5120_q64_kv8": dict(hidden_size=5120, num_heads=64, num_kv_heads=8, head_dim=128, qk_norm_position="before_rope"),
 }
 SMOKE_CONFIGS = {

@@ -115,16 +115,6 @@ def run_sanitize(dev) -> None:
         ok, info = close_to_cpu(got, ref)
         record(f"sanitize_backward_{'x'.join(map(str, shp))}", ok and same(got, got_hf), vs_cpu=info,
                hf_layout_equal=same(got, got_hf))
-        # the experimental single launch (grid barrier, split-K tickets), forced on
-        from fusedqkv.ops import single_launch
-        orig, single_launch.MAX_TOKENS = single_launch.MAX_TOKENS, 1 << 30
-        try:
-            got_sl = bw(*args, backend="triton")
-            torch.cuda.synchronize()
-        finally:
-            single_launch.MAX_TOKENS = orig
-        ok, info = close_to_cpu(got_sl, ref)
-        record(f"sanitize_single_launch_{'x'.join(map(str, shp))}", ok, vs_cpu=info)
     f = getattr(fusedqkv, "gqa_qkv_rope_qk_norm", None)
     if f is None:
         record("sanitize_forward", True, skipped="fusedqkv.gqa_qkv_rope_qk_norm not present")

@@ -1,31 +1,42 @@
-"""Host time of the launches in one 091 backward call, GPU kept busy (so no launch waits):
-what the host spends between the stage's launch and the GEMMs' (the official timer pays it
-as idle GPU time at a few hundred tokens).
+"""Host time per call (us): what a call costs the CPU, the GPU kept out of the way.
 
-    PYTHONPATH=src FUSEDQKV_SOL_EXECBENCH=... python3 benchmarks/host_costs.py [--workloads 11,15]
+N back-to-back calls are timed with ``perf_counter`` behind a GPU sleep long enough that no
+launch ever waits for the GPU (so the number is the host's work alone: validation or plan
+lookup, allocations, launches). Rows:
+
+* the 091 backward (``gqa_qkv_rope_qk_norm_backward``) at the given workloads, with and
+  without ``out=``, and two plain ``torch.mm`` of the same products for scale;
+* the training block (``GQAQKVRoPEQKNorm``) forward alone and forward + backward
+  (``torch.autograd.backward`` on the three outputs), HunyuanImage-3 heads, --train-tokens.
+
+    PYTHONPATH=src FUSEDQKV_SOL_EXECBENCH=... python3 benchmarks/host_costs.py --out DIR \
+        [--workloads 11,2,15,3] [--cprofile]
+
+Prints a table last; writes host_costs.json to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
+import fusedqkv
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
-from fusedqkv.ops import rope_qk_norm as stage
 
 
-def host_us(fn, n=200, reps=5):
-    """Median over reps of the mean host time of n calls, behind a long GPU sleep."""
+def host_us(fn, n=100, reps=7):
+    """Median over reps of the mean host time of n calls, behind a GPU sleep (the queue never drains)."""
     out = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e9 * 1e-3 * n * 0.2))  # ~0.2 ms of GPU sleep per call: the queue never drains
+        torch.cuda._sleep(int(2e9 * 1e-3 * n * 1.0))  # ~1 ms of GPU sleep per call at ~2 GHz
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
@@ -36,44 +47,35 @@ def host_us(fn, n=200, reps=5):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workloads", default="11,15")
-    ap.add_argument("--cprofile", action="store_true", help="also the Python profile of 200 whole calls")
+    ap.add_argument("--out", default="host_costs_out")
+    ap.add_argument("--workloads", default="11,2,15,3", help="091 workloads (128, 131, 512, 1571 tokens)")
+    ap.add_argument("--train-tokens", type=int, default=512)
+    ap.add_argument("--cprofile", action="store_true", help="also the Python profile of 200 calls (091, out=)")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     defn = problem.load_definition()
     dev = torch.device("cuda")
+    rows = []
     for wi in (int(x) for x in args.workloads.split(",")):
         w = defn.workloads[wi]
         a = list(problem.generate_inputs(defn, w, device=dev, seed=w.index).values())
-        gq, gk, gv, hs, cos, sin, W, wq, wk, xq, xk, rq, rk, eps = a
-        M = w.tokens
         out = tuple(torch.empty_like(t) for t in gqa_qkv_rope_qk_norm_backward(*a))
-        dq = torch.empty(M, W.shape[0], device=dev, dtype=gq.dtype)
-        x = hs.reshape(M, -1)
+        M = w.tokens
+        dq = torch.empty(M, a[6].shape[0], device=dev, dtype=a[0].dtype)
+        x = a[3].reshape(M, -1)
         dx = out[0].view(M, -1)
-        gc, gs = torch.empty_like(cos), torch.empty_like(sin)
-        g1, g2 = torch.empty_like(wq), torch.empty_like(wk)
-        Wt = W.t()
-        dqt = dq.t()
         cases = {
-            "full call (out=)": lambda: gqa_qkv_rope_qk_norm_backward(*a, out=out),
-            "validate": lambda: __import__("fusedqkv.ops.gqa_backward", fromlist=["x"]).validate_backward_inputs(a),
-            "stage launch": lambda: stage.rope_qk_norm_backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv=dq,
-                                                                grad_cos=gc, grad_sin=gs, grad_q_norm_weight=g1,
-                                                                grad_k_norm_weight=g2, exact=True, scratch=dx),
-            "mm(dqkv, W, out=)": lambda: torch.mm(dq, W, out=dx),
-            "mm(dqkv^T, X, out=)": lambda: torch.mm(dqt, x, out=out[3]),
-            "mm(dqkv, W)": lambda: torch.mm(dq, W),
-            "F.linear(dqkv, W^T)": lambda: F.linear(dq, Wt),
-            "addmm(out=, beta=0)": lambda: torch.addmm(dx, dq, W, beta=0, out=dx),
-            "aten.mm.out": lambda: torch.ops.aten.mm.out(dq, W, out=dx),
-            "torch.empty": lambda: torch.empty(M, W.shape[0], device=dev, dtype=gq.dtype),
+            "091 call, out=": lambda: gqa_qkv_rope_qk_norm_backward(*a, out=out),
+            "091 call": lambda: gqa_qkv_rope_qk_norm_backward(*a),
+            "two torch.mm (out=)": lambda: (torch.mm(dq, a[6], out=dx), torch.mm(dq.t(), x, out=out[3])),
         }
-        print(f"\n{w.name} M={M}: host us per call (GPU busy)")
-        for k, fn in cases.items():
+        for name, fn in cases.items():
             fn()
-            print(f"  {k:<24s} {host_us(fn):8.1f}", flush=True)
-        if args.cprofile:
+            rows.append({"case": name, "workload": w.name, "tokens": M, "host_us": host_us(fn)})
+            print(f"{w.name:<14s} {name:<22s} {rows[-1]['host_us']:8.1f} us", flush=True)
+        if args.cprofile and wi == int(args.workloads.split(",")[0]):
             import cProfile
+            import io
             import pstats
 
             pr = cProfile.Profile()
@@ -82,7 +84,58 @@ def main() -> int:
                 gqa_qkv_rope_qk_norm_backward(*a, out=out)
             pr.disable()
             torch.cuda.synchronize()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(16)
+            print(s.getvalue())
+    # the training block: HunyuanImage-3 heads, bf16
+    torch.manual_seed(0)
+    for position in ("after_rope", "before_rope"):
+        block = fusedqkv.GQAQKVRoPEQKNorm(4096, 32, 8, 128, qk_norm_position=position, device=dev,
+                                          dtype=torch.bfloat16)
+        T = args.train_tokens
+        hs = torch.randn(1, T, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        ang = torch.randn(1, T, 128, device=dev)
+        cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+        q, k, v = block(hs, cos, sin)
+        grads = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
+
+        def fwd():
+            with torch.no_grad():
+                block(hs, cos, sin)
+
+        def fwd_bwd():
+            torch.autograd.backward(block(hs, cos, sin), grads)
+
+        from fusedqkv.ops import plan as _plan
+
+        for name, fn in (("training forward (no_grad)", fwd), ("training forward+backward", fwd_bwd)):
+            fn()
+            m0 = (_plan._FORWARD.misses, _plan._TRAINING_BACKWARD.misses)
+            for _ in range(5):
+                fn()
+            print(f"plan-cache misses in 5 calls: forward {_plan._FORWARD.misses - m0[0]}, "
+                  f"backward {_plan._TRAINING_BACKWARD.misses - m0[1]}")
+            if args.cprofile and position == "after_rope":
+                import cProfile
+                import io
+                import pstats
+
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(100):
+                    fn()
+                pr.disable()
+                torch.cuda.synchronize()
+                s = io.StringIO()
+                pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+                print(s.getvalue())
+            rows.append({"case": f"{name} {position}", "workload": f"T{T}", "tokens": T, "host_us": host_us(fn, n=50)})
+            print(f"T{T:<13d} {name + ' ' + position:<40s} {rows[-1]['host_us']:8.1f} us", flush=True)
+    with open(os.path.join(args.out, "host_costs.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(f"\nhost time per call (us, median of 7 x N calls, GPU never waited on) | {torch.cuda.get_device_name()}")
+    for r in rows:
+        print(f"  {r['workload']:<14s} {r['tokens']:6d} {r['case']:<45s} {r['host_us']:8.1f}")
     return 0
 
 

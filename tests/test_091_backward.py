@@ -10,8 +10,7 @@ import torch
 
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
-from fusedqkv.ops import rope_qk_norm as stage
-from fusedqkv.ops import projection, single_launch
+from fusedqkv.ops import config, plan, projection
 
 DEFN = problem.load_definition()
 REF = problem.load_official_reference()
@@ -65,24 +64,23 @@ STAGE_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("finish,config", [("fused", "auto"), ("fused_small_runs", "auto"), ("kernel", "auto")]
+@pytest.mark.parametrize("finish,config_name", [("fused", "auto"), ("fused_small_runs", "auto"), ("kernel", "auto")]
                          + [("fused", c) for c in STAGE_CONFIGS] + [("fused_small_runs", "grouped_2heads")])
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
-def test_triton_kernel_bit_equals_cpu_path(shape, finish, config, monkeypatch):
-    # the stage kernel, then torch.mm (the Triton products and the single launch: below)
-    monkeypatch.setattr(single_launch, "MAX_TOKENS", 0)
-    monkeypatch.setattr(stage, "FUSED_FINISH", finish != "kernel")
+def test_triton_kernel_bit_equals_cpu_path(shape, finish, config_name):
+    # the stage kernel, then torch.mm (the Triton products: below)
+    changes = dict(fused_finish=finish != "kernel")
     if finish == "fused_small_runs":
         # runs of 2 programs: both levels of the fused norm-weight reduction, the second
         # one over several tiles of super rows once there are more than 4 programs
-        monkeypatch.setattr(stage, "_SUPER", 2)
-    if config != "auto":
-        bt, hb, pf, gs = STAGE_CONFIGS[config]
-        monkeypatch.setattr(stage, "_launch_config", lambda *_a: (bt, hb, stage._warps_for(bt * hb, shape[4], 4),
-                                                                  pf, gs))
+        changes["finish_super_rows"] = 2
+    if config_name != "auto":
+        bt, hb, pf, gs = STAGE_CONFIGS[config_name]
+        changes["stage_tile"] = (bt, hb, 0, pf, gs)
     args = make_inputs(*shape, seed=sum(shape))
-    cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
-    tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    with config.override(**changes):
+        cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
+        tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
     for name, a, b in zip(("grad_hidden_states", "grad_cos", "grad_sin", "grad_qkv_weight",
                            "grad_q_norm_weight", "grad_k_norm_weight"), cpu, tri):
         assert torch.equal(a, b), name
@@ -102,85 +100,72 @@ def _assert_product_close(name, a, b):
     assert (a == b).float().mean() > 0.98, name
 
 
+def _last_plan():
+    return plan._BACKWARD_091.recent[0][2]
+
+
 @pytest.mark.parametrize("finish", ["finish_in_dw", "finish_in_stage"])
 @pytest.mark.parametrize("products", ["pdl_chain", "hybrid"])
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
-def test_triton_products_match_cpu_path(shape, products, finish, monkeypatch):
+def test_triton_products_match_cpu_path(shape, products, finish):
     """The stage, then the products as the persistent TMA kernels: both chained behind the stage
     (pdl_chain), or dW only with dX on torch.mm (hybrid); the norm-weight finish run by the dW
     launch or at the stage's end. The stage's outputs bit-equal to the CPU path, the Triton
     products within one bf16 rounding of torch.mm on the same dQKV, and repeated calls bitwise
     identical."""
-    monkeypatch.setattr(single_launch, "MAX_TOKENS", 0)
-    monkeypatch.setattr(projection, "NORM_FINISH_IN_DW", finish == "finish_in_dw")
-    finishes = []
-    real_tma = projection.tma_matmul
-    monkeypatch.setattr(projection, "tma_matmul",
-                        lambda *a, **k: finishes.append(k.get("finish") is not None) or real_tma(*a, **k))
+    changes = dict(triton_products_in_interpreter=True, norm_finish_in_dw=finish == "finish_in_dw")
     if products == "pdl_chain":  # dX and dW as persistent TMA launches behind the stage
-        monkeypatch.setattr(projection, "CHAIN_IN_INTERPRETER", True)
-        monkeypatch.setattr(projection, "CHAIN_MIN_BALANCE", 0.0)  # a performance rule (tested below)
         # small tiles, fewer programs than tiles: several tiles per program, a partial last
-        # tile and K step (hidden 144, ragged token counts)
-        monkeypatch.setattr(projection, "CHAIN_DX", (16, 32, 32, 4, 2, 1))
-        monkeypatch.setattr(projection, "CHAIN_DW", (32, 64, 16, 4, 2, 1))
-        used = []
-        real = projection.chain_launches
-        monkeypatch.setattr(projection, "chain_launches", lambda *a, **k: used.append(1) or real(*a, **k))
-    if products == "hybrid":  # dW as the chain's TMA kernel behind the stage, dX torch.mm
-        monkeypatch.setattr(projection, "CHAIN_IN_INTERPRETER", True)
-        monkeypatch.setattr(projection, "CHAIN_MAX_TOKENS", 0)
-        monkeypatch.setattr(projection, "HYBRID_MAX_TOKENS", 1 << 20)
-        monkeypatch.setattr(projection, "HYBRID_DW", (32, 64, 16, 4, 2, 1))
-        used = []
-        real = projection.hybrid_dw_launch
-        monkeypatch.setattr(projection, "hybrid_dw_launch", lambda *a, **k: used.append(1) or real(*a, **k))
+        # tile and K step (hidden 144, ragged token counts); balance is a performance rule
+        changes.update(chain_min_balance=0.0, chain_dx=(16, 32, 32, 4, 2, 1), chain_dw=(32, 64, 16, 4, 2, 1))
+    else:  # dW as the chain's TMA kernel behind the stage, dX torch.mm
+        changes.update(chain_max_tokens=0, hybrid_max_tokens=1 << 20, hybrid_dw=(32, 64, 16, 4, 2, 1))
     args = make_inputs(*shape, hidden=144, seed=sum(shape))  # 144: a partial 128-wide tile
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
-    tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    with config.override(**changes):
+        tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+        used = _last_plan()
+        again = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
     _assert_stage_outputs_equal(cpu, tri)
     _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
-    assert used
+    assert used.path == ("chain" if products == "pdl_chain" else "hybrid")
     if products == "hybrid":
         assert torch.equal(cpu[0], tri[0])  # torch.mm, as on the CPU path
     else:
         _assert_product_close("grad_hidden_states", cpu[0], tri[0])
-    again = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
     assert all(torch.equal(x, y) for x, y in zip(tri, again))
-    # the finish went to exactly one launch (dW) or to none
-    assert finishes.count(True) == (2 if finish == "finish_in_dw" else 0)
+    # the finish went to the dW launch, or stayed in the stage (fused): never a separate launch
+    finishes = [launch.constexprs.get("FINISH", False) for launch in used.launches]
+    assert finishes.count(True) == (1 if finish == "finish_in_dw" else 0)
+    assert used.finish is None
 
 
 @pytest.mark.parametrize("case", ["hidden_not_16B_rows", "strided_weight", "fp32"])
-def test_products_fall_back_to_torch_mm_where_tma_cannot_address(case, monkeypatch):
+def test_products_fall_back_to_torch_mm_where_tma_cannot_address(case):
     """Operands TMA cannot address (rows that are not a multiple of 16 bytes; a weight with a
     non-unit column stride, which only dX reads) and 32-bit activations take torch.mm instead
     of the TMA kernels -- never a failed launch -- and give the CPU path's results."""
-    monkeypatch.setattr(projection, "CHAIN_IN_INTERPRETER", True)
-    monkeypatch.setattr(projection, "CHAIN_MIN_BALANCE", 0.0)
-    used = {"chain": 0, "hybrid": 0}
-    chain, hybrid = projection.chain_launches, projection.hybrid_dw_launch
-    monkeypatch.setattr(projection, "chain_launches", lambda *a, **k: used.update(chain=1) or chain(*a, **k))
-    monkeypatch.setattr(projection, "hybrid_dw_launch", lambda *a, **k: used.update(hybrid=1) or hybrid(*a, **k))
     hidden = 100 if case == "hidden_not_16B_rows" else 64  # 200-byte rows
     args = make_inputs(1, 4, 2, 5, 64, hidden=hidden, seed=11,
                        dtype=torch.float32 if case == "fp32" else torch.bfloat16)
     if case == "strided_weight":
         args[6] = args[6].t().contiguous().t()
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
-    tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    with config.override(triton_products_in_interpreter=True, chain_min_balance=0.0):
+        tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+        path = _last_plan().path
     if case == "fp32":  # fp32 sums in the kernel's order: close, not bit-equal
-        assert used == {"chain": 0, "hybrid": 0}
+        assert path == "cublas"
         for a, b in zip(cpu, tri):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         return
     _assert_stage_outputs_equal(cpu, tri)
     assert torch.equal(cpu[0], tri[0])  # dX: torch.mm in every case
     if case == "strided_weight":  # dW does not read the weight: the hybrid's TMA dW
-        assert used == {"chain": 0, "hybrid": 1}
+        assert path == "hybrid"
         _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
     else:
-        assert used == {"chain": 0, "hybrid": 0}
+        assert path == "cublas"
         assert torch.equal(cpu[3], tri[3])
 
 
@@ -188,27 +173,11 @@ def test_chain_takes_only_evenly_spread_token_counts():
     """The PDL chain's dX tiles on an H200 (132 SMs, hidden 4096): to 128 tokens at most one tile
     per SM; 131 tokens put two on some SMs and one on others (dX twice as long: cuBLAS then);
     256 tokens about two on every SM."""
-    bal = {m: projection.chain_balance(m, 4096, 132) for m in (1, 37, 128, 131, 192, 193, 256)}
+    cfg = config.current()
+    bal = {m: projection.chain_balance(m, 4096, 132, cfg) for m in (1, 37, 128, 131, 192, 193, 256)}
     assert bal[1] == bal[37] == 1.0
-    assert all(bal[m] >= projection.CHAIN_MIN_BALANCE for m in (128, 193, 256))
-    assert all(bal[m] < projection.CHAIN_MIN_BALANCE for m in (131, 192))
-
-
-@pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
-def test_single_launch_matches_cpu_path(shape, monkeypatch):
-    """Stage and both products in one launch (run as its two phases under the interpreter):
-    the stage's outputs bit-equal to the CPU path; dX and dW (Triton tiles, the dX tiles
-    split along the QKV axis and summed in fp32) within one bf16 rounding of cuBLAS-style
-    torch.mm on the same dQKV."""
-    monkeypatch.setattr(single_launch, "MAX_TOKENS", 1 << 20)
-    args = make_inputs(*shape, hidden=144, seed=sum(shape))  # 144: a partial 128-wide tile
-    M = shape[0] * shape[3]
-    assert single_launch.eligible(M, shape[4], torch.bfloat16, torch.device("cpu")) == single_launch._INTERPRET
-    cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
-    tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
-    _assert_stage_outputs_equal(cpu, tri)
-    _assert_product_close("grad_hidden_states", cpu[0], tri[0])
-    _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
+    assert all(bal[m] >= cfg.chain_min_balance for m in (128, 193, 256))
+    assert all(bal[m] < cfg.chain_min_balance for m in (131, 192))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -238,7 +207,7 @@ def test_partials_in_scratch_memory_give_the_same_result(exact):
                [torch.empty(64, dtype=torch.bfloat16) for _ in range(2)]
         rope_qk_norm_backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv=dqkv, grad_cos=outs[0],
                               grad_sin=outs[1], grad_q_norm_weight=outs[2], grad_k_norm_weight=outs[3],
-                              exact=exact, backend="triton", scratch=scratch)()
+                              exact=exact, backend="triton", scratch=scratch)
         return [dqkv, *outs]
 
     scratch = torch.full((65536,), float("nan"), dtype=torch.bfloat16)

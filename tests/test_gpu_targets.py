@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from fusedqkv.ops import launch, projection
+from fusedqkv.ops import config, launch, projection
 
 # Compiled in a child process: the test session runs Triton's interpreter (TRITON_INTERPRET=1),
 # under which the kernels take their emulated 16-bit rounding instead of the GPU code paths.
@@ -20,7 +20,7 @@ _COMPILE = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from fusedqkv.kernels.projection_grads import tma_matmul_kernel
     from fusedqkv.kernels.rope_qk_norm import rope_qk_norm_bwd_kernel
-    from fusedqkv.ops import projection
+    from fusedqkv.ops import config
 
     FP32 = {"cs_ptr", "wpart_ptr", "wsup_ptr", "wgrp_ptr"}
 
@@ -50,7 +50,7 @@ _COMPILE = textwrap.dedent("""
 
     # the hybrid's dW: its programs per SM must fit the SM's shared memory (228 KB, 1 KB per block
     # reserved) on sm_90
-    br, bc, bk, warps, stages, per_sm = projection.HYBRID_DW
+    br, bc, bk, warps, stages, per_sm = config.current().hybrid_dw
     mm = dict(BR=br, BC=bc, BK=bk, TRANS_A=True, NPROG=264, PDL=True, TRIGGER=False, WAIT_AT_END=False,
               FINISH=True, FIN_D=128, FIN_D_P2=128)
     descs = {"a_desc": f"tensordesc<bf16[{bk}, {br}]>", "b_desc": f"tensordesc<bf16[{bk}, {bc}]>",
@@ -90,5 +90,10 @@ def test_triton_products_only_on_sm90(hopper, monkeypatch):
     x = torch.empty(M, hidden, dtype=torch.bfloat16)
     dx = torch.empty(M, hidden, dtype=torch.bfloat16)
     dw = torch.empty(nqkv, hidden, dtype=torch.bfloat16)
-    assert projection.hybrid_eligible(M, torch.bfloat16, cuda, dqkv, x, dw) is hopper
-    assert projection.chain_eligible(M, torch.bfloat16, cuda, 132, dqkv, w, x, dx, dw) is hopper
+    cfg = config.current()
+    expected = "chain" if hopper else "cublas"
+    assert projection.choose_products(M, torch.bfloat16, cuda, 132, dqkv, w, x, dx, dw, cfg) == expected
+    with config.override(chain_max_tokens=0):
+        expected = "hybrid" if hopper else "cublas"
+        assert projection.choose_products(M, torch.bfloat16, cuda, 132, dqkv, w, x, dx, dw,
+                                          config.current()) == expected

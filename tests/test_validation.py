@@ -120,9 +120,9 @@ CASES = [
      ValueError, r"^head_dim .*: 0 is not supported"),
     # ---- qkv_weight / hidden sizes that do not fit the heads
     ("qkv_weight_rows", setarg("qkv_weight", lambda t, a: t[:-D]), ValueError, r"^qkv_weight: expected shape \[512, 32\] \(\[\(num_heads \+ 2\*num_kv_heads\)\*head_dim, hidden_size\] = \[\(4 \+ 2\*2\)\*64, 32\]\), got \[448, 32\]"),
-    ("qkv_weight_hidden", setarg("qkv_weight", lambda t, a: t[:, :16]), ValueError, r"^qkv_weight: expected shape \[512, 32\]"),
+    ("qkv_weight_hidden", setarg("qkv_weight", lambda t, a: t[:, :16]), ValueError, r"^hidden_states / qkv_weight: hidden_states has hidden_size 32 .*but qkv_weight has 16 columns"),
     ("qkv_weight_transposed", setarg("qkv_weight", lambda t, a: t.t()), ValueError, r"^qkv_weight: expected shape \[512, 32\].*got \[32, 512\]"),
-    ("hidden_states_hidden", setarg("hidden_states", lambda t, a: rn(B, S, 2 * HID)), ValueError, r"^qkv_weight: expected shape \[512, 64\]"),
+    ("hidden_states_hidden", setarg("hidden_states", lambda t, a: rn(B, S, 2 * HID)), ValueError, r"^hidden_states / qkv_weight: hidden_states has hidden_size 64 .*but qkv_weight has 32 columns"),
     # ---- dtypes
     ("grad_query_float64", setarg("grad_query", lambda t, a: t.double()), ValueError, r"^grad_query: dtype float64 is not supported; expected one of float32, bfloat16, float16"),
     ("qkv_weight_int", setarg("qkv_weight", lambda t, a: t.to(torch.int32)), ValueError, r"^qkv_weight: dtype int32 is not supported"),
@@ -171,8 +171,11 @@ def no_compute(monkeypatch):
     """Any launch (Triton stage or GEMM) during a rejected call fails the test."""
     def boom(*a, **k):
         raise AssertionError("a kernel was launched before validation rejected the call")
-    monkeypatch.setattr(gqa_backward, "rope_qk_norm_backward", boom)
-    monkeypatch.setattr(gqa_backward, "_mm_into", boom)
+    from fusedqkv.ops import launch, plan
+
+    monkeypatch.setattr(launch.BoundLaunch, "launch", boom)
+    monkeypatch.setattr(plan, "backward_torch", boom)
+    monkeypatch.setattr(plan, "_mm_into", boom)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -285,7 +288,7 @@ FWD_CASES = [
     ("backend_unknown", fset("backend", lambda v, a: "cuda"), ValueError, r"^backend: expected 'triton', 'torch' or None"),
     ("hidden_states_rank2", fset("hidden_states", lambda t, a: t[0]), ValueError, r"^hidden_states: expected a 3-d tensor"),
     ("qkv_weight_rank3", fset("qkv_weight", lambda t, a: t[None]), ValueError, r"^qkv_weight: expected a 2-d tensor"),
-    ("hidden_size_mismatch", fset("hidden_states", lambda t, a: rn(B, S, HID + 1)), ValueError, r"^qkv_weight: expected shape .*\[\(4 \+ 2\*2\)\*head_dim, 33\], got \[512, 32\]"),
+    ("hidden_size_mismatch", fset("hidden_states", lambda t, a: rn(B, S, HID + 1)), ValueError, r"^hidden_states / qkv_weight: hidden_states has hidden_size 33 .*but qkv_weight has 32 columns"),
     ("q_norm_weight_size", fset("q_norm_weight", lambda t, a: t[:32]), ValueError, r"^q_norm_weight: expected shape \[64\]"),
     ("k_norm_weight_rank2", fset("k_norm_weight", lambda t, a: t[None]), ValueError, r"^k_norm_weight: expected shape \[64\]"),
     ("cos_seq", fset("cos", lambda t, a: t[:, :2]), ValueError, r"^cos: expected shape \[2, 3, 64\] \(\[batch, seq, head_dim\] or \[1, seq, head_dim\]\)"),

@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
-from .ops.gqa_forward import gqa_forward, validate_forward_inputs
-from .ops.rope_qk_norm import pick_backend, rope_qk_norm_backward
+from .ops import plan as _plan
+from .ops.gqa_forward import validate_forward_inputs
 
 Tensor = torch.Tensor
 
@@ -39,8 +39,8 @@ def _backend_arg(backend: Optional[str]) -> str:
     return backend
 
 
-def _backend(device: torch.device, backend: str) -> str:
-    return pick_backend(device, None if backend == "auto" else backend)
+def _position(norm_after_rope: bool) -> str:
+    return "after_rope" if norm_after_rope else "before_rope"
 
 
 # ------------------------------------------------------------------------ implementations
@@ -49,8 +49,18 @@ def _backend(device: torch.device, backend: str) -> str:
 def _fwd_impl(hidden_states: Tensor, qkv_weight: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
               cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool,
               backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return gqa_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
-                       num_kv_heads, eps, norm_after_rope, _backend(hidden_states.device, backend))
+    plan = _plan.forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
+                              num_kv_heads, eps, _position(norm_after_rope), backend)
+    return _plan.run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
+
+
+def _bwd_grads(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
+               num_heads, num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad, need_cos_sin_grad,
+               backend):
+    """(g_x, g_w, g_qw, g_kw, g_cos, g_sin), None for the gradients not needed."""
+    return _plan.training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight,
+                                   k_norm_weight, cos, sin, num_heads, num_kv_heads, eps, norm_after_rope,
+                                   need_hidden_grad, need_weight_grad, need_cos_sin_grad, backend)
 
 
 def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Tensor, qkv_weight: Tensor,
@@ -58,46 +68,14 @@ def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Ten
               cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool,
               need_hidden_grad: bool, need_weight_grad: bool, need_cos_sin_grad: bool,
               backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    B, S, n_tot = qkv.shape
-    hq, hkv = num_heads, num_kv_heads
-    D = n_tot // (hq + 2 * hkv)
-    M = B * S
-    hidden = hidden_states.shape[-1]
-    dt = qkv.dtype
-    dev = qkv.device
-    # gradients arrive in the output dtype; keep one activation dtype for the kernel
-    grad_q, grad_k, grad_v = (g if g.dtype == dt else g.to(dt) for g in (grad_q, grad_k, grad_v))
-    heads = qkv.view(B, S, hq + 2 * hkv, D)
-    saved_q = heads[:, :, :hq].transpose(1, 2)  # the raw projection output, a view
-    saved_k = heads[:, :, hq: hq + hkv].transpose(1, 2)
-    # every allocation before the first launch
-    dqkv = torch.empty((M, n_tot), dtype=dt, device=dev)
-    g_qw = torch.empty_like(q_norm_weight, memory_format=torch.contiguous_format)
-    g_kw = torch.empty_like(k_norm_weight, memory_format=torch.contiguous_format)
-    if need_cos_sin_grad:
-        g_cos = torch.empty((B, S, D), dtype=cos.dtype, device=dev)
-        g_sin = torch.empty((B, S, D), dtype=sin.dtype, device=dev)
-    else:
-        g_cos = cos.new_empty(_EMPTY_SHAPE)
-        g_sin = sin.new_empty(_EMPTY_SHAPE)
-    g_x = (torch.empty((B, S, hidden), dtype=hidden_states.dtype, device=dev) if need_hidden_grad
-           else hidden_states.new_empty(_EMPTY_SHAPE))
-    g_w = (torch.empty(qkv_weight.shape, dtype=qkv_weight.dtype, device=dev) if need_weight_grad
-           else qkv_weight.new_empty(_EMPTY_SHAPE))
-    x2d = hidden_states.reshape(M, hidden) if need_weight_grad else None
-    finish = rope_qk_norm_backward(
-        grad_q, grad_k, grad_v, saved_q, saved_k, None, None, q_norm_weight, k_norm_weight, cos, sin,
-        dqkv=dqkv, grad_cos=g_cos if need_cos_sin_grad else None, grad_sin=g_sin if need_cos_sin_grad else None,
-        grad_q_norm_weight=g_qw, grad_k_norm_weight=g_kw,
-        exact=False, norm_after_rope=norm_after_rope, saved_rotated=False,
-        backend=_backend(dev, backend), scratch=g_x if need_hidden_grad else None, eps=eps,
-    )
-    if need_hidden_grad:
-        torch.mm(dqkv, qkv_weight, out=g_x.view(M, hidden))
-    if need_weight_grad:
-        torch.mm(dqkv.t(), x2d, out=g_w)
-    finish()
-    return g_x, g_w, g_qw, g_kw, g_cos, g_sin
+    g_x, g_w, g_qw, g_kw, g_cos, g_sin = _bwd_grads(
+        grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads,
+        num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad, need_cos_sin_grad, backend)
+    # a custom op returns tensors: empty ones stand for the gradients not needed
+    return (hidden_states.new_empty(_EMPTY_SHAPE) if g_x is None else g_x,
+            qkv_weight.new_empty(_EMPTY_SHAPE) if g_w is None else g_w, g_qw, g_kw,
+            cos.new_empty(_EMPTY_SHAPE) if g_cos is None else g_cos,
+            sin.new_empty(_EMPTY_SHAPE) if g_sin is None else g_sin)
 
 
 # ------------------------------------------------------------------------ custom ops
@@ -149,26 +127,32 @@ def _call(op, impl, *args):
 
 class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
     """(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
-    num_kv_heads, eps, norm_after_rope, backend) -> (q, k, v), each [B, H, S, D].
+    num_kv_heads, eps, norm_after_rope, backend, plan) -> (q, k, v), each [B, H, S, D].
 
     cos/sin must already be [batch, seq, head_dim] (expand a shared [1, seq, head_dim]
-    first; autograd then sums its gradient over the batch)."""
+    first; autograd then sums its gradient over the batch). ``plan``: the forward's plan
+    (eager calls), or None (under torch.compile: the custom ops)."""
 
     @staticmethod
     def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool, backend: str):
-        q, k, qkv, rq, rk = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
-                                  cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend)
+                num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool, backend: str, plan=None):
+        if plan is not None:
+            q, k, qkv, _, _ = _plan.run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
+                                                cos, sin)
+        else:
+            q, k, qkv, _, _ = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
+                                    cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend)
         B, S, n_tot = qkv.shape
         D = n_tot // (num_heads + 2 * num_kv_heads)
         v = qkv.view(B, S, num_heads + 2 * num_kv_heads, D)[:, :, num_heads + num_kv_heads:].transpose(1, 2)
-        # rq/rk are not kept: the backward recomputes them from qkv
+        # rstd is not kept: the backward recomputes it from qkv
         ctx.save_for_backward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv)
         ctx.eps = eps
         ctx.num_heads = num_heads
         ctx.num_kv_heads = num_kv_heads
         ctx.norm_after_rope = norm_after_rope
         ctx.backend = backend
+        ctx.eager = plan is not None
         return q, k, v
 
     @staticmethod
@@ -176,13 +160,16 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
         hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv = ctx.saved_tensors
         need = ctx.needs_input_grad
         need_cs = bool(need[4] or need[5])
-        g_x, g_w, g_qw, g_kw, g_cos, g_sin = _call(
-            _bwd_op, _bwd_impl, grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv,
-            q_norm_weight, k_norm_weight, cos, sin, ctx.num_heads, ctx.num_kv_heads, ctx.eps, ctx.norm_after_rope,
-            bool(need[0]), bool(need[1]), need_cs, ctx.backend)
+        args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
+                ctx.num_heads, ctx.num_kv_heads, ctx.eps, ctx.norm_after_rope, bool(need[0]), bool(need[1]),
+                need_cs, ctx.backend)
+        if ctx.eager and not torch.compiler.is_compiling():
+            g_x, g_w, g_qw, g_kw, g_cos, g_sin = _bwd_grads(*args)
+        else:
+            g_x, g_w, g_qw, g_kw, g_cos, g_sin = _call(_bwd_op, _bwd_impl, *args)
         return (g_x if need[0] else None, g_w if need[1] else None, g_qw if need[2] else None,
                 g_kw if need[3] else None, g_cos if need[4] else None, g_sin if need[5] else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, *, num_heads,
@@ -198,14 +185,23 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     Returns ``(q, k, v)`` as ``[batch, heads, seq, head_dim]`` in hidden_states' dtype; q and
     k are contiguous, v is a view of the projection output (as in HF attention).
     ``backend`` forces ``"triton"`` or ``"torch"``; by default CUDA uses Triton, CPU PyTorch.
+    The work is planned once per input signature (validation included).
     """
-    sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                                 num_heads, num_kv_heads, eps, qk_norm_position)
-    b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
+    if torch.compiler.is_compiling():  # traced: plain validation, then the custom ops
+        sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
+                                     num_heads, num_kv_heads, eps, qk_norm_position)
+        plan = None
+        hq, hkv, eps_, nar = sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"]
+        b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
+    else:
+        plan = _plan.forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
+                                  num_kv_heads, eps, qk_norm_position, _backend_arg(backend))
+        sz = plan.sz
+        hq, hkv, eps_, nar = sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"]
+        b, s, d = plan.cs_shape
     if cos.shape[0] != b:
         cos = cos.expand(b, s, d)
     if sin.shape[0] != b:
         sin = sin.expand(b, s, d)
     return GQAQKVRoPEQKNormFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                                          sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"],
-                                          _backend_arg(backend))
+                                          hq, hkv, eps_, nar, _backend_arg(backend), plan)

@@ -18,13 +18,17 @@ Two backends with one semantics (fp32 math, one rounding to the input dtype):
 from __future__ import annotations
 
 import numbers
-from typing import Optional
 
 import torch
 
+from . import config
 from . import validation as V
-from .launch import kernel
-from .rope_qk_norm import pick_backend, sm_count
+from .launch import BoundLaunch, Ptr, sm_count
+
+try:  # Triton is a dependency on Linux only; the torch backend serves without it
+    from ..kernels.rope_qk_norm_fwd import rope_qk_norm_fwd_kernel
+except ImportError:  # pragma: no cover
+    rope_qk_norm_fwd_kernel = None
 
 QK_NORM_POSITIONS = ("after_rope", "before_rope")
 
@@ -71,6 +75,7 @@ def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_wei
     V.require_ndim("hidden_states", hidden_states, 3, "[batch, seq, hidden_size]")
     b, s, hidden = hidden_states.shape
     V.require_ndim("qkv_weight", qkv_weight, 2, "[(num_heads + 2*num_kv_heads)*head_dim, hidden_size]")
+    V.require_matching_hidden(hidden_states, qkv_weight)
     n_tot, w_hidden = qkv_weight.shape
     heads_tot = hq + 2 * hkv
     if w_hidden != hidden or n_tot % heads_tot != 0 or n_tot == 0:
@@ -99,50 +104,11 @@ def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_wei
 # ----------------------------------------------------------------------------- forward
 
 
-def gqa_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads: int,
-                num_kv_heads: int, eps: float, norm_after_rope: bool, backend: Optional[str] = None):
-    """The block's forward on validated arguments (cos/sin already ``[batch, seq, head_dim]``).
-
-    Returns ``(q, k, qkv, rstd_q, rstd_k)``: q ``[B, Hq, S, D]`` and k ``[B, Hkv, S, D]``
-    contiguous in the input dtype, the projection output ``qkv`` ``[B, S, (Hq+2Hkv)*D]``
-    (v is ``qkv``'s last third; the backward reads the raw q/k from it) and rstd fp32
-    ``[B, H, S]``.
-    """
-    B, S, hidden = hidden_states.shape
-    n_tot = qkv_weight.shape[0]
-    M = B * S
-    # the one GEMM, in the input dtype
-    qkv = torch.mm(hidden_states.reshape(M, hidden), qkv_weight.t()).view(B, S, n_tot)
-    q, k, rq, rk = rope_qk_norm_forward(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
-                                        eps, norm_after_rope, backend)
-    return q, k, qkv, rq, rk
-
-
-def rope_qk_norm_forward(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads: int, num_kv_heads: int,
-                         eps: float, norm_after_rope: bool, backend: Optional[str] = None):
-    """RoPE + per-head RMSNorm of the q/k parts of ``qkv`` ``[B, S, (Hq+2Hkv)*D]`` (last dim contiguous).
-
-    Returns ``(q, k, rstd_q, rstd_k)`` as described in :func:`gqa_forward`.
-    """
-    B, S, n_tot = qkv.shape
-    hq, hkv = num_heads, num_kv_heads
-    D = n_tot // (hq + 2 * hkv)
-    q = torch.empty((B, hq, S, D), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((B, hkv, S, D), dtype=qkv.dtype, device=qkv.device)
-    rq = torch.empty((B, hq, S), dtype=torch.float32, device=qkv.device)
-    rk = torch.empty((B, hkv, S), dtype=torch.float32, device=qkv.device)
-    if pick_backend(qkv.device, backend) == "torch":
-        _forward_torch(qkv, q_norm_weight, k_norm_weight, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope)
-    else:
-        _forward_triton(qkv, q_norm_weight, k_norm_weight, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope)
-    return q, k, rq, rk
-
-
-def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int]:
+def forward_launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int]:
     """(tokens per program, heads per program, num_warps).
 
-    A tile is [BLOCK_T, head_dim/2] ~ 1k elements. Head groups amortise the cos/sin loads; they shrink when the grid would
-    otherwise leave SMs idle.
+    A tile is [BLOCK_T, head_dim/2] ~ 1k elements. Head groups amortise the cos/sin loads; they
+    shrink when the grid would otherwise leave SMs idle.
     """
     half_p2 = _next_pow2(d // 2)
     block_t = max(1, min(32, 1024 // half_p2))
@@ -159,29 +125,40 @@ def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> t
     return block_t, group, num_warps
 
 
-def _forward_triton(qkv, wq, wk, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope, config=None):
-    B, S, n_tot = qkv.shape
+def plan_forward_stage(qkv: Ptr, wq: Ptr, wk: Ptr, cos: Ptr, sin: Ptr, q: Ptr, k: Ptr, rq: Ptr, rk: Ptr,
+                       hq: int, hkv: int, eps: float, norm_after_rope: bool, cfg: config.Config) -> BoundLaunch:
+    """The forward stage's launch over table slots: RoPE + RMSNorm of the q/k parts of ``qkv``
+    ``[B, S, (Hq+2Hkv)*D]`` (last dim contiguous, batch and seq one token axis) into q/k
+    ``[B, H, S, D]`` and rstd ``[B, H, S]`` fp32."""
+    B, S, n_tot = qkv.like.shape
+    D = n_tot // (hq + 2 * hkv)
     M = B * S
-    if M == 0:
-        return
-    if qkv.stride(2) != 1:
-        raise ValueError("qkv: the last dim must be contiguous")
-    block_t, group, num_warps = config or _launch_config(M, hq, hkv, D, qkv.device)
-    s_t = qkv.stride(1)
-    if B > 1 and qkv.stride(0) != S * s_t:
-        raise ValueError("qkv: batch and seq must be addressable as one token axis")
+    block_t, group, num_warps = cfg.forward_tile or forward_launch_config(M, hq, hkv, D, qkv.like.device)
+    s_t = qkv.like.stride(1)
     nqg = -(-hq // group)
-    grid = (-(-M // block_t), nqg + -(-hkv // group))
-    kernel("rope_qk_norm_fwd", "rope_qk_norm_fwd_kernel")[grid](
-        qkv, s_t,
-        wq, wq.stride(0), wk, wk.stride(0),
-        cos, *cos.stride(), sin, *sin.stride(),
-        q, *q.stride(), k, *k.stride(),
-        rq, *rq.stride(), rk, *rk.stride(),
-        float(eps), M, S, hq, hkv, nqg,
-        D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), BLOCK_T=block_t, GROUP=group,
-        NORM_AFTER_ROPE=bool(norm_after_rope), num_warps=num_warps,
+    return BoundLaunch(
+        rope_qk_norm_fwd_kernel, (-(-M // block_t), nqg + -(-hkv // group)),
+        (qkv, s_t, wq, wq.like.stride(0), wk, wk.like.stride(0),
+         cos, *cos.like.stride(), sin, *sin.like.stride(),
+         q, *q.like.stride(), k, *k.like.stride(),
+         rq, *rq.like.stride(), rk, *rk.like.stride(),
+         float(eps), M, S, hq, hkv, nqg),
+        dict(D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), BLOCK_T=block_t, GROUP=group,
+             NORM_AFTER_ROPE=bool(norm_after_rope), num_warps=num_warps),
     )
+
+
+def forward_torch(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope):
+    """The forward stage on the torch backend: (q, k, rstd_q, rstd_k) as the Triton stage
+    returns them (fp32 math, one rounding)."""
+    B, S, n_tot = qkv.shape
+    D = n_tot // (hq + 2 * hkv)
+    q = torch.empty((B, hq, S, D), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((B, hkv, S, D), dtype=qkv.dtype, device=qkv.device)
+    rq = torch.empty((B, hq, S), dtype=torch.float32, device=qkv.device)
+    rk = torch.empty((B, hkv, S), dtype=torch.float32, device=qkv.device)
+    _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope)
+    return q, k, rq, rk
 
 
 def _rotate_half(t: torch.Tensor) -> torch.Tensor:

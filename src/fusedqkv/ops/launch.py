@@ -1,30 +1,39 @@
-"""Low-overhead launches of Triton kernels.
+"""Bound launches: a Triton kernel with every argument fixed but its tensors' addresses.
 
-``JITFunction.run`` binds and specialises every argument on every call; for kernels
-that take every stride explicitly (~80 arguments here) that costs ~100 us of host
-time on the H200 box (measured: benchmarks/NOTES.md). The 091 timer spans first kernel
-start to last kernel end, so host time between our launches becomes idle GPU time.
+``JITFunction.run`` binds and specialises every argument on every call (~80 here: every
+stride is passed) and Triton's launcher asks the driver about each pointer and encodes
+each host TMA descriptor again: tens of us of host time per launch, which the 091 timer
+pays as idle GPU time between our launches and a training loop pays whenever the GPU is
+not busier than the host. A plan (:mod:`fusedqkv.ops.plan`) builds each launch once per
+input signature as a :class:`BoundLaunch`: the argument list is a template whose tensor
+arguments are *slots* (:class:`Ptr`, :class:`Desc`) into the call's table of tensors. Its
+first call goes through the JIT (compiling, or finding the cached binary); later calls fill
+the slots with the addresses of the call's tensors and call the compiled kernel's launcher
+directly. Descriptors are encoded again only when their tensor's address changes.
 
-``FastLaunch`` keys a cache on exactly what Triton specialises on -- each tensor's
-dtype and 16-byte alignment, each integer's ``== 1`` / ``% 16 == 0`` / 32-bit range,
-the constexprs and the compile options -- compiles through the normal path the first
-time, and afterwards calls the compiled kernel's launcher directly.
+Under ``TRITON_INTERPRET=1`` every call goes through the JIT with the call's tensors (the
+same slots and templates, so the CPU tests exercise them).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import os
+import inspect
+import math
+from typing import Optional, Sequence
 
 import torch
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .config import INTERPRET
 
 
 @functools.cache
 def _capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def sm90_or_newer(device: torch.device) -> bool:
@@ -33,130 +42,194 @@ def sm90_or_newer(device: torch.device) -> bool:
     Older GPUs take the per-thread loads, fp32 math with a cast (the same roundings) and cuBLAS."""
     if device.type != "cuda":
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return _capability(device_index(device)) >= (9, 0)
 
 
-def _is_desc(a) -> bool:
-    """A host TMA descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``)."""
-    return not isinstance(a, torch.Tensor) and hasattr(a, "block_shape") and hasattr(a, "base")
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _spec(a):
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if _is_desc(a):  # Triton specialises on a host TMA descriptor's dtype and block
-        return ("tensordesc", a.base.dtype, tuple(a.block_shape), a.padding)
-    if isinstance(a, bool):
-        return ("u1", a)
-    if isinstance(a, int):
-        return ("i", a == 1, a % 16 == 0, -(2 ** 31) <= a < 2 ** 31)
-    if isinstance(a, float):
-        return ("fp32",)
-    return (type(a).__name__, a)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 for the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device_index(device))
 
 
-class FastLaunch:
-    """``FastLaunch(kernel)[grid](*runtime_args, **constexprs_and_options)``.
-
-    Runtime arguments are positional, in the kernel's parameter order; every constexpr
-    parameter is passed by keyword, with the compile options (``num_warps`` ...).
-    ``FastLaunch(kernel).prepared(grid)(...)`` does the same host work but returns the
-    enqueue as a callable.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.params = list(fn.arg_names)
-        self.cache: dict = {}
-        self.enabled = not _INTERPRET
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.prepare(grid, args, kw)()
-
-    def prepared(self, grid):
-        """``FastLaunch(kernel).prepared(grid)(*args, **kw)`` returns a callable that launches:
-        the host work (specialisation key, argument tuple) is done now, the enqueue when it is
-        called -- so a caller can do the work of several launches before the first kernel
-        starts, and then issue them back to back."""
-        return lambda *args, **kw: self.prepare(grid, args, kw)
-
-    def prepare(self, grid, args, kw):
-        first = args[0] if args else None
-        if _is_desc(first):
-            first = first.base
-        if not self.enabled or not isinstance(first, torch.Tensor) or not first.is_cuda:
-            return lambda: self.fn[grid](*args, **kw)
-        device = first.device.index
-        key = (device, tuple(map(_spec, args)), tuple(sorted(kw.items())))
-        ck = self.cache.get(key)
-        if ck is None:
-            def first():  # compiles (or finds) and launches
-                self.cache[key] = self.fn[grid](*args, **kw)
-            return first
-        try:
-            full = args + tuple(kw[n] for n in self.params[len(args):])
-            g1 = grid[1] if len(grid) > 1 else 1
-            g2 = grid[2] if len(grid) > 2 else 1
-            stream = torch._C._cuda_getCurrentRawStream(device)
-            run, function, meta = ck.run, ck.function, ck.packed_metadata
-            if any(_is_desc(a) for a in full):
-                return _descriptor_launch(run, function, meta, (grid[0], g1, g2), stream, full)
-        except (AttributeError, KeyError, TypeError, ImportError):  # a Triton whose internals differ
-            return self._disable(grid, args, kw)
-
-        def launch():
-            try:
-                run(grid[0], g1, g2, stream, function, meta, None, None, None, *full)
-            except TypeError:  # a launcher whose signature differs
-                self._disable(grid, args, kw)()
-        return launch
-
-    def _disable(self, grid, args, kw):
-        self.enabled = False
-        self.cache.clear()
-        return lambda: self.fn[grid](*args, **kw)
+def current_stream(device: torch.device) -> int:
+    """The raw handle of the current stream (0 for the CPU)."""
+    return torch._C._cuda_getCurrentRawStream(device_index(device)) if device.type == "cuda" else 0
 
 
-_raw_launchers: dict = {}  # id(CudaLauncher) -> (it, the launcher it wraps, descriptor metadata)
+class Ptr:
+    """A tensor argument: entry ``index`` of the call's tensor table. ``like`` is the tensor of
+    the call that built the plan (its strides, dtype and shape are the plan's)."""
+
+    __slots__ = ("index", "like")
+
+    def __init__(self, index: int, like: torch.Tensor):
+        self.index, self.like = index, like
 
 
-def _descriptor_launch(run, function, meta, grid, stream, full):
-    """The enqueue of a kernel taking host TMA descriptors, with every descriptor encoded now:
-    Triton's launcher would encode them (``fill_tma_descriptor``, a few us of host time each)
-    inside the enqueue, i.e. between our launches."""
-    import inspect
+class Desc:
+    """A host TMA descriptor of entry ``index`` of the call's tensor table (a :class:`Ptr`'s),
+    over its whole shape, in boxes of ``block``."""
 
-    from triton.backends.nvidia.driver import make_tensordesc_arg
+    __slots__ = ("index", "shape", "strides", "block")
 
-    found = _raw_launchers.get(id(run))
-    if found is None or found[0] is not run:
-        if run.global_scratch_size or run.profile_scratch_size:
-            raise TypeError("kernel needs scratch memory")
-        closure = inspect.getclosurevars(run.launch).nonlocals  # Triton's tensordesc wrapper
-        found = _raw_launchers[id(run)] = (run, closure["launcher"], closure["tensordesc_meta"])
-    _, raw, metas = found
-    expanded, k = [], 0
-    for a in full:
-        if _is_desc(a):
-            expanded.extend(make_tensordesc_arg(a, metas[k]))
-            k += 1
+    def __init__(self, ptr: Ptr, block: Sequence[int]):
+        self.index, self.block = ptr.index, list(block)
+        self.shape, self.strides = list(ptr.like.shape), list(ptr.like.stride())
+
+
+def carve(base: torch.Tensor, byte_offset: int, shape: Sequence[int], dtype=torch.float32) -> torch.Tensor:
+    """``shape`` elements of ``dtype`` at ``byte_offset`` bytes into contiguous ``base``: a view."""
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return base.view(-1).view(torch.uint8)[byte_offset: byte_offset + n].view(dtype).view(tuple(shape))
+
+
+def _tensor_descriptor(t: torch.Tensor, block):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+
+class _Address:
+    """Stands in for a tensor where Triton's descriptor encoder wants one: its address."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class _HostDescriptor:
+    """What Triton's descriptor encoder reads of a ``TensorDescriptor``, at a given address."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, ptr: int, shape, strides):
+        self.base, self.shape, self.strides, self.padding = _Address(ptr), shape, strides, "zero"
+
+
+class _DescriptorSlot:
+    """A descriptor argument of a raw launch: encoded again only when the address changes."""
+
+    __slots__ = ("pos", "index", "shape", "strides", "meta", "ptr", "encoded")
+
+    def __init__(self, pos: int, desc: Desc, meta: dict):
+        self.pos, self.index, self.meta = pos, desc.index, meta
+        self.shape, self.strides = desc.shape, desc.strides
+        self.ptr, self.encoded = None, None
+
+    def encode(self, ptr: int):
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        self.encoded = make_tensordesc_arg(_HostDescriptor(ptr, self.shape, self.strides), self.meta)[0]
+        self.ptr = ptr
+        return self.encoded
+
+
+def _raw_enqueue(launcher, grid, head, template, ptr_slots, desc_slots):
+    """``enqueue(ptrs, stream)``: the launcher called with the template's constants and the
+    slots' addresses, as one generated function (no per-call copy or loop over ~90 arguments)."""
+    ns = {"launcher": launcher}
+    items = []
+    by_pos = dict(ptr_slots)
+    descs = {d.pos: d for d in desc_slots}
+    for pos, value in enumerate(template):
+        if pos in by_pos:
+            items.append(f"p[{by_pos[pos]}]")
+        elif pos in descs:
+            name = f"d{pos}"
+            ns[name] = descs[pos]
+            i = descs[pos].index
+            items.append(f"({name}.encoded if p[{i}] == {name}.ptr else {name}.encode(p[{i}]))")
         else:
-            expanded.append(a)
-    coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+            name = f"c{pos}"
+            ns[name] = value
+            items.append(name)
+    for k, value in enumerate((*grid,)):
+        ns[f"g{k}"] = value
+    for k, value in enumerate(head):
+        ns[f"h{k}"] = value
+    heads = ", ".join(f"h{k}" for k in range(len(head)))
+    src = (f"def enqueue(p, stream):\n    launcher(g0, g1, g2, stream, {heads}, {', '.join(items)})\n")
+    exec(compile(src, "<fusedqkv bound launch>", "exec"), ns)  # noqa: S102 - our own template
+    return ns["enqueue"]
 
-    def launch():
-        raw(grid[0], grid[1], grid[2], stream, function, coop, pdl, None, None, meta, None, None, None, *expanded)
-    return launch
 
+class BoundLaunch:
+    """``BoundLaunch(kernel, grid, args, constexprs)``: ``args`` are the kernel's runtime
+    arguments in parameter order, tensors given as :class:`Ptr`/:class:`Desc` slots;
+    ``constexprs`` every constexpr parameter and the compile options (``num_warps``...).
 
-_kernels: dict = {}
+    ``launch(tensors, ptrs, stream)`` queues the kernel for a call whose tensor table is
+    ``tensors`` (``ptrs`` their addresses, the same length, or None before the first launch
+    and under the interpreter)."""
 
+    def __init__(self, fn, grid: Sequence[int], args: Sequence, constexprs: dict):
+        self.fn = fn
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.args = list(args)
+        self.constexprs = dict(constexprs)
+        self._raw = None  # (launcher, function, metadata, cooperative, pdl) once compiled
+        self.raw_disabled = INTERPRET
 
-def kernel(module: str, name: str) -> FastLaunch:
-    """The FastLaunch of ``fusedqkv.kernels.<module>.<name>``, imported on first use (triton is
-    only needed on the Triton backend) and kept, so its specialisation cache lives on."""
-    k = _kernels.get((module, name))
-    if k is None:
-        mod = importlib.import_module(f"fusedqkv.kernels.{module}")
-        k = _kernels[(module, name)] = FastLaunch(getattr(mod, name))
-    return k
+    def _resolve(self, a, tensors):
+        if isinstance(a, Ptr):
+            return tensors[a.index]
+        if isinstance(a, Desc):
+            return _tensor_descriptor(tensors[a.index], a.block)
+        return a
+
+    def launch(self, tensors: Sequence[torch.Tensor], ptrs: Optional[Sequence[int]], stream: int) -> None:
+        raw = self._raw
+        if raw is not None and ptrs is not None:
+            raw(ptrs, stream)
+            return
+        compiled = self.fn[self.grid](*(self._resolve(a, tensors) for a in self.args), **self.constexprs)
+        if not self.raw_disabled:
+            self._bind_raw(compiled)
+
+    def _bind_raw(self, compiled) -> None:
+        """The compiled kernel's launcher and an argument template in its expanded form (each
+        descriptor as its encoded map, shape and strides), or nothing where this Triton's
+        internals differ from 3.6's (the JIT path then serves every call)."""
+        try:
+            run = compiled.run
+            if run.global_scratch_size or run.profile_scratch_size:
+                raise TypeError("the kernel needs scratch memory")
+            params = list(self.fn.arg_names)
+            full = self.args + [self.constexprs[n] for n in params[len(self.args):]]
+            has_desc = any(isinstance(a, Desc) for a in full)
+            if has_desc:
+                closure = inspect.getclosurevars(run.launch).nonlocals  # Triton's descriptor wrapper
+                launcher, metas = closure["launcher"], closure["tensordesc_meta"]
+            else:
+                launcher, metas = run.launch, None
+            template, ptr_slots, desc_slots, k = [], [], [], 0
+            for a in full:
+                if isinstance(a, Ptr):
+                    ptr_slots.append((len(template), a.index))
+                    template.append(None)
+                elif isinstance(a, Desc):
+                    meta = metas[k] if metas else None
+                    k += 1
+                    if meta is None:
+                        raise TypeError("a descriptor the kernel does not lower to TMA")
+                    desc_slots.append(_DescriptorSlot(len(template), a, meta))
+                    template.append(None)
+                    template.extend(a.shape)
+                    template.extend(a.strides)
+                else:
+                    template.append(a)
+            head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                    compiled.packed_metadata, None, None, None)
+            self._raw = _raw_enqueue(launcher, self.grid, head, template, ptr_slots, desc_slots)
+        except (AttributeError, KeyError, TypeError, ImportError, IndexError):
+            self.raw_disabled = True

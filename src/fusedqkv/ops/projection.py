@@ -18,12 +18,20 @@ streams the weight in, dW streams its result out. So:
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from .launch import _INTERPRET, kernel, sm90_or_newer
-from .rope_qk_norm import _next_pow2
+from .config import INTERPRET, Config
+from .launch import BoundLaunch, Desc, Ptr, sm90_or_newer
+
+try:  # Triton is a dependency on Linux only
+    from ..kernels.projection_grads import tma_matmul_kernel
+except ImportError:  # pragma: no cover
+    tma_matmul_kernel = None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -33,132 +41,88 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and t.stride(0) >= t.shape[1])
 
 
-def tma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, trans_a: bool, config: tuple, sms: int,
-               pdl: bool = False, trigger: bool = False, wait_at_end: bool = False, finish=None):
-    """The enqueue (a callable; all host work done now) of c = a . b (``trans_a``: c = a^T . b)
-    with ``tma_matmul_kernel``. ``config`` = (tile rows, cols, K step, warps, pipeline stages,
-    persistent programs per SM). Operands ``_tma_ready``. ``pdl``/``trigger``/``wait_at_end``:
-    as the kernel's ``PDL``/``TRIGGER``/``WAIT_AT_END``. ``finish``: a
-    ``rope_qk_norm.NormWeightFinish`` the kernel runs as well (``FINISH``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+def tma_matmul(a: Ptr, b: Ptr, c: Ptr, *, trans_a: bool, config: tuple, sms: int, pdl: bool = False,
+               trigger: bool = False, wait_at_end: bool = False, finish=None) -> BoundLaunch:
+    """c = a . b (``trans_a``: c = a^T . b) with ``tma_matmul_kernel`` over table slots.
+    ``config`` = (tile rows, cols, K step, warps, pipeline stages, persistent programs per SM).
+    Operands ``_tma_ready``. ``pdl``/``trigger``/``wait_at_end``: as the kernel's
+    ``PDL``/``TRIGGER``/``WAIT_AT_END``. ``finish``: a ``rope_qk_norm.NormWeightFinish`` the
+    kernel runs as well (``FINISH``)."""
     br, bc, bk, num_warps, num_stages, per_sm = config
-    R, C = c.shape
-    K = a.shape[0] if trans_a else a.shape[1]
+    R, C = c.like.shape
+    K = a.like.shape[0] if trans_a else a.like.shape[1]
     n_tiles = -(-R // br) * -(-C // bc)
     nprog = max(1, min(per_sm * sms, n_tiles))
-
-    def desc(t, blk):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), blk)
-
-    pdl = pdl and not _INTERPRET
+    pdl = pdl and not INTERPRET
     if finish is not None:
-        fin = (finish.part, finish.n_rows, finish.gwq, finish.gwq.stride(0), finish.gwk, finish.gwk.stride(0))
+        fin = (finish.part, finish.n_rows, finish.gwq, finish.gwq.like.stride(0), finish.gwk,
+               finish.gwk.like.stride(0))
         fin_d = finish.d
     else:  # placeholders the kernel never reads
         fin, fin_d = (c, 0, c, 1, c, 1), 1
-    return kernel("projection_grads", "tma_matmul_kernel").prepared((nprog,))(
-        desc(a, [bk, br] if trans_a else [br, bk]), desc(b, [bk, bc]), desc(c, [br, bc]), R, C, K, *fin,
-        BR=br, BC=bc, BK=bk, TRANS_A=trans_a, NPROG=nprog, PDL=pdl, TRIGGER=trigger and pdl,
-        WAIT_AT_END=wait_at_end, FINISH=finish is not None, FIN_D=fin_d, FIN_D_P2=_next_pow2(fin_d),
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+    return BoundLaunch(
+        tma_matmul_kernel, (nprog,),
+        (Desc(a, [bk, br] if trans_a else [br, bk]), Desc(b, [bk, bc]), Desc(c, [br, bc]), R, C, K, *fin),
+        dict(BR=br, BC=bc, BK=bk, TRANS_A=trans_a, NPROG=nprog, PDL=pdl, TRIGGER=trigger and pdl,
+             WAIT_AT_END=wait_at_end, FINISH=finish is not None, FIN_D=fin_d, FIN_D_P2=_next_pow2(fin_d),
+             num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl),
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# dX and dW as two persistent TMA launches chained behind the stage (few tokens)
-# ---------------------------------------------------------------------------------------------
-# Largest token count whose products run as the PDL chain stage -> dX -> dW (0: never). Above
-# 128 tokens the hybrid (below) is faster since its dW got cuBLAS-fast (256 tokens: 67.1 vs 68.7
-# us without host gaps; session 6 in NOTES). FUSEDQKV_CHAIN_MAX_TOKENS overrides.
-CHAIN_MAX_TOKENS = int(os.environ.get("FUSEDQKV_CHAIN_MAX_TOKENS", "128"))
-# ... and only where dX's tiles spread evenly over the SMs (tiles / SMs over its ceiling):
-# at 131 tokens three rows of tiles put two tiles on some SMs and one on others, and dX takes
-# twice as long (benchmarks/NOTES.md)
-CHAIN_MIN_BALANCE = 0.85
-# (tile rows, cols, K step, warps, pipeline stages, programs per SM) of dX and dW -- from the
-# H200 sweeps (benchmarks/NOTES.md, "PDL chain"); to 128 tokens, and above (two rows of dX
-# tiles no longer cover the tokens: every tile gets a program of its own)
-CHAIN_DX = (64, 64, 64, 4, 6, 1)
-CHAIN_DW = (128, 128, 64, 8, 2, 1)
-CHAIN_DX_ABOVE_128 = (64, 64, 64, 4, 6, 2)
-# (one warpgroup per 128 x 128 tile, 32-token K steps four deep: 59.0 vs 62.7 us for the pair at 256
-# tokens; session 6 in NOTES)
-CHAIN_DW_ABOVE_128 = (128, 128, 32, 4, 4, 2)
-# Under TRITON_INTERPRET=1 the chain runs only when asked (its GEMMs are slow to emulate;
-# the tests turn it on at small sizes)
-CHAIN_IN_INTERPRETER = False
+def chain_configs(M: int, cfg: Config) -> tuple[tuple, tuple]:
+    """The chain's dX and dW configurations at M tokens: to 128 tokens two rows of dX tiles
+    cover the tokens; above, every tile gets a program of its own."""
+    return (cfg.chain_dx, cfg.chain_dw) if M <= 128 else (cfg.chain_dx_above_128, cfg.chain_dw_above_128)
 
 
-def _chain_configs(M: int) -> tuple[tuple, tuple]:
-    """The dX and dW configurations of the chain at M tokens."""
-    return (CHAIN_DX, CHAIN_DW) if M <= 128 else (CHAIN_DX_ABOVE_128, CHAIN_DW_ABOVE_128)
-
-
-def chain_balance(M: int, HIDDEN: int, sms: int) -> float:
+def chain_balance(M: int, HIDDEN: int, sms: int, cfg: Config) -> float:
     """How evenly dX's tiles spread over the SMs: 1.0 when no SM gets more than one, or every SM
-    as many."""
-    br, bc = _chain_configs(M)[0][:2]
+    as many. (At 131 tokens three rows of tiles put two tiles on some SMs and one on others, and
+    dX takes twice as long: benchmarks/NOTES.md.)"""
+    br, bc = chain_configs(M, cfg)[0][:2]
     per_sm = -(-M // br) * -(-HIDDEN // bc) / sms
     return 1.0 if per_sm <= 1 else per_sm / math.ceil(per_sm)
 
 
-def _triton_products_allowed(M: int, max_tokens: int, dtype: torch.dtype, device: torch.device,
-                             operands) -> bool:
+def triton_products_allowed(M: int, max_tokens: int, dtype: torch.dtype, device: torch.device, operands,
+                            cfg: Config) -> bool:
+    """Few enough tokens, a 16-bit dtype, Hopper or newer (or the interpreter when the config
+    asks), operands TMA can address."""
     return (0 < M <= max_tokens and dtype in (torch.bfloat16, torch.float16)
-            and ((device.type == "cuda" and sm90_or_newer(device)) or (_INTERPRET and CHAIN_IN_INTERPRETER))
+            and ((device.type == "cuda" and sm90_or_newer(device))
+                 or (INTERPRET and cfg.triton_products_in_interpreter))
             and all(_tma_ready(t) for t in operands))
 
 
-def chain_eligible(M: int, dtype: torch.dtype, device: torch.device, sms: int, dqkv: torch.Tensor, w: torch.Tensor,
-                   x2d: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor) -> bool:
-    """Few tokens, dX tiles spread evenly, a 16-bit dtype, a CUDA device (or the interpreter
-    when asked), operands TMA can address."""
-    return (_triton_products_allowed(M, CHAIN_MAX_TOKENS, dtype, device, (dqkv, w, x2d, dx, dw))
-            and chain_balance(M, dx.shape[1], sms) >= CHAIN_MIN_BALANCE)
+def choose_products(M: int, dtype: torch.dtype, device: torch.device, sms: int, dqkv, w, x2d, dx, dw,
+                    cfg: Config) -> str:
+    """Where the two products run: ``"chain"`` (both as Triton launches chained behind the stage:
+    few tokens, dX tiles spread evenly), ``"hybrid"`` (dW in Triton, dX on cuBLAS) or
+    ``"cublas"``. ``x2d`` None: hidden_states has no [tokens, hidden] view (cuBLAS reads a copy)."""
+    if x2d is None:
+        return "cublas"
+    if (dx.dim() == 2 and triton_products_allowed(M, cfg.chain_max_tokens, dtype, device, (dqkv, w, x2d, dx, dw), cfg)
+            and chain_balance(M, dx.shape[1], sms, cfg) >= cfg.chain_min_balance):
+        return "chain"
+    if triton_products_allowed(M, cfg.hybrid_max_tokens, dtype, device, (dqkv, x2d, dw), cfg):
+        return "hybrid"
+    return "cublas"
 
 
-def chain_launches(dqkv: torch.Tensor, w: torch.Tensor, x2d: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor,
-                   sms: int, finish=None):
-    """The two products as enqueue callables, to be queued right behind the stage that writes
-    ``dqkv``: dX = dqkv . w waits for the stage (programmatic dependent launch: its programs
-    start while the stage drains) and at once lets dW = dqkv^T . x2d launch, which then runs
-    beside it -- dX streams the weight in, dW streams its result out -- and waits for dX only
-    at its end, so the stream's next work still follows both. ``finish``: the stage's
-    norm-weight finish, run by dW (which starts after the stage completed)."""
-    cx, cw = _chain_configs(dqkv.shape[0])
+def chain_launches(dqkv: Ptr, w: Ptr, x2d: Ptr, dx: Ptr, dw: Ptr, sms: int, cfg: Config, finish=None):
+    """The two products as launches to queue right behind the stage that writes ``dqkv``:
+    dX = dqkv . w waits for the stage (programmatic dependent launch: its programs start while
+    the stage drains) and at once lets dW = dqkv^T . x2d launch, which then runs beside it --
+    dX streams the weight in, dW streams its result out -- and waits for dX only at its end, so
+    the stream's next work still follows both. ``finish``: the stage's norm-weight finish, run
+    by dW (which starts after the stage completed)."""
+    cx, cw = chain_configs(dqkv.like.shape[0], cfg)
     return (tma_matmul(dqkv, w, dx, trans_a=False, config=cx, sms=sms, pdl=True, trigger=True),
             tma_matmul(dqkv, x2d, dw, trans_a=True, config=cw, sms=sms, pdl=True, wait_at_end=True, finish=finish))
 
 
-# The stage's norm-weight finish runs inside the Triton dW launch (chain and hybrid) rather than
-# at the stage's end, which then comes 3-4 us sooner (benchmarks/NOTES.md, v10b).
-# FUSEDQKV_NORM_FINISH_IN_DW=0 keeps it in the stage.
-NORM_FINISH_IN_DW = os.environ.get("FUSEDQKV_NORM_FINISH_IN_DW", "1") != "0"
-
-# From here to HYBRID_MAX_TOKENS tokens (where the chain does not apply), dW runs as the chain's
-# Triton kernel right behind the stage and cuBLAS does dX: the host's torch.mm time is spent
-# while dW runs instead of between the stage and the first product, cuBLAS's dW (a memset, then
-# its kernel ~3 us later) is replaced by one as fast, and the stage leaves its norm-weight
-# finish to dW (0: never). Measured on the H200 without host gaps (session 6 in NOTES): 131
-# tokens 56.5 vs 67.9 us (the previous dW tile), 586 108.3 vs 122.1, 1571 242.1 vs 248.0
-# (cuBLAS both), 2164 319.2 vs 324.1; but 4096 588.4 vs 579.7 (Triton's dW 274 vs cuBLAS 260;
-# dW alone, the Triton tile falls behind cuBLAS's by more than the memset and finish it saves
-# from ~3k tokens).
-# FUSEDQKV_HYBRID_MAX_TOKENS overrides.
-HYBRID_MAX_TOKENS = int(os.environ.get("FUSEDQKV_HYBRID_MAX_TOKENS", "2560"))
-# one warpgroup per 128 x 128 tile, 32-token K steps five deep, two programs per SM: as fast as
-# cuBLAS's dW from 128 to 2048 tokens on the H200 (512 tokens: 43.3 vs 45.1 us; the 8-warp,
-# 64-token-step tile took 55.1); session 6 in NOTES
-HYBRID_DW = (128, 128, 32, 4, 5, 2)
-
-
-def hybrid_eligible(M: int, dtype: torch.dtype, device: torch.device, dqkv: torch.Tensor, x2d: torch.Tensor,
-                    dw: torch.Tensor) -> bool:
-    return _triton_products_allowed(M, HYBRID_MAX_TOKENS, dtype, device, (dqkv, x2d, dw))
-
-
-def hybrid_dw_launch(dqkv: torch.Tensor, x2d: torch.Tensor, dw: torch.Tensor, sms: int, finish=None):
-    """dW = dqkv^T . x2d as an enqueue callable: a programmatic dependent of the stage queued just
-    before it (waits for it on the GPU); it also runs the stage's norm-weight ``finish``."""
-    return tma_matmul(dqkv, x2d, dw, trans_a=True, config=HYBRID_DW, sms=sms, pdl=True, finish=finish)
+def hybrid_dw_launch(dqkv: Ptr, x2d: Ptr, dw: Ptr, sms: int, cfg: Config, finish=None):
+    """dW = dqkv^T . x2d as a programmatic dependent of the stage queued just before it (waits
+    for it on the GPU); it also runs the stage's norm-weight ``finish``. The cuBLAS dX is queued
+    by the host while it runs."""
+    return tma_matmul(dqkv, x2d, dw, trans_a=True, config=cfg.hybrid_dw, sms=sms, pdl=True, finish=finish)

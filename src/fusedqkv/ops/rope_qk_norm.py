@@ -15,30 +15,23 @@ Two backends with one semantics:
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from typing import Optional
 
 import torch
 
-from .launch import _INTERPRET, FastLaunch, kernel, sm90_or_newer
+from . import config
+from .config import INTERPRET
+from .launch import BoundLaunch, Desc, Ptr, carve, current_stream, sm90_or_newer, sm_count
+
+try:  # Triton is a dependency on Linux only; the torch backend serves without it
+    from ..kernels.rope_qk_norm import rope_qk_norm_bwd_finish_kernel, rope_qk_norm_bwd_kernel
+except ImportError:  # pragma: no cover
+    rope_qk_norm_bwd_kernel = rope_qk_norm_bwd_finish_kernel = None
 
 
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 for the CPU interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int, int, int]:
@@ -98,217 +91,252 @@ def rope_qk_norm_backward(
     grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight, cos, sin,
     *, dqkv, grad_cos=None, grad_sin=None, grad_q_norm_weight, grad_k_norm_weight,
     exact: bool, norm_after_rope: bool = True, saved_rotated: bool = True, backend: Optional[str] = None,
-    scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None, deferred: bool = False,
-    finish_outside: bool = False,
+    scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None,
 ):
-    """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``.
+    """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``; one
+    unplanned call (the public entry points keep plans: :mod:`fusedqkv.ops.plan`).
 
     Arguments are already validated. ``saved_q``/``saved_k`` are the rotated pre-norm
     tensors (``saved_rotated=True``, SOL-ExecBench 091) or the raw projection outputs.
     ``grad_cos``/``grad_sin`` may be None to skip them. Outputs are written in place.
-
     ``rstd_q``/``rstd_k`` may be None: the stage then recomputes rstd = 1/sqrt(mean(n^2) + eps)
-    from the saved tensor (``eps`` required), as the forward did.
+    from the saved tensor (``eps`` required), as the forward did. ``scratch``: a tensor whose
+    memory may hold the fp32 partials (the caller overwrites it afterwards).
 
-    ``scratch``: optionally a tensor the caller will overwrite only after this stage (the
-    dX GEMM's output): its memory holds the fp32 partials when it is large enough, so the
-    stage allocates nothing extra.
-
-    Returns a callable that completes the norm-weight gradients: on the GPU a second,
-    small launch that reduces the per-program partials, which the caller may queue
-    behind other work (the projection GEMMs) so its launch latency is hidden.
-
-    ``deferred``: launch nothing yet; return ``(launch, finish)``, ``launch`` a callable that
-    queues the stage with all its host work already done (the torch backend computes
-    at once and returns no-ops).
-
-    ``finish_outside``: the stage's kernel leaves the norm-weight gradients' last reduction
-    (a chain of dependent L2 round trips at its end, 3-4 us at few tokens) to ``finish``, a
-    :class:`NormWeightFinish` that a later kernel of the caller's may run (the Triton dW
-    product does, on a program with a tile less) or that launches it when called.
+    Returns the :class:`StagePlan` it ran (None on the torch backend).
     """
-    grad_cos_sin = grad_cos is not None
     if (rstd_q is None) != (rstd_k is None) or (rstd_q is None and eps is None):
         raise ValueError("rstd_q/rstd_k: give both, or neither together with eps (then rstd is recomputed)")
     if pick_backend(grad_q.device, backend) == "torch":
-        _backward_torch(grad_q, grad_k, grad_v, saved_q, saved_k, _rstd3(rstd_q), _rstd3(rstd_k),
-                        q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
-                        grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated, eps)
-        return (_done, _done) if deferred else _done
-    launch, finish = _backward_triton(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k,
-                                      q_norm_weight, k_norm_weight, cos, sin, dqkv, grad_cos, grad_sin,
-                                      grad_q_norm_weight, grad_k_norm_weight, exact, norm_after_rope, saved_rotated,
-                                      grad_cos_sin, scratch, eps, finish_outside)
-    if deferred:
-        return launch, finish
-    launch()
-    return finish
+        backward_torch(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight,
+                       cos, sin, dqkv, grad_cos, grad_sin, grad_q_norm_weight, grad_k_norm_weight, exact,
+                       norm_after_rope, saved_rotated, eps)
+        return None
+    table = Table()
+    operands = [grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight, cos, sin,
+                dqkv, grad_cos, grad_sin, grad_q_norm_weight, grad_k_norm_weight, scratch]
+    slots = [None if t is None else table.add(t) for t in operands]
+    stage = plan_backward_stage(table, *slots, exact=exact, norm_after_rope=norm_after_rope,
+                                saved_rotated=saved_rotated, eps=eps, finish_outside=False, cfg=config.current())
+    stream = current_stream(grad_q.device)
+    tensors = table.tensors([t for t in operands if t is not None] + stage.call_inputs(stream))
+    for launch in stage.launches():
+        launch.launch(tensors, None, stream)
+    return stage
 
 
-def _done():
-    return None
+class Table:
+    """The tensor table of a planned call: entries the call supplies (``add``, in order), then
+    entries derived from them (``derive``: fp32 views at a fixed byte offset into a contiguous
+    entry, e.g. partials carved from an output's memory). Launch arguments refer to entries by
+    :class:`Ptr`/:class:`Desc` slots."""
 
+    def __init__(self):
+        self.slots: list = []  # every Ptr handed out
+        self.n_supplied = 0
+        self.derived: list = []  # (base index, byte offset, shape)
 
-def _kernel(name: str) -> FastLaunch:
-    return kernel("rope_qk_norm", name)
+    def add(self, t: torch.Tensor) -> Ptr:
+        if self.derived:
+            raise RuntimeError("Table: supplied entries come before derived ones")
+        self.n_supplied += 1
+        self.slots.append(Ptr(self.n_supplied - 1, t))
+        return self.slots[-1]
+
+    def derive(self, base: Ptr, byte_offset: int, shape) -> Ptr:
+        self.slots.append(Ptr(self.n_supplied + len(self.derived), carve(base.like, byte_offset, shape)))
+        self.derived.append((base.index, byte_offset, tuple(shape)))
+        return self.slots[-1]
+
+    def release(self) -> None:
+        """Forget the building call's tensors (a plan must not keep a call's memory alive)."""
+        for p in self.slots:
+            p.like = None
+
+    def tensors(self, supplied) -> list:
+        """The full table of a call (derived entries as views): for the JIT path."""
+        out = list(supplied)
+        for base, off, shape in self.derived:
+            out.append(carve(out[base], off, shape))
+        return out
+
+    def pointers(self, ptrs: list) -> list:
+        """The full table's addresses from the supplied entries' (``ptrs``, extended in place)."""
+        for base, off, _ in self.derived:
+            ptrs.append(ptrs[base] + off)
+        return ptrs
 
 
 # pipeline stages of the stage kernel's head loop (heads whose tiles are in flight, plus
 # the one computed); the stage is bound by memory latency (benchmarks/NOTES.md, v7)
 PREFETCH = 3
 
-# Feed the stage's q/k tiles through TMA (host descriptors, one thread per tile copy) where
-# the tensors allow it (benchmarks/NOTES.md, v10); else per-thread loads.
-STAGE_TMA = os.environ.get("FUSEDQKV_STAGE_TMA", "1") != "0"
-
 
 def _tma_4d(t: torch.Tensor, half: int) -> bool:
     """A [B, H, S, D] tensor a TMA descriptor can address in [1, 1, rows, D/2] boxes."""
     es = t.element_size()
-    if not (_INTERPRET or (t.is_cuda and sm90_or_newer(t.device))):
+    if not (INTERPRET or (t.is_cuda and sm90_or_newer(t.device))):
         return False
     return (t.stride(3) == 1 and t.data_ptr() % 16 == 0 and half & (half - 1) == 0 and half * es >= 16
             and all((st * es) % 16 == 0 for st in t.stride()[:3]))
 
 
-def _stage_descriptors(block_t: int, half: int, *tensors):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_t, half]) for t in tensors]
-
-
-# Finish the norm-weight gradients inside the main kernel (True: the last programs to finish
-# reduce the per-program partials, in two levels) or in a second launch after the GEMMs.
-FUSED_FINISH = True
-# programs per first-level reduction of the fused finish (the second level sums the super
-# rows, _SUPER at a time)
-_SUPER = 32
-
 _tickets: dict = {}
 
 
-def ticket_buffer(device: torch.device, n: int, slot: str = "stage") -> torch.Tensor:
+def ticket_buffer(device: torch.device, n: int, stream: int, slot: str = "stage") -> torch.Tensor:
     """At least ``n`` zeroed int32 tickets per (device, stream, slot). Every kernel that takes
     tickets leaves them zero again, so the buffer is reused without a memset, and kernels
     on one stream (which never overlap) may share a slot."""
-    # the raw stream handle: no Stream object built on the hot path
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0, slot)
+    key = (device, stream, slot)
     buf = _tickets.get(key)
     if buf is None or buf.numel() < n:
         buf = _tickets[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     return buf
 
 
-def _partials(scratch, shapes, device):
-    """fp32 partial buffers of the given shapes: carved out of ``scratch`` when it is big
-    enough, else one new allocation."""
-    numels = [math.prod(shape) for shape in shapes]
-    sizes = [-(-n // 4) * 4 for n in numels]  # keep each buffer 16-byte aligned
-    total = sum(sizes)
-    if (scratch is not None and scratch.is_contiguous() and scratch.data_ptr() % 16 == 0
-            and scratch.numel() * scratch.element_size() >= 4 * total):
-        flat = scratch.view(-1).view(torch.uint8)[: 4 * total].view(torch.float32)
-    else:
-        flat = torch.empty(total, device=device, dtype=torch.float32)
-    out, off = [], 0
-    for shape, numel, size in zip(shapes, numels, sizes):
-        out.append(flat[off: off + numel].view(shape))
-        off += size
-    return out
+def _partial_layout(shapes):
+    """Byte offsets of fp32 buffers of the given shapes packed one after another (each 16-byte
+    aligned), and the total bytes."""
+    offs, off = [], 0
+    for shape in shapes:
+        offs.append(off)
+        off += -(-math.prod(shape) // 4) * 16
+    return offs, off
+
+
+def _scratch_fits(t: torch.Tensor, nbytes: int) -> bool:
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.numel() * t.element_size() >= nbytes
 
 
 def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk, w_part, w_sup, tick,
-                      cs_part=None, w_grp=None):
-    """The stage kernels' tensor arguments, each followed by its strides, in parameter order
-    (``rope_qk_norm_bwd_kernel`` and the single-launch kernel share them). ``rq`` None
-    (rstd recomputed): a placeholder with zero strides that the kernel never reads."""
+                      cs_part, w_grp):
+    """The stage kernel's tensor arguments (:class:`Ptr` slots), each followed by its strides, in
+    parameter order. ``rq`` None (rstd recomputed): a placeholder with zero strides that the
+    kernel never reads."""
+    def st(p, n=None):
+        s = p.like.stride()
+        return s if n is None else s[:n]
+
     if rq is None:
         rq = rk = w_part
         rq_strides = rk_strides = (0, 0, 0)
     else:
-        rq_strides, rk_strides = rq.stride()[:3], rk.stride()[:3]
+        rq_strides, rk_strides = st(rq, 3), st(rk, 3)
     return (
-        gq, *gq.stride(), gk, *gk.stride(), gv, *gv.stride(),
-        xq, *xq.stride(), xk, *xk.stride(),
+        gq, *st(gq), gk, *st(gk), gv, *st(gv),
+        xq, *st(xq), xk, *st(xk),
         rq, *rq_strides, rk, *rk_strides,
-        wq, wq.stride(0), wk, wk.stride(0),
-        cos, *cos.stride(), sin, *sin.stride(),
-        dqkv, dqkv.stride(0),
-        gcos, *gcos.stride(), gsin, *gsin.stride(),
-        gwq, gwq.stride(0), gwk, gwk.stride(0), w_part, w_sup, tick,
-        w_part if cs_part is None else cs_part, w_part if w_grp is None else w_grp,
+        wq, st(wq)[0], wk, st(wk)[0],
+        cos, *st(cos), sin, *st(sin),
+        dqkv, st(dqkv)[0],
+        gcos, *st(gcos), gsin, *st(gsin),
+        gwq, st(gwq)[0], gwk, st(gwk)[0], w_part, w_sup, tick, cs_part, w_grp,
     )
 
 
 class NormWeightFinish:
     """The last step of the norm-weight gradients: fp32 rows ``part`` [n_rows, 2 (query, key), D],
-    one per stage program, summed in a fixed order into ``gwq``/``gwk``. Called, it launches
-    ``rope_qk_norm_bwd_finish_kernel``; a Triton kernel of the caller's may instead run
-    ``_finish_norm_weight`` on these fields (after the stage has completed)."""
+    one per stage program, summed in a fixed order into ``gwq``/``gwk`` (slots). As a launch
+    (``launch``) it is ``rope_qk_norm_bwd_finish_kernel``; the Triton dW product may instead
+    run ``_finish_norm_weight`` on these fields (after the stage has completed)."""
 
-    def __init__(self, part: torch.Tensor, n_rows: int, gwq: torch.Tensor, gwk: torch.Tensor, d: int):
+    def __init__(self, part: Ptr, n_rows: int, gwq: Ptr, gwk: Ptr, d: int):
         self.part, self.n_rows, self.gwq, self.gwk, self.d = part, n_rows, gwq, gwk, d
-
-    def __call__(self):
-        _kernel("rope_qk_norm_bwd_finish_kernel")[(1,)](
-            self.part, self.n_rows, self.gwq, self.gwq.stride(0), self.gwk, self.gwk.stride(0), D=self.d,
-            D_P2=_next_pow2(self.d), BLOCK_R=32, num_warps=4,
-        )
+        self.launch = BoundLaunch(
+            rope_qk_norm_bwd_finish_kernel, (1,),
+            (part, n_rows, gwq, gwq.like.stride(0), gwk, gwk.like.stride(0)),
+            dict(D=d, D_P2=_next_pow2(d), BLOCK_R=32, num_warps=4))
 
 
-def _backward_triton(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                     exact, norm_after_rope, saved_rotated, grad_cos_sin, scratch=None, eps=None,
-                     finish_outside=False):
-    B, HQ, S, D = gq.shape
-    HKV = gk.shape[1]
+class StagePlan:
+    """The backward stage of one input signature: its launch, the norm-weight finish when that
+    is not fused (``finish``: a :class:`NormWeightFinish` for the caller to launch or hand to
+    the Triton dW), and what the call must supply besides its own tensors: the ticket buffer
+    and, where the partials don't fit in the scratch, a buffer of ``part_bytes``."""
+
+    def __init__(self, launch, finish, tick_slot, n_tick, part_slot, part_bytes, device):
+        self.launch, self.finish = launch, finish
+        self.tick_slot, self.n_tick, self.part_slot, self.part_bytes = tick_slot, n_tick, part_slot, part_bytes
+        self.device = device
+
+    def call_inputs(self, stream: int = 0) -> list:
+        """The entries the stage adds to the call's table (after the caller's), in order."""
+        out = []
+        if self.tick_slot is not None:
+            out.append(ticket_buffer(self.device, self.n_tick, stream))
+        if self.part_slot is not None:
+            out.append(torch.empty(self.part_bytes // 4, dtype=torch.float32, device=self.device))
+        return out
+
+    def launches(self, with_finish: bool = True) -> list:
+        fin = [self.finish.launch] if with_finish and self.finish is not None else []
+        return [self.launch] + fin
+
+
+def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
+                        scratch, *, exact: bool, norm_after_rope: bool, saved_rotated: bool, eps, finish_outside: bool,
+                        cfg: config.Config) -> StagePlan:
+    """Plan the stage kernel over table slots (``rq``/``rk`` None: rstd recomputed with ``eps``;
+    ``gcos`` None: no grad_cos/grad_sin; ``scratch`` None or a slot whose memory may hold the
+    fp32 partials). ``finish_outside``: leave the norm-weight gradients' last reduction (a
+    chain of dependent L2 round trips at the stage's end, 3-4 us at few tokens) to the returned
+    ``finish`` -- which a later kernel of the caller's runs, or which the caller launches.
+    Adds the stage's own entries to the table after the caller's (see ``call_inputs``)."""
+    B, HQ, S, D = gq.like.shape
+    HKV = gk.like.shape[1]
     M = B * S
-    if M == 0:
-        gwq.zero_()
-        gwk.zero_()
-        return _done, _done
-    block_t, hb, num_warps, prefetch, gsize = _launch_config(M, HQ, HKV, D, gq.device)
+    device = gq.like.device
+    grad_cos_sin = gcos is not None
+    block_t, hb, num_warps, prefetch, gsize = cfg.stage_tile or _launch_config(M, HQ, HKV, D, device)
+    if cfg.stage_tile:
+        num_warps = _warps_for(block_t * hb, D, 4)
     grouped = gsize > 0
     nqg, nkg = (-(-HQ // gsize), -(-HKV // gsize)) if grouped else (1, 1)
     # (the 4-token tiles of few tokens measured no faster through TMA: v10)
-    tma = STAGE_TMA and block_t >= 8 and hb == 1 and all(_tma_4d(t, D // 2) for t in (gq, xq, gk, xk))
+    tma = cfg.stage_tma and block_t >= 8 and hb == 1 and all(_tma_4d(t.like, D // 2) for t in (gq, xq, gk, xk))
     # TMA: blocks of one sequence each (a box never spans two)
     n_prog = B * -(-S // block_t) if tma else -(-M // block_t)
-    n_sup = -(-n_prog // _SUPER)
-    fused = FUSED_FINISH and not finish_outside
-    # every allocation before the first launch. The fused finish consumes the partials inside
-    # the kernel, so the dX output (written by the GEMM after it) can hold them; the separate
-    # finish kernel runs after the GEMMs and needs memory of its own. (The grouped mode's
-    # grad_cos/sin partials and group rows are always consumed inside the kernel.)
+    n_sup = -(-n_prog // cfg.finish_super_rows)
+    fused = cfg.fused_finish and not finish_outside
+    # The fused finish consumes the partials inside the kernel, so the dX output (written by the
+    # GEMM after it) can hold them; the separate finish runs after the GEMMs and needs memory of
+    # its own. (The grouped mode's grad_cos/sin partials and group rows are always consumed
+    # inside the kernel.)
     shapes = [(n_prog, 2, D), (n_sup, 2, D)]
     if grouped:
         shapes += [(nqg + nkg, 2, M, D) if grad_cos_sin else (1,), (n_prog, nqg + nkg, D)]
-    parts = _partials(scratch if fused else None, shapes, gq.device)
-    w_part, w_sup = parts[:2]
-    cs_part, w_grp = parts[2:] if grouped else (None, None)
+    offs, nbytes = _partial_layout(shapes)
     n_tick = (n_prog if grouped else 0) + (n_sup + 1 if fused else 0)
-    tick = ticket_buffer(gq.device, n_tick) if n_tick else w_part
+    tick = table.add(ticket_buffer(device, n_tick, current_stream(device))) if n_tick else None
+    part_slot = None
+    if not (fused and scratch is not None and _scratch_fits(scratch.like, nbytes)):
+        scratch = part_slot = table.add(torch.empty(nbytes // 4, dtype=torch.float32, device=device))
+    parts = [table.derive(scratch, off, shape) for off, shape in zip(offs, shapes)]
+    w_part, w_sup = parts[:2]
+    cs_part, w_grp = parts[2:] if grouped else (w_part, w_part)
     if not grad_cos_sin:
-        gcos = gsin = cos  # never written: the kernels are compiled without those stores
+        gcos = gsin = cos  # never written: the kernel is compiled without those stores
     recompute = rq is None
-    # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
-    fp_fusion = not exact
-    launch = _kernel("rope_qk_norm_bwd_kernel").prepared((n_prog, nqg + nkg + 1 if grouped else 2))(
-        *stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                           w_part, w_sup, tick, cs_part, w_grp),
-        M, S, HQ, HKV, float(eps) if recompute else 0.0,
-        *(_stage_descriptors(block_t, D // 2, gq, xq, gk, xk) if tma else (gq, gq, gq, gq)),
-        D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t, HB=hb,
-        EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
-        GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=_SUPER, RECOMPUTE_RSTD=recompute,
-        PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1), TMA=tma,
-        LP2=sm90_or_newer(gq.device),
-        num_warps=num_warps, enable_fp_fusion=fp_fusion,
-        **({"maxnreg": MAX_REGISTERS_GROUPED_8 if grouped and block_t == 8 else MAX_REGISTERS}
-           if num_warps == 4 and gq.is_cuda else {}),
+    box = [1, 1, block_t, D // 2]
+    launch = BoundLaunch(
+        rope_qk_norm_bwd_kernel, (n_prog, nqg + nkg + 1 if grouped else 2),
+        (*stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
+                            w_part, w_sup, tick or w_part, cs_part, w_grp),
+         M, S, HQ, HKV, float(eps) if recompute else 0.0,
+         *((Desc(gq, box), Desc(xq, box), Desc(gk, box), Desc(xk, box)) if tma else (gq, gq, gq, gq))),
+        dict(D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t, HB=hb,
+             EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
+             GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=cfg.finish_super_rows, RECOMPUTE_RSTD=recompute,
+             PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1), TMA=tma,
+             LP2=sm90_or_newer(device),
+             # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
+             num_warps=num_warps, enable_fp_fusion=not exact,
+             **({"maxnreg": MAX_REGISTERS_GROUPED_8 if grouped and block_t == 8 else MAX_REGISTERS}
+                if num_warps == 4 and device.type == "cuda" else {})),
     )
-    if fused:
-        return launch, _done
-    return launch, NormWeightFinish(w_part, n_prog, gwq, gwk, D)
+    finish = None if fused else NormWeightFinish(w_part, n_prog, gwq, gwk, D)
+    return StagePlan(launch, finish, tick, n_tick, part_slot, nbytes, device)
 
 
 def _rotate_half(t: torch.Tensor) -> torch.Tensor:
@@ -343,8 +371,10 @@ def _rms_norm_backward_torch(g, x, w, r, out_dtype, eps=None):
     return dx.to(out_dtype), grad_w
 
 
-def _backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                    exact, norm_after_rope, saved_rotated, eps=None):
+def backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
+                   exact, norm_after_rope, saved_rotated, eps=None):
+    """The stage on the torch backend (CPU path): outputs written in place."""
+    rq, rk = _rstd3(rq), _rstd3(rk)
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     # exact: every op in the activation dtype rounds its result, as the eager reference;

@@ -84,6 +84,21 @@ def require_head_config(num_heads: int, num_kv_heads: int, head_dim: int, where:
         raise ValueError(f"head_dim{at}: {head_dim} is not supported; expected an even size from 2 to {MAX_HEAD_DIM} (RoPE rotates half-dims)")
 
 
+def require_matching_hidden(hidden_states: torch.Tensor, qkv_weight, rows: Optional[int] = None) -> None:
+    """hidden_states' last size and qkv_weight's columns are one hidden_size (checked where both
+    have the right number of dims -- and, given ``rows``, the weight has that many rows -- before
+    the weight's full shape, so the message names both)."""
+    if not isinstance(qkv_weight, torch.Tensor) or qkv_weight.dim() != 2 or hidden_states.dim() != 3:
+        return
+    if rows is not None and qkv_weight.shape[0] != rows:
+        return
+    if hidden_states.shape[2] != qkv_weight.shape[1]:
+        raise ValueError(
+            f"hidden_states / qkv_weight: hidden_states has hidden_size {hidden_states.shape[2]} "
+            f"(shape {_fmt_shape(hidden_states.shape)}) but qkv_weight has {qkv_weight.shape[1]} columns "
+            f"(shape {_fmt_shape(qkv_weight.shape)}); expected one hidden_size for both")
+
+
 def require_number(name: str, x, *, min_value: Optional[float] = None, finite: bool = True) -> float:
     """A real scalar: a Python/NumPy number or a one-element real tensor (never bool)."""
     if isinstance(x, torch.Tensor):

@@ -1,0 +1,93 @@
+"""The launchers' tunables, read from the environment once.
+
+Every choice a plan makes from something other than its inputs comes from the one frozen
+:class:`Config` returned by :func:`current`, and the config is part of every plan's key, so
+a changed setting can never run on a plan built under another. Tests change settings with
+:func:`override` (a context manager) instead of patching module globals.
+
+Environment variables (read at import; 0 turns a path off):
+``FUSEDQKV_CHAIN_MAX_TOKENS`` (128), ``FUSEDQKV_HYBRID_MAX_TOKENS`` (2560),
+``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_STAGE_TMA`` (1).
+Where the defaults come from: benchmarks/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Optional
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # Products of the 091 backward (ops/projection.py). To chain_max_tokens tokens, where dX's
+    # tiles spread evenly over the SMs (balance >= chain_min_balance), dX and dW run as two
+    # persistent Triton TMA kernels chained behind the stage; otherwise to hybrid_max_tokens, dW
+    # in Triton and dX on cuBLAS; above, both on cuBLAS.
+    chain_max_tokens: int = 128
+    chain_min_balance: float = 0.85
+    hybrid_max_tokens: int = 2560
+    # (tile rows, cols, K step, warps, pipeline stages, programs per SM) of the TMA matmuls:
+    # dX and dW of the chain to 128 tokens, above, and the hybrid's dW
+    chain_dx: tuple = (64, 64, 64, 4, 6, 1)
+    chain_dw: tuple = (128, 128, 64, 8, 2, 1)
+    chain_dx_above_128: tuple = (64, 64, 64, 4, 6, 2)
+    chain_dw_above_128: tuple = (128, 128, 32, 4, 4, 2)
+    hybrid_dw: tuple = (128, 128, 32, 4, 5, 2)
+    # the stage's norm-weight finish runs inside the Triton dW launch (chain and hybrid)
+    norm_finish_in_dw: bool = True
+    # the Triton products under TRITON_INTERPRET=1 (slow to emulate: tests turn them on)
+    triton_products_in_interpreter: bool = False
+    # the backward stage (ops/rope_qk_norm.py): q/k tiles through TMA descriptors where the
+    # tensors allow it; the norm-weight finish fused into the stage kernel (else a second
+    # launch); programs per first-level reduction of that finish
+    stage_tma: bool = True
+    fused_finish: bool = True
+    finish_super_rows: int = 32
+    # a forced stage tile (tokens per block, heads per step, warps, pipeline stages, heads per
+    # group or 0) instead of the launcher's choice: for tests
+    stage_tile: Optional[tuple] = None
+    # the forward stage's tile (tokens per program, heads per program, warps): for tests
+    forward_tile: Optional[tuple] = None
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "Config":
+        def flag(name: str, default: bool) -> bool:
+            return env.get(name, "1" if default else "0") != "0"
+
+        def count(name: str, default: int) -> int:
+            raw = env.get(name)
+            if raw is None:
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"{name}: expected an integer token count, got {raw!r}") from None
+
+        return cls(chain_max_tokens=count("FUSEDQKV_CHAIN_MAX_TOKENS", cls.chain_max_tokens),
+                   hybrid_max_tokens=count("FUSEDQKV_HYBRID_MAX_TOKENS", cls.hybrid_max_tokens),
+                   norm_finish_in_dw=flag("FUSEDQKV_NORM_FINISH_IN_DW", True),
+                   stage_tma=flag("FUSEDQKV_STAGE_TMA", True))
+
+
+_current = Config.from_env()
+
+
+def current() -> Config:
+    return _current
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """``with override(hybrid_max_tokens=0): ...`` -- the config with those fields changed,
+    for the duration of the block (plans built under it are keyed by it)."""
+    global _current
+    saved = _current
+    _current = dataclasses.replace(saved, **changes)
+    try:
+        yield _current
+    finally:
+        _current = saved

@@ -1,0 +1,149 @@
+"""Plans: built once per input signature, never reused for a call they don't fit.
+
+A repeated call hits the plan cache (its build counter does not move); a changed stride,
+dtype, shape, config, eps or destination-passing mode builds a new plan; a call with
+destinations aliasing an input is refused even on a cached plan; and the generated raw
+enqueue passes exactly the arguments the template says.
+"""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import fusedqkv
+from fusedqkv.ops import config, launch, plan
+
+from _oracle import make_inputs
+
+
+def _args():
+    return make_inputs(1, 4, 2, 5, 64, hidden=64, seed=1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_repeated_call_hits_the_plan_cache(backend):
+    cache = plan._BACKWARD_091
+    args = _args()
+    fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend=backend)
+    builds, misses = cache.builds, cache.misses
+    first = fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend=backend)
+    # fresh tensors of the same signature: still the cached plan
+    again = fusedqkv.gqa_qkv_rope_qk_norm_backward(*[a.clone() if torch.is_tensor(a) else a for a in args],
+                                                   backend=backend)
+    assert (cache.builds, cache.misses) == (builds, misses)
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+
+
+def _variants(args):
+    """(name, mutated args): each differs from ``args`` in one thing a plan depends on."""
+    gq = args[0]
+    yield "stride", [gq.transpose(2, 3).contiguous().transpose(2, 3)] + args[1:]
+    yield "dtype", [a.half() if torch.is_tensor(a) and a.dtype == torch.bfloat16 else a for a in args]
+    yield "shape", make_inputs(1, 4, 2, 6, 64, hidden=64, seed=1)
+    yield "eps", args[:13] + [args[13] * 2]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_changed_signature_builds_a_new_plan_with_the_right_result(backend):
+    cache = plan._BACKWARD_091
+    args = _args()
+    fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend=backend)
+    for name, other in _variants(args):
+        builds = cache.builds
+        got = fusedqkv.gqa_qkv_rope_qk_norm_backward(*other, backend=backend)
+        assert cache.builds == builds + 1, name
+        ref = fusedqkv.gqa_qkv_rope_qk_norm_backward(*other, backend="torch")
+        for a, b in zip(got, ref):  # the new plan's result, not a stale plan's
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+        # and back: the first signature's plan again, no build
+        builds = cache.builds
+        fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend=backend)
+        assert cache.builds == builds or name == "eps", name
+
+
+def test_config_change_builds_a_new_plan():
+    cache = plan._BACKWARD_091
+    args = _args()
+    fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    builds = cache.builds
+    with config.override(fused_finish=False):
+        fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+        assert cache.builds == builds + 1
+        assert cache.recent[0][2].cfg.fused_finish is False
+    fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    assert cache.recent[0][2].cfg.fused_finish is True
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_aliasing_destination_refused_on_a_cached_plan(backend):
+    args = _args()
+    out = [torch.empty_like(t) for t in fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend=backend)]
+    fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, out=out, backend=backend)  # plan cached
+    bad = list(out)
+    bad[1] = args[4]  # grad_cos written over the input cos: same shape, dtype and strides
+    with pytest.raises(ValueError, match=r"out\[grad_cos\]: shares memory with the input cos"):
+        fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, out=bad, backend=backend)
+
+
+def test_overlap_sweep_agrees_with_pairwise_check():
+    rng = random.Random(0)
+    for _ in range(2000):
+        outs = [(rng.randrange(0, 200), rng.randrange(0, 30)) for _ in range(rng.randrange(1, 5))]
+        ins = [(rng.randrange(0, 200), rng.randrange(0, 30)) for _ in range(rng.randrange(0, 5))]
+
+        def hit(a, b):
+            return a[1] and b[1] and a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+
+        expect = any(hit(a, b) for a, b in itertools.combinations(outs, 2)) or any(
+            hit(a, b) for a in outs for b in ins)
+        got = plan.overlaps_any([p for p, _ in outs], [s for _, s in outs], [p for p, _ in ins], [s for _, s in ins])
+        assert got == expect, (outs, ins)
+
+
+def test_raw_enqueue_passes_the_template_with_addresses_filled():
+    """The generated enqueue: constants as given, pointer slots from the address table, a
+    descriptor slot encoded once per address."""
+    calls = []
+
+    class FakeDesc(launch._DescriptorSlot):
+        def encode(self, ptr):
+            calls.append(("encode", ptr))
+            self.encoded, self.ptr = f"map@{ptr}", ptr
+            return self.encoded
+
+    like = torch.empty(4, 8)
+    d = FakeDesc(3, launch.Desc(launch.Ptr(1, like), [2, 8]), {})
+    template = [None, 7, 2.5, None, 4, 8, 8, 1, None]
+    enqueue = launch._raw_enqueue(lambda *a: calls.append(a), (5, 1, 1), ("fn", 0, 1), template,
+                                  [(0, 0), (8, 2)], [d])
+    enqueue([100, 200, 300], 9)
+    enqueue([101, 200, 301], 9)
+    assert calls == [("encode", 200), (5, 1, 1, 9, "fn", 0, 1, 100, 7, 2.5, "map@200", 4, 8, 8, 1, 300),
+                     (5, 1, 1, 9, "fn", 0, 1, 101, 7, 2.5, "map@200", 4, 8, 8, 1, 301)]
+
+
+def test_plans_do_not_keep_the_building_calls_tensors_alive():
+    import gc
+    import weakref
+
+    args = make_inputs(1, 4, 2, 7, 64, hidden=64, seed=5)
+    refs = [weakref.ref(t) for t in args if torch.is_tensor(t)]
+    fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    del args
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_training_block_plans_hit_on_repeat():
+    torch.manual_seed(0)
+    block = fusedqkv.GQAQKVRoPEQKNorm(64, 4, 2, 16, dtype=torch.float32)
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    ang = torch.randn(1, 3, 16)
+    q, k, v = block(x, ang.cos(), ang.sin())
+    (q.sum() + k.sum() + v.sum()).backward()
+    f, b = plan._FORWARD.builds, plan._TRAINING_BACKWARD.builds
+    q, k, v = block(x, ang.cos(), ang.sin())
+    (q.sum() + k.sum() + v.sum()).backward()
+    assert (plan._FORWARD.builds, plan._TRAINING_BACKWARD.builds) == (f, b)
