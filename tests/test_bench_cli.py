@@ -164,25 +164,66 @@ def test_official_reference_is_an_importable_module():
 
 
 def test_gpu_timing_branch_uses_both_timers(monkeypatch):
-    """On CUDA the harness times by CUDA events and by kernel span, flusher passed to both."""
+    """On CUDA the harness times each Call the evaluator's way, by kernel span and by CUDA
+    events: the call's function with its inputs and outputs (shifted by the timers), the flusher
+    passed to both."""
     from fusedqkv.bench import timing
 
     seen = []
 
-    def fake(kind, value):
-        def f(fn, reps, warmup, flusher):
-            seen.append((kind, reps, warmup, flusher))
-            return [value] * reps
-        return f
+    def fake_events(fn, inputs, outputs, reps, warmup, flusher):
+        seen.append(("events", fn, len(inputs), len(outputs), reps, warmup, flusher))
+        return [2.0] * reps
 
-    monkeypatch.setattr(timing, "time_cuda_events", fake("events", 2.0))
-    monkeypatch.setattr(timing, "time_kernel_span", fake("span", 1.5))
+    def fake_span(fn, inputs, outputs, reps, warmup, flusher, source):
+        seen.append(("span", fn, len(inputs), len(outputs), reps, warmup, flusher, source))
+        return timing.SpanTimes([1.5] * reps, "cupti", [3] * reps)
+
+    monkeypatch.setattr(timing, "time_call_events", fake_events)
+    monkeypatch.setattr(timing, "time_call_span", fake_span)
     flusher = object()
-    t = harness._time(lambda: None, torch.device("cuda"), 7, 3, True, flusher)
+    call = harness.Call(lambda *a: a, [1, 2], [3])
+    t = harness._time(call, torch.device("cuda"), 7, 3, True, flusher, "cupti")
     assert t["kernel_span"]["mean"] == 1.5 and t["cuda_events"]["median"] == 2.0 and t["kernel_span"]["n"] == 7
-    assert seen == [("events", 7, 3, flusher), ("span", 7, 3, flusher)]
+    assert t["kernel_span"]["source"] == "cupti" and t["kernel_span"]["activities_per_call"] == 3
+    assert seen == [("events", call.fn, 2, 1, 7, 3, flusher), ("span", call.fn, 2, 1, 7, 3, flusher, "cupti")]
     t = harness._time(lambda: None, torch.device("cuda"), 4, 1, False, flusher)
     assert set(t) == {"cuda_events"}
-    proto = harness.protocol_for(torch.device("cuda"), 50, 5, "kernel_span", ["kernel_span", "cuda_events"], "mean",
-                                 "datasheet (NVIDIA H200 SXM)", "091")
+    proto = harness.protocol_for(torch.device("cuda"), 50, 10, "kernel_span", ["kernel_span", "cuda_events"], "median",
+                                 "datasheet (NVIDIA H200 SXM)", "091", "profiler")
     assert proto["l2Flush"].startswith("before every iteration") and proto["timer"] == "kernel_span"
+    assert "fresh address" in proto["iteration"] and proto["spanSource"] == "profiler"
+
+
+def test_gpu_defaults_are_the_evaluators():
+    assert harness.BenchConfig().statistic == "median"
+    a = cli._parser().parse_args(["bench"])
+    assert a.statistic == "median" and a.span_clock == "auto"
+
+
+def test_implementations_are_calls_with_inputs_and_outputs():
+    """Each implementation gives its inputs and outputs to the timers (which move them every
+    iteration); calling the Call runs it on the originals, as the older scripts do."""
+    from fusedqkv.bench import problem
+
+    defn = problem.load_definition()
+    w = problem.reduced_workload(defn.workload(2), 4)
+    args = list(problem.generate_inputs(defn, w, seed=2).values())
+    ref, label = problem.reference_impl()
+    ctx = harness.Context(torch.device("cpu"), ref, label, {})
+    with torch.no_grad():
+        expect = ref(*args)
+    fq = harness.IMPLEMENTATIONS["fusedqkv"].prepare(ctx, args, expect)
+    assert len(fq.inputs) == 14 and len(fq.outputs) == 6
+    moved_in = [a.clone() if isinstance(a, torch.Tensor) else a for a in fq.inputs]
+    moved_out = [torch.full_like(o, float("nan")) for o in fq.outputs]
+    got = fq.fn(*moved_in, *moved_out)
+    assert all(g is o for g, o in zip(got, moved_out))
+    assert all(c.passed for c in problem.check_outputs(list(defn.outputs), got, expect, w))
+    floor = harness.IMPLEMENTATIONS["gemm_floor"].prepare(ctx, args, expect)
+    gx, gw = floor()
+    dqkv, wt, x = floor.inputs
+    torch.testing.assert_close(gx, dqkv @ wt)
+    torch.testing.assert_close(gw, dqkv.t() @ x)
+    eager = harness.IMPLEMENTATIONS["eager"].prepare(ctx, args, expect)
+    assert eager.outputs == [] and len(eager.inputs) == 14

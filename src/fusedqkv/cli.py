@@ -60,11 +60,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated: fusedqkv, eager, compile, gemm_floor (default: all on CUDA, "
                    "fusedqkv,eager on CPU; eager is always measured, it is the baseline)")
     b.add_argument("--reps", type=int, help="timed repetitions per workload (default 50 GPU / 5 CPU; quick 10 / 3)")
-    b.add_argument("--warmup", type=int, help="warm-up calls before timing")
+    b.add_argument("--warmup", type=int, help="warm-up calls before timing (default 10 GPU / 1 CPU)")
     b.add_argument("--quick", action="store_true", help="fewer repetitions (and on CPU fewer, smaller workloads)")
     b.add_argument("--max-tokens", type=int, help="cap tokens per workload (CPU default 128, quick 64)")
-    b.add_argument("--statistic", default="mean", choices=["mean", "median"], help="primary statistic (default mean)")
-    b.add_argument("--no-span", action="store_true", help="CUDA events only (skip the profiler kernel-span timer)")
+    b.add_argument("--statistic", default="median", choices=["mean", "median"],
+                   help="primary statistic (default median, the evaluator's)")
+    b.add_argument("--no-span", action="store_true", help="CUDA events only (skip the kernel-span timer)")
+    b.add_argument("--span-clock", default="auto", choices=["auto", "cupti", "profiler"],
+                   help="kernel-span source: cupti (cupti-python, as NVIDIA's evaluator), profiler (torch.profiler), "
+                   "auto (cupti when importable)")
     b.add_argument("--measure-ceilings", action="store_true",
                    help="SOL from a matmul and a copy measured at start instead of the datasheet table")
     b.add_argument("--store", help="run store folder (default $FUSEDQKV_RUN_STORE or ~/.cache/fusedqkv/runs)")
@@ -81,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="file to write (solution.json)")
     e.add_argument("--name", help="solution name")
     e.add_argument("--author", default="fusedqkv")
-    e.add_argument("--check", action="store_true", help="then run it from a temporary folder against the reference")
+    e.add_argument("--check", action="store_true",
+                   help="then run it from a temporary folder, in a subprocess where 'import fusedqkv' fails, "
+                   "against the reference (CPU: the entry point and the Triton path under TRITON_INTERPRET=1)")
     e.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="device of the --check (cpu: reduced workloads; cuda: full size)")
     return ap
@@ -96,7 +102,8 @@ def cmd_bench(a) -> int:
     out = _writable_dir(a.out)
     cfg = harness.BenchConfig(device=a.device, workloads=_csv(a.workloads), implementations=_csv(a.impls),
                               reps=a.reps, warmup=a.warmup, quick=a.quick, max_tokens=a.max_tokens,
-                              span=not a.no_span, statistic=a.statistic, measure_ceilings=a.measure_ceilings,
+                              span=not a.no_span, span_source=a.span_clock, statistic=a.statistic,
+                              measure_ceilings=a.measure_ceilings,
                               progress=not a.quiet)
     try:
         results = harness.run_bench(cfg)
@@ -135,6 +142,9 @@ def cmd_bench(a) -> int:
               f"{f(x['avg_speedup'], '{:7.3f}x'):>8s} {f(x['geomean_speedup'], '{:7.3f}x'):>8s} "
               f"{x['fast_1_count']:>3d}/{x['fast_1_total']:<3d} "
               f"{('n/a' if x['role'] == 'bound' else str(x['correct_count']) + '/' + str(x['total'])):>8s}")
+    g = report.floor_ratio_geomean(results)
+    if g is not None:
+        print(f"geomean fusedqkv / two-GEMM floor: {g:.3f}")
     if rank_lines:
         print("rank in comparison group: " + "; ".join(rank_lines))
     print(f"wrote {', '.join(sorted(p.name for p in paths.values()))} to {out}")
@@ -229,14 +239,30 @@ def cmd_export(a) -> int:
         except OSError as e:
             raise CliError(f"--out {a.out}: cannot create its folder ({e.strerror or e})") from None
     try:
-        sol = solution.write_solution(p, name=a.name, author=a.author)
+        sol = solution.build_solution(name=a.name, author=a.author)
+    except solution.ExportError as e:  # loud: every offence, one per line
+        print("fusedqkv: error: export-solution: the package cannot be shipped self-contained:", file=sys.stderr)
+        for line in str(e).splitlines():
+            print(f"  {line}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    try:
+        p.write_text(json.dumps(sol, indent=1))
     except OSError as e:
         raise CliError(f"--out {a.out}: not writable ({e.strerror or e})") from None
-    print(f"wrote {p}: {sol['name']} ({len(sol['sources'])} sources, entry {sol['spec']['entry_point']})")
+    print(f"wrote {p}: {sol['name']} ({len(sol['sources'])} sources, entry {sol['spec']['entry_point']}, "
+          f"sources {solution.sources_digest(sol)[:19]})")
+    for s in sol["sources"]:
+        print(f"  {s['path']}")
     if a.check:
-        res = solution.check_solution(sol, device=dev.type)
+        print(f"check: the exported sources in a subprocess where 'import fusedqkv' raises ({dev.type})")
+        try:
+            res = solution.check_solution(sol, device=dev.type)
+        except solution.IsolationError as e:
+            print(f"fusedqkv: error: export-solution --check: {e}", file=sys.stderr)
+            return EXIT_CHECK_FAILED
         for r in res:
-            print(f"  {r['workload']}: {'passed' if r['passed'] else 'FAILED'}")
+            line = f"  {r['workload']} ({r['tokens']} tokens), {r['path']}: {'passed' if r['passed'] else 'FAILED'}"
+            print(line + ("" if r["passed"] else f" -- {solution.describe_failure(r)}"))
         if not all(r["passed"] for r in res):
             return EXIT_CHECK_FAILED
     return EXIT_OK

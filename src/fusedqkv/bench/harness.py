@@ -11,8 +11,10 @@ Implementations (``IMPLEMENTATIONS``):
 
 Per workload: inputs by the official name heuristics (seed = workload index), the
 oracle's outputs once, then per implementation one checked call (official policy) and
-the timings: on CUDA, L2 flushed before every iteration, by CUDA events and by kernel
-span (profiler device activity); on a CPU, wall clock (no flush), labelled as a CPU run.
+the timings: on CUDA as NVIDIA's evaluator iterates (arguments at a fresh address, L2
+flush, the call), by kernel span (CUPTI, else the torch profiler) and by CUDA events,
+median of 50 after 10 warm-up calls by default; on a CPU, wall clock (no flush), labelled
+as a CPU run.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class Implementation:
     role: str  # "kernel", "reference", "peer" or "bound"
     claims_correct: bool
     default_devices: tuple
-    prepare: Callable  # (ctx, args, ref_out) -> callable that runs one iteration and returns its outputs
+    prepare: Callable  # (ctx, args, ref_out) -> Call (or a callable of no arguments) returning the outputs
     sources: Callable  # (ctx) -> dict for the implementation digest
 
 
@@ -71,16 +73,47 @@ def _reference_source() -> dict:
     return {"reference": "fusedqkv eager re-implementation", "files": records.source_tree(("ops",))}
 
 
+def _fusedqkv_sources() -> dict:
+    """What the fusedqkv implementation runs: the modules the exported solution ships (so a
+    run's implementationDigest and the solution's sources agree), else every kernels/ and ops/
+    file, marked, when the package cannot be exported self-contained."""
+    from . import solution
+
+    try:
+        return {"files": solution.shipped_digest_sources(), "set": "solution closure"}
+    except solution.ExportError as e:
+        return {"files": records.source_tree(("kernels", "ops")), "set": "kernels/ and ops/",
+                "exportError": str(e).splitlines()[0]}
+
+
+class Call:
+    """One implementation's call: ``fn(*inputs, *outputs)`` returns its outputs. The timers
+    pass ``inputs`` and ``outputs`` at a fresh address each iteration (as the evaluator
+    does); calling the object runs ``fn`` on the originals."""
+
+    def __init__(self, fn: Callable, inputs, outputs=()):
+        self.fn, self.inputs, self.outputs = fn, list(inputs), list(outputs)
+
+    def __call__(self):
+        return self.fn(*self.inputs, *self.outputs)
+
+
+def as_call(x) -> Call:
+    """A Call, from a Call or from a callable of no arguments."""
+    return x if isinstance(x, Call) else Call(lambda: x(), [])
+
+
 def _prep_fusedqkv(ctx, args, ref_out):
     from ..ops.gqa_backward import gqa_qkv_rope_qk_norm_backward
 
+    n = len(args)
     out = tuple(torch.empty_like(t) for t in ref_out)
-    return lambda: gqa_qkv_rope_qk_norm_backward(*args, out=out)
+    # destination passing, as the exported solution's run(*inputs, *outputs)
+    return Call(lambda *a: gqa_qkv_rope_qk_norm_backward(*a[:n], out=a[n:]), args, out)
 
 
 def _prep_eager(ctx, args, ref_out):
-    ref = ctx.reference
-    return lambda: ref(*args)
+    return Call(ctx.reference, args)
 
 
 def _compile_limits():
@@ -95,7 +128,13 @@ def _prep_compile(ctx, args, ref_out):
     if fn is None:
         _compile_limits()
         fn = ctx.compiled["fn"] = torch.compile(ctx.reference)
-    return lambda: fn(*args)
+    return Call(fn, args)
+
+
+def _gemm_floor(dqkv, w, x, gx, gw):
+    torch.mm(dqkv, w, out=gx)
+    torch.mm(dqkv.t(), x, out=gw)
+    return gx, gw
 
 
 def _prep_gemm_floor(ctx, args, ref_out):
@@ -106,19 +145,13 @@ def _prep_gemm_floor(ctx, args, ref_out):
     dqkv = torch.randn(m, w.shape[0], generator=gen).to(device=w.device, dtype=w.dtype)
     gx = torch.empty(m, w.shape[1], device=w.device, dtype=w.dtype)
     gw = torch.empty_like(w)
-
-    def floor():
-        torch.mm(dqkv, w, out=gx)
-        torch.mm(dqkv.t(), x, out=gw)
-        return gx, gw
-
-    return floor
+    return Call(_gemm_floor, [dqkv, w, x], [gx, gw])
 
 
 IMPLEMENTATIONS = {
     "fusedqkv": Implementation(
         "fusedqkv", "fusedqkv (Triton + cuBLAS on CUDA; torch path on CPU), destination passing", "kernel", True,
-        ("cuda", "cpu"), _prep_fusedqkv, lambda ctx: {"files": records.source_tree(("kernels", "ops"))}),
+        ("cuda", "cpu"), _prep_fusedqkv, lambda ctx: _fusedqkv_sources()),
     "eager": Implementation(
         "eager", "eager reference", "reference", True, ("cuda", "cpu"), _prep_eager,
         lambda ctx: ctx.reference_source),
@@ -128,7 +161,7 @@ IMPLEMENTATIONS = {
     "gemm_floor": Implementation(
         "gemm_floor", "two-GEMM floor (bound: dX and dW GEMMs on a precomputed dQKV)", "bound", False,
         ("cuda",), _prep_gemm_floor,
-        lambda ctx: {"sha256": records.sha256_text(inspect.getsource(_prep_gemm_floor))}),
+        lambda ctx: {"sha256": records.sha256_text(inspect.getsource(_prep_gemm_floor) + inspect.getsource(_gemm_floor))}),
 }
 
 
@@ -180,7 +213,8 @@ class BenchConfig:
     quick: bool = False
     max_tokens: Optional[int] = None  # CPU reduction cap
     span: bool = True
-    statistic: str = "mean"
+    span_source: str = "auto"  # auto (CUPTI when cupti-python imports, else the torch profiler), cupti, profiler
+    statistic: str = "median"  # the evaluator's
     measure_ceilings: bool = False
     progress: bool = True
     definition: str = problem.DEFAULT_DEFINITION
@@ -233,11 +267,11 @@ def resolve_workloads(defn, keys, device: torch.device, quick: bool, max_tokens:
 
 
 def protocol_for(device: torch.device, reps: int, warmup: int, primary_timer: str, timers: list,
-                 statistic: str, ceilings_source: str, definition: str) -> dict:
+                 statistic: str, ceilings_source: str, definition: str, span_source: str = "auto") -> dict:
     cpu = device.type == "cpu"
-    return {
+    proto = {
         "kind": "BenchmarkProtocol",
-        "name": f"sol-execbench-style/{'cpu-wall' if cpu else 'cold-l2'}",
+        "name": f"sol-execbench-style/{'cpu-wall' if cpu else 'evaluator-cold-l2'}",
         "definition": definition,
         "deviceType": device.type,
         "warmup": warmup,
@@ -256,18 +290,32 @@ def protocol_for(device: torch.device, reps: int, warmup: int, primary_timer: st
                 "ceilings": ceilings_source,
                 "score": "S = 1 / (1 + (T - T_sol) / (T_b - T_sol)); failed workload scores 0"},
     }
+    if not cpu:
+        proto["iteration"] = ("as NVIDIA's evaluator: arguments at a fresh address (256-byte shifting pool, "
+                              "outputs zeroed), L2 flush, the call; kernel span: device synchronize after "
+                              "each call, span of the call's device activity; CUDA events: no synchronize")
+        if "kernel_span" in timers:
+            proto["spanSource"] = span_source
+    return proto
 
 
 # ----------------------------------------------------------------------------- run
 
 
-def _time(fn, device, reps, warmup, span, flusher) -> dict:
+def _time(call, device, reps, warmup, span, flusher, span_source: str = "auto") -> dict:
+    """The evaluator's iteration (fresh argument addresses, L2 flush, the call) timed by
+    kernel span (CUPTI or the profiler) and by CUDA events; wall clock on a CPU."""
+    call = as_call(call)
     if device.type == "cuda":
-        out = {"cuda_events": timing.summarize(timing.time_cuda_events(fn, reps=reps, warmup=warmup, flusher=flusher))}
+        out = {"cuda_events": timing.summarize(timing.time_call_events(
+            call.fn, call.inputs, call.outputs, reps=reps, warmup=warmup, flusher=flusher))}
         if span:
-            out["kernel_span"] = timing.summarize(timing.time_kernel_span(fn, reps=reps, warmup=warmup, flusher=flusher))
+            st = timing.time_call_span(call.fn, call.inputs, call.outputs, reps=reps, warmup=warmup,
+                                       flusher=flusher, source=span_source)
+            out["kernel_span"] = {**timing.summarize(st.samples_ms), "source": st.source,
+                                  "activities_per_call": max(st.activities_per_call, default=0)}
         return out
-    return {"cpu_wall": timing.summarize(timing.time_cpu(fn, reps=reps, warmup=warmup))}
+    return {"cpu_wall": timing.summarize(timing.time_cpu(call, reps=reps, warmup=warmup))}
 
 
 def _sync(device):
@@ -287,8 +335,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     cpu = device.type == "cpu"
     if cfg.statistic not in ("mean", "median"):
         raise BenchError(f"--statistic: expected mean or median, got {cfg.statistic!r}")
+    # GPU: the evaluator's 10 warm-up calls and 50 timed ones
     reps = cfg.reps or ((3 if cfg.quick else 5) if cpu else (10 if cfg.quick else 50))
-    warmup = cfg.warmup if cfg.warmup is not None else (1 if cpu else (2 if cfg.quick else 5))
+    warmup = cfg.warmup if cfg.warmup is not None else (1 if cpu else (2 if cfg.quick else 10))
     if reps < 1 or warmup < 0:
         raise BenchError("--reps must be >= 1 and --warmup >= 0")
     span = cfg.span and not cpu
@@ -303,7 +352,13 @@ def run_bench(cfg: BenchConfig) -> dict:
         measured = roofline.measure_ceilings(device, hw)
         ceil = measured
     ceil_source = "measured at start (bf16 matmul, copy)" if ceil.source == "measured" else f"datasheet ({ceil.name})"
-    protocol = protocol_for(device, reps, warmup, primary_timer, timers, cfg.statistic, ceil_source, defn.name)
+    if cfg.span_source not in ("auto", "cupti", "profiler"):
+        raise BenchError(f"--span-clock: expected auto, cupti or profiler, got {cfg.span_source!r}")
+    if span and cfg.span_source == "cupti" and not timing.cupti_available():
+        raise BenchError("--span-clock cupti: cupti-python is not importable (pip install cupti-python)")
+    span_source = ("cupti" if timing.cupti_available() else "profiler") if cfg.span_source == "auto" else cfg.span_source
+    protocol = protocol_for(device, reps, warmup, primary_timer, timers, cfg.statistic, ceil_source, defn.name,
+                            span_source)
     workload_set = {"definition": defn.name, "deviceReduced": cap is not None, "maxTokens": cap,
                     "workloads": [w.to_json() for w in wls]}
 
@@ -348,7 +403,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                         res["correct"] = None
                         res["note"] = "a bound, not a solution"
                     del got
-                    res["timings"] = _time(fn, device, reps, warmup, span, flusher)
+                    res["timings"] = _time(fn, device, reps, warmup, span, flusher, span_source)
                 res["latency_ms"] = res["timings"][primary_timer][cfg.statistic]
             except Exception as e:  # noqa: BLE001 - a failing peer is a result, not a crash
                 res.update(status="error", correct=False if impl.role != "bound" else None,

@@ -7,6 +7,7 @@ import base64
 import html
 import json
 import math
+import re
 from pathlib import Path
 
 ORDER = ("fusedqkv", "compile", "eager", "gemm_floor")
@@ -86,26 +87,50 @@ def summary_table(results: dict, recs: dict) -> list:
     return out
 
 
+TIMER_LABEL = {"kernel_span": "span ms", "cuda_events": "events ms", "cpu_wall": "wall ms"}
+
+
 def workload_table(results: dict) -> list:
+    """One row per workload, one number per cell: per implementation its primary latency,
+    CUDA events (when the primary is the span), the correctness check and the SOL score S;
+    fusedqkv / floor when both ran; the dataset's B200 figures."""
+    stat, primary = results["statistic"], results["primary_timer"]
     rows = []
     for r in results["workloads"]:
-        d = {"workload": r["workload"], "tokens": r["tokens"], "sol_ms": _f(r["sol_ms"]),
+        d = {"workload": r["workload"], "tokens": r["tokens"], "sol ms": _f(r["sol_ms"]),
              "bound": r["roofline"]["bound"]}
         for n in _impls(results):
             x = r["impls"][n]
-            if x["status"] != "ok":
-                d[n] = f"ERROR ({x.get('error', '')[:60]})"
-                continue
-            ok = {True: "ok", False: "FAIL", None: ""}[x.get("correct")]
             t = x.get("timings", {})
-            ev = t.get("cuda_events", {}).get(results["statistic"])
-            extra = f" / ev {_f(ev)}" if ev is not None and results["primary_timer"] != "cuda_events" else ""
-            sc = f" S={_f(x.get('sol_score'), '{:.3f}')}" if x["role"] != "bound" else ""
-            d[n] = f"{_f(x.get('latency_ms'))}{extra} {ok}{sc}".strip()
+            ok = x["status"] == "ok"
+            d[f"{n} {TIMER_LABEL.get(primary, primary)}"] = _f(x.get("latency_ms")) if ok else "—"
+            if primary == "kernel_span":
+                d[f"{n} events ms"] = _f(t.get("cuda_events", {}).get(stat)) if ok else "—"
+            if x["role"] != "bound":
+                d[f"{n} check"] = ({True: "ok", False: "FAIL", None: "—"}[x.get("correct")] if ok
+                                   else f"ERROR: {x.get('error', '')[:60]}")
+                d[f"{n} S"] = _f(x.get("sol_score"), "{:.3f}") if ok else "—"
+            elif not ok:
+                d[f"{n} check"] = f"ERROR: {x.get('error', '')[:60]}"
+        fq, fl = (r["impls"].get(k, {}).get("latency_ms") for k in ("fusedqkv", "gemm_floor"))
+        if "gemm_floor" in r["impls"] and "fusedqkv" in r["impls"]:
+            d["fusedqkv / floor"] = _f(fq / fl, "{:.3f}") if (fq and fl) else "—"
         if r.get("b200"):
-            d["b200 sol/base"] = f"{_f(r['b200']['sol_ms'])} / {_f(r['b200']['baseline_ms'])}"
+            d["b200 sol ms"] = _f(r["b200"]["sol_ms"])
+            d["b200 baseline ms"] = _f(r["b200"]["baseline_ms"])
         rows.append(d)
     return rows
+
+
+def floor_ratio_geomean(results: dict) -> float | None:
+    """Geomean over the workloads of fusedqkv's latency / the two-GEMM floor's (same timer)."""
+    xs = []
+    for r in results["workloads"]:
+        fq, fl = (r["impls"].get(k, {}).get("latency_ms") for k in ("fusedqkv", "gemm_floor"))
+        if not (fq and fl):
+            return None
+        xs.append(fq / fl)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 def _columns(rows: list) -> list:
@@ -126,19 +151,23 @@ def _md_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+_NUMBER = re.compile(r"^[-+]?\d+(\.\d+)?(e[-+]?\d+)?x?$")
+
+
 def _html_table(rows: list) -> str:
     if not rows:
         return ""
     keys = _columns(rows)
-    h = "<table><thead><tr>" + "".join(f"<th>{html.escape(k)}</th>" for k in keys) + "</tr></thead><tbody>"
+    h = ("<div class='scroll'><table><thead><tr>" + "".join(f"<th>{html.escape(k)}</th>" for k in keys)
+         + "</tr></thead><tbody>")
     for r in rows:
         cells = []
         for k in keys:
             v = str(r.get(k, ""))
-            cls = ' class="fail"' if ("FAIL" in v or "ERROR" in v) else ""
+            cls = ' class="fail"' if ("FAIL" in v or "ERROR" in v) else (' class="num"' if _NUMBER.match(v) else "")
             cells.append(f"<td{cls}>{html.escape(v)}</td>")
         h += "<tr>" + "".join(cells) + "</tr>"
-    return h + "</tbody></table>"
+    return h + "</tbody></table></div>"
 
 
 def _header_lines(results: dict, manifest: dict, group_rank: list) -> list:
@@ -157,6 +186,9 @@ def _header_lines(results: dict, manifest: dict, group_rank: list) -> list:
         f"environmentDigest `{spec['environmentDigest']}`",
         f"implementationDigest `{spec['implementationDigest']}`",
     ]
+    g = floor_ratio_geomean(results)
+    if g is not None:
+        lines.append(f"Geomean fusedqkv / two-GEMM floor: {g:.3f} ({results['primary_timer']} {results['statistic']})")
     if group_rank:
         lines.append("Rank in comparison group: " + "; ".join(group_rank))
     return lines
@@ -200,9 +232,9 @@ def write_report(results: dict, recs: dict, manifest: dict, out_dir: Path, group
         "SOL score S = 1/(1 + (T − T_sol)/(T_b − T_sol)), T_b = eager reference of this run; a workload "
         "that fails correctness scores 0. Speed-up = T_b / T (mean of ratios and geomean); faster = T < T_b.", "",
         _md_table(summ), "", "## Per workload", "",
-        f"Latency in ms ({results['primary_timer']} {results['statistic']}" +
-        (", with CUDA events after `ev`" if results["primary_timer"] == "kernel_span" else "") +
-        "), correctness (official policy) and SOL score per implementation; `sol_ms` is the roofline bound." +
+        f"Per implementation: latency in ms ({results['primary_timer']} {results['statistic']}" +
+        ("; CUDA events beside it" if results["primary_timer"] == "kernel_span" else "") +
+        "), correctness (official policy) and SOL score S; `sol ms` is the roofline bound." +
         (" B200 figures are the dataset's, as figures." if not results["cpu_run"] else ""), "",
         _md_table(wl), "", "## Correctness failures", "",
         _md_table(failures) if failures else "None.", "",
@@ -212,9 +244,13 @@ def write_report(results: dict, recs: dict, manifest: dict, out_dir: Path, group
     paths["report.md"].write_text("\n".join(md))
 
     png64 = base64.b64encode(paths["latency.png"].read_bytes()).decode()
+    # the plot scales down to the page; wide tables scroll inside their own box
     css = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;"
            "margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;text-align:left}"
+           "td.num{text-align:right;font-variant-numeric:tabular-nums}"
            "th{background:#f0f0f0}td.fail{background:#fdd}code,pre{background:#f6f6f6}"
+           "pre{white-space:pre-wrap;overflow-wrap:anywhere}.scroll{max-width:100%;overflow-x:auto}"
+           "img.plot{display:block;max-width:100%;height:auto}"
            ".cpu{background:#fff3cd;padding:.5em;border:1px solid #e0c060}")
     h = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
          f"<style>{css}</style></head><body><h1>{html.escape(title)}</h1>"]
@@ -225,7 +261,8 @@ def write_report(results: dict, recs: dict, manifest: dict, out_dir: Path, group
     h.append("<h2>Summary (run level)</h2>" + _html_table(summ))
     h.append("<h2>Per workload</h2>" + _html_table(wl))
     h.append("<h2>Correctness failures</h2>" + (_html_table(failures) if failures else "<p>None.</p>"))
-    h.append(f"<h2>Latency against the SOL bound</h2><img alt='latency' src='data:image/png;base64,{png64}'/>")
+    h.append(f"<h2>Latency against the SOL bound</h2><img class='plot' alt='latency' "
+             f"src='data:image/png;base64,{png64}'/>")
     h.append(f"<h2>Manifest</h2><pre>{html.escape(json.dumps(manifest, indent=1, sort_keys=True))}</pre>")
     h.append("</body></html>")
     paths["report.html"] = out_dir / "report.html"
