@@ -118,10 +118,14 @@ def test_raw_enqueue_passes_the_template_with_addresses_filled():
     template = [None, 7, 2.5, None, 4, 8, 8, 1, None]
     enqueue = launch._raw_enqueue(lambda *a: calls.append(a), (5, 1, 1), ("fn", 0, 1), template,
                                   [(0, 0), (8, 2)], [d])
-    enqueue([100, 200, 300], 9)
-    enqueue([101, 200, 301], 9)
+    bound = launch.BoundLaunch(None, (5,), [], {})
+    bound._raw, bound._descs = enqueue, [d]
+    bound.launch(None, [100, 200, 300], 9)
+    bound.encode([101, 200, 301])  # the same address: not encoded again
+    bound.launch(None, [101, 200, 301], 9)
+    bound.encode([101, 201, 301])
     assert calls == [("encode", 200), (5, 1, 1, 9, "fn", 0, 1, 100, 7, 2.5, "map@200", 4, 8, 8, 1, 300),
-                     (5, 1, 1, 9, "fn", 0, 1, 101, 7, 2.5, "map@200", 4, 8, 8, 1, 301)]
+                     (5, 1, 1, 9, "fn", 0, 1, 101, 7, 2.5, "map@200", 4, 8, 8, 1, 301), ("encode", 201)]
 
 
 def test_plans_do_not_keep_the_building_calls_tensors_alive():

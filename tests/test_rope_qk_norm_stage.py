@@ -51,7 +51,7 @@ def test_accurate_stage_matches_float64_autograd(backend, after_rope, recompute_
     rope_qk_norm_backward(f(gq), f(gk), f(gv), f(xq), f(xk), rq32, rk32, f(wq), f(wk),
                           f(cos), f(sin), dqkv=dqkv, grad_cos=gcos, grad_sin=gsin, grad_q_norm_weight=gwq,
                           grad_k_norm_weight=gwk, exact=False, norm_after_rope=after_rope, saved_rotated=False,
-                          backend=backend, eps=eps)()
+                          backend=backend, eps=eps)
     view = dqkv.view(B, S, -1)
     got_dq = view[..., : HQ * D].view(B, S, HQ, D).transpose(1, 2)
     got_dk = view[..., HQ * D: (HQ + HKV) * D].view(B, S, HKV, D).transpose(1, 2)

@@ -165,7 +165,10 @@ class Backward091Plan:
         seen.append(w_ptr)
         if seen != self._checked:  # the address checks depend on nothing else (the spans are the plan's)
             if out is not None and overlaps_any(out_ptrs, self.out_spans, in_ptrs + [x_ptr, w_ptr], self.in_spans):
-                V.require_out(out, self.out_specs, self.device)  # raises, naming the arguments
+                from .gqa_backward import INPUT_NAMES
+
+                # raises, naming the arguments
+                V.require_out(out, self.out_specs, self.device, inputs=list(zip(INPUT_NAMES, args[:13])))
             if self.aligned:
                 acc = 0
                 for p in seen:
@@ -193,6 +196,9 @@ class Backward091Plan:
                              g_weight]
             tensors = self.table.tensors(supplied + extra)
             ptrs = None
+        if ptrs is not None:
+            for launch in launches:  # every descriptor before the first launch
+                launch.encode(ptrs)
         for launch in launches:
             launch.launch(tensors, ptrs, stream)
         if self.mm_dx:
@@ -212,7 +218,9 @@ class Backward091Plan:
         outs = self._outputs(out)
         g_hidden, g_cos, g_sin, g_weight, g_qw, g_kw = outs
         if out is not None:
-            V.require_out(out, self.out_specs, self.device)
+            from .gqa_backward import INPUT_NAMES
+
+            V.require_out(out, self.out_specs, self.device, inputs=list(zip(INPUT_NAMES, args[:13])))
         M, hidden = gq.shape[0] * gq.shape[2], hs.shape[2]
         dqkv = torch.empty((M, W.shape[0]), dtype=gq.dtype, device=self.device)
         backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw,
@@ -246,6 +254,7 @@ def build_backward_091(args, out, backend, *, cfg) -> Backward091Plan:
     device = sz["device"]
     if out is not None:
         out = V.require_out(out, specs, device)
+    specs = V.OutputSpecs(list(specs))  # without the inputs: a plan keeps no call's tensors
     backend = pick_backend(device, backend)
     (gq, gk, gv, hs, cos, sin, W, wq, wk, xq, xk, rq, rk, eps) = args
     M, hidden = sz["batch"] * sz["seq"], sz["hidden"]
