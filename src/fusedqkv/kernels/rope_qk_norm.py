@@ -643,7 +643,7 @@ def _store_cs_partials(cs_ptr, group, M, tok0, t_end, c1, c2, s1, s2, D: tl.cons
     d = tl.arange(0, HALF_P2)[None, :]
     m = (t < t_end) & (d < HALF)
     pc = cs_ptr + ((group * 2) * M + t).to(tl.int64) * D + d
-    ps = pc + M.to(tl.int64) * D
+    ps = pc + tl.cast(M, tl.int64) * D  # (tl.cast: an argument equal to 1 arrives as a constexpr int)
     tl.store(pc, _token_sum(c1, HB, BLOCK_T, HALF_P2), mask=m)
     tl.store(pc + HALF, _token_sum(c2, HB, BLOCK_T, HALF_P2), mask=m)
     tl.store(ps, _token_sum(s1, HB, BLOCK_T, HALF_P2), mask=m)
@@ -663,8 +663,8 @@ def _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr,
     d = tl.arange(0, HALF_P2)[None, :]
     m = (t < t_end) & (d < HALF)
     base = cs_ptr + t.to(tl.int64) * D + d
-    gstride = (2 * M).to(tl.int64) * D
-    sstride = M.to(tl.int64) * D
+    gstride = tl.cast(2 * M, tl.int64) * D
+    sstride = tl.cast(M, tl.int64) * D
     qc1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
     qc2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
     qs1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
