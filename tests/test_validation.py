@@ -347,7 +347,7 @@ def test_module_constructor_bad_argument(case):
 
 
 @pytest.mark.parametrize("case", [
-    ("hidden_states_hidden", lambda x, c, s: (rn(B, S, HID * 2), c, s), ValueError, r"^qkv_weight: expected shape .*\[\(4 \+ 2\*2\)\*head_dim, 64\]"),
+    ("hidden_states_hidden", lambda x, c, s: (rn(B, S, HID * 2), c, s), ValueError, r"^hidden_states / qkv_weight: hidden_states has hidden_size 64 .*but qkv_weight has 32 columns"),
     ("hidden_states_dtype", lambda x, c, s: (x.float(), c, s), ValueError, r"^qkv_weight: dtype bfloat16 differs from hidden_states's float32"),
     ("hidden_states_tuple", lambda x, c, s: ((x,), c, s), TypeError, r"^hidden_states: expected a torch\.Tensor, got tuple"),
     ("cos_batch", lambda x, c, s: (x, rn(B + 1, S, D), s), ValueError, r"^cos: expected shape \[2, 3, 64\]"),
