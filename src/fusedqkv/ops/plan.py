@@ -354,10 +354,14 @@ class ForwardPlan:
         self.cs_shape = (b, s, d)
         self.device, self.dtype = sz["device"], sz["dtype"]
 
-    def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin):
+    def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias=None):
         """(q, k, qkv, rstd_q, rstd_k); cos/sin ``[batch, seq, head_dim]`` (expanded)."""
         sz = self.sz
-        qkv = torch.mm(hidden_states.reshape(self.M, self.hidden), qkv_weight.t()).view(self.qkv_shape)
+        x = hidden_states.reshape(self.M, self.hidden)
+        if qkv_bias is None:
+            qkv = torch.mm(x, qkv_weight.t()).view(self.qkv_shape)
+        else:  # the bias rides in the GEMM: RoPE/norm see x W^T + b, as HF's Linear gives it
+            qkv = torch.addmm(qkv_bias, x, qkv_weight.t()).view(self.qkv_shape)
         if self.launch is None:
             from .gqa_forward import forward_torch
 
@@ -386,12 +390,18 @@ class _Misaligned(Exception):
 
 
 def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
-                  eps, qk_norm_position, backend, *, cfg) -> ForwardPlan:
+                  eps, qk_norm_position, backend, qkv_bias=None, *, cfg) -> ForwardPlan:
     """Validate the forward's arguments fully (clear errors) and plan it."""
     from .gqa_forward import plan_forward_stage, validate_forward_inputs
 
     sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                                  num_kv_heads, eps, qk_norm_position)
+    if qkv_bias is not None:
+        V.require_tensor("qkv_bias", qkv_bias)
+        V.require_shape("qkv_bias", qkv_bias, (sz["qkv"],), "[(num_heads + 2*num_kv_heads)*head_dim]")
+        V.require_float_dtype("qkv_bias", qkv_bias)
+        V.require_same_dtype([("qkv_weight", qkv_weight), ("qkv_bias", qkv_bias)])
+        V.require_same_device([("qkv_weight", qkv_weight), ("qkv_bias", qkv_bias)])
     device = sz["device"]
     backend = pick_backend(device, None if backend in (None, "auto") else backend)
     M = sz["batch"] * sz["seq"]
@@ -416,27 +426,32 @@ _FORWARD = PlanCache(build_forward)
 
 
 def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
-                 qk_norm_position, backend) -> ForwardPlan:
+                 qk_norm_position, backend, qkv_bias=None) -> ForwardPlan:
     """The forward's plan (validating the arguments on a miss)."""
     tensors = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
+    if qkv_bias is not None:
+        tensors += (qkv_bias,)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or type(eps) not in (float, int):
-        return build_forward(*tensors, num_heads, num_kv_heads, eps, qk_norm_position, backend,
-                             cfg=_config.current())
+        return build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
+                             num_kv_heads, eps, qk_norm_position, backend, qkv_bias, cfg=_config.current())
     scalars = (num_heads, num_kv_heads, eps, qk_norm_position, backend)
-    return _FORWARD.lookup(tensors, scalars, (*tensors, *scalars))
+    return _FORWARD.lookup(tensors, scalars + (qkv_bias is not None,),
+                           (*tensors[:6], *scalars, qkv_bias))
 
 
-def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin):
+def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
+                qkv_bias=None):
     """``plan.run``; a call whose addresses the plan was not specialised for gets its own plan."""
+    tensors = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
     try:
-        return plan.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
+        return plan.run(*tensors, qkv_bias)
     except _Misaligned:
         sz = plan.sz
-        tensors = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
         scalars = (sz["num_heads"], sz["num_kv_heads"], sz["eps"],
                    "after_rope" if sz["norm_after_rope"] else "before_rope", plan.backend)
-        own = _FORWARD._slow(list(tensors), scalars, (*tensors, *scalars), remember=False)
-        return own.run(*tensors)
+        own = _FORWARD._slow(list(tensors), scalars + (qkv_bias is not None,), (*tensors, *scalars, qkv_bias),
+                             remember=False)
+        return own.run(*tensors, qkv_bias)
 
 
 class TrainingBackwardPlan:
@@ -448,11 +463,11 @@ class TrainingBackwardPlan:
         self.cfg, self.stage, self.table, self.aligned = cfg, stage, table, aligned
         (self.B, self.S, self.hq, self.hkv, self.D, self.hidden, self.dtype, self.device, self.eps,
          self.norm_after_rope) = sizes
-        self.need_x, self.need_w, self.need_cs = need
+        self.need_x, self.need_w, self.need_cs, self.need_b = need
         self.M, self.n_tot = self.B * self.S, (self.hq + 2 * self.hkv) * self.D
 
     def run(self, grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin):
-        """(g_x, g_w, g_qw, g_kw, g_cos, g_sin); the gradients not needed are None."""
+        """(g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_bias); the gradients not needed are None."""
         dt, dev, M = self.dtype, self.device, self.M
         if grad_q.dtype != dt or grad_k.dtype != dt or grad_v.dtype != dt:
             grad_q, grad_k, grad_v = grad_q.to(dt), grad_k.to(dt), grad_v.to(dt)
@@ -502,20 +517,22 @@ class TrainingBackwardPlan:
             torch.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
         if self.need_w:
             g_w = torch.mm(dqkv.t(), hidden_states.reshape(M, self.hidden))
+        # the bias gradient: dQKV summed over tokens, in fp32 (torch's reduction: a fixed order)
+        g_b = dqkv.sum(0, dtype=torch.float32).to(qkv_weight.dtype) if self.need_b else None
         if self.stage is not None and self.stage.finish is not None:
             self.stage.finish.launch.launch(tensors, ptrs, current_stream(dev))
-        return g_x, g_w, g_qw, g_kw, g_cos, g_sin
+        return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b
 
 
 def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight,
                             cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend,
-                            *, cfg) -> TrainingBackwardPlan:
+                            need_b=False, *, cfg) -> TrainingBackwardPlan:
     B, S, n_tot = qkv.shape
     hq, hkv = num_heads, num_kv_heads
     D = n_tot // (hq + 2 * hkv)
     dt, dev = qkv.dtype, qkv.device
     sizes = (B, S, hq, hkv, D, hidden_states.shape[-1], dt, dev, eps, norm_after_rope)
-    need = (need_x, need_w, need_cs)
+    need = (need_x, need_w, need_cs, need_b)
     backend = pick_backend(dev, None if backend in (None, "auto") else backend)
     if backend == "torch" or B * S == 0:
         return TrainingBackwardPlan(cfg, sizes, need)
@@ -547,10 +564,10 @@ _TRAINING_BACKWARD = PlanCache(build_training_backward)
 
 
 def training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
-                      num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend):
+                      num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b=False):
     """The training block's gradients (see :class:`TrainingBackwardPlan`)."""
     tensors = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin)
-    scalars = (num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend)
+    scalars = (num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b)
     plan = _TRAINING_BACKWARD.lookup(tensors, scalars, (*tensors, *scalars))
     try:
         return plan.run(*tensors)
