@@ -198,7 +198,21 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     Returns ``(q, k, v)`` as ``[batch, heads, seq, head_dim]`` in hidden_states' dtype; q and
     k are contiguous, v is a view of the projection output (as in HF attention).
     ``backend`` forces ``"triton"`` or ``"torch"``; by default CUDA uses Triton, CPU PyTorch.
+
+    Under ``torch.autocast`` the block runs in the autocast dtype (hidden_states, qkv_weight,
+    cos and sin cast to it, as ``F.linear`` would; the norm weights keep theirs) with autocast
+    off inside: its GEMMs write preallocated outputs of one dtype.
     """
+    dev_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
+    if dev_type in ("cuda", "cpu") and torch.is_autocast_enabled(dev_type):
+        dt = torch.get_autocast_dtype(dev_type)
+        hidden_states, qkv_weight, cos, sin = (
+            t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            for t in (hidden_states, qkv_weight, cos, sin))
+        with torch.autocast(dev_type, enabled=False):
+            return gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
+                                        num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
+                                        qk_norm_position=qk_norm_position, backend=backend)
     sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                  num_heads, num_kv_heads, eps, qk_norm_position)
     b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
