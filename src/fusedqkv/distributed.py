@@ -64,7 +64,8 @@ from torch.distributed.tensor.placement_types import Placement
 from .autograd import gqa_qkv_rope_qk_norm
 from .module import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm, apply_rotary, rms_norm
 
-__all__ = ["HeadParallelQKV", "parallelize_block", "tp_plan", "tp_row_order", "to_tp_rows", "to_canonical_rows",
+__all__ = ["HeadParallelQKV", "parallelize_block", "tp_plan", "HeadParallelGQAQKVRoPEQKNorm",
+           "HeadParallelReferenceGQAQKVRoPEQKNorm", "tp_row_order", "to_tp_rows", "to_canonical_rows",
            "full_qkv_weight", "require_tp_divisible"]
 
 _BLOCK_PARAMS = ("qkv_weight", "q_norm_weight", "k_norm_weight")
@@ -180,10 +181,6 @@ def _local_fused(module, hidden_states, qkv_weight, q_norm_weight, k_norm_weight
                                 qk_norm_position=module.qk_norm_position)
 
 
-# the block classes whose forward the head-parallel forward reproduces on local tensors
-_LOCAL_FORWARDS = {GQAQKVRoPEQKNorm: _local_fused, ReferenceGQAQKVRoPEQKNorm: _local_reference}
-
-
 class _HeadParallelForward:
     """Mixed into a parallelized block's class: the forward on the local heads."""
 
@@ -195,26 +192,29 @@ class _HeadParallelForward:
         w = self.qkv_weight.to_local()  # [Q_r | K_r | V_r]: this rank's heads, no copy
         q_w = _sum_grad_over(self.q_norm_weight.to_local(), mesh)
         k_w = _sum_grad_over(self.k_norm_weight.to_local(), mesh)
-        q, k, v = self._tp_local_forward(x, w, q_w, k_w, cos, sin, self.num_heads // self.tp_size,
-                                         self.num_kv_heads // self.tp_size)
+        q, k, v = self._local_forward(x, w, q_w, k_w, cos, sin, self.local_num_heads, self.local_num_kv_heads)
         if self.tp_use_local_output:
             return q, k, v
         # [B, H, S, D] with this rank's heads: the global tensor sharded on the head dim
         return tuple(DTensor.from_local(t, mesh, [Shard(1)], run_check=False) for t in (q, k, v))
 
-    def _tp_local_forward(self, *args):
-        return _LOCAL_FORWARDS[self._tp_base_class](self, *args)
+
+class HeadParallelGQAQKVRoPEQKNorm(_HeadParallelForward, GQAQKVRoPEQKNorm):
+    """The class of a ``GQAQKVRoPEQKNorm`` after ``HeadParallelQKV`` (swapped in place, as
+    FSDP2 does): the fused op on the local shard with the local head counts."""
+
+    _local_forward = _local_fused
 
 
-_PARALLEL_CLASSES: dict = {}
+class HeadParallelReferenceGQAQKVRoPEQKNorm(_HeadParallelForward, ReferenceGQAQKVRoPEQKNorm):
+    """The class of a ``ReferenceGQAQKVRoPEQKNorm`` after ``HeadParallelQKV``."""
+
+    _local_forward = _local_reference
 
 
-def _head_parallel_class(base: type) -> type:
-    cls = _PARALLEL_CLASSES.get(base)
-    if cls is None:
-        cls = type(f"HeadParallel{base.__name__}", (_HeadParallelForward, base), {"_tp_base_class": base})
-        _PARALLEL_CLASSES[base] = cls
-    return cls
+# the block classes whose forward the head-parallel forward reproduces on local tensors
+_PARALLEL_CLASSES = {GQAQKVRoPEQKNorm: HeadParallelGQAQKVRoPEQKNorm,
+                     ReferenceGQAQKVRoPEQKNorm: HeadParallelReferenceGQAQKVRoPEQKNorm}
 
 
 # --------------------------------------------------------------------------- state dict in [Q | K | V]
@@ -287,7 +287,7 @@ class HeadParallelQKV(ParallelStyle):
         base = type(module)
         if isinstance(module, _HeadParallelForward):
             raise ValueError(f"module: {base.__name__} is already head-parallel")
-        if base not in _LOCAL_FORWARDS:
+        if base not in _PARALLEL_CLASSES:
             raise NotImplementedError(
                 f"HeadParallelQKV: expected a fusedqkv.GQAQKVRoPEQKNorm or ReferenceGQAQKVRoPEQKNorm, got "
                 f"{base.__name__} (its forward is not known to the head-parallel plan)")
@@ -309,7 +309,7 @@ class HeadParallelQKV(ParallelStyle):
                 raise ValueError(f"module.{n}: on {p.device}, but device_mesh is a {device_mesh.device_type} mesh; "
                                  "move the block to the mesh's device first")
 
-        src = self.src_data_rank  # rank 0's values become the parameters of every rank, as in ColwiseParallel
+        src = getattr(self, "src_data_rank", 0)  # rank 0's values become the parameters of every rank, as in ColwiseParallel
         w = module.qkv_weight
         w_tp = to_tp_rows(w.detach(), module.num_heads, module.num_kv_heads, tp)
         module.register_parameter("qkv_weight", nn.Parameter(
@@ -326,7 +326,7 @@ class HeadParallelQKV(ParallelStyle):
         module.tp_use_local_output = self.use_local_output
         module.local_num_heads = module.num_heads // tp
         module.local_num_kv_heads = module.num_kv_heads // tp
-        module.__class__ = _head_parallel_class(base)
+        module.__class__ = _PARALLEL_CLASSES[base]
         module.register_state_dict_post_hook(_state_dict_canonical)
         module.register_load_state_dict_pre_hook(_load_state_dict_from_canonical)
         return module
@@ -337,9 +337,11 @@ def tp_plan(model: nn.Module, **style_kwargs) -> dict[str, HeadParallelQKV]:
     with the plan of the rest of the model (e.g. ``{"...o_proj": RowwiseParallel()}``) and pass
     it to ``parallelize_module(model, tp_mesh, plan)``."""
     plan = {name: HeadParallelQKV(**style_kwargs) for name, m in model.named_modules()
-            if type(m) in _LOCAL_FORWARDS}
+            if type(m) in _PARALLEL_CLASSES}
     if not plan:
         raise ValueError("model: contains no fusedqkv.GQAQKVRoPEQKNorm / ReferenceGQAQKVRoPEQKNorm block")
+    if "" in plan:
+        raise ValueError("model: is itself a block; use fusedqkv.distributed.parallelize_block(model, tp_mesh)")
     return plan
 
 

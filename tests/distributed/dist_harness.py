@@ -465,6 +465,7 @@ def check_tp_state_dict(sz, device, tmpdir=None):
     q, k, v = w.split([hq * d, hkv * d, hkv * d])
     expect_local = torch.cat([q.chunk(ws)[rank], k.chunk(ws)[rank], v.chunk(ws)[rank]])
     errs = {
+        "class_not_head_parallel": float(type(b) is not fdist.HeadParallelGQAQKVRoPEQKNorm),
         "local_shard_is_Qr_Kr_Vr": rel_err(b.qkv_weight.to_local(), expect_local),
         "full_qkv_weight": rel_err(fdist.full_qkv_weight(b), w),
         "state_dict_qkv_weight": rel_err(full(model.state_dict()["block.qkv_weight"]), w),
@@ -534,8 +535,18 @@ def check_tp_errors(sz, device):
         msgs["bad_input_layout"] = "no error"
     except ValueError as e:
         msgs["bad_input_layout"] = str(e)
+    done = fdist.parallelize_block(GQAQKVRoPEQKNorm(sz.hidden, 2 * ws, ws, sz.head_dim, device=device), mesh)
+    for key, fn, exc in (("already_parallel", lambda: fdist.parallelize_block(done, mesh), ValueError),
+                         ("not_a_block", lambda: fdist.parallelize_block(nn.Linear(4, 4, device=device), mesh),
+                          NotImplementedError)):
+        try:
+            fn()
+            msgs[key] = "no error"
+        except exc as e:
+            msgs[key] = str(e)
     ok = ("num_kv_heads=1" in msgs["kv_heads_not_divisible"] and f"tp={ws}" in msgs["kv_heads_not_divisible"]
-          and "input_layouts" in msgs["bad_input_layout"])
+          and "input_layouts" in msgs["bad_input_layout"] and "already head-parallel" in msgs["already_parallel"]
+          and "got Linear" in msgs["not_a_block"])
     return dict(check=f"tp{ws}[errors]", ok=ok, errors={}, messages=msgs, tolerances={})
 
 

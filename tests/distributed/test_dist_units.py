@@ -87,6 +87,8 @@ def test_tp_plan_finds_the_blocks():
     assert all(isinstance(s, fdist.HeadParallelQKV) and not s.use_local_output for s in plan.values())
     with pytest.raises(ValueError, match="contains no fusedqkv"):
         fdist.tp_plan(nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="parallelize_block"):
+        fdist.tp_plan(fusedqkv.GQAQKVRoPEQKNorm(16, 4, 2, 4))
 
 
 def test_full_qkv_weight_of_a_plain_block():
