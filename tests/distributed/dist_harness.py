@@ -342,7 +342,7 @@ def tp_parallelize(model, mesh):
     return parallelize_module(model, mesh, plan)
 
 
-def check_tp(sz, device, dtype, block="fused", compile_backend=None, steps=STEPS):
+def check_tp(sz, device, dtype, block="fused", compile_backend=None, steps=STEPS, qk_norm_position="after_rope"):
     """Head parallel: HeadParallelQKV on the block, RowwiseParallel on o_proj, every rank the
     whole batch; gradients (qkv_weight's in [Q | K | V] order; the input's all-reduced) and the
     loss curve equal the single process's."""
@@ -352,9 +352,9 @@ def check_tp(sz, device, dtype, block="fused", compile_backend=None, steps=STEPS
     tol = TOLERANCES[device.type, dtype]
     mesh = init_device_mesh(device.type, (ws,))
     x, cos, sin, target = make_batch(sz, device, dtype)
-    single = make_layer(sz, device, dtype, block=block)
+    single = make_layer(sz, device, dtype, block=block, qk_norm_position=qk_norm_position)
     ref_losses, ref = train(single, single, x, cos, sin, target, sz.lr, steps)
-    model = tp_parallelize(make_layer(sz, device, dtype, block=block), mesh)
+    model = tp_parallelize(make_layer(sz, device, dtype, block=block, qk_norm_position=qk_norm_position), mesh)
     run = _compiled(model, compile_backend)
     # the norm weights' first gradients: Replicate DTensors (all-reduced in the backward, not Partial)
     placements = {}
@@ -378,7 +378,8 @@ def check_tp(sz, device, dtype, block="fused", compile_backend=None, steps=STEPS
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     extra["rank_loss_spread"] = float((hi - lo).abs().max())
-    tags = [block] + ([f"compile={compile_backend}"] if compile_backend else [])
+    tags = [block] + ([qk_norm_position] if qk_norm_position != "after_rope" else []) + (
+        [f"compile={compile_backend}"] if compile_backend else [])
     res = verdict(f"tp{ws}[{','.join(tags)}]", errs, losses, ref_losses, tol, extra)
     res["ok"] = res["ok"] and res["errors"]["rank_loss_spread"] <= tol["loss"] and not any(
         v for k, v in res["errors"].items() if k.startswith("norm_grad_not_replicated"))
@@ -412,20 +413,21 @@ def check_fsdp_tp(sz, device, dtype, steps=STEPS):
 
 
 def check_tp_block_layouts(sz, device, dtype):
-    """The block alone under HeadParallelQKV with a sequence-sharded input (Shard(1)) and
-    DTensor outputs: q/k/v equal the single block's, the input gradient is reduce-scattered."""
+    """The block alone (norm before RoPE) under HeadParallelQKV with a sequence-sharded input
+    (Shard(1)) and DTensor outputs: q/k/v equal the single block's, the input gradient is
+    reduce-scattered."""
     from torch.distributed.device_mesh import init_device_mesh
     rank, ws = world()
     tol = TOLERANCES[device.type, dtype]
     mesh = init_device_mesh(device.type, (ws,))
     x, cos, sin, _ = make_batch(sz, device, dtype)
-    single = make_layer(sz, device, dtype).block
+    single = make_layer(sz, device, dtype, qk_norm_position="before_rope").block
     xs = x.detach().clone().requires_grad_()
     out_ref = single(xs, cos, sin)
     g = torch.Generator().manual_seed(7)
     grads_out = [torch.randn(o.shape, generator=g).to(device=device, dtype=dtype) for o in out_ref]
     torch.autograd.backward(out_ref, grads_out)
-    block = fdist.parallelize_block(make_layer(sz, device, dtype).block, mesh, input_layouts=Shard(1),
+    block = fdist.parallelize_block(make_layer(sz, device, dtype, qk_norm_position="before_rope").block, mesh, input_layouts=Shard(1),
                                     use_local_output=False)
     xl = local_batch(x.transpose(0, 1), rank, ws).transpose(0, 1).detach().clone().requires_grad_()
     out = block(xl, cos, sin)
@@ -444,7 +446,7 @@ def check_tp_block_layouts(sz, device, dtype):
     errs = max_over_ranks(errs)
     ok = all(v <= tol["grad"] for k, v in errs.items() if not k.startswith("placement")) and not any(
         v for k, v in errs.items() if k.startswith("placement"))
-    return dict(check=f"tp{ws}[block,seq-sharded input,DTensor outputs]", ok=ok, errors=errs, tolerances=tol)
+    return dict(check=f"tp{ws}[block,before_rope,seq-sharded input,DTensor outputs]", ok=ok, errors=errs, tolerances=tol)
 
 
 def check_tp_state_dict(sz, device, tmpdir=None):
@@ -569,7 +571,8 @@ def run_checks(device, sz: Sizes, dtype, compile_backend=None, steps=STEPS, tmpd
         ("fsdp_functional_ac", lambda: check_fsdp(sz, device, None if cpu else torch.bfloat16, block="functional",
                                                   activation_checkpointing=True, steps=steps)),
         ("tp", lambda: check_tp(sz, device, dtype, steps=steps)),
-        ("tp_reference", lambda: check_tp(sz, device, dtype, block="reference", steps=steps)),
+        ("tp_reference", lambda: check_tp(sz, device, dtype, block="reference", steps=steps,
+                                          qk_norm_position="before_rope")),
         ("tp_layouts", lambda: check_tp_block_layouts(sz, device, dtype)),
         ("tp_state_dict", lambda: check_tp_state_dict(sz, device, tmpdir)),
         ("tp_errors", lambda: check_tp_errors(sz, device)),
