@@ -192,7 +192,22 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     k are contiguous, v is a view of the projection output (as in HF attention).
     ``backend`` forces ``"triton"`` or ``"torch"``; by default CUDA uses Triton, CPU PyTorch.
     The work is planned once per input signature (validation included).
+
+    Under ``torch.autocast`` the block runs in the autocast dtype (hidden_states, qkv_weight,
+    the bias, cos and sin cast to it, as ``F.linear`` would; the norm weights keep theirs) with
+    autocast off inside: its GEMMs write preallocated outputs of one dtype.
     """
+    dev_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
+    if dev_type in ("cuda", "cpu") and torch.is_autocast_enabled(dev_type):
+        dt = torch.get_autocast_dtype(dev_type)
+        hidden_states, qkv_weight, qkv_bias, cos, sin = (
+            t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            for t in (hidden_states, qkv_weight, qkv_bias, cos, sin))
+        with torch.autocast(dev_type, enabled=False):
+            return gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
+                                        num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
+                                        qk_norm_position=qk_norm_position, backend=backend, qkv_bias=qkv_bias,
+                                        norm_weight_offset=norm_weight_offset)
     if norm_weight_offset != 0.0 or type(norm_weight_offset) not in (float, int):
         offset = V.require_number("norm_weight_offset", norm_weight_offset)
         if offset != 0.0:
