@@ -4,17 +4,19 @@
 ``torch.compile(fullgraph=True)``-safe: the forward and the backward are torch custom
 ops (``fusedqkv::gqa_qkv_rope_qk_norm_fwd`` / ``..._bwd``) with fake implementations.
 
-Forward: one GEMM (``qkv = x W^T``, input dtype) and one fused RoPE + RMSNorm kernel
-(fp32 math, one rounding). Saved for the backward: hidden_states and qkv_weight (the
-user's tensors), the projection output ``qkv`` (whose last third *is* the returned v,
-a view) -- nothing else: the backward recomputes rstd from it in fp32 (cheap, in-kernel),
-so no fp32 tensor is held between forward and backward.
+Forward: one GEMM (``qkv = x W^T``, or ``x W^T + b`` with the optional q/k/v bias, input
+dtype) and one fused RoPE + RMSNorm kernel (fp32 math, one rounding). Saved for the
+backward: hidden_states and qkv_weight (the user's tensors), the projection output ``qkv``
+(whose last third *is* the returned v, a view) -- nothing else: the backward recomputes
+rstd from it in fp32 (cheap, in-kernel), so no fp32 tensor is held between forward and
+backward.
 
 Backward: the RoPE/QK-norm backward kernel of the 091 work in its accurate mode
 (``exact=False``: fp32 math, one rounding; ``saved_rotated=False``: it recomputes the
 rotation from the raw projection output, so grad_cos/grad_sin are the true gradients),
-writing dQKV token-major, then dX = dQKV W and dW = dQKV^T X on cuBLAS. grad_cos/sin
-are computed only when cos/sin require grad; dX/dW only when needed.
+writing dQKV token-major, then dX = dQKV W and dW = dQKV^T X on cuBLAS (and the bias
+gradient, dQKV summed over tokens in fp32). grad_cos/sin are computed only when cos/sin
+require grad; dX/dW only when needed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Optional
 
 import torch
 
-from .ops.gqa_forward import gqa_forward, validate_forward_inputs
+from .ops import validation as V
+from .ops.gqa_forward import gqa_forward, rope_qk_norm_forward, validate_forward_inputs
 from .ops.rope_qk_norm import pick_backend, rope_qk_norm_backward
 
 Tensor = torch.Tensor
@@ -48,16 +51,26 @@ def _backend(device: torch.device, backend: str) -> str:
 
 def _fwd_impl(hidden_states: Tensor, qkv_weight: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
               cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool,
-              backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return gqa_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
-                       num_kv_heads, eps, norm_after_rope, _backend(hidden_states.device, backend))
+              backend: str, qkv_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    be = _backend(hidden_states.device, backend)
+    if qkv_bias is None:
+        return gqa_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
+                           num_kv_heads, eps, norm_after_rope, be)
+    # the bias rides in the one GEMM (addmm), so RoPE/norm see x W^T + b as HF's Linear gives it
+    B, S, hidden = hidden_states.shape
+    n_tot = qkv_weight.shape[0]
+    qkv = torch.addmm(qkv_bias, hidden_states.reshape(B * S, hidden), qkv_weight.t()).view(B, S, n_tot)
+    q, k, rq, rk = rope_qk_norm_forward(qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
+                                        eps, norm_after_rope, be)
+    return q, k, qkv, rq, rk
 
 
 def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Tensor, qkv_weight: Tensor,
               qkv: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
               cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool,
               need_hidden_grad: bool, need_weight_grad: bool, need_cos_sin_grad: bool,
-              backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              backend: str, need_bias_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                   Tensor]:
     B, S, n_tot = qkv.shape
     hq, hkv = num_heads, num_kv_heads
     D = n_tot // (hq + 2 * hkv)
@@ -96,8 +109,12 @@ def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Ten
         torch.mm(dqkv, qkv_weight, out=g_x.view(M, hidden))
     if need_weight_grad:
         torch.mm(dqkv.t(), x2d, out=g_w)
+    # the bias gradient: dQKV summed over tokens, accumulated in fp32 (torch's reduction:
+    # a fixed order, no atomics)
+    g_b = (dqkv.sum(0, dtype=torch.float32).to(qkv_weight.dtype) if need_bias_grad
+           else qkv_weight.new_empty(_EMPTY_SHAPE))
     finish()
-    return g_x, g_w, g_qw, g_kw, g_cos, g_sin
+    return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b
 
 
 # ------------------------------------------------------------------------ custom ops
@@ -108,7 +125,7 @@ _bwd_op = torch.library.custom_op("fusedqkv::gqa_qkv_rope_qk_norm_bwd", mutates_
 
 @_fwd_op.register_fake
 def _fwd_fake(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
-              norm_after_rope, backend):
+              norm_after_rope, backend, qkv_bias=None):
     B, S, _ = hidden_states.shape
     n_tot = qkv_weight.shape[0]
     D = n_tot // (num_heads + 2 * num_kv_heads)
@@ -123,7 +140,7 @@ def _fwd_fake(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
 @_bwd_op.register_fake
 def _bwd_fake(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight,
               cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad,
-              need_cos_sin_grad, backend):
+              need_cos_sin_grad, backend, need_bias_grad=False):
     B, S, n_tot = qkv.shape
     D = n_tot // (num_heads + 2 * num_kv_heads)
     g_x = hidden_states.new_empty(tuple(hidden_states.shape) if need_hidden_grad else _EMPTY_SHAPE)
@@ -132,7 +149,8 @@ def _bwd_fake(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_wei
     g_kw = k_norm_weight.new_empty(k_norm_weight.shape)
     g_cos = cos.new_empty((B, S, D) if need_cos_sin_grad else _EMPTY_SHAPE)
     g_sin = sin.new_empty((B, S, D) if need_cos_sin_grad else _EMPTY_SHAPE)
-    return g_x, g_w, g_qw, g_kw, g_cos, g_sin
+    g_b = qkv_weight.new_empty((n_tot,) if need_bias_grad else _EMPTY_SHAPE)
+    return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b
 
 
 # ------------------------------------------------------------------------ autograd
@@ -149,16 +167,16 @@ def _call(op, impl, *args):
 
 class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
     """(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
-    num_kv_heads, eps, norm_after_rope, backend) -> (q, k, v), each [B, H, S, D].
+    num_kv_heads, eps, norm_after_rope, backend[, qkv_bias]) -> (q, k, v), each [B, H, S, D].
 
     cos/sin must already be [batch, seq, head_dim] (expand a shared [1, seq, head_dim]
     first; autograd then sums its gradient over the batch)."""
 
     @staticmethod
     def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool, backend: str):
+                num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool, backend: str, qkv_bias=None):
         q, k, qkv, rq, rk = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
-                                  cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend)
+                                  cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias)
         B, S, n_tot = qkv.shape
         D = n_tot // (num_heads + 2 * num_kv_heads)
         v = qkv.view(B, S, num_heads + 2 * num_kv_heads, D)[:, :, num_heads + num_kv_heads:].transpose(1, 2)
@@ -176,17 +194,19 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
         hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv = ctx.saved_tensors
         need = ctx.needs_input_grad
         need_cs = bool(need[4] or need[5])
-        g_x, g_w, g_qw, g_kw, g_cos, g_sin = _call(
+        need_b = len(need) > 11 and bool(need[11])
+        g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _call(
             _bwd_op, _bwd_impl, grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv,
             q_norm_weight, k_norm_weight, cos, sin, ctx.num_heads, ctx.num_kv_heads, ctx.eps, ctx.norm_after_rope,
-            bool(need[0]), bool(need[1]), need_cs, ctx.backend)
+            bool(need[0]), bool(need[1]), need_cs, ctx.backend, need_b)
         return (g_x if need[0] else None, g_w if need[1] else None, g_qw if need[2] else None,
                 g_kw if need[3] else None, g_cos if need[4] else None, g_sin if need[5] else None,
-                None, None, None, None, None)
+                None, None, None, None, None, g_b if need_b else None)[:len(need)]
 
 
 def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, *, num_heads,
-                         num_kv_heads, eps=1e-6, qk_norm_position="after_rope", backend: Optional[str] = None):
+                         num_kv_heads, eps=1e-6, qk_norm_position="after_rope", backend: Optional[str] = None,
+                         qkv_bias: Optional[Tensor] = None, norm_weight_offset: float = 0.0):
     """QKV projection + RoPE + per-head RMSNorm of q and k, differentiable.
 
     hidden_states ``[batch, seq, hidden]``; qkv_weight ``[(num_heads + 2*num_kv_heads)*head_dim,
@@ -194,6 +214,10 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     head_dim]`` or ``[1, seq, head_dim]`` (HF layout, NeoX rotate-half).
     ``qk_norm_position``: ``"after_rope"`` (RoPE, then RMSNorm: HunyuanImage-3.0, 091) or
     ``"before_rope"`` (RMSNorm, then RoPE: Qwen3, OLMo 2).
+    ``qkv_bias``: optional ``[(num_heads + 2*num_kv_heads)*head_dim]`` bias of the projection
+    (``x W^T + b``; qkv_weight's dtype), as HF's ``attention_bias``.
+    ``norm_weight_offset``: the norms scale by ``norm_weight + offset`` (Gemma3: ``1 + w``,
+    offset 1.0), formed in fp32 as HF's Gemma3 norm does.
 
     Returns ``(q, k, v)`` as ``[batch, heads, seq, head_dim]`` in hidden_states' dtype; q and
     k are contiguous, v is a view of the projection output (as in HF attention).
@@ -201,11 +225,22 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     """
     sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                  num_heads, num_kv_heads, eps, qk_norm_position)
+    offset = V.require_number("norm_weight_offset", norm_weight_offset)
+    if qkv_bias is not None:
+        V.require_tensor("qkv_bias", qkv_bias)
+        V.require_shape("qkv_bias", qkv_bias, (sz["qkv"],), "[(num_heads + 2*num_kv_heads)*head_dim]")
+        V.require_same_dtype([("qkv_weight", qkv_weight), ("qkv_bias", qkv_bias)])
+        V.require_same_device([("qkv_weight", qkv_weight), ("qkv_bias", qkv_bias)])
     b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
     if cos.shape[0] != b:
         cos = cos.expand(b, s, d)
     if sin.shape[0] != b:
         sin = sin.expand(b, s, d)
+    if offset != 0.0:
+        # w + offset as a differentiable op before the Function (its gradient w.r.t. w is the
+        # identity), in fp32 as HF's Gemma3RMSNorm forms 1 + w: the kernels take fp32 norm weights
+        q_norm_weight = q_norm_weight.float() + offset
+        k_norm_weight = k_norm_weight.float() + offset
     return GQAQKVRoPEQKNormFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                           sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"],
-                                          _backend_arg(backend))
+                                          _backend_arg(backend), qkv_bias)
