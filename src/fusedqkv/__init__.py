@@ -13,3 +13,8 @@ from .autograd import gqa_qkv_rope_qk_norm  # noqa: E402
 from .module import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm  # noqa: E402
 
 __all__ += ["gqa_qkv_rope_qk_norm", "GQAQKVRoPEQKNorm", "ReferenceGQAQKVRoPEQKNorm"]
+
+# Hugging Face models (issue 16): transformers is imported only when apply_to is called
+from .integrations import apply_to  # noqa: E402
+
+__all__ += ["apply_to"]

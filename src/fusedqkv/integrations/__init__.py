@@ -1,0 +1,16 @@
+"""Integrations with other libraries. Each imports its library only when called, so the
+core never requires them (``pip install fusedqkv[transformers]`` for Hugging Face)."""
+
+from __future__ import annotations
+
+
+def apply_to(model) -> int:
+    """Fuse the attention input blocks of a built Hugging Face ``transformers`` model in
+    place; returns the number of attention layers fused. See
+    :func:`fusedqkv.integrations.transformers.apply_to`."""
+    from .transformers import apply_to as _apply_to
+
+    return _apply_to(model)
+
+
+__all__ = ["apply_to"]

@@ -1,0 +1,376 @@
+"""fusedqkv.apply_to on Hugging Face models (issue 16), on the CPU: tiny random models of
+every supported architecture (Qwen3, Qwen3-MoE, HunYuan dense V1, Gemma3 text), with and
+without q/k/v biases, against an unpatched deep copy in fp32 -- logits, loss and every
+gradient (the fused weight's against the concatenation of HF's three), state-dict identity
+and HF state dicts loading into a patched model, save_pretrained, 30 AdamW steps with equal
+losses per step, generate() with the KV cache, autocast, gradient checkpointing,
+torch.compile, and clear errors for what cannot be fused."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import _hf_models as H  # noqa: E402
+
+import fusedqkv  # noqa: E402
+from fusedqkv.integrations import transformers as fqt  # noqa: E402
+
+ATTN_PATH = {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+
+
+def attn_modules(m):
+    return [mod for name, mod in m.named_modules() if name.endswith("self_attn")]
+
+
+def patched_pair(arch, bias=False, **kw):
+    ref = H.build(arch, bias, **kw)
+    m = copy.deepcopy(ref)
+    assert fusedqkv.apply_to(m) == 2
+    return m, ref
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def check_grads(m, ref, tol):
+    """every gradient of the patched model against the unpatched one; the fused weight's
+    (and bias's) against the concatenation of HF's q/k/v gradients."""
+    got = dict(m.named_parameters())
+    want = dict(ref.named_parameters())
+    n_fused = 0
+    for name, p in got.items():
+        assert p.grad is not None, name
+        if ".qkv_proj." in name:
+            base, kind = name.split(".qkv_proj.")
+            g = torch.cat([want[f"{base}.{proj}.{kind}"].grad for proj in ("q_proj", "k_proj", "v_proj")])
+            n_fused += 1
+        else:
+            g = want[name].grad
+        assert rel(p.grad, g) < tol, (name, rel(p.grad, g))
+    assert n_fused == (4 if m.config.attention_bias else 2)
+    assert len(got) == len(want) - 2 * n_fused
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("arch", H.ARCHS)
+def test_fp32_equivalence_logits_loss_gradients(arch, bias, attn, monkeypatch):
+    m, ref = patched_pair(arch, bias, attn=attn)
+    calls = []
+    fused = fqt.gqa_qkv_rope_qk_norm
+    monkeypatch.setattr(fqt, "gqa_qkv_rope_qk_norm", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    ids = H.batch(2, 12)
+    out = m(input_ids=ids, labels=ids)
+    out_ref = ref(input_ids=ids, labels=ids)
+    assert len(calls) == 2  # the fused block ran in both layers
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-6, atol=1e-7)
+    out.loss.backward()
+    out_ref.loss.backward()
+    check_grads(m, ref, 1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "hunyuan_v1_dense"])
+def test_attention_mask_with_padding(arch):
+    m, ref = patched_pair(arch, True, attn="sdpa")
+    ids = H.batch(2, 10, seed=3)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding of the first row
+    a = m(input_ids=ids, attention_mask=mask).logits
+    b = ref(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(a[mask.bool()], b[mask.bool()], rtol=1e-5, atol=1e-6)
+
+
+def test_structure_repr_and_named_parameters():
+    m, ref = patched_pair("qwen3", True)
+    a = m.model.layers[0].self_attn
+    assert type(a).__name__ == "FusedQKVQwen3Attention"
+    assert isinstance(a, type(ref.model.layers[0].self_attn))
+    assert list(a._modules) == ["qkv_proj", "o_proj", "q_norm", "k_norm"]
+    assert a.qkv_proj.weight.shape == ((4 + 2 * 2) * 16, 64) and a.qkv_proj.bias.shape == ((4 + 2 * 2) * 16,)
+    assert "fusedqkv" in repr(a) and "before rope" in repr(a)
+    r = ref.model.layers[0].self_attn
+    torch.testing.assert_close(a.qkv_proj.weight, torch.cat([r.q_proj.weight, r.k_proj.weight, r.v_proj.weight]),
+                               rtol=0, atol=0)
+    # the norm modules are the model's own (weights read in place)
+    assert a.q_norm.weight.data_ptr() == dict(m.named_parameters())["model.layers.0.self_attn.q_norm.weight"].data_ptr()
+    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in ref.parameters())
+    assert type(m.model.layers[1].self_attn.__class__.__name__) is str
+    assert fusedqkv.apply_to(m) == 0  # idempotent: nothing left to fuse
+
+
+# --------------------------------------------------------------------------- state dict
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("arch", H.ARCHS)
+def test_state_dict_keys_and_values_are_hf(arch, bias):
+    m, ref = patched_pair(arch, bias)
+    sd, sd_ref = m.state_dict(), ref.state_dict()
+    assert list(sd) == list(sd_ref)  # the same keys in the same order
+    for k in sd_ref:
+        assert sd[k].dtype == sd_ref[k].dtype and torch.equal(sd[k], sd_ref[k]), k
+    assert set(sd._metadata) == set(sd_ref._metadata)
+    # the split entries own their memory (save_pretrained would take shared storage for tied weights)
+    q = sd["model.layers.0.self_attn.q_proj.weight"]
+    assert q.untyped_storage().data_ptr() != m.model.layers[0].self_attn.qkv_proj.weight.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("arch", H.ARCHS)
+def test_hf_state_dict_loads_into_patched_model(arch):
+    m, _ = patched_pair(arch, True, seed=0)
+    other = H.build(arch, True, seed=7)  # an unpatched model with other values
+    result = m.load_state_dict(other.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for k, v in other.state_dict().items():
+        assert torch.equal(m.state_dict()[k], v), k
+    ids = H.batch(1, 9)
+    torch.testing.assert_close(m(input_ids=ids).logits, other(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+    # assign=True takes the merged tensors as the parameters
+    m.load_state_dict(H.build(arch, True, seed=8).state_dict(), assign=True)
+    assert isinstance(m.model.layers[0].self_attn.qkv_proj.weight, torch.nn.Parameter)
+
+
+def test_load_state_dict_missing_unexpected_and_mismatch():
+    m, ref = patched_pair("qwen3", False)
+    sd = ref.state_dict()
+    before = m.model.layers[0].self_attn.qkv_proj.weight.detach().clone()
+    del sd["model.layers.0.self_attn.k_proj.weight"]
+    sd["model.layers.0.self_attn.q_proj.weight"] = torch.full_like(sd["model.layers.0.self_attn.q_proj.weight"], 2.0)
+    result = m.load_state_dict(sd, strict=False)
+    assert result.missing_keys == ["model.layers.0.self_attn.k_proj.weight"] and not result.unexpected_keys
+    w = m.model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(w[:64], torch.full((64, 64), 2.0))  # the q rows loaded
+    assert torch.equal(w[64:96], before[64:96])  # the absent k rows kept
+    with pytest.raises(RuntimeError, match="k_proj.weight"):
+        m.load_state_dict(sd, strict=True)
+    sd = ref.state_dict()
+    sd["model.layers.1.self_attn.v_proj.weight"] = torch.zeros(5, 64)
+    with pytest.raises(RuntimeError, match="size mismatch for model.layers.1.self_attn.v_proj.weight"):
+        m.load_state_dict(sd)
+    sd = ref.state_dict()
+    sd["model.layers.1.self_attn.v_proj.bias"] = torch.zeros(32)  # no biases in this model
+    with pytest.raises(RuntimeError, match="v_proj.bias"):
+        m.load_state_dict(sd)
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    m, ref = patched_pair("qwen3", True)
+    with torch.no_grad():
+        m.model.layers[1].self_attn.qkv_proj.weight.mul_(1.5)  # trained values reach the checkpoint
+    m.save_pretrained(tmp_path)
+    loaded = type(ref).from_pretrained(tmp_path)  # a plain HF model
+    for k, v in m.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    ids = H.batch(1, 7)
+    torch.testing.assert_close(loaded(input_ids=ids).logits, m(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_deepcopy_and_pickle_keep_the_fusion():
+    m, ref = patched_pair("gemma3_text", True)
+    ids = H.batch(1, 8)
+    want = m(input_ids=ids).logits
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert type(clone.model.layers[0].self_attn).__name__ == "FusedQKVGemma3Attention"
+        torch.testing.assert_close(clone(input_ids=ids).logits, want, rtol=0, atol=0)
+        assert list(clone.state_dict()) == list(ref.state_dict())
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("arch, bias", [("qwen3", True), ("gemma3_text", False)])
+def test_adamw_30_steps_losses_match(arch, bias):
+    """Liger's mini-model convergence style: the same data, 30 AdamW steps each; the losses
+    agree step by step within fp32 tolerance, and training makes progress."""
+    m, ref = patched_pair(arch, bias)
+    opts = [torch.optim.AdamW(x.parameters(), lr=3e-3, weight_decay=0.01) for x in (m, ref)]
+    losses = [[], []]
+    g = torch.Generator().manual_seed(11)
+    data = [torch.randint(3, H.VOCAB, (2, 10), generator=g) for _ in range(4)]
+    for step in range(30):
+        ids = data[step % len(data)]
+        for i, (model, opt) in enumerate(zip((m, ref), opts)):
+            opt.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            losses[i].append(loss.item())
+    for step, (a, b) in enumerate(zip(*losses)):
+        assert abs(a - b) <= 1e-4 * abs(b) + 1e-5, (step, a, b)
+    assert losses[0][-1] < losses[0][0] - 0.5
+    # the trained weights still agree (state dicts in HF form)
+    sd, sd_ref = m.state_dict(), ref.state_dict()
+    for k in sd_ref:
+        assert rel(sd[k], sd_ref[k]) < 1e-3, k
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_gradient_checkpointing(arch):
+    m, ref = patched_pair(arch, True)
+    for x in (m, ref):
+        x.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        x.train()
+    ids = H.batch(2, 8)
+    m(input_ids=ids, labels=ids).loss.backward()
+    ref(input_ids=ids, labels=ids).loss.backward()
+    check_grads(m, ref, 1e-5)
+
+
+def test_frozen_projection_weights():
+    m, ref = patched_pair("qwen3", True)
+    for x in (m, ref):
+        for name, p in x.named_parameters():
+            if "_proj" in name and "self_attn" in name and "o_proj" not in name:
+                p.requires_grad_(False)
+    m2 = H.build("qwen3", True)
+    for name, p in m2.named_parameters():
+        if "self_attn" in name and ("q_proj" in name or "k_proj" in name or "v_proj" in name):
+            p.requires_grad_(False)
+    assert fusedqkv.apply_to(m2) == 2
+    assert not m2.model.layers[0].self_attn.qkv_proj.weight.requires_grad
+    ids = H.batch(1, 6)
+    m2(input_ids=ids, labels=ids).loss.backward()
+    assert m2.model.layers[0].self_attn.qkv_proj.weight.grad is None
+    assert m2.model.layers[0].self_attn.q_norm.weight.grad is not None
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "hunyuan_v1_dense", "gemma3_text"])
+def test_cpu_autocast_bf16(arch):
+    """Under autocast the fused block runs in the autocast dtype as HF's Linear layers do.
+    Three-way: the patched model's loss and every gradient of the fp32 master weights are at
+    most twice as far from the fp32 values (relative, Frobenius) as the unpatched model's
+    under autocast, plus 1e-2."""
+    m, ref = patched_pair(arch, True)
+    exact = copy.deepcopy(ref)
+    ids = H.batch(2, 10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = m(input_ids=ids, labels=ids).loss
+        b = ref(input_ids=ids, labels=ids).loss
+    c = exact(input_ids=ids, labels=ids).loss
+    assert abs(a.item() - c.item()) <= 2 * abs(b.item() - c.item()) + 1e-2 * abs(c.item())
+    for x in (a, b, c):
+        x.backward()
+    assert m.model.layers[0].self_attn.qkv_proj.weight.grad.dtype == torch.float32
+    ours, hf = dict(m.named_parameters()), dict(ref.named_parameters())
+    for name, p in exact.named_parameters():
+        if ".q_proj." in name:
+            kind = name.rsplit(".", 1)[1]
+            base = name.split(".q_proj.")[0]
+            g = ours[f"{base}.qkv_proj.{kind}"].grad
+            parts = [f"{base}.{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj")]
+            g_hf = torch.cat([hf[n].grad for n in parts])
+            g_exact = torch.cat([dict(exact.named_parameters())[n].grad for n in parts])
+        elif ".k_proj." in name or ".v_proj." in name:
+            continue
+        else:
+            g, g_hf, g_exact = ours[name].grad, hf[name].grad, p.grad
+        e_ours = float((g - g_exact).norm() / g_exact.norm())
+        e_hf = float((g_hf - g_exact).norm() / g_exact.norm())
+        assert e_ours <= 2 * e_hf + 1e-2, (name, e_ours, e_hf)
+
+
+# --------------------------------------------------------------------------- inference
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch", H.ARCHS)
+def test_generate_with_kv_cache_same_tokens(arch, attn):
+    m, ref = patched_pair(arch, True, attn=attn)
+    m.eval()
+    ref.eval()
+    ids = H.batch(2, 6, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0,
+              return_dict_in_generate=True, output_scores=True)
+    a = m.generate(ids, **kw)
+    b = ref.generate(ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for sa, sb in zip(a.scores, b.scores):  # every decode step (seq 1) agrees too
+        torch.testing.assert_close(sa, sb, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_of_patched_model():
+    torch._dynamo.reset()
+    m, ref = patched_pair("qwen3", True, attn="sdpa")
+    ids = H.batch(2, 8)
+    cm = torch.compile(m, backend="aot_eager")
+    out = cm(input_ids=ids, labels=ids)
+    out.loss.backward()
+    ref_out = ref(input_ids=ids, labels=ids)
+    ref_out.loss.backward()
+    torch.testing.assert_close(out.logits, ref_out.logits, rtol=1e-5, atol=1e-6)
+    check_grads(m, ref, 1e-5)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unsupported_architecture_is_named():
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(fqt.UnsupportedModelError, match=r"LlamaForCausalLM \(model_type 'llama'\).*qwen3"):
+        fusedqkv.apply_to(tf.LlamaForCausalLM(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture Linear"):
+        fusedqkv.apply_to(torch.nn.Linear(3, 3))
+    with pytest.raises(TypeError, match="model"):
+        fusedqkv.apply_to("Qwen/Qwen3-0.6B")
+
+
+def _expect_unchanged_error(m, match):
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(fqt.UnsupportedModelError, match=match):
+        fusedqkv.apply_to(m)
+    # nothing was changed, not even the layers before the offending one
+    assert all(type(a).__name__ == "Qwen3Attention" for a in attn_modules(m))
+    assert list(m.state_dict()) == list(sd)
+
+
+def test_unsupported_configuration_is_named():
+    m = H.build("qwen3", head_dim=258)
+    _expect_unchanged_error(m, r"head_dim=258")
+    m = H.build("qwen3")
+
+    class LoRALinear(torch.nn.Linear):
+        pass
+
+    old = m.model.layers[1].self_attn.v_proj
+    m.model.layers[1].self_attn.v_proj = LoRALinear(old.in_features, old.out_features, bias=False)
+    _expect_unchanged_error(m, r"model.layers.1.self_attn.v_proj is a LoRALinear")
+
+    m = H.build("qwen3")
+    m.model.layers[1].self_attn.k_norm.forward = lambda x: x
+    _expect_unchanged_error(m, r"model.layers.1.self_attn.k_norm.forward was replaced")
+
+    m = H.build("qwen3")
+    m.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
+    _expect_unchanged_error(m, r"model.layers.0.self_attn: q/k/v_proj weights differ")
+
+    m = H.build("qwen3")
+    m.model.layers[1].self_attn.q_norm = torch.nn.LayerNorm(16)
+    _expect_unchanged_error(m, r"model.layers.1.self_attn.q_norm is a LayerNorm")
+
+    m = H.build("qwen3")
+    m.model.layers[0].self_attn.forward = lambda *a, **k: None
+    _expect_unchanged_error(m, r"model.layers.0.self_attn.forward was replaced")
+
+    m = H.build("qwen3", num_key_value_heads=3, num_attention_heads=4)
+    _expect_unchanged_error(m, r"num_attention_heads=4 is not a multiple of num_key_value_heads=3")
+
+
+def test_int_weights_rejected():
+    m = H.build("qwen3")
+    m.model.layers[0].self_attn.q_proj.weight = torch.nn.Parameter(
+        torch.zeros(64, 64, dtype=torch.float64), requires_grad=True)
+    _expect_unchanged_error(m, r"q_proj.weight has dtype torch.float64")

@@ -1,0 +1,132 @@
+"""fusedqkv.apply_to composes with Liger-Kernel's ``apply_liger_kernel_to_qwen3(model=...)``
+in either order (issue 16): Liger keeps its RMSNorm (also on q_norm/k_norm, whose weights the
+fused block reads), SwiGLU and fused linear cross-entropy; fusedqkv takes the attention input.
+Skipped when liger_kernel is not installed.
+
+Liger's Triton kernels do not run under the Triton CPU interpreter, so without a GPU the
+three autograd Functions that Liger's patched modules call are replaced, for the test, by
+plain-PyTorch equivalents: what is tested on the CPU is the composition -- which modules and
+forwards each library patches, that neither undoes the other, that the fused attention reads
+the Liger-patched norms' weights and eps, and the numbers of the composed model (fp32, against
+the unpatched HF model). With a GPU the real kernels run (and benchmarks/bench_hf.py measures
+the composition at size)."""
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+pytest.importorskip("liger_kernel")
+liger_tf = pytest.importorskip("liger_kernel.transformers")
+
+import _hf_models as H  # noqa: E402
+
+import fusedqkv  # noqa: E402
+
+from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
+
+
+class _RMSNorm:  # LigerRMSNormFunction
+    @staticmethod
+    def apply(x, w, eps, offset, casting_mode, in_place, row_mode):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        if casting_mode == "gemma":
+            return (y * (offset + w.float())).to(x.dtype)
+        return (offset + w) * y.to(x.dtype)
+
+
+class _SiLUMul:  # LigerSiLUMulFunction
+    @staticmethod
+    def apply(a, b, gate_multiplier=1.0, down_multiplier=1.0):
+        assert gate_multiplier == 1.0 and down_multiplier == 1.0
+        return F.silu(a) * b
+
+
+class _FusedLinearCE:  # LigerFusedLinearCrossEntropyFunction
+    @staticmethod
+    def apply(x, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
+              label_smoothing=0.0, reduction="mean", softcap=None, *rest):
+        assert ce_weight is None and lse_square_scale == 0.0 and softcap is None
+        logits = F.linear(x, weight, bias).float()
+        loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+        return loss, None, None, None
+
+
+@pytest.fixture
+def liger_env(monkeypatch):
+    """Undo Liger's module-level patches of transformers after the test (they would change
+    every Qwen3 model built later in the session); on the CPU, the stand-ins above."""
+    saved = dict(vars(modeling_qwen3))
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(sys.modules["liger_kernel.transformers.rms_norm"], "LigerRMSNormFunction", _RMSNorm)
+        monkeypatch.setattr(sys.modules["liger_kernel.transformers.swiglu"], "LigerSiLUMulFunction", _SiLUMul)
+        monkeypatch.setattr(sys.modules["liger_kernel.transformers.functional"],
+                            "LigerFusedLinearCrossEntropyFunction", _FusedLinearCE)
+    yield
+    for k in list(vars(modeling_qwen3)):
+        if k not in saved:
+            delattr(modeling_qwen3, k)
+    for k, v in saved.items():
+        if vars(modeling_qwen3).get(k) is not v:
+            setattr(modeling_qwen3, k, v)
+
+
+def _bound(module, name):
+    f = module.__dict__.get(name)
+    return getattr(f, "__func__", None)
+
+
+@pytest.mark.parametrize("order", ["liger_first", "fusedqkv_first"])
+def test_liger_and_fusedqkv_in_either_order(order, liger_env):
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = H.build("qwen3", bias=True).to(device)
+    ids = H.batch(2, 12).to(device)
+    # the unpatched reference first: Liger's rope patch is module-wide
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    sd_ref = ref.state_dict()
+
+    m = copy.deepcopy(ref)
+    m.zero_grad(set_to_none=True)
+    if order == "liger_first":
+        liger_tf.apply_liger_kernel_to_qwen3(model=m)
+        assert fusedqkv.apply_to(m) == 2
+    else:
+        assert fusedqkv.apply_to(m) == 2
+        liger_tf.apply_liger_kernel_to_qwen3(model=m)
+
+    # Liger kept its RMSNorm (q_norm/k_norm included), SwiGLU and fused linear cross-entropy ...
+    for layer in m.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm,
+                     layer.self_attn.k_norm):
+            assert _bound(norm, "forward") is LigerRMSNorm.forward
+        assert _bound(layer.mlp, "forward") is LigerSwiGLUMLP.forward
+        # ... and fusedqkv has the attention input
+        assert type(layer.self_attn).__name__ == "FusedQKVQwen3Attention"
+        assert "q_proj" not in layer.self_attn._modules and "qkv_proj" in layer.self_attn._modules
+    assert _bound(m.model.norm, "forward") is LigerRMSNorm.forward
+    assert getattr(_bound(m, "forward"), "__module__", "") == "liger_kernel.transformers.model.qwen3"
+    assert list(m.state_dict()) == list(sd_ref)
+
+    loss = m(input_ids=ids, labels=ids).loss
+    tol = 1e-5 if device == "cpu" else 2e-3
+    torch.testing.assert_close(loss, ref_loss, rtol=tol, atol=tol)
+    loss.backward()
+    got = dict(m.named_parameters())
+    want = dict(ref.named_parameters())
+    for name, p in got.items():
+        if ".qkv_proj." in name:
+            base, kind = name.split(".qkv_proj.")
+            g = torch.cat([want[f"{base}.{proj}.{kind}"].grad for proj in ("q_proj", "k_proj", "v_proj")])
+        else:
+            g = want[name].grad
+        err = float((p.grad - g).abs().max() / g.abs().max())
+        assert err < 10 * tol, (name, err)
