@@ -67,22 +67,29 @@ def log(msg):
 
 
 def import_liger():
-    """liger_kernel, installed or from a wheel carried in .whl/ (pure Python: importable from
-    the zip); None when neither."""
+    """liger_kernel, installed or from a wheel carried in .whl/ (pure Python: unpacked into a
+    temporary directory put on sys.path; zipimport lacks its namespace packages); None when
+    neither."""
     try:
         import liger_kernel.transformers as lt
         return lt
     except ImportError:
         pass
     for whl in sorted(glob.glob(os.path.join(REPO, ".whl", "liger_kernel-*.whl"))):
-        sys.path.insert(0, whl)
+        import tempfile
+        import zipfile
+
+        target = tempfile.mkdtemp(prefix="bench_hf_liger_")
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(target)
+        sys.path.insert(0, target)
         try:
             import liger_kernel.transformers as lt
             log(f"liger_kernel from {os.path.relpath(whl, REPO)}")
             return lt
         except ImportError as e:
             log(f"liger_kernel wheel {whl} not importable: {e}")
-            sys.path.remove(whl)
+            sys.path.remove(target)
     return None
 
 
