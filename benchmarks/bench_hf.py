@@ -228,7 +228,8 @@ def plot(report, path):
         if "hf-fp32" in res:
             ax.plot(steps, res["hf-fp32"]["losses"], color="0.6", lw=1, ls=":", label="hf fp32 (yardstick)")
         ax.plot(steps, res[base]["losses"], lw=2, label=f"{base} ({res[base]['step_ms_median']:.1f} ms/step)")
-        ax.plot(steps, res[fused]["losses"], lw=1.2, ls="--", label=f"{fused} ({res[fused]['step_ms_median']:.1f} ms/step)")
+        ax.plot(steps, res[fused]["losses"], lw=1.2, ls="--",
+                label=f"{fused} ({res[fused]['step_ms_median']:.1f} ms/step)")
         ax.set_title(f"{base} vs {fused}")
         ax.set_ylabel("training loss")
         ax.legend(fontsize=8)
@@ -253,7 +254,8 @@ def plot(report, path):
 
 def table(report):
     res = report["results"]
-    lines = [f"{'stack':<20} {'dtype':>9} {'step ms (median)':>17} {'peak GiB':>9} {'loss first':>11} {'loss last':>10}"]
+    lines = [f"{'stack':<20} {'dtype':>9} {'step ms (median)':>17} {'peak GiB':>9} {'loss first':>11} "
+             f"{'loss last':>10}"]
     for name in STACKS:
         if name not in res:
             continue
@@ -312,7 +314,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="tiny model, batch 2 x seq 64, 6 steps: the CPU check")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
-    p.add_argument("--plot", metavar="JSON", help="only redraw the PNG of an earlier run's JSON (into --out or beside it)")
+    p.add_argument("--plot", metavar="JSON",
+                   help="only redraw the PNG of an earlier run's JSON (into --out or beside it)")
     args = p.parse_args(argv)
 
     if args.plot:
