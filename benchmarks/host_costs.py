@@ -69,6 +69,31 @@ def main() -> int:
             "091 call": lambda: gqa_qkv_rope_qk_norm_backward(*a),
             "two torch.mm (out=)": lambda: (torch.mm(dq, a[6], out=dx), torch.mm(dq.t(), x, out=out[3])),
         }
+        # the parts of one planned call (out=): lookup, addresses, each bound launch alone
+        from fusedqkv.ops import plan as _plan
+        from fusedqkv.ops.launch import current_stream
+
+        p = _plan._BACKWARD_091.recent[0][2] if _plan._BACKWARD_091.recent else None
+        gqa_qkv_rope_qk_norm_backward(*a, out=out)
+        p = _plan._BACKWARD_091.recent[0][2]
+        tensors13 = list(a[:13]) + list(out)
+        scal = _plan._scalars_091(a[13], out, None)
+        cases["  plan lookup (guards)"] = lambda: _plan._BACKWARD_091.lookup(tensors13, scal, None)
+        cases["  19 data_ptr()"] = lambda: [t.data_ptr() for t in tensors13]
+        cases["  torch.empty(dqkv)"] = lambda: torch.empty(p.dqkv_shape, dtype=p.dtype, device=dev)
+        if p._ready:
+            ins = (a[0], a[1], a[2], a[9], a[10], a[11], a[12], a[7], a[8], a[4], a[5])
+            dq2 = torch.empty(p.dqkv_shape, dtype=p.dtype, device=dev)
+            ptrs = [t.data_ptr() for t in ins] + [dq2.data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
+                                                   out[4].data_ptr(), out[5].data_ptr(), out[0].data_ptr()]
+            if p.path != "cublas":
+                ptrs += [a[6].data_ptr(), a[3].data_ptr(), out[0].data_ptr(), out[3].data_ptr()]
+            ptrs += [t.data_ptr() for t in p.stage.call_inputs(current_stream(dev))]
+            p.table.pointers(ptrs)
+            stream = current_stream(dev)
+            for k, bl in enumerate(p.launches):
+                cases[f"  bound launch {k} ({bl.fn.__name__[:18]})"] = (
+                    lambda bl=bl: bl.launch(None, ptrs, stream))
         for name, fn in cases.items():
             fn()
             rows.append({"case": name, "workload": w.name, "tokens": M, "host_us": host_us(fn)})
@@ -103,7 +128,11 @@ def main() -> int:
             with torch.no_grad():
                 block(hs, cos, sin)
 
-        def fwd_bwd():
+        params = [hs, *block.parameters()]
+
+        def fwd_bwd():  # a training step's share: gradients set to None first (optimizer.zero_grad)
+            for t in params:
+                t.grad = None
             torch.autograd.backward(block(hs, cos, sin), grads)
 
         from fusedqkv.ops import plan as _plan

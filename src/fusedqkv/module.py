@@ -3,8 +3,9 @@
 Both hold the same parameters under the same names -- ``qkv_weight``
 ``[(num_heads + 2*num_kv_heads)*head_dim, hidden_size]`` (rows ``[Q | K | V]``),
 ``q_norm_weight`` and ``k_norm_weight`` ``[head_dim]``, with ``bias=True`` also ``qkv_bias``
-``[(num_heads + 2*num_kv_heads)*head_dim]`` -- so state dicts move between them, and both take ``forward(hidden_states, cos, sin)`` with cos/sin in the HF layout
-``[batch, seq, head_dim]`` and return ``(q, k, v)`` as ``[batch, heads, seq, head_dim]``.
+``[(num_heads + 2*num_kv_heads)*head_dim]`` -- so state dicts move between them, and both
+take ``forward(hidden_states, cos, sin)`` with cos/sin in the HF layout ``[batch, seq,
+head_dim]`` and return ``(q, k, v)`` as ``[batch, heads, seq, head_dim]``.
 """
 
 from __future__ import annotations

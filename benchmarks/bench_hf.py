@@ -1,0 +1,381 @@
+"""Full training steps of a Hugging Face model with and without ``fusedqkv.apply_to`` (issue 16).
+
+A Qwen3-0.6B-shaped model cut to 4 layers (random init; hidden 1024, 16 query / 8 KV heads of
+128, intermediate 3072, vocab 151936), batch x seq 4 x 2048, bf16 parameters, AdamW, HF's
+default attention backend (sdpa). Four stacks, each from the same initial weights on the same
+data:
+
+  hf                   transformers as is (eager PyTorch, no compile)
+  hf+fusedqkv          ... + fusedqkv.apply_to(model)
+  hf+liger             ... + Liger-Kernel's apply_liger_kernel_to_qwen3(model=...) (RMSNorm,
+                       RoPE, SwiGLU, fused linear cross-entropy)
+  hf+liger+fusedqkv    both (Liger first)
+
+plus ``hf-fp32`` (the hf stack in fp32, same initial values) as the yardstick of bf16 noise.
+For each: the loss of every step (--steps, default 50), the step time (median over the steps
+after --warmup, CUDA events) and peak allocated memory. Done criteria per stack pair: step
+time at least 25 % lower with fusedqkv, peak memory at most 5 % above, and the loss curves
+within bf16 noise: max over steps |loss_fused - loss_base| <= 2 max |loss_hf - loss_hf_fp32|
++ 1e-3.
+
+Writes --out/bench_hf.json and --out/bench_hf_loss.png (matplotlib; ``--plot JSON`` redraws
+the PNG from a JSON elsewhere), prints a table last, exits 1 when a criterion fails.
+
+Device (Liger carried as a wheel in .whl/, found there when liger_kernel is not installed):
+
+    PYTHONPATH=src python3 benchmarks/bench_hf.py --out benchmarks/results/<run>/hf
+
+CPU check of the script's logic (tiny model, few steps; Liger stacks need a GPU; the speed
+and memory criteria are not judged):
+
+    PYTHONPATH=src python benchmarks/bench_hf.py --tiny --out /tmp/bench_hf_tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import glob
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Qwen3-0.6B's config.json, 4 layers
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                 max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                 tie_word_embeddings=True, attention_bias=False, hidden_act="silu")
+TINY = dict(QWEN3_06B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+STACKS = ("hf-fp32", "hf", "hf+fusedqkv", "hf+liger", "hf+liger+fusedqkv")
+PAIRS = (("hf", "hf+fusedqkv"), ("hf+liger", "hf+liger+fusedqkv"))
+MIN_STEP_REDUCTION = 0.25
+MAX_MEM_RATIO = 1.05
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def import_liger():
+    """liger_kernel, installed or from a wheel carried in .whl/ (pure Python: unpacked into a
+    temporary directory put on sys.path; zipimport lacks its namespace packages); None when
+    neither."""
+    try:
+        import liger_kernel.transformers as lt
+        return lt
+    except ImportError:
+        pass
+    for whl in sorted(glob.glob(os.path.join(REPO, ".whl", "liger_kernel-*.whl"))):
+        import tempfile
+        import zipfile
+
+        target = tempfile.mkdtemp(prefix="bench_hf_liger_")
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(target)
+        sys.path.insert(0, target)
+        try:
+            import liger_kernel.transformers as lt
+            log(f"liger_kernel from {os.path.relpath(whl, REPO)}")
+            return lt
+        except ImportError as e:
+            log(f"liger_kernel wheel {whl} not importable: {e}")
+            sys.path.remove(target)
+    return None
+
+
+def make_data(n_batches, batch, seq, vocab, seed):
+    """Learnable token streams: each row repeats a random motif (so the loss falls as the
+    model learns to copy through attention), drawn from the first 4096 ids."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        rows = []
+        for _ in range(batch):
+            motif_len = int(torch.randint(16, 65, (1,), generator=g))
+            motif = torch.randint(3, min(vocab, 4096), (motif_len,), generator=g)
+            rows.append(motif.repeat(-(-seq // motif_len))[:seq])
+        out.append(torch.stack(rows))
+    return out
+
+
+def build_model(cfg_kw, dtype, device, attn, seed):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**cfg_kw)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg)
+    # every stack starts from the same bf16-representable values (fp32 yardstick included)
+    model.to(torch.bfloat16)
+    return model.to(dtype).train()
+
+
+def run_stack(stack, args, cfg_kw, data, device):
+    import fusedqkv
+
+    dtype = torch.float32 if stack == "hf-fp32" else torch.bfloat16
+    if "liger" in stack:
+        lt = import_liger()
+        if lt is None:
+            raise RuntimeError("liger_kernel is not installed and no .whl/liger_kernel-*.whl was found")
+    model = build_model(cfg_kw, dtype, device, args.attn, args.seed)
+    n_fused = 0
+    if "liger" in stack:
+        lt.apply_liger_kernel_to_qwen3(model=model)
+    if "fusedqkv" in stack:
+        n_fused = fusedqkv.apply_to(model)
+        assert n_fused == cfg_kw["num_hidden_layers"], n_fused
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=device == "cuda")
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+    losses, times, events = [], [], []
+    for step in range(args.steps):
+        ids = data[step % len(data)].to(device, non_blocking=True)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        if cuda:
+            end.record()
+            events.append((start, end))
+        else:
+            times.append((time.perf_counter() - t0) * 1e3)
+        losses.append(loss.detach())
+    if cuda:
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in events]
+    losses = [float(x) for x in losses]
+    if not all(math.isfinite(x) for x in losses):
+        raise RuntimeError(f"{stack}: non-finite loss {losses}")
+    timed = times[args.warmup:] or times
+    res = dict(stack=stack, dtype=str(dtype).replace("torch.", ""), layers_fused=n_fused, losses=losses,
+               step_ms=times, step_ms_median=statistics.median(timed), step_ms_mean=statistics.fmean(timed),
+               step_ms_min=min(timed))
+    if cuda:
+        res["peak_mem_bytes"] = torch.cuda.max_memory_allocated()
+        res["mem_before_bytes"] = base_mem
+    del model, opt, loss
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return res
+
+
+def judge(results, tiny):
+    """The done criteria per pair; returns (rows, all passed)."""
+    noise = None
+    if "hf-fp32" in results and "hf" in results:
+        noise = max(abs(a - b) for a, b in zip(results["hf"]["losses"], results["hf-fp32"]["losses"]))
+    rows, ok = [], True
+    for base, fused in PAIRS:
+        if base not in results or fused not in results:
+            continue
+        b, f = results[base], results[fused]
+        diff = max(abs(x - y) for x, y in zip(b["losses"], f["losses"]))
+        tol = (2 * noise if noise is not None else 0.0) + 1e-3
+        row = dict(base=base, fused=fused, step_ms_base=b["step_ms_median"], step_ms_fused=f["step_ms_median"],
+                   step_reduction=1.0 - f["step_ms_median"] / b["step_ms_median"], max_loss_diff=diff,
+                   bf16_noise=noise, loss_tol=tol, loss_ok=diff <= tol)
+        if "peak_mem_bytes" in b:
+            row["mem_ratio"] = f["peak_mem_bytes"] / b["peak_mem_bytes"]
+        if tiny:
+            row["speed_ok"] = row["mem_ok"] = None  # not judged on a tiny CPU model
+        else:
+            row["speed_ok"] = row["step_reduction"] >= MIN_STEP_REDUCTION
+            row["mem_ok"] = row.get("mem_ratio", float("inf")) <= MAX_MEM_RATIO
+        row["pass"] = all(v is not False for v in (row["loss_ok"], row["speed_ok"], row["mem_ok"]))
+        ok &= row["pass"]
+        rows.append(row)
+    return rows, ok
+
+
+def plot(report, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no PNG (redraw elsewhere with --plot JSON)")
+        return None
+    res = report["results"]
+    pairs = [p for p in PAIRS if p[0] in res and p[1] in res]
+    fig, axes = plt.subplots(2, max(1, len(pairs)), figsize=(6.5 * max(1, len(pairs)), 7), squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1.3]})
+    for col, (base, fused) in enumerate(pairs):
+        ax, dax = axes[0][col], axes[1][col]
+        steps = range(1, len(res[base]["losses"]) + 1)
+        if "hf-fp32" in res:
+            ax.plot(steps, res["hf-fp32"]["losses"], color="0.6", lw=1, ls=":", label="hf fp32 (yardstick)")
+        ax.plot(steps, res[base]["losses"], lw=2, label=f"{base} ({res[base]['step_ms_median']:.1f} ms/step)")
+        ax.plot(steps, res[fused]["losses"], lw=1.2, ls="--",
+                label=f"{fused} ({res[fused]['step_ms_median']:.1f} ms/step)")
+        ax.set_title(f"{base} vs {fused}")
+        ax.set_ylabel("training loss")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        dax.plot(steps, [f - b for f, b in zip(res[fused]["losses"], res[base]["losses"])], label=f"{fused} - {base}")
+        if "hf-fp32" in res and "hf" in res:
+            dax.plot(steps, [b - r for b, r in zip(res["hf"]["losses"], res["hf-fp32"]["losses"])], color="0.6",
+                     ls=":", label="hf bf16 - hf fp32")
+        dax.axhline(0, color="k", lw=0.5)
+        dax.set_xlabel("step")
+        dax.set_ylabel("loss difference")
+        dax.legend(fontsize=8)
+        dax.grid(alpha=0.3)
+    c = report["config"]
+    fig.suptitle(f"{c['model']}: batch {c['batch']} x seq {c['seq']}, {c['attn']}, AdamW lr {c['lr']} "
+                 f"({report['env'].get('device_name', c['device'])})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table(report):
+    res = report["results"]
+    lines = [f"{'stack':<20} {'dtype':>9} {'step ms (median)':>17} {'peak GiB':>9} {'loss first':>11} "
+             f"{'loss last':>10}"]
+    for name in STACKS:
+        if name not in res:
+            continue
+        r = res[name]
+        mem = f"{r['peak_mem_bytes'] / 2**30:.2f}" if "peak_mem_bytes" in r else "-"
+        lines.append(f"{name:<20} {r['dtype']:>9} {r['step_ms_median']:>17.2f} {mem:>9} {r['losses'][0]:>11.4f} "
+                     f"{r['losses'][-1]:>10.4f}")
+    lines.append("")
+    lines.append(f"{'pair':<36} {'step':>8} {'mem':>7} {'max|dloss|':>11} {'tol':>9}  result")
+
+    def verdict(v):
+        return "n/a" if v is None else ("ok" if v else "FAIL")
+
+    for row in report["criteria"]:
+        mem = f"{row['mem_ratio']:.3f}" if "mem_ratio" in row else "-"
+        lines.append(f"{row['base'] + ' -> ' + row['fused']:<36} {-100 * row['step_reduction']:>+7.1f}% {mem:>7} "
+                     f"{row['max_loss_diff']:>11.2e} {row['loss_tol']:>9.2e}  speed {verdict(row['speed_ok'])}, "
+                     f"memory {verdict(row['mem_ok'])}, loss {verdict(row['loss_ok'])}")
+    lines.append(f"done criteria (step time -{100 * MIN_STEP_REDUCTION:.0f}% or better, peak memory <= "
+                 f"{MAX_MEM_RATIO:.2f}x, losses within bf16 noise): {'PASS' if report['passed'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def env_info(device):
+    import transformers
+
+    info = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__)
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import importlib.metadata as md
+        info["liger_kernel"] = md.version("liger_kernel")
+    except Exception:
+        mod = sys.modules.get("liger_kernel")
+        if mod is not None:
+            info["liger_kernel"] = getattr(mod, "__version__", "from wheel")
+    if device == "cuda":
+        info["device_name"] = torch.cuda.get_device_name()
+    return info
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=False, help="directory for bench_hf.json and bench_hf_loss.png")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5, help="steps not timed (still in the loss curves)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
+    p.add_argument("--stacks", default=",".join(STACKS), help="comma-separated subset of " + ",".join(STACKS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="tiny model, batch 2 x seq 64, 6 steps: the CPU check")
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    p.add_argument("--plot", metavar="JSON",
+                   help="only redraw the PNG of an earlier run's JSON (into --out or beside it)")
+    args = p.parse_args(argv)
+
+    if args.plot:
+        with open(args.plot) as f:
+            report = json.load(f)
+        out = args.out or os.path.dirname(os.path.abspath(args.plot))
+        os.makedirs(out, exist_ok=True)
+        print(plot(report, os.path.join(out, "bench_hf_loss.png")))
+        print(table(report))
+        return 0 if report["passed"] else 1
+    if not args.out:
+        p.error("--out is required")
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg_kw = dict(TINY if args.tiny else QWEN3_06B)
+    if args.tiny:
+        args.batch, args.seq = min(args.batch, 2), min(args.seq, 64)
+        args.steps = min(args.steps, 6)
+        args.warmup = min(args.warmup, 1)
+    else:
+        cfg_kw["num_hidden_layers"] = args.layers
+    stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
+    unknown = [s for s in stacks if s not in STACKS]
+    if unknown:
+        p.error(f"--stacks: unknown {unknown}; choose from {STACKS}")
+    if device != "cuda":
+        skipped = [s for s in stacks if "liger" in s]
+        if skipped:
+            log(f"no GPU: skipping {skipped} (Liger's Triton kernels need one)")
+        stacks = [s for s in stacks if "liger" not in s]
+    # Liger patches transformers' modules process-wide: its stacks run last
+    stacks.sort(key=lambda s: ("liger" in s, STACKS.index(s)))
+    os.makedirs(args.out, exist_ok=True)
+
+    data = make_data(8, args.batch, args.seq, cfg_kw["vocab_size"], args.seed + 1)
+    report = dict(config=dict(model="Qwen3-0.6B-shaped, %d layers" % cfg_kw["num_hidden_layers"] if not args.tiny
+                              else "tiny Qwen3", model_config=cfg_kw, batch=args.batch, seq=args.seq,
+                              steps=args.steps, warmup=args.warmup, lr=args.lr, attn=args.attn, device=device,
+                              tiny=args.tiny, stacks=stacks, optimizer="AdamW(weight_decay=0.01)",
+                              params="bf16 (hf-fp32: fp32, same initial values)"),
+                  env=env_info(device), results={})
+    for stack in stacks:
+        log(f"{stack}: {args.steps} steps")
+        r = run_stack(stack, args, cfg_kw, data, device)
+        report["results"][stack] = r
+        log(f"{stack}: {r['step_ms_median']:.2f} ms/step, loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+            + (f", peak {r['peak_mem_bytes'] / 2**30:.2f} GiB" if "peak_mem_bytes" in r else ""))
+    report["env"] = env_info(device)  # liger's version once imported
+    report["criteria"], report["passed"] = judge(report["results"], args.tiny)
+    if not report["criteria"]:
+        report["passed"] = False
+        log("no stack pair ran: nothing judged")
+    path = os.path.join(args.out, "bench_hf.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    png = plot(report, os.path.join(args.out, "bench_hf_loss.png"))
+    log(f"wrote {path}" + (f" and {png}" if png else ""))
+    print(table(report))
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""benchmarks/bench_hf.py's logic on the CPU (issue 16): the --tiny run of the HF stacks (no
+GPU: the Liger stacks are skipped), the JSON/PNG/table it writes, and how the done criteria
+are judged."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_hf", os.path.join(ROOT, "benchmarks", "bench_hf.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tiny_run_writes_json_png_and_table(tmp_path, capsys):
+    bench = load_bench()
+    rc = bench.main(["--tiny", "--steps", "3", "--device", "cpu", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "bench_hf.json").read_text())
+    assert rc == 0 and report["passed"]
+    assert set(report["results"]) == {"hf-fp32", "hf", "hf+fusedqkv"}  # Liger stacks need a GPU
+    fused = report["results"]["hf+fusedqkv"]
+    assert fused["layers_fused"] == 2 and len(fused["losses"]) == 3
+    # the same initial weights and data: the first losses agree within bf16 noise
+    assert abs(fused["losses"][0] - report["results"]["hf"]["losses"][0]) < 1e-2
+    (row,) = report["criteria"]
+    assert row["loss_ok"] and row["speed_ok"] is None and row["mem_ok"] is None
+    assert (tmp_path / "bench_hf_loss.png").stat().st_size > 1000
+    assert "done criteria" in out.strip().splitlines()[-1]
+
+
+def _result(ms, mem, losses):
+    return dict(step_ms_median=ms, peak_mem_bytes=mem, losses=losses, dtype="bfloat16")
+
+
+def test_judge_applies_the_done_criteria():
+    bench = load_bench()
+    base = [10.0, 9.0, 8.0]
+    res = {"hf-fp32": _result(50.0, 100, [10.0, 9.0, 8.001]), "hf": _result(30.0, 100, base),
+           "hf+fusedqkv": _result(20.0, 104, [10.0, 9.0005, 8.0]),
+           "hf+liger": _result(28.0, 80, base), "hf+liger+fusedqkv": _result(22.0, 80, base)}
+    rows, ok = bench.judge(res, tiny=False)
+    assert [r["pass"] for r in rows] == [True, False] and not ok  # 28 -> 22 ms is only -21 %
+    assert rows[1]["speed_ok"] is False and rows[1]["loss_ok"] and rows[1]["mem_ok"]
+    res["hf+fusedqkv"]["peak_mem_bytes"] = 106  # 6 % above
+    rows, _ = bench.judge(res, tiny=False)
+    assert rows[0]["mem_ok"] is False
+    res["hf+fusedqkv"] = _result(20.0, 100, [10.0, 9.0, 8.01])  # off by 10x the bf16 noise
+    rows, _ = bench.judge(res, tiny=False)
+    assert rows[0]["loss_ok"] is False and rows[0]["bf16_noise"] == pytest.approx(1e-3)
+    text = bench.table(dict(results=res, criteria=rows, passed=False))
+    assert "FAIL" in text.splitlines()[-1]
