@@ -123,6 +123,9 @@ def gqa_qkv_rope_qk_norm_backward(
     args = (grad_query, grad_key, grad_value, hidden_states, cos, sin, qkv_weight, q_norm_weight, k_norm_weight,
             query_pre_norm, key_pre_norm, q_rstd, k_rstd, eps)
     if torch.is_grad_enabled():  # a backward: inputs may carry autograd history (mm(out=) refuses it)
-        with torch.no_grad():
+        torch._C._set_grad_enabled(False)
+        try:
             return plan.backward_091(args, out, backend)
+        finally:
+            torch._C._set_grad_enabled(True)
     return plan.backward_091(args, out, backend)

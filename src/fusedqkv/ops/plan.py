@@ -143,6 +143,24 @@ class Backward091Plan:
         self.dtype = None
         self._checked = None  # the addresses of the last call that passed the address checks
         self._ready = False  # every launch bound to its compiled kernel
+        self._extra = None  # (stream, the stage's own table entries)
+        self._kept = None  # (stream, dQKV workspace)
+        # False: allocated per call; None: not a CUDA device (the interpreter)
+        self.workspace_kept = False if device.type == "cuda" else None
+        self.device_index = device.index if device.type == "cuda" and device.index is not None else (
+            torch.cuda.current_device() if device.type == "cuda" else 0)
+
+    def _workspace(self) -> torch.Tensor:
+        """dQKV: kept per stream where it is small (calls on one stream never overlap on the
+        GPU, so the next call's stage writes it only after this call's products read it);
+        allocated per call where it is large or while a CUDA graph is being captured."""
+        if self.workspace_kept and not torch.cuda.is_current_stream_capturing():
+            stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+            kept = self._kept
+            if kept is None or kept[0] != stream:
+                kept = self._kept = (stream, torch.empty(self.dqkv_shape, dtype=self.dtype, device=self.device))
+            return kept[1]
+        return torch.empty(self.dqkv_shape, dtype=self.dtype, device=self.device)
 
     def _outputs(self, out):
         if out is not None:
@@ -155,7 +173,7 @@ class Backward091Plan:
         (gq, gk, gv, hs, cos, sin, W, wq, wk, xq, xk, rq, rk, _) = args
         outs = self._outputs(out)
         g_hidden, g_cos, g_sin, g_weight, g_qw, g_kw = outs
-        dqkv = torch.empty(self.dqkv_shape, dtype=self.dtype, device=self.device)
+        dqkv = self._workspace()
         inputs = (gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin)
         in_ptrs = [t.data_ptr() for t in inputs]
         out_ptrs = [t.data_ptr() for t in outs]
@@ -176,9 +194,15 @@ class Backward091Plan:
                 if acc & 15:  # an address the kernels were not specialised for: its own plan
                     return _BACKWARD_091.plan_for_alignment(self, args, out)(args, out)
             self._checked = seen
-        stream = current_stream(self.device)
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index) if self.workspace_kept is not None else 0
         stage = self.stage
-        extra = stage.call_inputs(stream)
+        if stage.part_slot is None:  # the stage's own entries (its ticket buffer) per stream, kept
+            cached = self._extra
+            if cached is None or cached[0] != stream:
+                cached = self._extra = (stream, stage.call_inputs(stream))
+            extra = cached[1]
+        else:
+            extra = stage.call_inputs(stream)
         # table order: inputs, dqkv, grad_cos, grad_sin, gwq, gwk, dX (scratch) [, W, X, dX, dW], stage's own
         launches = self.launches
         if self._ready:
@@ -228,6 +252,9 @@ class Backward091Plan:
         _mm_into(dqkv, W, g_hidden.view(M, hidden) if g_hidden.is_contiguous() else g_hidden)
         _mm_into(dqkv.t(), hs.reshape(M, hidden), g_weight)
         return outs
+
+
+WORKSPACE_KEPT_BYTES = 32 << 20
 
 
 def _as_matrix(t: torch.Tensor, rows: int, cols: int) -> Optional[torch.Tensor]:
@@ -297,6 +324,9 @@ def build_backward_091(args, out, backend, *, cfg) -> Backward091Plan:
         aligned=all(t.data_ptr() % 16 == 0 for t in (*in_tensors, *outs, dqkv)),
     )
     plan.dqkv_shape, plan.dtype = (M, sz["qkv"]), sz["dtype"]
+    # a kept workspace where it is small (the calls whose host time shows): <= 32 MiB
+    if device.type == "cuda":
+        plan.workspace_kept = dqkv.numel() * dqkv.element_size() <= WORKSPACE_KEPT_BYTES
     return plan
 
 
