@@ -108,7 +108,7 @@ def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="
     gcs = exact or not mode.endswith("_nocs")
     hq, hkv = heads
     block_t, gsize, tma = {"all8": (8, 0, False), "all8_tma": (8, 0, True), "group16": (8, 16, False),
-                           "group8": (4, 8, False)}[layout]
+                           "group16_tma": (8, 16, True), "group8": (4, 8, False)}[layout]
     grouped = gsize > 0
     num_warps = max(1, min(16, block_t * _p2(d // 2) // 128))
     act = _tt(dtype)
@@ -145,7 +145,7 @@ def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="
 
 
 def _stage_valid(r):
-    if r["layout"] == "all8_tma":  # sm_90, head_dim/2 a power of two of >= 16 bytes
+    if r["layout"].endswith("_tma"):  # sm_90, head_dim/2 a power of two of >= 16 bytes
         es = 4 if r["dtype"] == "fp32" else 2
         half = r["d"] // 2
         return r["cc"] >= 90 and half & (half - 1) == 0 and half * es >= 16
@@ -155,7 +155,7 @@ def _stage_valid(r):
 STAGE_AXES = dict(
     cc=(80, 90),
     mode=("091", "091_finish_outside", "train_after", "train_after_nocs", "train_before", "train_before_nocs"),
-    layout=("all8", "all8_tma", "group16", "group8"),
+    layout=("all8", "all8_tma", "group16", "group16_tma", "group8"),
     d=HEAD_DIMS,
     dtype=DTYPES,
     heads=((1, 1), (32, 8), (24, 24), (7, 7)),

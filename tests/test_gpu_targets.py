@@ -151,7 +151,7 @@ def test_job_list_follows_the_launchers(monkeypatch):
     from fusedqkv.ops import rope_qk_norm as stage
 
     monkeypatch.setattr(stage, "sm_count", lambda device: oc.H200_SMS)
-    layouts = {(8, 0), (8, 16), (4, 8)}  # all8 / all8_tma, group16, group8
+    layouts = {(8, 0), (8, 16), (4, 8)}  # all8 / all8_tma, group16 / group16_tma, group8
     for m in (1, 2, 3, 100, 1024, 1025, 3000, 3168, 3169, 100000):
         for d in oc.HEAD_DIMS:
             block_t, hb, warps, pf, gsize = stage._launch_config(m, 32, 8, d, torch.device("cuda", 0))
