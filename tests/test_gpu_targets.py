@@ -1,78 +1,127 @@
 """The GPU kernels compile for the GPU generations fusedqkv runs on, and the launchers use
 Hopper-only features (TMA descriptors, programmatic dependent launch, 16-bit pair arithmetic)
-only where the device has them. No GPU needed: Triton compiles for an explicit target offline."""
+only where the device has them. No GPU needed: Triton compiles for an explicit target offline.
 
+The offline compiles (``_offline_compile.py``) cover every constexpr value the launchers can
+select (pairwise over each kernel's axes, sm_80 and sm_90) and every kernel with its integer
+arguments specialised the way the JIT specialises them -- an argument equal to 1 becomes a
+compile-time constant, so a kernel that calls a tensor method on it (``M.to(tl.int64)``) fails
+to compile on the GPU for one token while the CPU interpreter, which never specialises, runs it
+fine."""
+
+import json
 import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
+import _offline_compile as oc
 import pytest
 import torch
 
 from fusedqkv.ops import config, launch, projection
 
-# Compiled in a child process: the test session runs Triton's interpreter (TRITON_INTERPRET=1),
-# under which the kernels take their emulated 16-bit rounding instead of the GPU code paths.
-_COMPILE = textwrap.dedent("""
-    import sys
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from fusedqkv.kernels.projection_grads import tma_matmul_kernel
-    from fusedqkv.kernels.rope_qk_norm import rope_qk_norm_bwd_kernel
-    from fusedqkv.ops import config
-
-    FP32 = {"cs_ptr", "wpart_ptr", "wsup_ptr", "wgrp_ptr"}
-
-    def compile_for(kernel, cc, consts, types, num_warps, num_stages=3):
-        names = kernel.arg_names
-        sig = {n: "constexpr" if n in consts else types(n) for n in names}
-        src = triton.compiler.ASTSource(fn=kernel, signature=sig,
-                                        constexprs={(names.index(n),): v for n, v in consts.items()})
-        return triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-
-    def stage_types(n):
-        if n == "tick_ptr":
-            return "*i32"
-        if n.endswith("_ptr"):
-            return "*fp32" if n in FP32 else "*bf16"
-        return "fp32" if n == "eps" else "i32"
-
-    # the exact (091) stage, 4-token head groups as launched at few tokens
-    stage = dict(D=128, HALF=64, HALF_P2=64, D_P2=128, BLOCK_T=4, HB=1, EXACT=True, NORM_AFTER_ROPE=True,
-                 SAVED_ROTATED=True, GRAD_COS_SIN=True, FUSED_FINISH=True, SUPER=32, RECOMPUTE_RSTD=False, PF=3,
-                 GROUPED=True, NQG=4, NKG=1, GSIZE=8, TMA=False)
-    for cc, lp2 in ((80, False), (90, True)):
-        ck = compile_for(rope_qk_norm_bwd_kernel, cc, dict(stage, LP2=lp2), stage_types, 2)
-        pairs = "mul.rn.bf16x2" in ck.asm["ptx"]
-        print(f"stage sm{cc} bf16x2={pairs}")
-
-    # the hybrid's dW: its programs per SM must fit the SM's shared memory (228 KB, 1 KB per block
-    # reserved) on sm_90
-    br, bc, bk, warps, stages, per_sm = config.current().hybrid_dw
-    mm = dict(BR=br, BC=bc, BK=bk, TRANS_A=True, NPROG=264, PDL=True, TRIGGER=False, WAIT_AT_END=False,
-              FINISH=True, FIN_D=128, FIN_D_P2=128)
-    descs = {"a_desc": f"tensordesc<bf16[{bk}, {br}]>", "b_desc": f"tensordesc<bf16[{bk}, {bc}]>",
-             "c_desc": f"tensordesc<bf16[{br}, {bc}]>"}
-    ck = compile_for(tma_matmul_kernel, 90, mm,
-                     lambda n: descs.get(n) or ("*fp32" if n.endswith("_ptr") else "i32"), warps, stages)
-    print(f"hybrid_dw smem={ck.metadata.shared} per_sm={per_sm}")
-""")
+JOBS = oc.all_jobs()
+FAMILIES = sorted({j["label"].split()[0] for j in JOBS})
 
 
-def test_kernels_compile_for_sm80_and_sm90():
-    """The exact stage compiles for sm_80 (fp32 math and a cast: the bf16x2 instructions are
-    sm_90 only) and for sm_90 (bf16x2 pairs); the hybrid's dW tile leaves room for its programs
-    per SM on sm_90."""
+@pytest.fixture(scope="module")
+def compiled():
+    """label -> result of every offline compile, run once in child processes: the test session
+    runs Triton's interpreter (TRITON_INTERPRET=1), under which the kernels take their emulated
+    16-bit rounding instead of the GPU code paths."""
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
+    script = Path(__file__).with_name("_offline_compile.py")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = proc.stdout
-    assert "stage sm80 bf16x2=False" in out, out
-    assert "stage sm90 bf16x2=True" in out, out
-    smem, per_sm = (int(v.split("=")[1]) for v in out.split("hybrid_dw ")[1].split())
-    assert per_sm * (smem + 1024) <= 228 * 1024, out
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["label"]: r for r in results}
+
+
+def _failures(compiled, family, level):
+    jobs = [j for j in JOBS if j["label"].split()[0] == family and j["level"] == level]
+    missing = [j["label"] for j in jobs if j["label"] not in compiled]
+    bad = [compiled[j["label"]] for j in jobs if j["label"] in compiled and not compiled[j["label"]]["ok"]]
+    return jobs, missing, bad
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_constexpr_combination_compiles_to_cubin(compiled, family):
+    """Pairwise over the kernel's constexpr axes, sm_80 and sm_90, each job with its integer
+    arguments plain, multiples of 16, all the constant 1, or 64-bit strides."""
+    jobs, missing, bad = _failures(compiled, family, "cubin")
+    assert jobs
+    assert not missing, missing
+    assert not bad, "\n\n".join(f"{r['label']}\n{r['error']}" for r in bad[:3]) + f"\n({len(bad)} failed)"
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if any(j["level"] == "ttir" and j["label"].startswith(f + " ")
+                                                               for j in JOBS)])
+def test_each_int_argument_equal_to_one_compiles(compiled, family):
+    """Base configurations with each integer argument, one at a time, the constant 1 (the front
+    end, where a method call on a specialised int fails)."""
+    jobs, missing, bad = _failures(compiled, family, "ttir")
+    assert jobs
+    assert not missing, missing
+    assert not bad, "\n\n".join(f"{r['label']}\n{r['error']}" for r in bad[:3]) + f"\n({len(bad)} failed)"
+
+
+def test_job_list_covers_every_value_and_int_argument():
+    """The job list itself: every value of every stage axis, every int mode per kernel family, and
+    (for the families with base configurations) every integer argument of the kernel set to 1."""
+    full = [j for j in JOBS if j["level"] == "cubin"]
+    stage = [j for j in full if j["label"].startswith("stage ")]
+    for axis, values in oc.STAGE_AXES.items():
+        for v in values:
+            assert any(_stage_value(j, axis, v) for j in stage), (axis, v)
+    for fam in FAMILIES:
+        modes = {j["ints"] for j in full if j["label"].split()[0] == fam}
+        assert modes == set(oc.INT_MODES), (fam, modes)
+    for kernel in {j["kernel"] for j in JOBS if j["level"] == "ttir"}:
+        ones = {j["one"] for j in JOBS if j["level"] == "ttir" and j["kernel"] == kernel}
+        assert ones == set(oc.int_args(oc._kernel(kernel))), kernel
+    # the M == 1 specialisation of the stage's grouped mode with grad_cos/sin (the one-token crash)
+    assert any(j["one"] == "M" and j["consts"]["GROUPED"] and j["consts"]["GRAD_COS_SIN"]
+               for j in JOBS if j["label"].startswith("stage "))
+
+
+def _stage_value(job, axis, v):
+    c = job["consts"]
+    label = job["label"].split()
+    if axis == "cc":
+        return job["cc"] == v
+    if axis == "mode":
+        return label[2] == v
+    if axis == "layout":
+        return label[3] == v
+    if axis == "d":
+        return c["D"] == v
+    if axis == "dtype":
+        return label[5].split("/")[0] == v
+    if axis == "heads":
+        return label[6] == f"hq{v[0]}/hkv{v[1]}"
+    if axis == "ints":
+        return job["ints"] == v
+    raise KeyError(axis)
+
+
+def test_exact_stage_uses_16bit_pairs_only_on_sm90(compiled):
+    """The exact stage compiles for sm_80 with fp32 math and a cast (the bf16x2 instructions are
+    sm_90 only) and for sm_90 with bf16x2 pairs."""
+    for cc, pairs in ((80, False), (90, True)):
+        r = compiled[oc._stage_job(cc, "091", "group8", 128, "bf16", (32, 8), "plain")["label"]]
+        assert r["ok"], r["error"]
+        assert r["info"]["bf16x2"] is pairs, r
+
+
+def test_hybrid_dw_fits_its_programs_per_sm(compiled):
+    """The hybrid's dW tile leaves room for its programs per SM on sm_90 (228 KB of shared memory,
+    1 KB per block reserved)."""
+    assert oc.HYBRID_DW == config.Config().hybrid_dw  # the job list follows the launcher
+    r = compiled[oc._matmul_job("hybrid_dw", "bf16", True, "per_sm", "plain")["label"]]
+    assert r["ok"], r["error"]
+    per_sm = config.Config().hybrid_dw[5]
+    assert per_sm * (r["info"]["shared"] + 1024) <= 228 * 1024, r
 
 
 def test_sm90_or_newer_is_false_off_cuda():
@@ -97,3 +146,21 @@ def test_triton_products_only_on_sm90(hopper, monkeypatch):
         expected = "hybrid" if hopper else "cublas"
         assert projection.choose_products(M, torch.bfloat16, cuda, 132, dqkv, w, x, dx, dw,
                                           config.current()) == expected
+
+
+
+def test_job_list_follows_the_launchers(monkeypatch):
+    """The offline job list holds the launchers' configurations: the products' tile configs, and
+    the stage's (tokens per block, heads per group, warps) at every token count on an H200."""
+    cfg = config.Config()
+    for name in ("CHAIN_DX", "CHAIN_DW", "CHAIN_DX_ABOVE_128", "CHAIN_DW_ABOVE_128", "HYBRID_DW"):
+        assert getattr(oc, name) == getattr(cfg, name.lower()), name
+    from fusedqkv.ops import rope_qk_norm as stage
+
+    monkeypatch.setattr(stage, "sm_count", lambda device: oc.H200_SMS)
+    layouts = {(8, 0), (8, 16), (4, 8)}  # all8 / all8_tma, group16 / group16_tma, group8
+    for m in (1, 2, 3, 100, 1024, 1025, 3000, 3168, 3169, 100000):
+        for d in oc.HEAD_DIMS:
+            block_t, hb, warps, pf, gsize = stage._launch_config(m, 32, 8, d, torch.device("cuda", 0))
+            assert (block_t, gsize) in layouts and hb == 1 and pf == 3, (m, d)
+            assert warps == max(1, min(16, block_t * oc._p2(d // 2) // 128)), (m, d)

@@ -104,7 +104,7 @@ def _dx_item(item, dq_ptr, s_dq, w_ptr, sw_r, sw_c, dx_ptr, sdx_t, sdx_h, xpart_
     if SPLIT == 1:
         _dx_store(tile, acc, dx_ptr, sdx_t, sdx_h, M, HIDDEN, BM, BN)
     else:
-        _dx_store(tile, acc, xpart_ptr + (split * M).to(tl.int64) * HIDDEN, HIDDEN, 1, M, HIDDEN, BM, BN)
+        _dx_store(tile, acc, xpart_ptr + tl.cast(split * M, tl.int64) * HIDDEN, HIDDEN, 1, M, HIDDEN, BM, BN)
         tl.debug_barrier()
         ticket = tl.atomic_add(tick_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT - 1:

@@ -605,10 +605,12 @@ def _stage_program(
         dv = tl.arange(0, D_P2)[None, :]
         v_row = gv_ptr + b[:, None] * sgv_b + s[:, None] * sgv_s + hb[:, None] * sgv_h + dv * sgv_d
         o_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + (HQ + HKV) * D + hb[:, None] * D + dv
-        for h0 in range(0, HKV, HB):
-            vmask = (rmask & (h0 + hb < HKV))[:, None] & (dv < D)
-            v = tl.load(v_row + h0 * sgv_h, mask=vmask, other=0.0)
-            tl.store(o_row + h0 * D, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a copy
+        # (a name of its own: the query/key branch's h0 is i32, this loop variable takes HKV's
+        # type -- i64 once an argument is beyond 32 bits -- and scf.if joins same-named variables)
+        for hv in range(0, HKV, HB):
+            vmask = (rmask & (hv + hb < HKV))[:, None] & (dv < D)
+            v = tl.load(v_row + hv * sgv_h, mask=vmask, other=0.0)
+            tl.store(o_row + hv * D, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a copy
 
 
 @triton.jit
@@ -643,7 +645,8 @@ def _store_cs_partials(cs_ptr, group, M, tok0, t_end, c1, c2, s1, s2, D: tl.cons
     d = tl.arange(0, HALF_P2)[None, :]
     m = (t < t_end) & (d < HALF)
     pc = cs_ptr + ((group * 2) * M + t).to(tl.int64) * D + d
-    ps = pc + tl.cast(M, tl.int64) * D  # (tl.cast: an argument equal to 1 arrives as a constexpr int)
+    # tl.cast, not M.to(): an int argument equal to 1 is a compile-time constant (a Python int)
+    ps = pc + tl.cast(M, tl.int64) * D
     tl.store(pc, _token_sum(c1, HB, BLOCK_T, HALF_P2), mask=m)
     tl.store(pc + HALF, _token_sum(c2, HB, BLOCK_T, HALF_P2), mask=m)
     tl.store(ps, _token_sum(s1, HB, BLOCK_T, HALF_P2), mask=m)
@@ -663,7 +666,7 @@ def _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr,
     d = tl.arange(0, HALF_P2)[None, :]
     m = (t < t_end) & (d < HALF)
     base = cs_ptr + t.to(tl.int64) * D + d
-    gstride = tl.cast(2 * M, tl.int64) * D
+    gstride = tl.cast(2 * M, tl.int64) * D  # (tl.cast: M may be the constant 1, see _store_cs_partials)
     sstride = tl.cast(M, tl.int64) * D
     qc1 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)
     qc2 = tl.zeros([BLOCK_T, HALF_P2], tl.float32)

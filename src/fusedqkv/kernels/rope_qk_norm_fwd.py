@@ -42,8 +42,10 @@ def _head_group_fwd(
     x_row = x_ptr + tok64[:, None] * s_x_t + col0 + dh[None, :]
     for hh in range(0, GROUP):
         h = h0 + hh
-        hvalid = h < H
-        mask = cmask & hvalid
+        # a per-token block, not a scalar compare broadcast into the mask: Triton 3.9's interpreter
+        # types a scalar compare by its operands (int32), and a splat of it is no valid mask
+        hvalid = tl.broadcast_to(h, tmask.shape) < H
+        mask = cmask & hvalid[:, None]
         xb = x_row + h * D
         x1 = tl.load(xb, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(xb + HALF, mask=mask, other=0.0).to(tl.float32)

@@ -1,0 +1,441 @@
+"""Offline GPU compiles of every fusedqkv Triton kernel, without a GPU (used by test_gpu_targets).
+
+Triton compiles a kernel for an explicit ``GPUTarget`` (sm_80, sm_90) with no device present.
+This module lists the compile jobs -- the constexpr combinations the launchers can select, and
+the kernels with their integer arguments specialised as the JIT specialises them -- and runs
+them in parallel processes. Run it as a script in a process *without* ``TRITON_INTERPRET=1``
+(the kernels' GPU code paths are chosen at import). Prints one JSON line per job.
+
+How the JIT specialises a launch's arguments (triton 3.6, ``native_specialize_impl``): an
+integer equal to 1 becomes a compile-time constant (signature ``"constexpr"``, value 1) -- the
+kernel then sees a Python int, on which e.g. ``M.to(tl.int64)`` fails; an integer that is a
+multiple of 16 gets the ``tt.divisibility=16`` attribute ("D"); one outside the 32-bit range is
+typed ``i64``; a tensor gets "D" when its address is 16-byte aligned. A job's ``ints`` mode picks
+one of these for all integer arguments at once ("plain", "div16", "ones"; "i64" for the strides:
+sizes stay below 2**31), or ``one=NAME`` makes a single argument the constant 1.
+
+The constexpr values come from the launchers (``fusedqkv/ops``):
+
+* ``rope_qk_norm_bwd_kernel`` (``ops/rope_qk_norm._backward_triton``): the 091 entry point runs
+  EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, rstd loaded, FUSED_FINISH unless a Triton
+  dW runs the finish (then an fp32 placeholder for the tickets when not grouped); the training
+  API runs not EXACT, either norm position, the raw projection output saved, rstd recomputed,
+  grad_cos/sin only when cos/sin require grad, the fused finish. Layouts (``_launch_config``):
+  8-token blocks with every head (4 warps at head_dim 128; TMA descriptors on sm_90 where the
+  tensors allow it), 8-token blocks in groups of 16 heads, 4-token blocks in groups of 8 heads;
+  NQG/NKG = heads / group size rounded up; LP2 on sm_90; maxnreg 128 (96 for the grouped
+  8-token blocks) where num_warps == 4.
+* ``rope_qk_norm_fwd_kernel`` (``ops/gqa_forward``): BLOCK_T = min(32, 1024 // HALF_P2), GROUP
+  8/4/2/1 (8 warps for a group, else 4), either norm position.
+* ``rope_qk_norm_bwd_finish_kernel`` (``NormWeightFinish``): BLOCK_R 32, 4 warps.
+* ``tma_matmul_kernel`` (``ops/projection``, sm_90 only): the chain's dX and dW and the
+  hybrid's dW configurations, with and without the norm-weight finish, NPROG from 1 up.
+* ``l2_flush_kernel`` (the benchmark harness).
+
+Head dims: 64, 128, 256, 80 (HALF not a power of two: padded tiles, no TMA) and 2 (the
+smallest the validation accepts). Dtypes: bf16, fp16, fp32 activations; fp32 norm weights
+beside 16-bit activations.
+
+The constexpr axes of each kernel are covered pairwise (every pair of values of any two axes in
+at least one job), each job compiled to a cubin; on top, each kernel's base configurations are
+compiled to Triton IR with every integer argument, one at a time, the constant 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+HEAD_DIMS = (64, 128, 256, 80, 2)
+DTYPES = ("bf16", "fp16", "fp32")
+INT_MODES = ("plain", "div16", "ones", "i64")
+H200_SMS = 132
+
+
+def _p2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# ------------------------------------------------------------------------------ pairwise cover
+
+
+def pairwise(axes: dict, valid=lambda row: True, seed: int = 0, tries: int = 60) -> list:
+    """Rows (dicts axis -> value) such that every pair of values of any two axes that some valid
+    row holds appears in at least one row (greedy; deterministic for a seed)."""
+    names = list(axes)
+    rng = random.Random(seed)
+    every = [dict(zip(names, vals)) for vals in itertools.product(*(axes[n] for n in names))]
+    every = [r for r in every if valid(r)]
+
+    def pairs(row):
+        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
+
+    todo = set().union(*(pairs(r) for r in every)) if every else set()
+    rows = []
+    while todo:
+        best, gain = None, -1
+        for cand in rng.sample(every, min(tries, len(every))):
+            g = len(pairs(cand) & todo)
+            if g > gain:
+                best, gain = cand, g
+        if gain <= 0:  # the sample missed: take a row holding some uncovered pair
+            (a, va), (b, vb) = next(iter(todo))
+            best = next(r for r in every if r[a] == va and r[b] == vb)
+        rows.append(best)
+        todo -= pairs(best)
+    return rows
+
+
+# ------------------------------------------------------------------------------------ the jobs
+
+
+def _tt(dt: str) -> str:
+    return {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[dt]
+
+
+def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="cubin", one=None):
+    """One compile of ``rope_qk_norm_bwd_kernel``."""
+    exact = mode.startswith("091")
+    fused = mode != "091_finish_outside"
+    nar = mode in ("091", "091_finish_outside", "train_after", "train_after_nocs")
+    gcs = exact or not mode.endswith("_nocs")
+    hq, hkv = heads
+    block_t, gsize, tma = {"all8": (8, 0, False), "all8_tma": (8, 0, True), "group16": (8, 16, False),
+                           "group16_tma": (8, 16, True), "group8": (4, 8, False)}[layout]
+    grouped = gsize > 0
+    num_warps = max(1, min(16, block_t * _p2(d // 2) // 128))
+    act = _tt(dtype)
+    norm = "fp32" if norm_fp32 else act
+    rstd = act if exact else "fp32"  # training: rstd recomputed, an fp32 placeholder
+    half = d // 2
+    n_tick = (1 if grouped else 0) + (1 if fused else 0)
+    consts = dict(D=d, HALF=half, HALF_P2=_p2(half), D_P2=_p2(d), BLOCK_T=block_t, HB=1, EXACT=exact,
+                  NORM_AFTER_ROPE=nar, SAVED_ROTATED=exact, GRAD_COS_SIN=gcs, FUSED_FINISH=fused, SUPER=32,
+                  RECOMPUTE_RSTD=not exact, PF=3, GROUPED=grouped,
+                  NQG=-(-hq // gsize) if grouped else 1, NKG=-(-hkv // gsize) if grouped else 1,
+                  GSIZE=max(gsize, 1), TMA=tma, LP2=cc >= 90)
+    types = {}
+    for n in ("gq_ptr", "gk_ptr", "gv_ptr", "xq_ptr", "xk_ptr", "cos_ptr", "sin_ptr", "dqkv_ptr", "gcos_ptr",
+              "gsin_ptr"):
+        types[n] = "*" + act
+    for n in ("rq_ptr", "rk_ptr"):
+        types[n] = "*" + rstd
+    for n in ("wq_ptr", "wk_ptr", "gwq_ptr", "gwk_ptr"):
+        types[n] = "*" + norm
+    for n in ("wpart_ptr", "wsup_ptr", "cs_ptr", "wgrp_ptr"):
+        types[n] = "*fp32"
+    types["tick_ptr"] = "*i32" if n_tick else "*fp32"  # no tickets: w_part stands in
+    for n in ("gq_desc", "xq_desc", "gk_desc", "xk_desc"):
+        types[n] = f"tensordesc<{act}[1, 1, {block_t}, {half}]>" if tma else "*" + act
+    types["eps"] = "fp32"
+    options = {"num_warps": num_warps, "num_stages": 3, "enable_fp_fusion": not exact}
+    if num_warps == 4:
+        options["maxnreg"] = 96 if grouped and block_t == 8 else 128
+    label = (f"stage sm{cc} {mode} {layout} d{d} {dtype}{'/normfp32' if norm_fp32 else ''} "
+             f"hq{hq}/hkv{hkv} ints={ints}{'' if one is None else ' one=' + one}")
+    return dict(kernel="rope_qk_norm.rope_qk_norm_bwd_kernel", cc=cc, consts=consts, types=types, ints=ints,
+                one=one, options=options, level=level, label=label)
+
+
+def _stage_valid(r):
+    if r["layout"].endswith("_tma"):  # sm_90, head_dim/2 a power of two of >= 16 bytes
+        es = 4 if r["dtype"] == "fp32" else 2
+        half = r["d"] // 2
+        return r["cc"] >= 90 and half & (half - 1) == 0 and half * es >= 16
+    return True
+
+
+STAGE_AXES = dict(
+    cc=(80, 90),
+    mode=("091", "091_finish_outside", "train_after", "train_after_nocs", "train_before", "train_before_nocs"),
+    layout=("all8", "all8_tma", "group16", "group16_tma", "group8"),
+    d=HEAD_DIMS,
+    dtype=DTYPES,
+    heads=((1, 1), (32, 8), (24, 24), (7, 7)),
+    ints=INT_MODES,
+)
+
+
+def stage_jobs() -> list:
+    jobs = [_stage_job(**r) for r in pairwise(STAGE_AXES, _stage_valid, seed=1)]
+    # 091 as launched at few tokens, sm_80 (fp32 math and a cast) and sm_90 (bf16x2 pairs)
+    jobs += [_stage_job(cc, "091", "group8", 128, "bf16", (32, 8), "plain") for cc in (80, 90)]
+    # 091 with fp32 norm weights beside bf16 activations (the weights' dtype is free)
+    jobs.append(_stage_job(90, "091", "group8", 128, "bf16", (32, 8), "plain", norm_fp32=True))
+    jobs.append(_stage_job(90, "train_after", "all8_tma", 128, "bf16", (32, 8), "div16", norm_fp32=True))
+    return jobs
+
+
+def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one=None):
+    act = _tt(dtype)
+    norm = "fp32" if norm_fp32 else act
+    consts = dict(D=d, HALF=d // 2, HALF_P2=_p2(d // 2), BLOCK_T=max(1, min(32, 1024 // _p2(d // 2))), GROUP=group,
+                  NORM_AFTER_ROPE=nar)
+    types = {n: "*" + act for n in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr")}
+    types.update({n: "*" + norm for n in ("wq_ptr", "wk_ptr")})
+    types.update({n: "*fp32" for n in ("rq_ptr", "rk_ptr")})
+    types["eps"] = "fp32"
+    label = f"forward sm{cc} d{d} {dtype} group{group} nar={nar} ints={ints}{'' if one is None else ' one=' + one}"
+    return dict(kernel="rope_qk_norm_fwd.rope_qk_norm_fwd_kernel", cc=cc, consts=consts, types=types, ints=ints,
+                one=one, options={"num_warps": 8 if group > 1 else 4}, level=level, label=label)
+
+
+def forward_jobs() -> list:
+    axes = dict(cc=(80, 90), d=HEAD_DIMS, dtype=DTYPES, group=(1, 2, 4, 8), nar=(True, False), ints=INT_MODES)
+    jobs = [_fwd_job(**r) for r in pairwise(axes, seed=2)]
+    jobs.append(_fwd_job(90, 128, "bf16", 8, True, "plain", norm_fp32=True))
+    return jobs
+
+
+def _finish_job(cc, d, dtype, ints, level="cubin", one=None):
+    consts = dict(D=d, D_P2=_p2(d), BLOCK_R=32)
+    types = {"wpart_ptr": "*fp32", "gwq_ptr": "*" + _tt(dtype), "gwk_ptr": "*" + _tt(dtype)}
+    return dict(kernel="rope_qk_norm.rope_qk_norm_bwd_finish_kernel", cc=cc, consts=consts, types=types, ints=ints,
+                one=one, options={"num_warps": 4}, level=level,
+                label=f"finish sm{cc} d{d} {dtype} ints={ints}{'' if one is None else ' one=' + one}")
+
+
+def finish_jobs() -> list:
+    axes = dict(cc=(80, 90), d=HEAD_DIMS, dtype=DTYPES, ints=INT_MODES)
+    return [_finish_job(**r) for r in pairwise(axes, seed=3)]
+
+
+# (tile rows, cols, K step, warps, stages, programs per SM) as in ops/projection
+CHAIN_DX = (64, 64, 64, 4, 6, 1)
+CHAIN_DW = (128, 128, 64, 8, 2, 1)
+CHAIN_DX_ABOVE_128 = (64, 64, 64, 4, 6, 2)
+CHAIN_DW_ABOVE_128 = (128, 128, 32, 4, 4, 2)
+HYBRID_DW = (128, 128, 32, 4, 5, 2)
+MATMUL_USES = {
+    # use: (config, TRANS_A, TRIGGER, WAIT_AT_END)
+    "chain_dx": (CHAIN_DX, False, True, False),
+    "chain_dw": (CHAIN_DW, True, False, True),
+    "chain_dx_above128": (CHAIN_DX_ABOVE_128, False, True, False),
+    "chain_dw_above128": (CHAIN_DW_ABOVE_128, True, False, True),
+    "hybrid_dw": (HYBRID_DW, True, False, False),
+}
+
+
+def _matmul_job(use, dtype, finish, nprog, ints, fin_d=128, norm_fp32=False, level="cubin", one=None):
+    (br, bc, bk, warps, stages, per_sm), trans_a, trigger, wait_at_end = MATMUL_USES[use]
+    finish = finish and use.endswith("dw")  # only dW runs the norm-weight finish
+    nprog = {"one": 1, "sms": H200_SMS, "per_sm": per_sm * H200_SMS}[nprog]
+    act = _tt(dtype)
+    consts = dict(BR=br, BC=bc, BK=bk, TRANS_A=trans_a, NPROG=nprog, PDL=True, TRIGGER=trigger,
+                  WAIT_AT_END=wait_at_end, FINISH=finish, FIN_D=fin_d if finish else 1,
+                  FIN_D_P2=_p2(fin_d) if finish else 1)
+    norm = "fp32" if norm_fp32 else act
+    types = {"a_desc": f"tensordesc<{act}[{bk}, {br}]>" if trans_a else f"tensordesc<{act}[{br}, {bk}]>",
+             "b_desc": f"tensordesc<{act}[{bk}, {bc}]>", "c_desc": f"tensordesc<{act}[{br}, {bc}]>",
+             "fin_part_ptr": "*fp32" if finish else "*" + act,
+             "fin_gwq_ptr": "*" + norm if finish else "*" + act, "fin_gwk_ptr": "*" + norm if finish else "*" + act}
+    label = (f"tma_matmul sm90 {use} {dtype} finish={finish} fin_d{fin_d} nprog={nprog} ints={ints}"
+             f"{'' if one is None else ' one=' + one}")
+    return dict(kernel="projection_grads.tma_matmul_kernel", cc=90, consts=consts, types=types, ints=ints, one=one,
+                options={"num_warps": warps, "num_stages": stages}, level=level, label=label)
+
+
+def matmul_jobs() -> list:
+    axes = dict(use=tuple(MATMUL_USES), dtype=("bf16", "fp16"), finish=(True, False), nprog=("one", "sms", "per_sm"),
+                ints=INT_MODES)
+    jobs = [_matmul_job(**r) for r in pairwise(axes, seed=4)]
+    jobs.append(_matmul_job("hybrid_dw", "bf16", True, "per_sm", "plain"))  # as 091 launches it
+    jobs.append(_matmul_job("hybrid_dw", "bf16", True, "per_sm", "div16", fin_d=80, norm_fp32=True))
+    jobs.append(_matmul_job("chain_dw", "fp16", True, "sms", "plain", fin_d=256))
+    return jobs
+
+
+def _flush_job(ints, level="cubin", one=None):
+    return dict(kernel="l2_flush.l2_flush_kernel", cc=90, consts=dict(BLOCK=4096), types={"buf_ptr": "*i32"},
+                ints=ints, one=one, options={"num_warps": 4}, level=level,
+                label=f"l2_flush sm90 ints={ints}{'' if one is None else ' one=' + one}")
+
+
+def full_jobs() -> list:
+    """Every constexpr value (pairwise), each job compiled to a cubin."""
+    return (stage_jobs() + forward_jobs() + finish_jobs() + matmul_jobs()
+            + [_flush_job(m) for m in INT_MODES])
+
+
+def one_at_a_time_jobs(kernel_args: dict) -> list:
+    """Each kernel's base configurations to Triton IR with every integer argument, one at a time,
+    the constant 1. ``kernel_args``: kernel -> its integer argument names (from the kernel)."""
+    bases = [
+        _stage_job(90, "091", "group8", 128, "bf16", (32, 8), "plain", level="ttir"),
+        _stage_job(90, "train_before", "all8_tma", 128, "fp16", (32, 8), "plain", level="ttir"),
+        _fwd_job(90, 128, "bf16", 4, True, "plain", level="ttir"),
+        _finish_job(90, 128, "bf16", "plain", level="ttir"),
+        _matmul_job("chain_dw", "bf16", True, "sms", "plain", level="ttir"),
+        _matmul_job("chain_dx", "bf16", False, "sms", "plain", level="ttir"),
+        _flush_job("plain", level="ttir"),
+    ]
+    jobs = []
+    for base in bases:
+        for name in kernel_args[base["kernel"]]:
+            j = dict(base, one=name)
+            j["label"] = base["label"] + f" one={name}"
+            jobs.append(j)
+    return jobs
+
+
+# ------------------------------------------------------------------------------- compiling
+
+
+def _kernel(path: str):
+    import importlib
+
+    module, name = path.split(".")
+    return getattr(importlib.import_module(f"fusedqkv.kernels.{module}"), name)
+
+
+# integer arguments that are sizes (token, head, row counts, matrix dims): below 2**31 on any GPU
+# (and TMA coordinates are 32-bit); the others are strides, which pass 2**31 elements on big tensors
+SIZE_ARGS = {"M", "S", "HQ", "HKV", "NQG", "N_PROG_T", "NQKV", "HIDDEN", "K_PER_SPLIT", "R", "C", "K", "fin_rows",
+             "n_rows", "n"}
+
+
+def int_args(kernel) -> list:
+    """The kernel's runtime integer arguments: every non-constexpr parameter that is not a
+    pointer, a descriptor or eps."""
+    import inspect
+
+    params = inspect.signature(kernel.fn).parameters.values()  # a JITFunction or the interpreter's
+    return [p.name for p in params if "constexpr" not in str(p.annotation)
+            and not p.name.endswith(("_ptr", "_desc")) and p.name != "eps"]
+
+
+def _cpu() -> float:
+    t = os.times()  # this process and its finished children (ptxas)
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def compile_job(job: dict) -> dict:
+    """Compile one job; returns {label, ok, error, seconds, info}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    t0, c0 = time.time(), _cpu()
+    res = dict(label=job["label"], level=job["level"], ok=False, error="", info={})
+    try:
+        kernel = _kernel(job["kernel"])
+        names = list(kernel.arg_names)
+        ints = set(int_args(kernel))
+        consts = dict(job["consts"])
+        sig, attrs = {}, {}
+        for i, n in enumerate(names):
+            if n in consts:
+                sig[n] = "constexpr"
+            elif n in ints:
+                if job["ints"] == "ones" or job.get("one") == n:
+                    sig[n] = "constexpr"
+                    consts[n] = 1
+                elif job["ints"] == "i64" and n not in SIZE_ARGS:
+                    sig[n] = "i64"
+                else:
+                    sig[n] = "i32"
+                    if job["ints"] == "div16":
+                        attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                sig[n] = job["types"].get(n) or job.get("default_ptr") or ("fp32" if n == "eps" else None)
+                assert sig[n], f"no type for {n}"
+                if sig[n].startswith("*"):  # the JIT marks 16-byte aligned tensors
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        src = triton.compiler.ASTSource(fn=kernel, signature=sig,
+                                        constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+        target = GPUTarget("cuda", job["cc"], 32)
+        if job["level"] == "ttir":
+            _to_ttir(src, target, job["options"])
+        else:
+            ck = triton.compile(src, target=target, options=job["options"])
+            res["info"] = {"shared": ck.metadata.shared, "bf16x2": "mul.rn.bf16x2" in ck.asm["ptx"],
+                           "f16x2": "mul.rn.f16x2" in ck.asm["ptx"]}
+        res["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported, with the job
+        tb = traceback.format_exception(type(e), e, e.__traceback__)
+        res["error"] = "".join(tb)[-3000:]
+        if os.environ.get("OFFLINE_COMPILE_RAISE"): raise
+    res["seconds"] = round(time.time() - t0, 2)
+    res["cpu_seconds"] = round(_cpu() - c0, 2)
+    return res
+
+
+def _to_ttir(src, target, options):
+    """The front end only (Python AST -> Triton IR): where a Python-level error in the kernel source
+    (a method on a specialised int, a constexpr mismatch) shows; the GPU passes are left out."""
+    from triton._C.libtriton import ir
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    try:
+        module = src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+    except TypeError:  # a Triton whose make_ir takes other arguments: compile fully instead
+        import triton
+
+        triton.compile(src, target=target, options=options)
+        return
+    stages: dict = {}
+    backend.add_stages(stages, opts, src.language)
+    stages["ttir"](module, {"hash": "offline", "target": target, **opts.__dict__})
+
+
+def all_jobs() -> list:
+    """Every job, each label once."""
+    full = full_jobs()
+    kernels = {j["kernel"] for j in full}
+    jobs = {}
+    for j in full + one_at_a_time_jobs({k: int_args(_kernel(k)) for k in kernels}):
+        jobs.setdefault(j["label"], j)
+    return list(jobs.values())
+
+
+def run(jobs: list, processes: int | None = None) -> list:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    processes = processes or max(1, os.cpu_count() or 1)
+    # long jobs first: the sm_90 stage and matmul cubins
+    order = sorted(range(len(jobs)), key=lambda i: (jobs[i]["level"] != "cubin", "stage" not in jobs[i]["label"]))
+    out = [None] * len(jobs)
+    if processes == 1:
+        for i in order:
+            out[i] = compile_job(jobs[i])
+        return out
+    with cf.ProcessPoolExecutor(processes, mp_context=mp.get_context("fork")) as pool:
+        futs = {pool.submit(compile_job, jobs[i]): i for i in order}
+        for f in cf.as_completed(futs):
+            out[futs[f]] = f.result()
+    return out
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--processes", type=int, default=None)
+    ap.add_argument("--only", default="", help="run jobs whose label contains this")
+    ap.add_argument("--list", action="store_true")
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("run without TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    jobs = [j for j in all_jobs() if a.only in j["label"]]
+    if a.list:
+        for j in jobs:
+            print(j["level"], j["label"])
+        return 0
+    for r in run(jobs, a.processes):
+        print(json.dumps(r), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
