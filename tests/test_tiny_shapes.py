@@ -156,8 +156,6 @@ def _mismatched_hidden(api):
     return lambda: fusedqkv.gqa_qkv_rope_qk_norm_backward(*args)
 
 
-@pytest.mark.xfail(strict=True, reason="WAITS ON THE LEAD's ops/ change (issue 15): the hidden_states / qkv_weight "
-                                       "mismatch names only qkv_weight today; remove this marker with that change")
 @pytest.mark.parametrize("api", ["091", "train"])
 def test_hidden_size_mismatch_names_both_arguments_and_sizes(api):
     with pytest.raises(ValueError) as info:
