@@ -29,6 +29,8 @@ import torch
 import fusedqkv
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
+from fusedqkv.ops import plan as _plan
+from fusedqkv.ops.launch import current_stream
 
 
 def host_us(fn, n=100, reps=7):
@@ -70,10 +72,7 @@ def main() -> int:
             "two torch.mm (out=)": lambda: (torch.mm(dq, a[6], out=dx), torch.mm(dq.t(), x, out=out[3])),
         }
         # the parts of one planned call (out=): lookup, addresses, each bound launch alone
-        from fusedqkv.ops import plan as _plan
-        from fusedqkv.ops.launch import current_stream
 
-        p = _plan._BACKWARD_091.recent[0][2] if _plan._BACKWARD_091.recent else None
         gqa_qkv_rope_qk_norm_backward(*a, out=out)
         p = _plan._BACKWARD_091.recent[0][2]
         tensors13 = list(a[:13]) + list(out)
@@ -134,8 +133,6 @@ def main() -> int:
             for t in params:
                 t.grad = None
             torch.autograd.backward(block(hs, cos, sin), grads)
-
-        from fusedqkv.ops import plan as _plan
 
         for name, fn in (("training forward (no_grad)", fwd), ("training forward+backward", fwd_bwd)):
             fn()

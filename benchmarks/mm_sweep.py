@@ -1,5 +1,5 @@
 """dX = dQKV . W and dW = dQKV^T . X at few tokens with the persistent TMA kernel
-(``ops.projection.tma_matmul``) against cuBLAS, on the GPU alone (a GPU sleep queued after each
+(``ops.projection.tma_matmul_on``) against cuBLAS, on the GPU alone (a GPU sleep queued after each
 L2 flush, so no launch waits for the host; the sleep is not counted). Per pair of dX/dW
 configurations: each alone, both in order on one stream, both on two streams, and chained by
 programmatic dependent launch (dX lets dW launch at once; dW waits for dX at its end).
@@ -74,7 +74,7 @@ def main() -> int:
         for cfg in filter(None, args.dw.split(",")):
             r = {}
             try:
-                ldw = projection.tma_matmul(dq, x, dw, trans_a=True, config=parse(cfg), sms=sms)
+                ldw = projection.tma_matmul_on(dq, x, dw, trans_a=True, config=parse(cfg), sms=sms)
                 dw.fill_(float("nan"))
                 ldw()
                 torch.cuda.synchronize()
@@ -88,7 +88,7 @@ def main() -> int:
             r = {}
             try:
                 def mk(cfg, a, b, c, ta, **kw):
-                    return projection.tma_matmul(a, b, c, trans_a=ta, config=cfg, sms=sms, **kw)
+                    return projection.tma_matmul_on(a, b, c, trans_a=ta, config=cfg, sms=sms, **kw)
 
                 def check(*launches):
                     """Run the launches once on NaN-filled outputs: fractions of dX, dW within one

@@ -20,6 +20,7 @@ import sys
 import torch
 
 from fusedqkv.bench import problem
+from fusedqkv.ops import config
 from fusedqkv.ops import rope_qk_norm as stage
 
 
@@ -34,7 +35,6 @@ def main() -> int:
     args = ap.parse_args()
     defn = problem.load_definition()
     dev = torch.device("cuda")
-    orig = stage._launch_config
     orig_regs, orig_regs_g8 = stage.MAX_REGISTERS, getattr(stage, "MAX_REGISTERS_GROUPED_8", 0)
     for wi in (int(x) for x in args.workloads.split(",")):
         w = defn.workloads[wi]
@@ -46,32 +46,27 @@ def main() -> int:
         gc, gs = torch.empty_like(cos), torch.empty_like(sin)
         g1, g2 = torch.empty_like(wq), torch.empty_like(wk)
         for cfg, var in ((c, v) for c in args.configs.split(",") for v in args.variants.split(",")):
-            if cfg == "default":
-                stage._launch_config = orig
-            else:
+            cfg_t = None
+            if cfg != "default":
                 t, g, nw, pf, gsz = re.fullmatch(r"T(\d+)_g(\d+)_w(\d+)_p(\d+)(?:_G(\d+))?", cfg).groups()
                 cfg_t = (int(t), int(g), int(nw), int(pf), int(gsz or 0))
-                stage._launch_config = lambda *_a, c=cfg_t: c
             regs = [int(t[1:]) for t in var.split("+") if t[:1] == "r" and t[1:].isdigit()]
             stage.MAX_REGISTERS = regs[0] if regs else orig_regs
             stage.MAX_REGISTERS_GROUPED_8 = regs[0] if regs else orig_regs_g8
-            stage.FUSED_FINISH = "nofin" not in var
-            if hasattr(stage, "STAGE_TMA"):
-                stage.STAGE_TMA = "notma" not in var
+            settings = dict(stage_tile=cfg_t, fused_finish="nofin" not in var, stage_tma="notma" not in var)
             for rep in range(args.reps + 1):
                 cs = (None, None) if "nocs" in var else (gc, gs)
-                stage.rope_qk_norm_backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv=dqkv, grad_cos=cs[0],
-                                            grad_sin=cs[1], grad_q_norm_weight=g1,
-                                            grad_k_norm_weight=g2, exact="accurate" not in var,
-                                            scratch=scratch)
+                with config.override(**settings):
+                    stage.rope_qk_norm_backward(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv=dqkv,
+                                                grad_cos=cs[0], grad_sin=cs[1], grad_q_norm_weight=g1,
+                                                grad_k_norm_weight=g2, exact="accurate" not in var,
+                                                scratch=scratch)
                 if rep:
                     print(f"launch {w.name} M={M} {cfg} {var} rep{rep}", file=sys.stderr, flush=True)
                 else:
                     print(f"warmup {w.name} M={M} {cfg} {var}", file=sys.stderr, flush=True)
         torch.cuda.synchronize()
-    stage._launch_config = orig
     stage.MAX_REGISTERS, stage.MAX_REGISTERS_GROUPED_8 = orig_regs, orig_regs_g8
-    stage.FUSED_FINISH = True
     return 0
 
 

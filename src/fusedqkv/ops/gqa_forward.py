@@ -23,7 +23,7 @@ import torch
 
 from . import config
 from . import validation as V
-from .launch import BoundLaunch, Ptr, sm_count
+from .launch import BoundLaunch, Ptr, next_pow2 as _next_pow2, sm_count
 
 try:  # Triton is a dependency on Linux only; the torch backend serves without it
     from ..kernels.rope_qk_norm_fwd import rope_qk_norm_fwd_kernel
@@ -31,10 +31,6 @@ except ImportError:  # pragma: no cover
     rope_qk_norm_fwd_kernel = None
 
 QK_NORM_POSITIONS = ("after_rope", "before_rope")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 # ----------------------------------------------------------------------------- validation

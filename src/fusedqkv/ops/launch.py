@@ -89,6 +89,52 @@ def carve(base: torch.Tensor, byte_offset: int, shape: Sequence[int], dtype=torc
     return base.view(-1).view(torch.uint8)[byte_offset: byte_offset + n].view(dtype).view(tuple(shape))
 
 
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+class Table:
+    """The tensor table of a planned call: entries the call supplies (``add``, in order), then
+    entries derived from them (``derive``: fp32 views at a fixed byte offset into a contiguous
+    entry, e.g. partials carved from an output's memory). Launch arguments refer to entries by
+    :class:`Ptr`/:class:`Desc` slots."""
+
+    def __init__(self):
+        self.slots: list = []  # every Ptr handed out
+        self.n_supplied = 0
+        self.derived: list = []  # (base index, byte offset, shape)
+
+    def add(self, t: torch.Tensor) -> Ptr:
+        if self.derived:
+            raise RuntimeError("Table: supplied entries come before derived ones")
+        self.n_supplied += 1
+        self.slots.append(Ptr(self.n_supplied - 1, t))
+        return self.slots[-1]
+
+    def derive(self, base: Ptr, byte_offset: int, shape) -> Ptr:
+        self.slots.append(Ptr(self.n_supplied + len(self.derived), carve(base.like, byte_offset, shape)))
+        self.derived.append((base.index, byte_offset, tuple(shape)))
+        return self.slots[-1]
+
+    def release(self) -> None:
+        """Forget the building call's tensors (a plan must not keep a call's memory alive)."""
+        for p in self.slots:
+            p.like = None
+
+    def tensors(self, supplied) -> list:
+        """The full table of a call (derived entries as views): for the JIT path."""
+        out = list(supplied)
+        for base, off, shape in self.derived:
+            out.append(carve(out[base], off, shape))
+        return out
+
+    def pointers(self, ptrs: list) -> list:
+        """The full table's addresses from the supplied entries' (``ptrs``, extended in place)."""
+        for base, off, _ in self.derived:
+            ptrs.append(ptrs[base] + off)
+        return ptrs
+
+
 def _tensor_descriptor(t: torch.Tensor, block):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -148,7 +194,6 @@ def _raw_enqueue(launcher, grid, head, template, ptr_slots, desc_slots):
         elif pos in descs:
             name = f"d{pos}"
             ns[name] = descs[pos]
-            i = descs[pos].index
             items.append(f"{name}.encoded")
         else:
             name = f"c{pos}"

@@ -23,9 +23,9 @@ import torch
 
 from . import config as _config
 from . import validation as V
-from .launch import current_stream, sm_count
+from .launch import Table, current_stream, sm_count
 from .projection import chain_launches, choose_products, hybrid_dw_launch
-from .rope_qk_norm import Table, backward_torch, pick_backend, plan_backward_stage, ticket_buffer
+from .rope_qk_norm import backward_torch, pick_backend, plan_backward_stage
 
 try:
     from torch._C._dynamo.guards import TensorGuards

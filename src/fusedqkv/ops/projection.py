@@ -2,7 +2,7 @@
 
 At few tokens what decides the official time (first kernel start to last kernel end) is how
 soon the host queues each launch after the stage -- ``torch.mm`` costs the host ~15 us, a
-Triton launch through :class:`FastLaunch` a few -- and the products are bound by memory: dX
+bound Triton launch (:class:`~fusedqkv.ops.launch.BoundLaunch`) a few -- and the products are bound by memory: dX
 streams the weight in, dW streams its result out. So:
 
 * to 128 tokens, where dX's tiles spread evenly over the SMs, the *PDL chain*
@@ -22,16 +22,12 @@ import math
 import torch
 
 from .config import INTERPRET, Config
-from .launch import BoundLaunch, Desc, Ptr, sm90_or_newer
+from .launch import BoundLaunch, Desc, Ptr, Table, current_stream, next_pow2 as _next_pow2, sm90_or_newer
 
 try:  # Triton is a dependency on Linux only
     from ..kernels.projection_grads import tma_matmul_kernel
 except ImportError:  # pragma: no cover
     tma_matmul_kernel = None
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -67,6 +63,18 @@ def tma_matmul(a: Ptr, b: Ptr, c: Ptr, *, trans_a: bool, config: tuple, sms: int
              WAIT_AT_END=wait_at_end, FINISH=finish is not None, FIN_D=fin_d, FIN_D_P2=_next_pow2(fin_d),
              num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl),
     )
+
+
+def tma_matmul_on(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, **kw):
+    """:func:`tma_matmul` on these tensors, as a callable that queues it (benchmarks)."""
+    table = Table()
+    launch = tma_matmul(table.add(a), table.add(b), table.add(c), **kw)
+    table.release()
+    tensors, ptrs = [a, b, c], [a.data_ptr(), b.data_ptr(), c.data_ptr()]
+
+    def enqueue():
+        launch.launch(tensors, ptrs if launch._raw is not None else None, current_stream(a.device))
+    return enqueue
 
 
 def chain_configs(M: int, cfg: Config) -> tuple[tuple, tuple]:

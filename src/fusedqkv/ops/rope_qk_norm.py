@@ -22,16 +22,12 @@ import torch
 
 from . import config
 from .config import INTERPRET
-from .launch import BoundLaunch, Desc, Ptr, carve, current_stream, sm90_or_newer, sm_count
+from .launch import BoundLaunch, Desc, Ptr, Table, current_stream, next_pow2 as _next_pow2, sm90_or_newer, sm_count
 
 try:  # Triton is a dependency on Linux only; the torch backend serves without it
     from ..kernels.rope_qk_norm import rope_qk_norm_bwd_finish_kernel, rope_qk_norm_bwd_kernel
 except ImportError:  # pragma: no cover
     rope_qk_norm_bwd_kernel = rope_qk_norm_bwd_finish_kernel = None
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int, int, int]:
@@ -123,48 +119,6 @@ def rope_qk_norm_backward(
     for launch in stage.launches():
         launch.launch(tensors, None, stream)
     return stage
-
-
-class Table:
-    """The tensor table of a planned call: entries the call supplies (``add``, in order), then
-    entries derived from them (``derive``: fp32 views at a fixed byte offset into a contiguous
-    entry, e.g. partials carved from an output's memory). Launch arguments refer to entries by
-    :class:`Ptr`/:class:`Desc` slots."""
-
-    def __init__(self):
-        self.slots: list = []  # every Ptr handed out
-        self.n_supplied = 0
-        self.derived: list = []  # (base index, byte offset, shape)
-
-    def add(self, t: torch.Tensor) -> Ptr:
-        if self.derived:
-            raise RuntimeError("Table: supplied entries come before derived ones")
-        self.n_supplied += 1
-        self.slots.append(Ptr(self.n_supplied - 1, t))
-        return self.slots[-1]
-
-    def derive(self, base: Ptr, byte_offset: int, shape) -> Ptr:
-        self.slots.append(Ptr(self.n_supplied + len(self.derived), carve(base.like, byte_offset, shape)))
-        self.derived.append((base.index, byte_offset, tuple(shape)))
-        return self.slots[-1]
-
-    def release(self) -> None:
-        """Forget the building call's tensors (a plan must not keep a call's memory alive)."""
-        for p in self.slots:
-            p.like = None
-
-    def tensors(self, supplied) -> list:
-        """The full table of a call (derived entries as views): for the JIT path."""
-        out = list(supplied)
-        for base, off, shape in self.derived:
-            out.append(carve(out[base], off, shape))
-        return out
-
-    def pointers(self, ptrs: list) -> list:
-        """The full table's addresses from the supplied entries' (``ptrs``, extended in place)."""
-        for base, off, _ in self.derived:
-            ptrs.append(ptrs[base] + off)
-        return ptrs
 
 
 # pipeline stages of the stage kernel's head loop (heads whose tiles are in flight, plus
