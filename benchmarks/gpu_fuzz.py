@@ -468,6 +468,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - a crash is a finding
             rec.update(ok=False, crash=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-6000:])
         rec["seconds"] = round(time.time() - t0, 3)
+        if device.type == "cuda" and rec["ok"]:  # workers share the GPU: give back what a large case held
+            torch.cuda.empty_cache()
         results.append(rec)
         status = "ok  " if rec["ok"] else "FAIL"
         print(f"[{n + 1:4d}/{len(cases)}] {status} {rec['seconds']:7.2f}s case {case['index']}: {case_line(case)}",

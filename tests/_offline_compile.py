@@ -358,7 +358,8 @@ def compile_job(job: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - reported, with the job
         tb = traceback.format_exception(type(e), e, e.__traceback__)
         res["error"] = "".join(tb)[-3000:]
-        if os.environ.get("OFFLINE_COMPILE_RAISE"): raise
+        if os.environ.get("OFFLINE_COMPILE_RAISE"):  # debugging one job: the whole traceback
+            raise
     res["seconds"] = round(time.time() - t0, 2)
     res["cpu_seconds"] = round(_cpu() - c0, 2)
     return res
@@ -423,6 +424,8 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", type=int, default=None)
     ap.add_argument("--only", default="", help="run jobs whose label contains this")
     ap.add_argument("--list", action="store_true")
+    # e.g. OFFLINE_COMPILE_RAISE=1 TRITON_INTERPRET=0 PYTHONPATH=src python tests/_offline_compile.py \
+    #          --processes 1 --only "stage sm90 091 group8 d128 bf16 hq32/hkv8 ints=ones"
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("run without TRITON_INTERPRET=1", file=sys.stderr)
