@@ -15,6 +15,7 @@ import re
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fusedqkv.bench import problem
 
@@ -131,3 +132,17 @@ def assert_matches_oracle(got, ref, label=""):
             assert not bool(bad.any()), (label, name, int(bad.sum()), float((g32 - r32).abs().max()))
         else:
             assert torch.equal(g, r), (label, name, float((g.float() - r.float()).abs().max()) if g.numel() else 0)
+
+
+class TinyAttention(nn.Module):
+    """A block, attention and an output projection: what torch.compile tests trace."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.blk = block
+        self.o = nn.Linear(block.num_heads * block.head_dim, block.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin):
+        q, k, v = self.blk(x, cos, sin)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(a.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))

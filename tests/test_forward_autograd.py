@@ -5,10 +5,11 @@ three-way rule; torch.compile(fullgraph=True); opcheck of the custom ops; valida
 
 import pytest
 import torch
-from torch import nn
 
 import fusedqkv
 from fusedqkv import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm, gqa_qkv_rope_qk_norm
+
+from _oracle import TinyAttention
 
 POSITIONS = ["after_rope", "before_rope"]
 
@@ -238,18 +239,6 @@ def test_state_dict_interchangeable_with_reference():
 
 
 # --------------------------------------------------------------------------- torch.compile / custom ops
-
-
-class TinyAttention(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.blk = block
-        self.o = nn.Linear(block.num_heads * block.head_dim, block.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin):
-        q, k, v = self.blk(x, cos, sin)
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o(a.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
 
 @pytest.mark.parametrize("pos", POSITIONS)

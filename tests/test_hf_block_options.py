@@ -7,9 +7,10 @@ custom ops (opcheck) and torch.compile(fullgraph=True); validation."""
 
 import pytest
 import torch
-from torch import nn
 
 from fusedqkv import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm, gqa_qkv_rope_qk_norm
+
+from _oracle import TinyAttention
 
 POSITIONS = ["after_rope", "before_rope"]
 # (bias, norm_weight_offset)
@@ -201,18 +202,6 @@ def test_opcheck_custom_ops_with_bias():
         assert torch.allclose(out[6][-hkv * D:], dqkv_v.sum(0), atol=1e-6)
         torch.library.opcheck(bwd, (gq, gk, gv, x, w, qkv, wq, wk, cos, sin, hq, hkv, 1e-6, nar,
                                     True, True, False, "auto", True))
-
-
-class TinyAttention(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.blk = block
-        self.o = nn.Linear(block.num_heads * block.head_dim, block.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin):
-        q, k, v = self.blk(x, cos, sin)
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o(a.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
 
 def test_torch_compile_fullgraph_with_bias_and_offset():

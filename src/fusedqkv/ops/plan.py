@@ -23,7 +23,7 @@ import torch
 
 from . import config as _config
 from . import validation as V
-from .launch import Table, current_stream, sm_count
+from .launch import Table, current_stream, device_index, sm_count
 from .projection import chain_launches, choose_products, hybrid_dw_launch
 from .rope_qk_norm import backward_torch, pick_backend, plan_backward_stage
 
@@ -123,6 +123,8 @@ def _span(t: torch.Tensor) -> int:
 
 # ------------------------------------------------------------------------------ 091 backward
 
+WORKSPACE_KEPT_BYTES = 32 << 20  # the largest dQKV kept between calls
+
 
 class Backward091Plan:
     """The 091 backward of one input signature. ``path``: ``"torch"`` (the CPU path, or no
@@ -130,25 +132,24 @@ class Backward091Plan:
     ``"cublas"``."""
 
     def __init__(self, cfg, path, out_specs, device, backend, stage=None, table=None, launches=(),
-                 mm_dx=False, mm_dw=False, finish=None, x_view=None, dx_view=None, eps=None, in_spans=(),
-                 out_spans=(), aligned=True):
+                 mm_dx=False, mm_dw=False, finish=None, x_view=None, dx_view=None, in_spans=(),
+                 out_spans=(), aligned=True, dqkv_shape=None, dtype=None):
         self.cfg, self.path, self.out_specs, self.device, self.backend = cfg, path, out_specs, device, backend
         self.stage, self.table, self.launches = stage, table, list(launches)
         self.mm_dx, self.mm_dw, self.finish = mm_dx, mm_dw, finish
         self.x_view, self.dx_view = x_view, dx_view  # (rows, cols) views, or None
-        self.eps = eps
         self.in_spans, self.out_spans = in_spans, out_spans
         self.aligned = aligned
-        self.dqkv_shape = None
-        self.dtype = None
+        self.dqkv_shape, self.dtype = dqkv_shape, dtype
+        self.is_cuda = device.type == "cuda"
+        self.device_index = device_index(device) if self.is_cuda else 0
+        # dQKV kept per stream where it is small (the calls whose host time shows)
+        self.workspace_kept = (self.is_cuda and dqkv_shape is not None
+                               and dqkv_shape[0] * dqkv_shape[1] * dtype.itemsize <= WORKSPACE_KEPT_BYTES)
         self._checked = None  # the addresses of the last call that passed the address checks
         self._ready = False  # every launch bound to its compiled kernel
         self._extra = None  # (stream, the stage's own table entries)
         self._kept = None  # (stream, dQKV workspace)
-        # False: allocated per call; None: not a CUDA device (the interpreter)
-        self.workspace_kept = False if device.type == "cuda" else None
-        self.device_index = device.index if device.type == "cuda" and device.index is not None else (
-            torch.cuda.current_device() if device.type == "cuda" else 0)
 
     def _workspace(self) -> torch.Tensor:
         """dQKV: kept per stream where it is small (calls on one stream never overlap on the
@@ -194,7 +195,7 @@ class Backward091Plan:
                 if acc & 15:  # an address the kernels were not specialised for: its own plan
                     return _BACKWARD_091.plan_for_alignment(self, args, out)(args, out)
             self._checked = seen
-        stream = torch._C._cuda_getCurrentRawStream(self.device_index) if self.workspace_kept is not None else 0
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index) if self.is_cuda else 0
         stage = self.stage
         if stage.part_slot is None:  # the stage's own entries (its ticket buffer) per stream, kept
             cached = self._extra
@@ -254,9 +255,6 @@ class Backward091Plan:
         return outs
 
 
-WORKSPACE_KEPT_BYTES = 32 << 20
-
-
 def _as_matrix(t: torch.Tensor, rows: int, cols: int) -> Optional[torch.Tensor]:
     """``t`` as a [rows, cols] view (no copy), or None when its strides do not allow one."""
     try:
@@ -314,7 +312,7 @@ def build_backward_091(args, out, backend, *, cfg) -> Backward091Plan:
         launches.append(hybrid_dw_launch(s_dqkv, s_x, s_dw, sms, cfg, finish=fin))
     table.release()
     in_tensors = list(inputs) + [hs, W]
-    plan = Backward091Plan(
+    return Backward091Plan(
         cfg, path, specs, device, backend, stage=stage, table=table, launches=launches,
         mm_dx=path != "chain", mm_dw=path == "cublas",
         finish=None if finish_in_dw or stage.finish is None else stage.finish.launch,
@@ -322,12 +320,8 @@ def build_backward_091(args, out, backend, *, cfg) -> Backward091Plan:
         dx_view=(M, hidden) if g_hidden.is_contiguous() else None,
         in_spans=[_span(t) for t in in_tensors], out_spans=[_span(t) for t in outs],
         aligned=all(t.data_ptr() % 16 == 0 for t in (*in_tensors, *outs, dqkv)),
+        dqkv_shape=(M, sz["qkv"]), dtype=sz["dtype"],
     )
-    plan.dqkv_shape, plan.dtype = (M, sz["qkv"]), sz["dtype"]
-    # a kept workspace where it is small (the calls whose host time shows): <= 32 MiB
-    if device.type == "cuda":
-        plan.workspace_kept = dqkv.numel() * dqkv.element_size() <= WORKSPACE_KEPT_BYTES
-    return plan
 
 
 class _Backward091Plans(PlanCache):
