@@ -29,6 +29,7 @@ import torch
 import fusedqkv
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
+from fusedqkv.ops import config
 from fusedqkv.ops import plan as _plan
 from fusedqkv.ops.launch import current_stream
 
@@ -93,10 +94,27 @@ def main() -> int:
             for k, bl in enumerate(p.launches):
                 cases[f"  bound launch {k} ({bl.fn.__name__[:18]})"] = (
                     lambda bl=bl: bl.launch(None, ptrs, stream))
+            if p.lt_dx is not None:
+                cases["  ctypes call, no arguments"] = p.lt_dx.lib.version
+                cases["  planned cuBLASLt dX"] = lambda: p.lt_dx(dq2.data_ptr(), a[6].data_ptr(), out[0].data_ptr(),
+                                                                  stream)
+                cases["  torch.mm dX (out=)"] = lambda: torch.mm(dq2, a[6], out=dx)
         for name, fn in cases.items():
             fn()
             rows.append({"case": name, "workload": w.name, "tokens": M, "host_us": host_us(fn)})
             print(f"{w.name:<14s} {name:<22s} {rows[-1]['host_us']:8.1f} us", flush=True)
+        # A/B, interleaved rep by rep (the host's speed drifts): the products as planned cuBLASLt
+        # calls vs torch.mm
+        fn = cases["091 call, out="]
+        samples = {True: [], False: []}
+        for _ in range(9):
+            for on in (True, False):
+                with config.override(cublaslt=on):
+                    fn()
+                    samples[on].append(host_us(fn, reps=1))
+        for on, label in ((True, "091 call, out= [A/B: cuBLASLt]"), (False, "091 call, out= [A/B: torch.mm]")):
+            rows.append({"case": label, "workload": w.name, "tokens": M, "host_us": statistics.median(samples[on])})
+            print(f"{w.name:<14s} {label:<22s} {rows[-1]['host_us']:8.1f} us", flush=True)
         if args.cprofile and wi == int(args.workloads.split(",")[0]):
             import cProfile
             import io
@@ -134,29 +152,70 @@ def main() -> int:
                 t.grad = None
             torch.autograd.backward(block(hs, cos, sin), grads)
 
-        for name, fn in (("training forward (no_grad)", fwd), ("training forward+backward", fwd_bwd)):
-            fn()
-            m0 = (_plan._FORWARD.misses, _plan._TRAINING_BACKWARD.misses)
-            for _ in range(5):
-                fn()
-            print(f"plan-cache misses in 5 calls: forward {_plan._FORWARD.misses - m0[0]}, "
-                  f"backward {_plan._TRAINING_BACKWARD.misses - m0[1]}")
-            if args.cprofile and position == "after_rope":
-                import cProfile
-                import io
-                import pstats
+        # the parts: the planned forward and backward alone (no autograd), and autograd's share
+        after = position == "after_rope"
+        cos_e, sin_e = cos.expand(1, T, 128), sin.expand(1, T, 128)
+        W, wq, wk = block.qkv_weight, block.q_norm_weight, block.k_norm_weight
+        fplan = _plan.forward_plan(hs, W, wq, wk, cos_e, sin_e, 32, 8, block.eps, position, "auto")
+        qkv_saved = _plan.run_forward(fplan, hs, W, wq, wk, cos_e, sin_e)[2]
 
-                pr = cProfile.Profile()
-                pr.enable()
-                for _ in range(100):
-                    fn()
-                pr.disable()
-                torch.cuda.synchronize()
-                s = io.StringIO()
-                pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
-                print(s.getvalue())
+        def plan_fwd():
+            _plan.run_forward(fplan, hs, W, wq, wk, cos_e, sin_e)
+
+        @torch.no_grad()  # as inside autograd's backward
+        def plan_bwd():
+            _plan.training_backward(*grads, hs, W, qkv_saved, wq, wk, cos_e, sin_e, 32, 8, block.eps, after,
+                                    True, True, False, "auto")
+
+        class Passthrough(torch.autograd.Function):  # autograd's own share: a Function that does nothing
+            @staticmethod
+            def forward(ctx, x, w1, w2, w3):
+                return x.view_as(x), w1.view_as(w1), w2.view_as(w2)
+
+            @staticmethod
+            def backward(ctx, g1, g2, g3):
+                return g1, g2, g3, None
+
+        small = [torch.zeros(4, device=dev, requires_grad=True) for _ in range(4)]
+        small_grads = [torch.ones(4, device=dev) for _ in range(3)]
+
+        def autograd_only():
+            for t in small:
+                t.grad = None
+            torch.autograd.backward(Passthrough.apply(*small), small_grads)
+
+        for name, fn in (("  planned forward alone", plan_fwd), ("  planned backward alone", plan_bwd),
+                         ("  autograd alone (a Function doing nothing)", autograd_only)):
+            fn()
             rows.append({"case": f"{name} {position}", "workload": f"T{T}", "tokens": T, "host_us": host_us(fn, n=50)})
             print(f"T{T:<13d} {name + ' ' + position:<40s} {rows[-1]['host_us']:8.1f} us", flush=True)
+        for name, fn, variant in (("training forward (no_grad)", fwd, True),
+                                  ("training forward+backward", fwd_bwd, True),
+                                  ("training forward+backward [torch.mm]", fwd_bwd, False)):
+            with config.override(cublaslt=variant):
+                fn()
+                m0 = (_plan._FORWARD.misses, _plan._TRAINING_BACKWARD.misses)
+                for _ in range(5):
+                    fn()
+                print(f"plan-cache misses in 5 calls: forward {_plan._FORWARD.misses - m0[0]}, "
+                      f"backward {_plan._TRAINING_BACKWARD.misses - m0[1]}")
+                if args.cprofile and position == "after_rope":
+                    import cProfile
+                    import io
+                    import pstats
+
+                    pr = cProfile.Profile()
+                    pr.enable()
+                    for _ in range(100):
+                        fn()
+                    pr.disable()
+                    torch.cuda.synchronize()
+                    s = io.StringIO()
+                    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
+                    print(s.getvalue())
+                rows.append({"case": f"{name} {position}", "workload": f"T{T}", "tokens": T,
+                             "host_us": host_us(fn, n=50)})
+                print(f"T{T:<13d} {name + ' ' + position:<40s} {rows[-1]['host_us']:8.1f} us", flush=True)
     with open(os.path.join(args.out, "host_costs.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
     print(f"\nhost time per call (us, median of 7 x N calls, GPU never waited on) | {torch.cuda.get_device_name()}")

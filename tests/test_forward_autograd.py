@@ -220,7 +220,9 @@ def test_outputs_layout_and_non_contiguous_input():
     cos, sin = rope_cos_sin(2, 5, 64, torch.float32)
     q, k, v = m(x, cos, sin)
     assert q.shape == (2, 4, 5, 64) and k.shape == (2, 2, 5, 64) and v.shape == (2, 2, 5, 64)
-    assert q.is_contiguous() and k.is_contiguous()
+    # token-major, as HF's q/k/v: [B, S, H, D] in memory
+    for t in (q, k):
+        assert t.transpose(1, 2).is_contiguous() and not t.is_contiguous()
     ref = reference_like(m, torch.float64)
     for a, r in zip((q, k, v), ref(x.double(), cos.double(), sin.double())):
         assert rel_err(a, r) < 1e-5

@@ -88,8 +88,8 @@ def _fwd_fake(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
     B, S, _ = hidden_states.shape
     n_tot = qkv_weight.shape[0]
     D = n_tot // (num_heads + 2 * num_kv_heads)
-    q = hidden_states.new_empty((B, num_heads, S, D))
-    k = hidden_states.new_empty((B, num_kv_heads, S, D))
+    q = hidden_states.new_empty((B, S, num_heads, D)).transpose(1, 2)  # token-major, as the real op's
+    k = hidden_states.new_empty((B, S, num_kv_heads, D)).transpose(1, 2)
     qkv = hidden_states.new_empty((B, S, n_tot))
     rq = hidden_states.new_empty((B, num_heads, S), dtype=torch.float32)
     rk = hidden_states.new_empty((B, num_kv_heads, S), dtype=torch.float32)
@@ -188,8 +188,9 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     ``norm_weight_offset``: the norms scale by ``norm_weight + offset`` (Gemma3: ``1 + w``,
     offset 1.0), formed in fp32 as HF's Gemma3 norm does.
 
-    Returns ``(q, k, v)`` as ``[batch, heads, seq, head_dim]`` in hidden_states' dtype; q and
-    k are contiguous, v is a view of the projection output (as in HF attention).
+    Returns ``(q, k, v)`` as ``[batch, heads, seq, head_dim]`` in hidden_states' dtype, laid out
+    token-major as HF attention's are (``[batch, seq, heads, head_dim]`` in memory; v is a view
+    of the projection output), so an attention kernel's output needs no copy before o_proj.
     ``backend`` forces ``"triton"`` or ``"torch"``; by default CUDA uses Triton, CPU PyTorch.
     The work is planned once per input signature (validation included).
 

@@ -7,7 +7,7 @@ a changed setting can never run on a plan built under another. Tests change sett
 
 Environment variables (read at import; 0 turns a path off):
 ``FUSEDQKV_CHAIN_MAX_TOKENS`` (128), ``FUSEDQKV_HYBRID_MAX_TOKENS`` (2560),
-``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_STAGE_TMA`` (1).
+``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_STAGE_TMA`` (1), ``FUSEDQKV_CUBLASLT`` (1).
 Where the defaults come from: benchmarks/NOTES.md.
 """
 
@@ -52,6 +52,8 @@ class Config:
     stage_tile: Optional[tuple] = None
     # the forward stage's tile (tokens per program, heads per program, warps): for tests
     forward_tile: Optional[tuple] = None
+    # cuBLAS GEMMs as planned cuBLASLt calls (ops/cublaslt.py) instead of torch.mm
+    cublaslt: bool = True
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":
@@ -70,10 +72,12 @@ class Config:
         return cls(chain_max_tokens=count("FUSEDQKV_CHAIN_MAX_TOKENS", cls.chain_max_tokens),
                    hybrid_max_tokens=count("FUSEDQKV_HYBRID_MAX_TOKENS", cls.hybrid_max_tokens),
                    norm_finish_in_dw=flag("FUSEDQKV_NORM_FINISH_IN_DW", True),
-                   stage_tma=flag("FUSEDQKV_STAGE_TMA", True))
+                   stage_tma=flag("FUSEDQKV_STAGE_TMA", True),
+                   cublaslt=flag("FUSEDQKV_CUBLASLT", True))
 
 
 _current = Config.from_env()
+_INTERNED = {_current: _current}
 
 
 def current() -> Config:
@@ -86,7 +90,10 @@ def override(**changes):
     for the duration of the block (plans built under it are keyed by it)."""
     global _current
     saved = _current
-    _current = dataclasses.replace(saved, **changes)
+    new = dataclasses.replace(saved, **changes)
+    # one object per distinct config: plans' fast path compares configs by identity, so a
+    # block entered again with the same changes finds the plans it built before
+    _current = _INTERNED.setdefault(new, new)
     try:
         yield _current
     finally:

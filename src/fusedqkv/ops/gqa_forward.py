@@ -144,13 +144,20 @@ def plan_forward_stage(qkv: Ptr, wq: Ptr, wk: Ptr, cos: Ptr, sin: Ptr, q: Ptr, k
     )
 
 
+def token_major(B: int, H: int, S: int, D: int, dtype, device) -> torch.Tensor:
+    """A [B, H, S, D] tensor laid out token-major ([B, S, H, D] in memory), as HF's q/k/v
+    views of a projection output: attention kernels then return their output token-major too,
+    and HF's ``transpose(1, 2).contiguous()`` before o_proj copies nothing."""
+    return torch.empty((B, S, H, D), dtype=dtype, device=device).transpose(1, 2)
+
+
 def forward_torch(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope):
     """The forward stage on the torch backend: (q, k, rstd_q, rstd_k) as the Triton stage
     returns them (fp32 math, one rounding)."""
     B, S, n_tot = qkv.shape
     D = n_tot // (hq + 2 * hkv)
-    q = torch.empty((B, hq, S, D), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((B, hkv, S, D), dtype=qkv.dtype, device=qkv.device)
+    q = token_major(B, hq, S, D, qkv.dtype, qkv.device)
+    k = token_major(B, hkv, S, D, qkv.dtype, qkv.device)
     rq = torch.empty((B, hq, S), dtype=torch.float32, device=qkv.device)
     rk = torch.empty((B, hkv, S), dtype=torch.float32, device=qkv.device)
     _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope)

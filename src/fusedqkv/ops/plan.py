@@ -23,6 +23,8 @@ import torch
 
 from . import config as _config
 from . import validation as V
+from .cublaslt import lt_matmul
+from .gqa_forward import token_major
 from .launch import Table, current_stream, device_index, sm_count
 from .projection import chain_launches, choose_products, hybrid_dw_launch
 from .rope_qk_norm import backward_torch, pick_backend, plan_backward_stage
@@ -133,8 +135,9 @@ class Backward091Plan:
 
     def __init__(self, cfg, path, out_specs, device, backend, stage=None, table=None, launches=(),
                  mm_dx=False, mm_dw=False, finish=None, x_view=None, dx_view=None, in_spans=(),
-                 out_spans=(), aligned=True, dqkv_shape=None, dtype=None):
+                 out_spans=(), aligned=True, dqkv_shape=None, dtype=None, lt_dx=None, lt_dw=None):
         self.cfg, self.path, self.out_specs, self.device, self.backend = cfg, path, out_specs, device, backend
+        self.lt_dx, self.lt_dw = lt_dx, lt_dw  # the cuBLAS products as planned cuBLASLt calls, or None
         self.stage, self.table, self.launches = stage, table, list(launches)
         self.mm_dx, self.mm_dw, self.finish = mm_dx, mm_dw, finish
         self.x_view, self.dx_view = x_view, dx_view  # (rows, cols) views, or None
@@ -227,11 +230,17 @@ class Backward091Plan:
         for launch in launches:
             launch.launch(tensors, ptrs, stream)
         if self.mm_dx:
-            dx = g_hidden.view(self.dx_view) if self.dx_view else g_hidden
-            _mm_into(dqkv, W, dx)
+            if self.lt_dx is not None and ptrs is not None:
+                self.lt_dx(ptrs[11], w_ptr, out_ptrs[0], stream)
+            else:
+                dx = g_hidden.view(self.dx_view) if self.dx_view else g_hidden
+                _mm_into(dqkv, W, dx)
         if self.mm_dw:
-            x = hs.view(self.x_view) if self.x_view else hs.reshape(self.dqkv_shape[0], -1)
-            _mm_into(dqkv.t(), x, g_weight)
+            if self.lt_dw is not None and ptrs is not None:
+                self.lt_dw(ptrs[11], x_ptr, out_ptrs[3], stream)
+            else:
+                x = hs.view(self.x_view) if self.x_view else hs.reshape(self.dqkv_shape[0], -1)
+                _mm_into(dqkv.t(), x, g_weight)
         if self.finish is not None:
             self.finish.launch(tensors, ptrs, stream)
         if not self._ready:  # every launch compiled and bound: later calls pass addresses only
@@ -312,6 +321,11 @@ def build_backward_091(args, out, backend, *, cfg) -> Backward091Plan:
         launches.append(hybrid_dw_launch(s_dqkv, s_x, s_dw, sms, cfg, finish=fin))
     table.release()
     in_tensors = list(inputs) + [hs, W]
+    aligned = all(t.data_ptr() % 16 == 0 for t in (*in_tensors, *outs, dqkv))
+    # the cuBLAS products as cuBLASLt calls where the plan's addresses are 16-byte aligned (the
+    # algorithms assume it) and the destinations are plain row-major matrices
+    lt_dx = lt_matmul(dqkv, W, dx, cfg) if path != "chain" and aligned and dx.dim() == 2 else None
+    lt_dw = lt_matmul(dqkv.t(), x2d, g_weight, cfg) if path == "cublas" and aligned else None
     return Backward091Plan(
         cfg, path, specs, device, backend, stage=stage, table=table, launches=launches,
         mm_dx=path != "chain", mm_dw=path == "cublas",
@@ -319,8 +333,7 @@ def build_backward_091(args, out, backend, *, cfg) -> Backward091Plan:
         x_view=(M, hidden) if x2d is not None else None,
         dx_view=(M, hidden) if g_hidden.is_contiguous() else None,
         in_spans=[_span(t) for t in in_tensors], out_spans=[_span(t) for t in outs],
-        aligned=all(t.data_ptr() % 16 == 0 for t in (*in_tensors, *outs, dqkv)),
-        dqkv_shape=(M, sz["qkv"]), dtype=sz["dtype"],
+        aligned=aligned, dqkv_shape=(M, sz["qkv"]), dtype=sz["dtype"], lt_dx=lt_dx, lt_dw=lt_dw,
     )
 
 
@@ -368,8 +381,9 @@ class ForwardPlan:
     """The training block's forward of one input signature: one GEMM (``qkv = x W^T``, cuBLAS)
     and the forward stage (Triton, or the torch backend)."""
 
-    def __init__(self, cfg, sz, backend, launch=None, aligned=True):
+    def __init__(self, cfg, sz, backend, launch=None, aligned=True, lt_qkv=None):
         self.cfg, self.sz, self.backend, self.launch, self.aligned = cfg, sz, backend, launch, aligned
+        self.lt_qkv = lt_qkv  # qkv = x W^T as a planned cuBLASLt call (no bias, aligned plans), or None
         b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
         self.M, self.hidden, self.n_tot = b * s, sz["hidden"], sz["qkv"]
         self.qkv_shape = (b, s, self.n_tot)
@@ -381,11 +395,17 @@ class ForwardPlan:
     def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias=None):
         """(q, k, qkv, rstd_q, rstd_k); cos/sin ``[batch, seq, head_dim]`` (expanded)."""
         sz = self.sz
-        x = hidden_states.reshape(self.M, self.hidden)
-        if qkv_bias is None:
-            qkv = torch.mm(x, qkv_weight.t()).view(self.qkv_shape)
+        lt = self.lt_qkv
+        if lt is not None and self.launch._raw is not None:
+            x_ptr, w_ptr = hidden_states.data_ptr(), qkv_weight.data_ptr()
+            if (x_ptr | w_ptr) & 15:
+                raise _Misaligned
+            qkv = torch.empty(self.qkv_shape, dtype=self.dtype, device=self.device)
+            lt(x_ptr, w_ptr, qkv.data_ptr(), current_stream(self.device))
+        elif qkv_bias is None:
+            qkv = torch.mm(hidden_states.reshape(self.M, self.hidden), qkv_weight.t()).view(self.qkv_shape)
         else:  # the bias rides in the GEMM: RoPE/norm see x W^T + b, as HF's Linear gives it
-            qkv = torch.addmm(qkv_bias, x, qkv_weight.t()).view(self.qkv_shape)
+            qkv = torch.addmm(qkv_bias, hidden_states.reshape(self.M, self.hidden), qkv_weight.t()).view(self.qkv_shape)
         if self.launch is None:
             from .gqa_forward import forward_torch
 
@@ -393,8 +413,8 @@ class ForwardPlan:
                                          sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"])
             return q, k, qkv, rq, rk
         dev, dt = self.device, self.dtype
-        q = torch.empty(self.q_shape, dtype=dt, device=dev)
-        k = torch.empty(self.k_shape, dtype=dt, device=dev)
+        q = token_major(*self.q_shape, dt, dev)
+        k = token_major(*self.k_shape, dt, dev)
         rq = torch.empty(self.rq_shape, dtype=torch.float32, device=dev)
         rk = torch.empty(self.rk_shape, dtype=torch.float32, device=dev)
         tensors = (qkv, q_norm_weight, k_norm_weight, cos, sin, q, k, rq, rk)
@@ -434,8 +454,8 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
     qkv = torch.empty((b, s, sz["qkv"]), dtype=sz["dtype"], device=device)
     cos_e, sin_e = cos.expand(b, s, d), sin.expand(b, s, d)
-    q = torch.empty((b, num_heads, s, d), dtype=sz["dtype"], device=device)
-    k = torch.empty((b, num_kv_heads, s, d), dtype=sz["dtype"], device=device)
+    q = token_major(b, num_heads, s, d, sz["dtype"], device)
+    k = token_major(b, num_kv_heads, s, d, sz["dtype"], device)
     rq = torch.empty((b, num_heads, s), dtype=torch.float32, device=device)
     rk = torch.empty((b, num_kv_heads, s), dtype=torch.float32, device=device)
     table = Table()
@@ -443,7 +463,10 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     launch = plan_forward_stage(*slots, num_heads, num_kv_heads, sz["eps"], sz["norm_after_rope"], cfg)
     table.release()
     aligned = all(t.data_ptr() % 16 == 0 for t in (q_norm_weight, k_norm_weight, cos, sin))
-    return ForwardPlan(cfg, sz, backend, launch, aligned)
+    lt_qkv = None
+    if qkv_bias is None and aligned and hidden_states.data_ptr() % 16 == 0 and qkv_weight.data_ptr() % 16 == 0:
+        lt_qkv = lt_matmul(_as_matrix(hidden_states, M, sz["hidden"]), qkv_weight.t(), qkv.view(M, sz["qkv"]), cfg)
+    return ForwardPlan(cfg, sz, backend, launch, aligned, lt_qkv)
 
 
 _FORWARD = PlanCache(build_forward)
@@ -483,8 +506,9 @@ class TrainingBackwardPlan:
     math, one rounding; rstd recomputed from the saved projection output), then dX and dW on
     cuBLAS and, where the stage does not fuse it, the norm-weight finish."""
 
-    def __init__(self, cfg, sizes, need, stage=None, table=None, aligned=True):
+    def __init__(self, cfg, sizes, need, stage=None, table=None, aligned=True, lt_dx=None, lt_dw=None):
         self.cfg, self.stage, self.table, self.aligned = cfg, stage, table, aligned
+        self.lt_dx, self.lt_dw = lt_dx, lt_dw  # dX and dW as planned cuBLASLt calls, or None
         (self.B, self.S, self.hq, self.hkv, self.D, self.hidden, self.dtype, self.device, self.eps,
          self.norm_after_rope) = sizes
         self.need_x, self.need_w, self.need_cs, self.need_b = need
@@ -537,10 +561,18 @@ class TrainingBackwardPlan:
             for launch in launches:
                 launch.launch(tensors, ptrs, stream)
         g_w = None
+        lt_ok = self.stage is not None and ptrs is not None and not (hidden_states.data_ptr() | qkv_weight.data_ptr()) & 15
         if self.need_x:
-            torch.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
+            if self.lt_dx is not None and lt_ok:
+                self.lt_dx(dqkv.data_ptr(), qkv_weight.data_ptr(), g_x.data_ptr(), stream)
+            else:
+                torch.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
         if self.need_w:
-            g_w = torch.mm(dqkv.t(), hidden_states.reshape(M, self.hidden))
+            if self.lt_dw is not None and lt_ok:
+                g_w = torch.empty((self.n_tot, self.hidden), dtype=dt, device=dev)
+                self.lt_dw(dqkv.data_ptr(), hidden_states.data_ptr(), g_w.data_ptr(), stream)
+            else:
+                g_w = torch.mm(dqkv.t(), hidden_states.reshape(M, self.hidden))
         # the bias gradient: dQKV summed over tokens, in fp32 (torch's reduction: a fixed order)
         g_b = dqkv.sum(0, dtype=torch.float32).to(qkv_weight.dtype) if self.need_b else None
         if self.stage is not None and self.stage.finish is not None:
@@ -573,15 +605,23 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
     if need_cs:
         s_gcos, s_gsin = table.add(torch.empty((B, S, D), dtype=cos.dtype, device=dev)), \
             table.add(torch.empty((B, S, D), dtype=sin.dtype, device=dev))
+    table_like_gx = torch.empty((B, S, hidden_states.shape[-1]), dtype=hidden_states.dtype, device=dev)
     if need_x:
-        s_gx = table.add(torch.empty((B, S, hidden_states.shape[-1]), dtype=hidden_states.dtype, device=dev))
+        s_gx = table.add(table_like_gx)
     gq_, gk_, gv_, sq, sk, swq, swk, scos, ssin, sdqkv, sgqw, sgkw = s
     stage = plan_backward_stage(table, gq_, gk_, gv_, sq, sk, None, None, swq, swk, scos, ssin, sdqkv, s_gcos, s_gsin,
                                 sgqw, sgkw, s_gx, exact=False, norm_after_rope=norm_after_rope, saved_rotated=False,
                                 eps=eps, finish_outside=False, cfg=cfg)
     table.release()
     aligned = all(t.data_ptr() % 16 == 0 for t in (gq, gk, gv, qkv, q_norm_weight, k_norm_weight, cos, sin))
-    return TrainingBackwardPlan(cfg, sizes, need, stage, table, aligned)
+    lt_dx = lt_dw = None
+    if aligned and qkv_weight.dtype == dt and hidden_states.dtype == dt:
+        if need_x:
+            lt_dx = lt_matmul(dqkv, qkv_weight, table_like_gx.view(M, -1), cfg)
+        if need_w:
+            lt_dw = lt_matmul(dqkv.t(), _as_matrix(hidden_states, M, hidden_states.shape[-1]),
+                              torch.empty((n_tot, hidden_states.shape[-1]), dtype=dt, device=dev), cfg)
+    return TrainingBackwardPlan(cfg, sizes, need, stage, table, aligned, lt_dx, lt_dw)
 
 
 _TRAINING_BACKWARD = PlanCache(build_training_backward)

@@ -1,0 +1,241 @@
+"""cuBLASLt matmuls planned once: ``D = A @ B`` for one shape, layout and dtype, the algorithm
+chosen when the plan is built, each call only the three addresses and the stream.
+
+``torch.mm`` spends 10-20 us of host time per call on the H200's host (dispatch, output checks,
+cuBLAS's own heuristic query), and in a 091 call or a training step that time shows: between
+our kernels (a short stage kernel, then a GEMM that waits for the host) and in every step of a
+loop the GPU outruns. A :class:`LtMatmul` asks cuBLASLt's heuristic once, at plan time, and a
+call is one ``cublasLtMatmul`` through ctypes.
+
+Row-major operands map onto cuBLAS's column-major convention as the transposed problem:
+``D^T = B^T A^T``; a row-major matrix [r, c] with row stride ld is the column-major [c, r] of
+leading dimension ld, and a transposed view (unit row stride) is the column-major [r, c] with
+op T. The library is the libcublasLt that torch itself loaded.
+
+:func:`lt_matmul` returns None where this does not apply (no CUDA, an fp32 or mixed dtype, a
+layout with no unit stride, no library, no algorithm): callers keep ``torch.mm`` there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+from typing import Optional
+
+import torch
+
+_CUDA_R_16F, _CUDA_R_16BF, _CUDA_R_32F = 2, 14, 0
+_COMPUTE_32F = 68
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_PREF_MAX_WORKSPACE = 1
+_PREF_ALIGN_A, _PREF_ALIGN_B, _PREF_ALIGN_C, _PREF_ALIGN_D = 5, 6, 7, 8
+_OP_N, _OP_T = 0, 1
+_HEURISTIC_RESULT_BYTES = 96  # cublasLtMatmulHeuristicResult_t: algo (64) + size_t + int + float + int[4]
+_MAX_WORKSPACE = 32 << 20  # cuBLAS's recommendation for Hopper
+_DTYPES = {torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
+# alignments an algorithm may assume: the plan's run checks the call's addresses against the
+# larger and takes the algorithm chosen for 16 bytes otherwise
+ALIGN_HIGH, ALIGN_LOW = 256, 16
+
+
+class LtError(RuntimeError):
+    pass
+
+
+def _find_library() -> Optional[ctypes.CDLL]:
+    """The libcublasLt torch loaded (found in this process's maps), else the loader's."""
+    paths = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                if "libcublasLt.so" in os.path.basename(path) and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    for name in paths + ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+class _Lib:
+    """The cuBLASLt entry points, typed."""
+
+    def __init__(self, cdll: ctypes.CDLL):
+        vp, u64, i64, sz, i32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t, ctypes.c_int
+
+        def fn(name, *argtypes):
+            f = getattr(cdll, name)
+            f.argtypes, f.restype = list(argtypes), i32
+            return f
+
+        self.create = fn("cublasLtCreate", vp)
+        self.version = getattr(cdll, "cublasLtGetVersion")  # no arguments: the cost of a ctypes call alone
+        self.desc_create = fn("cublasLtMatmulDescCreate", vp, i32, i32)
+        self.desc_set = fn("cublasLtMatmulDescSetAttribute", vp, i32, vp, sz)
+        self.layout_create = fn("cublasLtMatrixLayoutCreate", vp, i32, u64, u64, i64)
+        self.pref_create = fn("cublasLtMatmulPreferenceCreate", vp)
+        self.pref_set = fn("cublasLtMatmulPreferenceSetAttribute", vp, i32, vp, sz)
+        self.heuristic = fn("cublasLtMatmulAlgoGetHeuristic", vp, vp, vp, vp, vp, vp, vp, i32, vp, vp)
+        # every argument an address or a size: the hot path passes plain ints
+        self.matmul = fn("cublasLtMatmul", vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp)
+        self._handles: dict = {}
+        self._lock = threading.Lock()
+
+    def handle(self, index: int) -> int:
+        h = self._handles.get(index)
+        if h is None:
+            with self._lock, torch.cuda.device(index):
+                out = ctypes.c_void_p()
+                _check(self.create(ctypes.byref(out)), "cublasLtCreate")
+                h = self._handles[index] = out.value
+        return h
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise LtError(f"{what} failed with cuBLAS status {status}")
+
+
+@functools.cache
+def library() -> Optional[_Lib]:
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()
+    cdll = _find_library()
+    if cdll is None:
+        return None
+    try:
+        return _Lib(cdll)
+    except AttributeError:  # a library without the entry points
+        return None
+
+
+# workspace per (device, stream): calls on one stream never overlap on the GPU
+_WORKSPACES: dict = {}
+
+
+def _workspace(device: torch.device, index: int, stream: int, nbytes: int) -> int:
+    key = (index, stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.numel() < nbytes:
+        ws = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
+        if torch.cuda.is_current_stream_capturing():  # a graph's memory: not kept past the capture
+            return ws.data_ptr()
+        _WORKSPACES[key] = ws
+    return ws.data_ptr()
+
+
+def _column_major(shape, strides):
+    """(op, rows, cols, ld) of a row-major-semantic [r, c] matrix in cuBLAS's column-major
+    convention, as the operand of the transposed problem; None without a unit stride."""
+    r, c = shape
+    s0, s1 = strides
+    if s1 == 1 or c == 1:  # row-major: column-major [c, r], ld = row stride
+        return _OP_N, c, r, max(s0, c, 1)
+    if s0 == 1 or r == 1:  # a transposed view: column-major [r, c], ld = column stride; op T
+        return _OP_T, r, c, max(s1, r, 1)
+    return None
+
+
+class LtMatmul:
+    """``d[M, N] = a[M, K] @ b[K, N]`` (row-major semantics, the strides given at plan time) on
+    one device, one dtype; call with the three addresses and the raw stream."""
+
+    __slots__ = ("lib", "handle", "desc", "layouts", "algos", "ws_bytes", "scalars", "device", "index", "_keep",
+                 "shape")
+
+    def __init__(self, lib: _Lib, device: torch.device, index: int, dtype: torch.dtype, M: int, N: int, K: int,
+                 a_strides, b_strides, d_strides):
+        self.lib, self.device, self.index, self.shape = lib, device, index, (M, N, K)
+        dt = _DTYPES[dtype]
+        a_cm = _column_major((M, K), a_strides)
+        b_cm = _column_major((K, N), b_strides)
+        d_cm = _column_major((M, N), d_strides)
+        if a_cm is None or b_cm is None or d_cm is None or d_cm[0] != _OP_N:
+            raise LtError("no column-major view of an operand")
+        self.handle = lib.handle(index)
+        vp = ctypes.c_void_p
+        desc = vp()
+        _check(lib.desc_create(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R_32F), "cublasLtMatmulDescCreate")
+        # the transposed problem: first operand B^T (N x K), second A^T (K x M)
+        op_first, op_second = ctypes.c_int32(b_cm[0]), ctypes.c_int32(a_cm[0])
+        _check(lib.desc_set(desc, _DESC_TRANSA, ctypes.byref(op_first), 4), "TRANSA")
+        _check(lib.desc_set(desc, _DESC_TRANSB, ctypes.byref(op_second), 4), "TRANSB")
+        layouts = []
+        for _, rows, cols, ld in (b_cm, a_cm, d_cm):
+            lay = vp()
+            _check(lib.layout_create(ctypes.byref(lay), dt, rows, cols, ld), "cublasLtMatrixLayoutCreate")
+            layouts.append(lay.value)
+        self.desc, self.layouts = desc.value, layouts
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.scalars = (ctypes.addressof(alpha), ctypes.addressof(beta))
+        algos, ws = [], 0
+        for align in (ALIGN_HIGH, ALIGN_LOW):
+            buf, nbytes = self._heuristic(align)
+            algos.append(buf)
+            ws = max(ws, nbytes)
+        self.algos = (ctypes.addressof(algos[0]), ctypes.addressof(algos[1]))
+        self._keep = (algos, alpha, beta)  # what the addresses point at lives as long as the plan
+        self.ws_bytes = ws
+
+    def _heuristic(self, align: int):
+        lib, vp = self.lib, ctypes.c_void_p
+        pref = vp()
+        _check(lib.pref_create(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+        ws = ctypes.c_uint64(_MAX_WORKSPACE)
+        _check(lib.pref_set(pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), 8), "MAX_WORKSPACE_BYTES")
+        a = ctypes.c_uint32(align)
+        for attr in (_PREF_ALIGN_A, _PREF_ALIGN_B, _PREF_ALIGN_C, _PREF_ALIGN_D):
+            _check(lib.pref_set(pref, attr, ctypes.byref(a), 4), "MIN_ALIGNMENT")
+        result = (ctypes.c_uint8 * _HEURISTIC_RESULT_BYTES)()
+        count = ctypes.c_int(0)
+        b_l, a_l, d_l = self.layouts
+        _check(lib.heuristic(self.handle, self.desc, b_l, a_l, d_l, d_l, pref, 1, result, ctypes.byref(count)),
+               "cublasLtMatmulAlgoGetHeuristic")
+        if count.value < 1:
+            raise LtError("cuBLASLt has no algorithm for this matmul")
+        algo = (ctypes.c_uint8 * 64).from_buffer_copy(bytes(result)[:64])
+        nbytes = int.from_bytes(bytes(result)[64:72], "little")
+        return algo, nbytes
+
+    def __call__(self, a_ptr: int, b_ptr: int, d_ptr: int, stream: int) -> None:
+        algo = self.algos[0] if not ((a_ptr | b_ptr | d_ptr) & (ALIGN_HIGH - 1)) else self.algos[1]
+        b_l, a_l, d_l = self.layouts
+        ws = _workspace(self.device, self.index, stream, self.ws_bytes) if self.ws_bytes else None
+        alpha, beta = self.scalars
+        status = self.lib.matmul(self.handle, self.desc, alpha, b_ptr, b_l, a_ptr, a_l, beta, d_ptr, d_l, d_ptr, d_l,
+                                 algo, ws, self.ws_bytes, stream)
+        if status != 0:
+            raise LtError(f"cublasLtMatmul failed with cuBLAS status {status} (shape {self.shape})")
+
+
+def lt_matmul(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, cfg) -> Optional[LtMatmul]:
+    """A planned ``d = a @ b`` for tensors like these (2-D, one CUDA device, bf16 or fp16
+    throughout, each with a unit stride), or None where ``torch.mm`` must serve (and when
+    ``cfg.cublaslt`` is off)."""
+    if a is None or b is None or d is None or not cfg.cublaslt:
+        return None
+    if not (a.is_cuda and b.is_cuda and d.is_cuda) or a.dim() != 2 or b.dim() != 2 or d.dim() != 2:
+        return None
+    if not (a.dtype == b.dtype == d.dtype) or a.dtype not in _DTYPES:
+        return None
+    if not (a.device == b.device == d.device):
+        return None
+    M, K = a.shape
+    N = b.shape[1]
+    if b.shape[0] != K or tuple(d.shape) != (M, N) or min(M, N, K) == 0:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    try:
+        return LtMatmul(lib, a.device, index, a.dtype, M, N, K, a.stride(), b.stride(), d.stride())
+    except LtError:
+        return None
