@@ -47,6 +47,7 @@ SMOKE_CONFIGS = {
 SIZES = {512: (1, 512), 2048: (1, 2048), 8192: (2, 4096)}  # tokens -> (batch, seq)
 PROVIDERS = ("eager", "compile", "fusedqkv")
 MODES = ("forward", "backward", "fwd+bwd")
+ROUNDS = 3  # timing rounds, the providers' order rotated (see the loop)
 
 
 def rope_cos_sin(b, s, d, dtype, device, base=10000.0):
@@ -193,6 +194,7 @@ def main() -> int:
                     f"{acc['compiled_fusedqkv_fullgraph_equal']}")
 
             params = {k: list(m.parameters()) if k != "compile" else list(eager.parameters()) for k, m in mods.items()}
+            fns, memory = {}, {}
             for prov in PROVIDERS:
                 mod = mods[prov]
                 inputs = [x, *params[prov]]
@@ -204,6 +206,7 @@ def main() -> int:
                     out = mod(x, cos, sin)
                     return torch.autograd.grad(out, inputs, grads)
 
+                fns[prov] = (fwd, fwdbwd, inputs)
                 # memory: held after the forward (saved + outputs), peak of a forward+backward
                 sync()
                 base = mem_alloc()
@@ -218,11 +221,23 @@ def main() -> int:
                 sync()
                 peak = mem_peak() - base
                 del r
+                memory[prov] = (peak, held)
 
-                res = {}
-                res["forward"] = timing.summarize(timer(fwd, reps=args.reps, flusher=flusher))
-                res["backward"] = timing.summarize(time_backward(fwd, inputs, grads, args.reps, flusher))
-                res["fwd+bwd"] = timing.summarize(timer(fwdbwd, reps=args.reps, flusher=flusher))
+            # timing in rounds, the providers' order rotated each round: a GEMM-heavy run heats
+            # the GPU and lowers its clock, so a provider always timed last would pay for the others
+            samples = {prov: {m: [] for m in MODES} for prov in PROVIDERS}
+            rounds = max(1, min(ROUNDS, args.reps))
+            per = -(-args.reps // rounds)
+            for rnd in range(rounds):
+                order = PROVIDERS[rnd % len(PROVIDERS):] + PROVIDERS[:rnd % len(PROVIDERS)]
+                for prov in order:
+                    fwd, fwdbwd, inputs = fns[prov]
+                    samples[prov]["forward"] += timer(fwd, reps=per, flusher=flusher)
+                    samples[prov]["backward"] += time_backward(fwd, inputs, grads, per, flusher)
+                    samples[prov]["fwd+bwd"] += timer(fwdbwd, reps=per, flusher=flusher)
+            for prov in PROVIDERS:
+                peak, held = memory[prov]
+                res = {m: timing.summarize(samples[prov][m]) for m in MODES}
                 rows.append({"config": cname, **cfg, "tokens": tokens, "batch": b, "seq": s, "provider": prov,
                              "ms": res, "peak_fwd_bwd_MiB": peak / 2 ** 20, "held_after_fwd_MiB": held / 2 ** 20})
             log(f"{cname} M={tokens}: timed")

@@ -227,6 +227,21 @@ def test_unknown_backend():
         fusedqkv.gqa_qkv_rope_qk_norm_backward(*_valid(), backend="cuda")
 
 
+def test_triton_backend_on_cpu_tensors_without_the_interpreter(monkeypatch):
+    # a CPU process without TRITON_INTERPRET=1: a clear error at planning, not Triton's launcher
+    # failing on the first CPU pointer
+    from fusedqkv.ops import rope_qk_norm
+
+    monkeypatch.setattr(rope_qk_norm, "INTERPRET", False)
+    m = fusedqkv.GQAQKVRoPEQKNorm(32, 2, 1, 16)
+    x = torch.randn(1, 4, 32)
+    cos, sin = torch.ones(1, 4, 16), torch.zeros(1, 4, 16)
+    with pytest.raises(ValueError, match=r"backend='triton' needs CUDA tensors.*cpu"):
+        fusedqkv.gqa_qkv_rope_qk_norm(x, m.qkv_weight, m.q_norm_weight, m.k_norm_weight, cos, sin, num_heads=2,
+                                      num_kv_heads=1, backend="triton")
+    assert rope_qk_norm.pick_backend(torch.device("cpu"), "torch") == "torch"
+
+
 def test_rstd_3d_and_fp32_norm_weights_accepted():
     """Relaxations the validator allows must compute the same thing."""
     a4 = make_inputs(B, HQ, HKV, S, D, hidden=HID, seed=3)

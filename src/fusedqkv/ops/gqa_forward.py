@@ -115,10 +115,9 @@ def forward_launch_config(M: int, hq: int, hkv: int, d: int, device: torch.devic
         if n_tb * (-(-hq // g) + -(-hkv // g)) >= target:
             group = g
             break
-    # offline sm_90 check (ptxas -v), head_dim 64/128/256, no spills: a head group's
-    # loads are pipelined; with 8 warps this takes ~100 registers, 1 head with 4 warps ~80
-    num_warps = 8 if group > 1 else 4
-    return block_t, group, num_warps
+    # 4 warps for every group: on the H200 the stage ran 8-25 % faster than with 8 warps for the
+    # head groups at 2k-8k tokens (benchmarks/forward_sweep.py, NOTES "Session 8")
+    return block_t, group, 4
 
 
 def plan_forward_stage(qkv: Ptr, wq: Ptr, wk: Ptr, cos: Ptr, sin: Ptr, q: Ptr, k: Ptr, rq: Ptr, rk: Ptr,

@@ -72,6 +72,10 @@ def pick_backend(device: torch.device, backend: Optional[str]) -> str:
         return "triton" if device.type == "cuda" else "torch"
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend: expected 'triton', 'torch' or None, got {backend!r}")
+    if backend == "triton" and device.type != "cuda" and not INTERPRET:
+        # Triton's launcher would only fail inside, on the first CPU pointer
+        raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter); "
+                         f"the tensors are on {device}")
     return backend
 
 
