@@ -26,7 +26,8 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   NQG/NKG = heads / group size rounded up; LP2 on sm_90; maxnreg 128 (96 for the grouped
   8-token blocks) where num_warps == 4.
 * ``rope_qk_norm_fwd_kernel`` (``ops/gqa_forward``): BLOCK_T = min(32, 1024 // HALF_P2), GROUP
-  8/4/2/1, 4 warps (tests/forward_tile may force 8: both are compiled), either norm position.
+  4/2/1 with 4 warps (the launcher's choices), GROUP 8 with 8 warps (reachable through the
+  config's forward_tile), either norm position.
 * ``rope_qk_norm_bwd_finish_kernel`` (``NormWeightFinish``): BLOCK_R 32, 4 warps.
 * ``tma_matmul_kernel`` (``ops/projection``, sm_90 only): the chain's dX and dW and the
   hybrid's dW configurations, with and without the norm-weight finish, NPROG from 1 up.
@@ -182,7 +183,7 @@ def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one
     types["eps"] = "fp32"
     label = f"forward sm{cc} d{d} {dtype} group{group} nar={nar} ints={ints}{'' if one is None else ' one=' + one}"
     return dict(kernel="rope_qk_norm_fwd.rope_qk_norm_fwd_kernel", cc=cc, consts=consts, types=types, ints=ints,
-                one=one, options={"num_warps": 4 if group in (1, 8) else 8}, level=level, label=label)
+                one=one, options={"num_warps": 8 if group == 8 else 4}, level=level, label=label)
 
 
 def forward_jobs() -> list:
