@@ -78,7 +78,10 @@ class _Lib:
         self.version = getattr(cdll, "cublasLtGetVersion")  # no arguments: the cost of a ctypes call alone
         self.desc_create = fn("cublasLtMatmulDescCreate", vp, i32, i32)
         self.desc_set = fn("cublasLtMatmulDescSetAttribute", vp, i32, vp, sz)
+        self.desc_destroy = fn("cublasLtMatmulDescDestroy", vp)
         self.layout_create = fn("cublasLtMatrixLayoutCreate", vp, i32, u64, u64, i64)
+        self.layout_destroy = fn("cublasLtMatrixLayoutDestroy", vp)
+        self.pref_destroy = fn("cublasLtMatmulPreferenceDestroy", vp)
         self.pref_create = fn("cublasLtMatmulPreferenceCreate", vp)
         self.pref_set = fn("cublasLtMatmulPreferenceSetAttribute", vp, i32, vp, sz)
         self.heuristic = fn("cublasLtMatmulAlgoGetHeuristic", vp, vp, vp, vp, vp, vp, vp, i32, vp, vp)
@@ -153,6 +156,7 @@ class LtMatmul:
     def __init__(self, lib: _Lib, device: torch.device, index: int, dtype: torch.dtype, M: int, N: int, K: int,
                  a_strides, b_strides, d_strides):
         self.lib, self.device, self.index, self.shape = lib, device, index, (M, N, K)
+        self.desc, self.layouts = None, []
         dt = _DTYPES[dtype]
         a_cm = _column_major((M, K), a_strides)
         b_cm = _column_major((K, N), b_strides)
@@ -163,16 +167,15 @@ class LtMatmul:
         vp = ctypes.c_void_p
         desc = vp()
         _check(lib.desc_create(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R_32F), "cublasLtMatmulDescCreate")
+        self.desc = desc.value
         # the transposed problem: first operand B^T (N x K), second A^T (K x M)
         op_first, op_second = ctypes.c_int32(b_cm[0]), ctypes.c_int32(a_cm[0])
         _check(lib.desc_set(desc, _DESC_TRANSA, ctypes.byref(op_first), 4), "TRANSA")
         _check(lib.desc_set(desc, _DESC_TRANSB, ctypes.byref(op_second), 4), "TRANSB")
-        layouts = []
         for _, rows, cols, ld in (b_cm, a_cm, d_cm):
             lay = vp()
             _check(lib.layout_create(ctypes.byref(lay), dt, rows, cols, ld), "cublasLtMatrixLayoutCreate")
-            layouts.append(lay.value)
-        self.desc, self.layouts = desc.value, layouts
+            self.layouts.append(lay.value)
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.scalars = (ctypes.addressof(alpha), ctypes.addressof(beta))
         algos, ws = [], 0
@@ -184,10 +187,28 @@ class LtMatmul:
         self._keep = (algos, alpha, beta)  # what the addresses point at lives as long as the plan
         self.ws_bytes = ws
 
+    def __del__(self):
+        # descriptors are host memory: freed with the plan (plans are evicted from their cache)
+        try:
+            lib = self.lib
+            for lay in self.layouts:
+                lib.layout_destroy(lay)
+            if self.desc is not None:
+                lib.desc_destroy(self.desc)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone
+            pass
+
     def _heuristic(self, align: int):
         lib, vp = self.lib, ctypes.c_void_p
         pref = vp()
         _check(lib.pref_create(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+        try:
+            return self._ask(pref, align)
+        finally:
+            lib.pref_destroy(pref)
+
+    def _ask(self, pref, align: int):
+        lib = self.lib
         ws = ctypes.c_uint64(_MAX_WORKSPACE)
         _check(lib.pref_set(pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), 8), "MAX_WORKSPACE_BYTES")
         a = ctypes.c_uint32(align)
@@ -237,5 +258,5 @@ def lt_matmul(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, cfg) -> Optiona
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     try:
         return LtMatmul(lib, a.device, index, a.dtype, M, N, K, a.stride(), b.stride(), d.stride())
-    except LtError:
+    except (LtError, OSError):  # no algorithm, or a library that refuses: torch.mm serves
         return None
