@@ -72,6 +72,32 @@ def module_kernels(args, dev, flusher) -> int:
             ev = statistics.median(timing.time_cuda_events(lambda: mod(x, cos, sin), reps=args.reps, flusher=flusher))
             out[f"{name} {tokens}"] = {"kernels": ks, "events_ms": ev}
             print(f"{name} {tokens} tokens: events {ev:.4f} ms; kernels {ks}", flush=True)
+            # per call, as bench_module times it (no sync between calls): the GPU's wait between the
+            # flush's end and the call's first kernel, and the call's kernel span -- a late start
+            # (the host behind) and slower kernels read differently
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.reps):
+                    flusher()
+                    mod(x, cos, sin)
+                flusher()
+                torch.cuda.synchronize()
+            evs = sorted(((e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
+                          if str(getattr(e, "device_type", "")).endswith("CUDA")), key=lambda e: e[1])
+            waits, spans, flush_end, first, last = [], [], None, None, None
+            for n, a, e in evs:
+                if timing.FLUSH_KERNEL_NAME in n:
+                    if flush_end is not None and first is not None:
+                        waits.append(first - flush_end)
+                        spans.append(last - first)
+                    flush_end, first, last = e, None, None
+                elif flush_end is not None:
+                    first = a if first is None else first
+                    last = e if last is None else max(last, e)
+            out[f"{name} {tokens} wait/span"] = list(zip(waits, spans))
+            print(f"  {name} {tokens}: (GPU wait after the flush us, kernel span us) per call: "
+                  f"{[(round(w), round(sp)) for w, sp in zip(waits, spans)]}", flush=True)
             # per call: events and the host time of the call, with Python's GC on and off
             import gc
             import time as _time
