@@ -108,6 +108,22 @@ def make_data(n_batches, batch, seq, vocab, seed):
     return out
 
 
+def select_stacks(spec: str, device: str, error) -> list:
+    """The stacks named in ``spec`` (comma-separated; ``error`` is called for an unknown one),
+    without the Liger stacks off the GPU, Liger's last."""
+    stacks = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in stacks if s not in STACKS]
+    if unknown:
+        error(f"--stacks: unknown {unknown}; choose from {STACKS}")
+    if device != "cuda":
+        skipped = [s for s in stacks if "liger" in s]
+        if skipped:
+            log(f"no GPU: skipping {skipped} (Liger's Triton kernels need one)")
+        stacks = [s for s in stacks if "liger" not in s]
+    # Liger patches transformers' modules process-wide: its stacks run last
+    return sorted(stacks, key=lambda s: ("liger" in s, STACKS.index(s)))
+
+
 def build_model(cfg_kw, dtype, device, attn, seed):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -337,17 +353,7 @@ def main(argv=None):
         args.warmup = min(args.warmup, 1)
     else:
         cfg_kw["num_hidden_layers"] = args.layers
-    stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
-    unknown = [s for s in stacks if s not in STACKS]
-    if unknown:
-        p.error(f"--stacks: unknown {unknown}; choose from {STACKS}")
-    if device != "cuda":
-        skipped = [s for s in stacks if "liger" in s]
-        if skipped:
-            log(f"no GPU: skipping {skipped} (Liger's Triton kernels need one)")
-        stacks = [s for s in stacks if "liger" not in s]
-    # Liger patches transformers' modules process-wide: its stacks run last
-    stacks.sort(key=lambda s: ("liger" in s, STACKS.index(s)))
+    stacks = select_stacks(args.stacks, device, p.error)
     os.makedirs(args.out, exist_ok=True)
 
     data = make_data(8, args.batch, args.seq, cfg_kw["vocab_size"], args.seed + 1)

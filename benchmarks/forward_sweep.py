@@ -33,17 +33,18 @@ TILES = [(16, 8, 8), (16, 4, 8), (16, 1, 4), (32, 8, 8), (32, 4, 8), (32, 2, 4),
          (32, 4, 4), (32, 1, 4), (8, 8, 2), (16, 8, 2)]
 
 
+def median_call_kernels(fn, flusher, reps=10):
+    """The kernels of the call of median span: (name, start us from the call's first kernel,
+    duration us)."""
+    calls = [c for c in timing.profile_kernel_calls(fn, reps=reps, flusher=flusher) if c]
+    mid = sorted(calls, key=lambda c: c[-1][2] - c[0][1])[len(calls) // 2]
+    t0 = mid[0][1]
+    return [(n[:60], round(a - t0, 1), round(e - a, 1)) for n, a, e in mid]
+
+
 def time_ms(fn, flusher, reps):
-    out = []
-    for _ in range(reps):
-        flusher()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e))
-    return statistics.median(out)
+    """Median CUDA-event time of ``fn`` (L2 flushed before each call)."""
+    return statistics.median(timing.time_cuda_events(fn, reps=reps, flusher=flusher))
 
 
 def module_kernels(args, dev, flusher) -> int:
@@ -65,11 +66,8 @@ def module_kernels(args, dev, flusher) -> int:
         x = torch.randn(b, s, cfg["hidden_size"], device=dev, dtype=torch.bfloat16, requires_grad=True)
         cos, sin = bm.rope_cos_sin(b, s, cfg["head_dim"], torch.bfloat16, dev)
         for name, mod in (("fusedqkv", fused), ("compile", comp)):
-            calls = [c for c in timing.profile_kernel_calls(lambda: mod(x, cos, sin), reps=10, flusher=flusher) if c]
-            mid = sorted(calls, key=lambda c: c[-1][2] - c[0][1])[len(calls) // 2]
-            t0 = mid[0][1]
-            ks = [(n[:60], round(a - t0, 1), round(e - a, 1)) for n, a, e in mid]
-            ev = statistics.median(timing.time_cuda_events(lambda: mod(x, cos, sin), reps=args.reps, flusher=flusher))
+            ks = median_call_kernels(lambda: mod(x, cos, sin), flusher)
+            ev = time_ms(lambda: mod(x, cos, sin), flusher, args.reps)
             out[f"{name} {tokens}"] = {"kernels": ks, "events_ms": ev}
             print(f"{name} {tokens} tokens: events {ev:.4f} ms; kernels {ks}", flush=True)
             # per call, as bench_module times it (no sync between calls): the GPU's wait between the
@@ -164,12 +162,7 @@ def main() -> int:
                                               flusher, args.reps)
             row["whole_forward_ms"] = time_ms(lambda: P.run_forward(plan, x, W, wq, wk, cos, sin), flusher, args.reps)
             # the whole forward's kernels: start offset and duration (us) of each, median call
-            calls = timing.profile_kernel_calls(lambda: P.run_forward(plan, x, W, wq, wk, cos, sin), reps=10,
-                                                flusher=flusher)
-            calls = [c for c in calls if c]
-            mid = sorted(calls, key=lambda c: c[-1][2] - c[0][1])[len(calls) // 2]
-            t0 = mid[0][1]
-            row["whole_kernels"] = [(n[:50], round(a - t0, 1), round(b - a, 1)) for n, a, b in mid]
+            row["whole_kernels"] = median_call_kernels(lambda: P.run_forward(plan, x, W, wq, wk, cos, sin), flusher)
             # the stage alone at each tile (through the plan's launch: each tile its own plan)
             q = torch.empty(1, M, hq, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
             k = torch.empty(1, M, hkv, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)

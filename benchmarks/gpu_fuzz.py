@@ -274,24 +274,9 @@ _OUTPUTS_091 = ("grad_hidden_states", "grad_cos", "grad_sin", "grad_qkv_weight",
 
 def _reference_block(x, w, wq, wk, cos, sin, hq, hkv, eps, position):
     """The block in plain PyTorch (HF style): fusedqkv.module's reference, functionally."""
-    import torch.nn.functional as F
+    from fusedqkv.module import reference_block
 
-    from fusedqkv.module import apply_rotary, rms_norm
-
-    b, s, _ = x.shape
-    d = w.shape[0] // (hq + 2 * hkv)
-    qkv = F.linear(x, w)
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    q = q.reshape(b, s, hq, d).transpose(1, 2)
-    k = k.reshape(b, s, hkv, d).transpose(1, 2)
-    v = v.reshape(b, s, hkv, d).transpose(1, 2)
-    if position == "after_rope":
-        q = rms_norm(apply_rotary(q, cos, sin), wq, eps)
-        k = rms_norm(apply_rotary(k, cos, sin), wk, eps)
-    else:
-        q = apply_rotary(rms_norm(q, wq, eps), cos, sin)
-        k = apply_rotary(rms_norm(k, wk, eps), cos, sin)
-    return q, k, v
+    return reference_block(x, w, wq, wk, cos, sin, hq, hkv, eps, position == "after_rope")
 
 
 def check_train(case, device, backend) -> dict:

@@ -29,7 +29,7 @@ import torch
 import fusedqkv
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
-from fusedqkv.ops import config
+from fusedqkv.ops import config, cublaslt
 from fusedqkv.ops import plan as _plan
 from fusedqkv.ops.launch import current_stream
 
@@ -95,7 +95,7 @@ def main() -> int:
                 cases[f"  bound launch {k} ({bl.fn.__name__[:18]})"] = (
                     lambda bl=bl: bl.launch(None, ptrs, stream))
             if p.lt_dx is not None:
-                cases["  ctypes call, no arguments"] = p.lt_dx.lib.version
+                cases["  ctypes call, no arguments"] = cublaslt._find_library().cublasLtGetVersion
                 cases["  planned cuBLASLt dX"] = lambda: p.lt_dx(dq2.data_ptr(), a[6].data_ptr(), out[0].data_ptr(),
                                                                   stream)
                 cases["  torch.mm dX (out=)"] = lambda: torch.mm(dq2, a[6], out=dx)

@@ -677,17 +677,7 @@ def main(argv=None):
         args.warmup, args.timed_steps, args.profile_steps = min(args.warmup, 1), min(args.timed_steps, 2), 1
     else:
         cfg_kw["num_hidden_layers"] = args.layers
-    stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
-    unknown = [s for s in stacks if s not in bench_hf.STACKS]
-    if unknown:
-        p.error(f"--stacks: unknown {unknown}; choose from {bench_hf.STACKS}")
-    if device != "cuda":
-        skipped = [s for s in stacks if "liger" in s]
-        if skipped:
-            log(f"no GPU: skipping {skipped} (Liger's Triton kernels need one)")
-        stacks = [s for s in stacks if "liger" not in s]
-    # Liger patches transformers' modules process-wide: its stacks run last
-    stacks.sort(key=lambda s: ("liger" in s, bench_hf.STACKS.index(s)))
+    stacks = bench_hf.select_stacks(args.stacks, device, p.error)
     os.makedirs(args.out, exist_ok=True)
 
     data = bench_hf.make_data(8, args.batch, args.seq, cfg_kw["vocab_size"], args.seed + 1)

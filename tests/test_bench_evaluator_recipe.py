@@ -1,7 +1,6 @@
 """benchmarks/sol_execbench_eval.{sh,py}: the parts of the evaluator recipe that run without a GPU
 (the evaluator itself runs on the device)."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -9,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_benchmark
 
 from fusedqkv.bench import problem
 
@@ -17,10 +17,7 @@ SCRIPT = ROOT / "benchmarks" / "sol_execbench_eval.sh"
 
 
 def _helper():
-    spec = importlib.util.spec_from_file_location("sol_execbench_eval", ROOT / "benchmarks" / "sol_execbench_eval.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("sol_execbench_eval")
 
 
 @pytest.fixture(scope="module")

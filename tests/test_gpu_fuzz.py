@@ -1,20 +1,17 @@
 """benchmarks/gpu_fuzz.py on the CPU: a handful of cases through its main function with the
 Triton kernels in the interpreter, replays, and that a wrong result or a crash fails the run."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from _scripts import load_benchmark
+
 import fusedqkv
 from fusedqkv.bench import problem
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_fuzz.py"
-_spec = importlib.util.spec_from_file_location("gpu_fuzz", _PATH)
-fuzz = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzz)
+fuzz = load_benchmark("gpu_fuzz")
 
 needs_pack = pytest.mark.skipif(problem.official_pack_dir() is None,
                                 reason="official SOL-ExecBench pack not found beside the repo")

@@ -2,22 +2,17 @@
 GPU: the Liger stacks are skipped), the JSON/PNG/table it writes, and how the done criteria
 are judged."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
 pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _scripts import load_benchmark  # noqa: E402
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_hf", os.path.join(ROOT, "benchmarks", "bench_hf.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_hf")
 
 
 def test_tiny_run_writes_json_png_and_table(tmp_path, capsys):

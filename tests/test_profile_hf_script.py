@@ -4,23 +4,19 @@ both, the categories adding up to the profiler's own total), and the GPU rules o
 attribution on a synthetic Chrome trace (kernels found through their launch calls, backward
 kernels sent to their forward regions by sequence number)."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
 pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _scripts import load_benchmark  # noqa: E402
+
 EV = "autograd::engine::evaluate_function: "
 
 
 def load_profile():
-    spec = importlib.util.spec_from_file_location("profile_hf", os.path.join(ROOT, "benchmarks", "profile_hf.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("profile_hf")
 
 
 def test_tiny_run_attributes_the_step(tmp_path, capsys):
@@ -120,7 +116,6 @@ def test_gpu_trace_attribution():
     assert res["attribution"]["kind"] == "gpu kernels"
     assert res["top_kernels"][0]["name"] == "gemm_dgrad" and res["top_kernels"][0]["category"] == "attn_input"
     assert [t["name"] for t in res["top_kernels"]].count("gemm_qkv<float>") == 1
-
 
 
 def test_short_kernel_names():

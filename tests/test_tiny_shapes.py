@@ -14,7 +14,7 @@ import torch
 import fusedqkv
 from fusedqkv import gqa_qkv_rope_qk_norm, gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
-from fusedqkv.module import apply_rotary, rms_norm
+from fusedqkv.module import reference_block
 from fusedqkv.ops import config
 
 # (batch, heads, kv_heads, seq, head_dim)
@@ -89,13 +89,7 @@ def test_091_triton_products_at_one_to_three_tokens(shape, products):
 
 
 def _reference(x, w, wq, wk, cos, sin, hq, hkv, eps, position):
-    b, s, _ = x.shape
-    d = w.shape[0] // (hq + 2 * hkv)
-    q, k, v = torch.nn.functional.linear(x, w).split([hq * d, hkv * d, hkv * d], dim=-1)
-    q, k, v = (t.reshape(b, s, n, d).transpose(1, 2) for t, n in ((q, hq), (k, hkv), (v, hkv)))
-    if position == "after_rope":
-        return rms_norm(apply_rotary(q, cos, sin), wq, eps), rms_norm(apply_rotary(k, cos, sin), wk, eps), v
-    return apply_rotary(rms_norm(q, wq, eps), cos, sin), apply_rotary(rms_norm(k, wk, eps), cos, sin), v
+    return reference_block(x, w, wq, wk, cos, sin, hq, hkv, eps, position == "after_rope")
 
 
 # (batch, heads, kv_heads, seq, head_dim, hidden)

@@ -62,7 +62,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
 from .autograd import gqa_qkv_rope_qk_norm
-from .module import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm, apply_rotary, rms_norm
+from .module import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm, reference_block
 
 __all__ = ["HeadParallelQKV", "parallelize_block", "tp_plan", "HeadParallelGQAQKVRoPEQKNorm",
            "HeadParallelReferenceGQAQKVRoPEQKNorm", "tp_row_order", "to_tp_rows", "to_canonical_rows",
@@ -159,20 +159,8 @@ def _replicated_local(t: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> t
 
 def _local_reference(module, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, hq, hkv):
     """ReferenceGQAQKVRoPEQKNorm.forward on local tensors and local head counts."""
-    B, S, _ = hidden_states.shape
-    d, eps = module.head_dim, module.eps
-    qkv = nn.functional.linear(hidden_states, qkv_weight)
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    q = q.view(B, S, hq, d).transpose(1, 2)
-    k = k.view(B, S, hkv, d).transpose(1, 2)
-    v = v.view(B, S, hkv, d).transpose(1, 2)
-    if module.norm_after_rope:
-        q = rms_norm(apply_rotary(q, cos, sin), q_norm_weight, eps)
-        k = rms_norm(apply_rotary(k, cos, sin), k_norm_weight, eps)
-    else:
-        q = apply_rotary(rms_norm(q, q_norm_weight, eps), cos, sin)
-        k = apply_rotary(rms_norm(k, k_norm_weight, eps), cos, sin)
-    return q, k, v
+    return reference_block(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, hq, hkv, module.eps,
+                           module.norm_after_rope)
 
 
 def _local_fused(module, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, hq, hkv):

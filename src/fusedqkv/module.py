@@ -11,6 +11,7 @@ head_dim]`` and return ``(q, k, v)`` as ``[batch, heads, seq, head_dim]``.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -100,23 +101,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: f
     return weight * xf.to(dtype)
 
 
+def reference_block(hidden_states: torch.Tensor, qkv_weight: torch.Tensor, q_norm_weight: torch.Tensor,
+                    k_norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                    num_kv_heads: int, eps: float, norm_after_rope: bool, qkv_bias: Optional[torch.Tensor] = None,
+                    norm_weight_offset: float = 0.0):
+    """The block in plain PyTorch, HF style (eager ops): ``(q, k, v)`` as ``[B, H, S, D]`` views of
+    the projection output, rotated and normed in the given order."""
+    B, S, _ = hidden_states.shape
+    hq, hkv = num_heads, num_kv_heads
+    d = qkv_weight.shape[0] // (hq + 2 * hkv)
+    off = norm_weight_offset
+    qkv = nn.functional.linear(hidden_states, qkv_weight, qkv_bias)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = q.view(B, S, hq, d).transpose(1, 2)
+    k = k.view(B, S, hkv, d).transpose(1, 2)
+    v = v.view(B, S, hkv, d).transpose(1, 2)
+    if norm_after_rope:
+        q = rms_norm(apply_rotary(q, cos, sin), q_norm_weight, eps, off)
+        k = rms_norm(apply_rotary(k, cos, sin), k_norm_weight, eps, off)
+    else:
+        q = apply_rotary(rms_norm(q, q_norm_weight, eps, off), cos, sin)
+        k = apply_rotary(rms_norm(k, k_norm_weight, eps, off), cos, sin)
+    return q, k, v
+
+
 class ReferenceGQAQKVRoPEQKNorm(_BlockParams):
     """The same block in plain PyTorch, HF style (eager ops; what the tests and the
     benchmark compare against, also under ``torch.compile``)."""
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        B, S, _ = hidden_states.shape
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        off = self.norm_weight_offset
-        qkv = nn.functional.linear(hidden_states, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = q.view(B, S, hq, d).transpose(1, 2)
-        k = k.view(B, S, hkv, d).transpose(1, 2)
-        v = v.view(B, S, hkv, d).transpose(1, 2)
-        if self.norm_after_rope:
-            q = rms_norm(apply_rotary(q, cos, sin), self.q_norm_weight, self.eps, off)
-            k = rms_norm(apply_rotary(k, cos, sin), self.k_norm_weight, self.eps, off)
-        else:
-            q = apply_rotary(rms_norm(q, self.q_norm_weight, self.eps, off), cos, sin)
-            k = apply_rotary(rms_norm(k, self.k_norm_weight, self.eps, off), cos, sin)
-        return q, k, v
+        return reference_block(hidden_states, self.qkv_weight, self.q_norm_weight, self.k_norm_weight, cos, sin,
+                               self.num_heads, self.num_kv_heads, self.eps, self.norm_after_rope, self.qkv_bias,
+                               self.norm_weight_offset)

@@ -75,7 +75,6 @@ class _Lib:
             return f
 
         self.create = fn("cublasLtCreate", vp)
-        self.version = getattr(cdll, "cublasLtGetVersion")  # no arguments: the cost of a ctypes call alone
         self.desc_create = fn("cublasLtMatmulDescCreate", vp, i32, i32)
         self.desc_set = fn("cublasLtMatmulDescSetAttribute", vp, i32, vp, sz)
         self.desc_destroy = fn("cublasLtMatmulDescDestroy", vp)
@@ -240,23 +239,29 @@ def lt_matmul(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, cfg) -> Optiona
     """A planned ``d = a @ b`` for tensors like these (2-D, one CUDA device, bf16 or fp16
     throughout, each with a unit stride), or None where ``torch.mm`` must serve (and when
     ``cfg.cublaslt`` is off)."""
-    if a is None or b is None or d is None or not cfg.cublaslt:
+    if a is None or b is None or d is None:
         return None
     if not (a.is_cuda and b.is_cuda and d.is_cuda) or a.dim() != 2 or b.dim() != 2 or d.dim() != 2:
         return None
-    if not (a.dtype == b.dtype == d.dtype) or a.dtype not in _DTYPES:
-        return None
-    if not (a.device == b.device == d.device):
+    if not (a.dtype == b.dtype == d.dtype) or not (a.device == b.device == d.device):
         return None
     M, K = a.shape
     N = b.shape[1]
-    if b.shape[0] != K or tuple(d.shape) != (M, N) or min(M, N, K) == 0:
+    if b.shape[0] != K or tuple(d.shape) != (M, N):
+        return None
+    return plan_matmul(a.dtype, a.device, M, N, K, a.stride(), b.stride(), d.stride(), cfg)
+
+
+def plan_matmul(dtype: torch.dtype, device: torch.device, M: int, N: int, K: int, a_strides, b_strides, d_strides,
+                cfg) -> Optional[LtMatmul]:
+    """:func:`lt_matmul` from sizes and strides alone (a destination the plan does not hold yet)."""
+    if not cfg.cublaslt or device.type != "cuda" or dtype not in _DTYPES or min(M, N, K) == 0:
         return None
     lib = library()
     if lib is None:
         return None
-    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    index = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        return LtMatmul(lib, a.device, index, a.dtype, M, N, K, a.stride(), b.stride(), d.stride())
+        return LtMatmul(lib, device, index, dtype, M, N, K, a_strides, b_strides, d_strides)
     except (LtError, OSError):  # no algorithm, or a library that refuses: torch.mm serves
         return None

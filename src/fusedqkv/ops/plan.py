@@ -23,7 +23,7 @@ import torch
 
 from . import config as _config
 from . import validation as V
-from .cublaslt import lt_matmul
+from .cublaslt import lt_matmul, plan_matmul
 from .gqa_forward import token_major
 from .launch import Table, current_stream, device_index, sm_count
 from .projection import chain_launches, choose_products, hybrid_dw_launch
@@ -605,9 +605,8 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
     if need_cs:
         s_gcos, s_gsin = table.add(torch.empty((B, S, D), dtype=cos.dtype, device=dev)), \
             table.add(torch.empty((B, S, D), dtype=sin.dtype, device=dev))
-    table_like_gx = torch.empty((B, S, hidden_states.shape[-1]), dtype=hidden_states.dtype, device=dev)
     if need_x:
-        s_gx = table.add(table_like_gx)
+        s_gx = table.add(torch.empty((B, S, hidden_states.shape[-1]), dtype=hidden_states.dtype, device=dev))
     gq_, gk_, gv_, sq, sk, swq, swk, scos, ssin, sdqkv, sgqw, sgkw = s
     stage = plan_backward_stage(table, gq_, gk_, gv_, sq, sk, None, None, swq, swk, scos, ssin, sdqkv, s_gcos, s_gsin,
                                 sgqw, sgkw, s_gx, exact=False, norm_after_rope=norm_after_rope, saved_rotated=False,
@@ -616,11 +615,12 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
     aligned = all(t.data_ptr() % 16 == 0 for t in (gq, gk, gv, qkv, q_norm_weight, k_norm_weight, cos, sin))
     lt_dx = lt_dw = None
     if aligned and qkv_weight.dtype == dt and hidden_states.dtype == dt:
-        if need_x:
-            lt_dx = lt_matmul(dqkv, qkv_weight, table_like_gx.view(M, -1), cfg)
-        if need_w:
-            lt_dw = lt_matmul(dqkv.t(), _as_matrix(hidden_states, M, hidden_states.shape[-1]),
-                              torch.empty((n_tot, hidden_states.shape[-1]), dtype=dt, device=dev), cfg)
+        hidden = hidden_states.shape[-1]
+        x2d = _as_matrix(hidden_states, M, hidden)
+        if need_x:  # g_x [M, hidden] and g_w [n_tot, hidden]: allocated contiguous by the run
+            lt_dx = plan_matmul(dt, dev, M, hidden, n_tot, dqkv.stride(), qkv_weight.stride(), (hidden, 1), cfg)
+        if need_w and x2d is not None:
+            lt_dw = plan_matmul(dt, dev, n_tot, hidden, M, dqkv.t().stride(), x2d.stride(), (hidden, 1), cfg)
     return TrainingBackwardPlan(cfg, sizes, need, stage, table, aligned, lt_dx, lt_dw)
 
 
