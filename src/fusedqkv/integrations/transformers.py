@@ -114,13 +114,7 @@ class _FusedAttention:
         cos, sin = position_embeddings
         proj = self.qkv_proj
         w, b = proj.weight, proj.bias
-        dev = hidden_states.device.type
-        if torch.is_autocast_enabled(dev):
-            # as autocast runs HF's Linear: the projection's inputs in the autocast dtype; the
-            # norm weights stay as they are (the kernels read them in fp32)
-            dt = torch.get_autocast_dtype(dev)
-            hidden_states, w, cos, sin = (t.to(dt) for t in (hidden_states, w, cos, sin))
-            b = b.to(dt) if b is not None else None
+        # under autocast the block casts its inputs as HF's Linear would (gqa_qkv_rope_qk_norm)
         return gqa_qkv_rope_qk_norm(
             hidden_states, w, getattr(self, spec.q_norm).weight, getattr(self, spec.k_norm).weight, cos, sin,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,

@@ -246,9 +246,8 @@ class BoundLaunch:
     def launch(self, tensors: Sequence[torch.Tensor], ptrs: Optional[Sequence[int]], stream: int) -> None:
         raw = self._raw
         if raw is not None and ptrs is not None:
-            for d in self._descs:
-                if ptrs[d.index] != d.ptr:
-                    d.encode(ptrs[d.index])
+            if self._descs:
+                self.encode(ptrs)
             raw(ptrs, stream)
             return
         compiled = self.fn[self.grid](*(self._resolve(a, tensors) for a in self.args), **self.constexprs)
