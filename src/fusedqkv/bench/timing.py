@@ -25,6 +25,7 @@ the iteration as the evaluator's ``zero_()``, under a name the profiler path can
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -91,20 +92,9 @@ def time_cuda_events(fn: Callable[[], object], reps: int = 50, warmup: int = 5, 
 def kernel_calls_from_events(events, skip: tuple = ()) -> list:
     """Group device activities into calls split at each flush: per call, its (name, start_us,
     end_us) in start order. ``events`` in any order; activities whose name contains one of
-    ``skip`` are dropped."""
-    calls, cur = [], None
-    for name, start, end in sorted(events, key=lambda e: e[1]):
-        if FLUSH_KERNEL_NAME in name:
-            if cur:
-                calls.append(cur)
-            cur = []
-            continue
-        if cur is None or any(k in name for k in skip):
-            continue  # activity before the first flush (warm-up tail), or skipped
-        cur.append((name, start, end))
-    if cur:
-        calls.append(cur)
-    return calls
+    ``skip`` are dropped, and so are calls left empty."""
+    acts = [DeviceActivity(n, a, e) for n, a, e in events if not any(k in n for k in skip)]
+    return [[(a.name, a.start, a.end) for a in call] for call in group_at_flush(acts) if call]
 
 
 def _span_ms(call) -> float:
@@ -198,7 +188,7 @@ class ShiftedArgs:
             raise RuntimeError(f"ShiftedArgs: {self.calls} calls were planned; call {self.done + 1} asked")
         k, out = self.done, []
         self.done += 1
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         if stream is not None:  # the pool's previous region may still be read on the current stream
             stream.wait_stream(torch.cuda.current_stream())
         with ctx:
@@ -214,14 +204,6 @@ class ShiftedArgs:
                     region.copy_(src)
                 out.append(pool.as_strided(shape, stride, k * step))
         return out
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @dataclass
