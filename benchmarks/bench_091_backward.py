@@ -5,7 +5,7 @@ One run, all 16 workloads, on the GPU:
     (matched ratio per output; grad_cos/grad_sin bit-equality rate), and determinism
     (two calls bitwise identical);
   * cold-L2 timing (L2 flushed before every iteration), median of --reps, by CUDA events
-    and by kernel span (the official timer; taken in --rounds interleaved rounds), of:
+    and by kernel span (the official timer), each taken in --rounds interleaved rounds, of:
     fusedqkv (destination passing), the official eager reference, and the floor of the two
     cuBLAS GEMMs alone (dQKV precomputed);
   * with --tune: the RoPE/QK-norm stage alone under several launch configurations.
@@ -79,8 +79,19 @@ def main() -> int:
                "passed": all(c.passed for c in checks), "min_matched": min(c.matched_ratio for c in checks),
                "bit_equal_grad_cos": bit_cos, "bit_equal_grad_sin": bit_sin, "deterministic": deterministic,
                "events_ms": {}, "span_ms": {}}
-        for k, fn in impls.items():
-            row["events_ms"][k] = timing.summarize(timing.time_cuda_events(fn, reps=args.reps, flusher=flusher))
+        # events in blocks of one implementation's calls (the evaluator's cuda_events method: no
+        # sync inside a block, so the host runs ahead of the GPU as it does in a loop of calls),
+        # the blocks in --rounds interleaved rounds (a drift of the host or the clocks falls on
+        # every implementation alike). Not call by call: after a call of the eager reference
+        # (~1 ms of launches) the GPU has drained, and a small workload's events would time our
+        # host latency, not a loop's steady state.
+        events = {k: [] for k in impls}
+        per_round = -(-args.reps // args.rounds)
+        for _ in range(args.rounds):
+            for k, fn in impls.items():
+                events[k] += timing.time_cuda_events(fn, reps=per_round, flusher=flusher)
+        for k in impls:
+            row["events_ms"][k] = timing.summarize(events[k])
         if not args.no_span:
             # interleaved rounds (fused, eager, floor, fused, ...): a drift of the card's clocks
             # or of the host during the run falls on every implementation alike, not on one

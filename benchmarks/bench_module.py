@@ -3,9 +3,11 @@ reference module (eager) vs torch.compile of the reference module.
 
 For each configuration and token count:
   * forward, backward and forward+backward, cold L2 (flushed before every call), median of
-    --reps CUDA-event timings. The forward runs with grad enabled (training: it saves what
-    the backward needs); the backward is ``torch.autograd.grad`` of the three outputs with
-    respect to hidden_states and the three parameters, on a retained graph;
+    --reps CUDA-event timings, the providers interleaved call by call in a rotated order
+    (``timing.time_cuda_events_interleaved``). The forward runs with grad enabled (training:
+    it saves what the backward needs); the backward is ``torch.autograd.grad`` of the three
+    outputs with respect to hidden_states and the three parameters, after a fresh untimed
+    forward;
   * peak memory of one forward+backward above what was allocated before it (inputs,
     parameters), and memory held after the forward (saved tensors + outputs);
   * on the smallest size: accuracy against a float64 reference (max |err| of fusedqkv and of
@@ -47,7 +49,6 @@ SMOKE_CONFIGS = {
 SIZES = {512: (1, 512), 2048: (1, 2048), 8192: (2, 4096)}  # tokens -> (batch, seq)
 PROVIDERS = ("eager", "compile", "fusedqkv")
 MODES = ("forward", "backward", "fwd+bwd")
-ROUNDS = 3  # timing rounds, the providers' order rotated (see the loop)
 
 
 def rope_cos_sin(b, s, d, dtype, device, base=10000.0):
@@ -80,30 +81,17 @@ def accuracy(cfg, fused, eager, x, cos, sin, grads):
     return {"max_abs_err": res, "ref_max_abs": scale, "three_way_ok": ok, "all_ok": all(ok.values())}
 
 
-def time_backward(fwd, inputs, grads, reps, flusher, warmup=3):
-    """Backward alone: a fresh forward before each call (untimed, no retained graph), then
-    the L2 flush, then the timed ``torch.autograd.grad``."""
-    if flusher is None:  # smoke run on the CPU
-        out = []
-        for _ in range(reps):
-            o = fwd()
+def time_cpu_interleaved(fns, reps, flusher=None, setup=None):
+    """The smoke run's stand-in for ``timing.time_cuda_events_interleaved``: the same call order,
+    wall clock (no timing value on the CPU)."""
+    out = {name: [] for name in fns}
+    for order in timing.rotated_orders(list(fns), reps):
+        for name in order:
+            a = (setup[name](),) if setup and name in setup else ()
             t0 = time.perf_counter()
-            torch.autograd.grad(o, inputs, grads)
-            out.append((time.perf_counter() - t0) * 1e3)
-        return out
-    for _ in range(warmup):
-        torch.autograd.grad(fwd(), inputs, grads)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        o = fwd()
-        flusher()
-        starts[i].record()
-        torch.autograd.grad(o, inputs, grads)
-        ends[i].record()
-        del o
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in zip(starts, ends)]
+            fns[name](*a)
+            out[name].append((time.perf_counter() - t0) * 1e3)
+    return out
 
 
 def main() -> int:
@@ -131,9 +119,7 @@ def main() -> int:
         args.tokens = "8,12"
         args.reps = 2
 
-        def timer(fn, reps, flusher):
-            return timing.time_cpu(fn, reps=reps)
-
+        timer = time_cpu_interleaved
         mem_alloc = mem_peak = lambda: 0  # noqa: E731
         sync = reset_peak = empty_cache = lambda: None  # noqa: E731
         flusher = None
@@ -141,7 +127,7 @@ def main() -> int:
     else:
         cbackend = "inductor"
         dev = torch.device("cuda")
-        timer = timing.time_cuda_events
+        timer = timing.time_cuda_events_interleaved
         mem_alloc, mem_peak = torch.cuda.memory_allocated, torch.cuda.max_memory_allocated
         sync, reset_peak, empty_cache = torch.cuda.synchronize, torch.cuda.reset_peak_memory_stats, torch.cuda.empty_cache
         flusher = timing.L2Flusher(dev)
@@ -199,10 +185,10 @@ def main() -> int:
                 mod = mods[prov]
                 inputs = [x, *params[prov]]
 
-                def fwd(mod=mod):
+                def fwd(mod=mod, x=x, cos=cos, sin=sin):
                     return mod(x, cos, sin)
 
-                def fwdbwd(mod=mod, inputs=inputs):
+                def fwdbwd(mod=mod, inputs=inputs, x=x, cos=cos, sin=sin, grads=grads):
                     out = mod(x, cos, sin)
                     return torch.autograd.grad(out, inputs, grads)
 
@@ -223,23 +209,22 @@ def main() -> int:
                 del r
                 memory[prov] = (peak, held)
 
-            # timing in rounds, the providers' order rotated each round: a GEMM-heavy run heats
-            # the GPU and lowers its clock, so a provider always timed last would pay for the others
-            samples = {prov: {m: [] for m in MODES} for prov in PROVIDERS}
-            rounds = max(1, min(ROUNDS, args.reps))
-            per = -(-args.reps // rounds)
-            for rnd in range(rounds):
-                order = PROVIDERS[rnd % len(PROVIDERS):] + PROVIDERS[:rnd % len(PROVIDERS)]
-                for prov in order:
-                    fwd, fwdbwd, inputs = fns[prov]
-                    samples[prov]["forward"] += timer(fwd, reps=per, flusher=flusher)
-                    samples[prov]["backward"] += time_backward(fwd, inputs, grads, per, flusher)
-                    samples[prov]["fwd+bwd"] += timer(fwdbwd, reps=per, flusher=flusher)
+            # timing: the providers interleaved call by call, the order rotated (a GEMM-heavy
+            # run lowers the card's clock for tens of ms: a block of one provider's calls would
+            # inherit the clock its predecessor left)
+            samples = {prov: {} for prov in PROVIDERS}
+            bwd = {p: (lambda o, inputs=fns[p][2], grads=grads: torch.autograd.grad(o, inputs, grads)) for p in PROVIDERS}
+            for mode, calls, setup in (("forward", {p: fns[p][0] for p in PROVIDERS}, None),
+                                       ("backward", bwd, {p: fns[p][0] for p in PROVIDERS}),
+                                       ("fwd+bwd", {p: fns[p][1] for p in PROVIDERS}, None)):
+                for p, ms in timer(calls, reps=args.reps, flusher=flusher, setup=setup).items():
+                    samples[p][mode] = ms
             for prov in PROVIDERS:
                 peak, held = memory[prov]
                 res = {m: timing.summarize(samples[prov][m]) for m in MODES}
                 rows.append({"config": cname, **cfg, "tokens": tokens, "batch": b, "seq": s, "provider": prov,
-                             "ms": res, "peak_fwd_bwd_MiB": peak / 2 ** 20, "held_after_fwd_MiB": held / 2 ** 20})
+                             "ms": res, "peak_fwd_bwd_MiB": peak / 2 ** 20, "held_after_fwd_MiB": held / 2 ** 20,
+                             "samples_ms": samples[prov]})
             log(f"{cname} M={tokens}: timed")
             del x, cos, sin, grads, mods, comp
             empty_cache()

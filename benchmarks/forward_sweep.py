@@ -105,6 +105,8 @@ def module_kernels(args, dev, flusher) -> int:
                 evs, hosts = [], []
                 for _ in range(3):
                     mod(x, cos, sin)
+                torch.cuda.synchronize()
+                m0 = torch.cuda.memory_stats()
                 for _ in range(args.reps):
                     flusher()
                     a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -116,6 +118,14 @@ def module_kernels(args, dev, flusher) -> int:
                     torch.cuda.synchronize()
                     evs.append(a.elapsed_time(e))
                 gc.enable()
+                # device allocations inside the timed calls (a cudaMalloc/cudaFree costs the host
+                # 100s of us, a cudaFree also waits for the GPU): what bimodal samples would need
+                m1 = torch.cuda.memory_stats()
+                allocs = {k: m1.get(k, 0) - m0.get(k, 0) for k in
+                          ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}
+                print(f"  {name} {tokens} gc={'on' if gc_on else 'off'}: allocator over {args.reps} calls {allocs}",
+                      flush=True)
+                out[f"{name} {tokens} gc={gc_on} allocator"] = allocs
                 pairs = sorted(zip(evs, hosts))
                 print(f"  {name} {tokens} gc={'on' if gc_on else 'off'}: (events ms, host us) sorted: "
                       f"{[(round(a, 3), round(b)) for a, b in pairs]}", flush=True)

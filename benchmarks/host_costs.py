@@ -7,7 +7,10 @@ lookup, allocations, launches). Rows:
 * the 091 backward (``gqa_qkv_rope_qk_norm_backward``) at the given workloads, with and
   without ``out=``, and two plain ``torch.mm`` of the same products for scale;
 * the training block (``GQAQKVRoPEQKNorm``) forward alone and forward + backward
-  (``torch.autograd.backward`` on the three outputs), HunyuanImage-3 heads, --train-tokens.
+  (``torch.autograd.backward`` on the three outputs), HunyuanImage-3 heads, --train-tokens;
+  its parts (the planned work without autograd, a do-nothing ``autograd.Function``), and the
+  cost per block inside a step of 8 blocks (one ``backward()``: the engine's per-call cost,
+  paid once per step by a model, is shared), next to a do-nothing Function's.
 
     PYTHONPATH=src FUSEDQKV_SOL_EXECBENCH=... python3 benchmarks/host_costs.py --out DIR \
         [--workloads 11,2,15,3] [--cprofile]
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -99,12 +103,36 @@ def main() -> int:
                 cases["  planned cuBLASLt dX"] = lambda: p.lt_dx(dq2.data_ptr(), a[6].data_ptr(), out[0].data_ptr(),
                                                                   stream)
                 cases["  torch.mm dX (out=)"] = lambda: torch.mm(dq2, a[6], out=dx)
+        # allocating the six outputs (the call without out=), three ways
+        specs = [(shape, dt) for _, shape, dt in p.out_specs]
+        likes = (a[3], a[4], a[5], a[6], a[7], a[8])  # hidden_states, cos, sin, W, wq, wk: the outputs' dtypes
+        cases["  6 torch.empty (outputs)"] = lambda: [torch.empty(sh, dtype=dt, device=dev) for sh, dt in specs]
+        if all(t.dtype == dt for t, (_, dt) in zip(likes, specs)):
+            cases["  6 new_empty (outputs)"] = lambda: [t.new_empty(sh) for t, (sh, _) in zip(likes, specs)]
+        pieces = []
+        for sh, dt in specs:
+            n = math.prod(sh) * dt.itemsize
+            pieces += [n, -n % 256]
+        cases["  1 empty + split + 6 views"] = lambda: [
+            piece.view(dt).view(sh) for piece, (sh, dt) in
+            zip(torch.empty(sum(pieces), dtype=torch.uint8, device=dev).split_with_sizes(pieces)[::2], specs)]
         for name, fn in cases.items():
             fn()
             rows.append({"case": name, "workload": w.name, "tokens": M, "host_us": host_us(fn)})
             print(f"{w.name:<14s} {name:<22s} {rows[-1]['host_us']:8.1f} us", flush=True)
         # A/B, interleaved rep by rep (the host's speed drifts): the products as planned cuBLASLt
         # calls vs torch.mm
+        # A/B, interleaved rep by rep: the call with out= and the call that allocates its outputs
+        ab = {"091 call, out= [A/B vs allocating]": cases["091 call, out="],
+              "091 call [A/B vs out=]": cases["091 call"]}
+        got = {k: [] for k in ab}
+        for _ in range(9):
+            for k, f in ab.items():
+                f()
+                got[k].append(host_us(f, reps=1))
+        for k in ab:
+            rows.append({"case": k, "workload": w.name, "tokens": M, "host_us": statistics.median(got[k])})
+            print(f"{w.name:<14s} {k:<22s} {rows[-1]['host_us']:8.1f} us", flush=True)
         fn = cases["091 call, out="]
         samples = {True: [], False: []}
         for _ in range(9):
@@ -189,6 +217,60 @@ def main() -> int:
             fn()
             rows.append({"case": f"{name} {position}", "workload": f"T{T}", "tokens": T, "host_us": host_us(fn, n=50)})
             print(f"T{T:<13d} {name + ' ' + position:<40s} {rows[-1]['host_us']:8.1f} us", flush=True)
+        # A/B/C interleaved rep by rep (the host's speed drifts): the whole step, autograd's own
+        # share, and the planned work without autograd
+        abc = {"training forward+backward [A/B/C]": fwd_bwd,
+               "  autograd alone [A/B/C]": autograd_only,
+               "  planned forward + backward, no autograd [A/B/C]": lambda: (plan_fwd(), plan_bwd())}
+        got = {k: [] for k in abc}
+        for _ in range(9):
+            for k, f in abc.items():
+                f()
+                got[k].append(host_us(f, n=50, reps=1))
+        for k in abc:
+            rows.append({"case": f"{k} {position}", "workload": f"T{T}", "tokens": T,
+                         "host_us": statistics.median(got[k])})
+            print(f"T{T:<13d} {k + ' ' + position:<40s} {rows[-1]['host_us']:8.1f} us", flush=True)
+        # per block inside a step of several: one backward() for N blocks, so the autograd engine's
+        # fixed cost per backward call (a model pays it once per step, not per layer) is shared;
+        # marginal = (T(N blocks) - T(1 block)) / (N - 1), ours and a do-nothing Function's
+        n_blocks = 8
+        stack = [block] + [fusedqkv.GQAQKVRoPEQKNorm(4096, 32, 8, 128, qk_norm_position=position, device=dev,
+                                                     dtype=torch.bfloat16) for _ in range(n_blocks - 1)]
+        stack_params = [hs] + [p_ for b_ in stack for p_ in b_.parameters()]
+        pass_inputs = [[torch.zeros(4, device=dev, requires_grad=True) for _ in range(4)] for _ in range(n_blocks)]
+
+        def step_of(n):
+            def run():
+                for t in stack_params:
+                    t.grad = None
+                outs = [o for b_ in stack[:n] for o in b_(hs, cos, sin)]
+                torch.autograd.backward(outs, list(grads) * n)
+            return run
+
+        def pass_step_of(n):
+            def run():
+                for ins in pass_inputs[:n]:
+                    for t in ins:
+                        t.grad = None
+                outs = [o for ins in pass_inputs[:n] for o in Passthrough.apply(*ins)]
+                torch.autograd.backward(outs, small_grads * n)
+            return run
+
+        marg = {}
+        for label, make in (("fusedqkv", step_of), ("do-nothing Function", pass_step_of)):
+            one, many = make(1), make(n_blocks)
+            t1, tn = [], []
+            for _ in range(7):  # interleaved: the host's speed drifts
+                one()
+                t1.append(host_us(one, n=8, reps=1))
+                many()
+                tn.append(host_us(many, n=8, reps=1))
+            marg[label] = (statistics.median(tn) - statistics.median(t1)) / (n_blocks - 1)
+            name = f"training fwd+bwd per block, {n_blocks} blocks a step (marginal) [{label}]"
+            rows.append({"case": f"{name} {position}", "workload": f"T{T}", "tokens": T, "host_us": marg[label],
+                         "one_block_us": statistics.median(t1), "n_blocks_us": statistics.median(tn)})
+            print(f"T{T:<13d} {name + ' ' + position:<40s} {marg[label]:8.1f} us", flush=True)
         for name, fn, variant in (("training forward (no_grad)", fwd, True),
                                   ("training forward+backward", fwd_bwd, True),
                                   ("training forward+backward [torch.mm]", fwd_bwd, False)):

@@ -75,3 +75,15 @@ def test_spans_reject_missing_or_changing_kernels():
 def test_span_source_is_checked():
     with pytest.raises(ValueError, match="source: expected auto, cupti or profiler"):
         timing.time_call_span(lambda: None, [], source="nvtx")
+
+
+def test_rotated_orders_give_every_implementation_every_predecessor():
+    names = ["eager", "compile", "fusedqkv"]
+    orders = timing.rotated_orders(names, 6)
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert [o[0] for o in orders] == names * 2
+    # over the whole sequence of calls, each implementation directly follows each other one
+    seq = [n for o in orders for n in o]
+    pairs = {(a, b) for a, b in zip(seq, seq[1:])}
+    assert {(a, b) for a in names for b in names if a != b} <= pairs
+    assert timing.rotated_orders([], 3) == []

@@ -125,17 +125,18 @@ def _call(op, impl, *args):
 
 
 class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
-    """(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
-    num_kv_heads, eps, norm_after_rope, backend, plan, qkv_bias) -> (q, k, v), each [B, H, S, D].
+    """(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, meta) ->
+    (q, k, v), each [B, H, S, D].
 
     cos/sin must already be [batch, seq, head_dim] (expand a shared [1, seq, head_dim]
-    first; autograd then sums its gradient over the batch). ``plan``: the forward's plan
-    (eager calls), or None (under torch.compile: the custom ops). ``qkv_bias`` optional."""
+    first; autograd then sums its gradient over the batch). ``qkv_bias`` optional (None).
+    ``meta``: ``(num_heads, num_kv_heads, eps, norm_after_rope, backend, plan)``, one argument
+    (``apply`` costs host time per argument); ``plan`` the forward's plan (eager calls), or None
+    (under torch.compile: the custom ops)."""
 
     @staticmethod
-    def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool, backend: str, plan=None,
-                qkv_bias=None):
+    def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, meta):
+        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan = meta
         if plan is not None:
             q, k, qkv, _, _ = _plan.run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                                 cos, sin, qkv_bias)
@@ -147,30 +148,25 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
         v = qkv.view(B, S, num_heads + 2 * num_kv_heads, D)[:, :, num_heads + num_kv_heads:].transpose(1, 2)
         # rstd is not kept: the backward recomputes it from qkv
         ctx.save_for_backward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv)
-        ctx.eps = eps
-        ctx.num_heads = num_heads
-        ctx.num_kv_heads = num_kv_heads
-        ctx.norm_after_rope = norm_after_rope
-        ctx.backend = backend
-        ctx.eager = plan is not None
+        ctx.meta = meta
         return q, k, v
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
         hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv = ctx.saved_tensors
+        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan = ctx.meta
         need = ctx.needs_input_grad
         need_cs = bool(need[4] or need[5])
-        need_b = bool(need[12])
+        need_b = bool(need[6])
         args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
-                ctx.num_heads, ctx.num_kv_heads, ctx.eps, ctx.norm_after_rope, bool(need[0]), bool(need[1]),
-                need_cs, ctx.backend, need_b)
-        if ctx.eager and not torch.compiler.is_compiling():
+                num_heads, num_kv_heads, eps, norm_after_rope, bool(need[0]), bool(need[1]), need_cs, backend, need_b)
+        if plan is not None and not torch.compiler.is_compiling():
             g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _plan.training_backward(*args)
         else:
             g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _call(_bwd_op, _bwd_impl, *args)
         return (g_x if need[0] else None, g_w if need[1] else None, g_qw if need[2] else None,
                 g_kw if need[3] else None, g_cos if need[4] else None, g_sin if need[5] else None,
-                None, None, None, None, None, None, g_b if need_b else None)
+                g_b if need_b else None, None)
 
 
 def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, *, num_heads,
@@ -219,6 +215,7 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
                 V.require_tensor("k_norm_weight", k_norm_weight)
             q_norm_weight = q_norm_weight.float() + offset
             k_norm_weight = k_norm_weight.float() + offset
+    backend = _backend_arg(backend)
     if torch.compiler.is_compiling():  # traced: plain validation, then the custom ops
         sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                      num_heads, num_kv_heads, eps, qk_norm_position)
@@ -228,13 +225,13 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
         b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
     else:
         plan = _plan.forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
-                                  num_kv_heads, eps, qk_norm_position, _backend_arg(backend), qkv_bias)
+                                  num_kv_heads, eps, qk_norm_position, backend, qkv_bias)
         sz = plan.sz
         b, s, d = plan.cs_shape
     if cos.shape[0] != b:
         cos = cos.expand(b, s, d)
     if sin.shape[0] != b:
         sin = sin.expand(b, s, d)
-    return GQAQKVRoPEQKNormFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                                          sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"],
-                                          _backend_arg(backend), plan, qkv_bias)
+    return GQAQKVRoPEQKNormFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias,
+                                          (sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"],
+                                           backend, plan))

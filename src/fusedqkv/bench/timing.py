@@ -15,6 +15,9 @@ over the iterations. Here:
   side stream so that they are not counted). Same iteration structure either way.
 * ``time_call_events``: CUDA events around each call, the same setup and flush, no sync
   between iterations (the evaluator's ``cuda_events`` method) -- the second clock.
+* ``time_cuda_events_interleaved``: CUDA events of several implementations taken call by
+  call in turn, the order rotated (the card's clock follows its recent load; a block timed
+  after another implementation's block inherits its clock).
 * ``time_cuda_events`` / ``time_kernel_span`` / ``profile_kernel_calls``: the older
   fixed-argument helpers, kept for the scripts in ``benchmarks/``.
 * ``time_cpu``: wall clock for CPU runs (no cache flush; labelled as a CPU run).
@@ -45,12 +48,26 @@ class L2Flusher:
         props = torch.cuda.get_device_properties(device)
         l2 = getattr(props, "L2_cache_size", 0) or 50 * 1024 * 1024
         self.buf = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+        self._launch = None
+        self._ptrs = [self.buf.data_ptr()]
 
     def __call__(self) -> None:
-        from ..kernels.l2_flush import l2_flush_kernel
+        # a bound launch (the compiled kernel's launcher, a few us of host) rather than the JIT
+        # dispatch (~15-25 us on the lent host): a loop of small calls whose flush costs more
+        # host time than the evaluator's zero_() would turn host-bound and time the host
+        launch = self._launch
+        if launch is None:
+            from ..kernels.l2_flush import l2_flush_kernel
+            from ..ops.launch import BoundLaunch, Ptr
 
-        n = self.buf.numel()
-        l2_flush_kernel[(triton_cdiv(n, self.BLOCK),)](self.buf, n, BLOCK=self.BLOCK, num_warps=4)
+            n = self.buf.numel()
+            launch = self._launch = BoundLaunch(l2_flush_kernel, (triton_cdiv(n, self.BLOCK),),
+                                                [Ptr(0, self.buf), n], {"BLOCK": self.BLOCK, "num_warps": 4})
+        stream = torch._C._cuda_getCurrentRawStream(self.buf.device.index)
+        if launch._raw is None:
+            launch.launch([self.buf], None, stream)
+        else:
+            launch.launch(None, self._ptrs, stream)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -87,6 +104,62 @@ def time_cuda_events(fn: Callable[[], object], reps: int = 50, warmup: int = 5, 
         ends[i].record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def rotated_orders(names: Sequence[str], reps: int) -> list:
+    """The call order of each repetition of an interleaved timing: repetition ``r`` starts at
+    the ``r``-th name, so over ``len(names)`` repetitions every name follows every other one
+    equally often."""
+    names = list(names)
+    n = len(names)
+    return [names[r % n:] + names[:r % n] for r in range(reps)] if n else []
+
+
+def time_cuda_events_interleaved(fns: dict, reps: int = 30, warmup: int = 3, flusher: L2Flusher | None = None,
+                                 setup: Optional[dict] = None) -> dict:
+    """CUDA-event times of several callables taken call by call in turn (the order rotated by
+    :func:`rotated_orders`), the L2 flushed before each call and no sync between calls.
+
+    Why: the H200's clock follows its recent load for tens of milliseconds, so a block of calls
+    of one implementation timed right after another implementation's GEMM-heavy block runs
+    10-15 % slower than after a light one; interleaving gives every implementation the same
+    predecessors. ``setup[name]()`` (optional, per name) runs untimed before the flush and its
+    result is passed to ``fns[name]`` (e.g. a fresh forward before a timed backward).
+    Returns ``{name: [ms per call]}``."""
+    setup = setup or {}
+    names = list(fns)
+
+    def prepare(name):
+        return (setup[name](),) if name in setup else ()
+
+    flusher = flusher or L2Flusher(torch.cuda.current_device())
+    for name in names:
+        for _ in range(warmup):
+            a = prepare(name)
+            flusher()
+            fns[name](*a)
+            del a
+    torch.cuda.synchronize()
+    # one untimed round: the first call after a sync starts on an idle GPU (the host's launch
+    # latency would fall inside its events)
+    for name in names:
+        a = prepare(name)
+        flusher()
+        fns[name](*a)
+        del a
+    events = {name: [] for name in names}
+    for order in rotated_orders(names, reps):
+        for name in order:
+            a = prepare(name)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            flusher()
+            start.record()
+            fns[name](*a)
+            end.record()
+            del a
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: [s.elapsed_time(e) for s, e in evs] for name, evs in events.items()}
 
 
 def kernel_calls_from_events(events, skip: tuple = ()) -> list:

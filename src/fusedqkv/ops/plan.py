@@ -127,6 +127,19 @@ def _span(t: torch.Tensor) -> int:
 
 WORKSPACE_KEPT_BYTES = 32 << 20  # the largest dQKV kept between calls
 
+# the kept dQKV workspaces: one byte buffer per (device index, stream), shared by every plan
+# that runs on that stream (calls on one stream never overlap on the GPU), grown to the
+# largest dQKV asked for (at most WORKSPACE_KEPT_BYTES)
+_KEPT_WORKSPACES: dict = {}
+
+
+def kept_workspace(index: int, stream: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """The shared byte buffer of this device and stream, at least ``nbytes`` long."""
+    buf = _KEPT_WORKSPACES.get((index, stream))
+    if buf is None or buf.numel() < nbytes:
+        buf = _KEPT_WORKSPACES[(index, stream)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf
+
 
 class Backward091Plan:
     """The 091 backward of one input signature. ``path``: ``"torch"`` (the CPU path, or no
@@ -152,18 +165,21 @@ class Backward091Plan:
         self._checked = None  # the addresses of the last call that passed the address checks
         self._ready = False  # every launch bound to its compiled kernel
         self._extra = None  # (stream, the stage's own table entries)
-        self._kept = None  # (stream, dQKV workspace)
+        self._kept = None  # (stream, the shared buffer, dQKV: a view of it)
 
     def _workspace(self) -> torch.Tensor:
-        """dQKV: kept per stream where it is small (calls on one stream never overlap on the
-        GPU, so the next call's stage writes it only after this call's products read it);
-        allocated per call where it is large or while a CUDA graph is being captured."""
+        """dQKV: where it is small, a view of the stream's shared buffer (calls on one stream
+        never overlap on the GPU, so the next call's stage writes it only after this call's
+        products read it, whichever plan made either call); allocated per call where it is
+        large or while a CUDA graph is being captured."""
         if self.workspace_kept and not torch.cuda.is_current_stream_capturing():
             stream = torch._C._cuda_getCurrentRawStream(self.device_index)
             kept = self._kept
-            if kept is None or kept[0] != stream:
-                kept = self._kept = (stream, torch.empty(self.dqkv_shape, dtype=self.dtype, device=self.device))
-            return kept[1]
+            if kept is None or kept[0] != stream or kept[1] is not _KEPT_WORKSPACES.get((self.device_index, stream)):
+                nbytes = self.dqkv_shape[0] * self.dqkv_shape[1] * self.dtype.itemsize
+                buf = kept_workspace(self.device_index, stream, nbytes, self.device)
+                kept = self._kept = (stream, buf, buf[:nbytes].view(self.dtype).view(self.dqkv_shape))
+            return kept[2]
         return torch.empty(self.dqkv_shape, dtype=self.dtype, device=self.device)
 
     def _outputs(self, out):
