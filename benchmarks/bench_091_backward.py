@@ -79,29 +79,23 @@ def main() -> int:
                "passed": all(c.passed for c in checks), "min_matched": min(c.matched_ratio for c in checks),
                "bit_equal_grad_cos": bit_cos, "bit_equal_grad_sin": bit_sin, "deterministic": deterministic,
                "events_ms": {}, "span_ms": {}}
-        # events in blocks of one implementation's calls (the evaluator's cuda_events method: no
-        # sync inside a block, so the host runs ahead of the GPU as it does in a loop of calls),
-        # the blocks in --rounds interleaved rounds (a drift of the host or the clocks falls on
-        # every implementation alike). Not call by call: after a call of the eager reference
-        # (~1 ms of launches) the GPU has drained, and a small workload's events would time our
-        # host latency, not a loop's steady state.
-        events = {k: [] for k in impls}
+        # both clocks in blocks of one implementation's calls (the evaluator's structure: no sync
+        # inside a block, so the host runs ahead of the GPU as in a loop of calls), the blocks in
+        # --rounds interleaved rounds (fused, eager, floor, fused, ...): a drift of the host or the
+        # card's clocks falls on every implementation alike. Not call by call: after a call of the
+        # eager reference (~1 ms of launches) the GPU has drained, and a small workload's events
+        # would time our host latency, not a loop's steady state.
+        clocks = {"events_ms": timing.time_cuda_events}
+        if not args.no_span:
+            clocks["span_ms"] = timing.time_kernel_span
+        samples = {c: {k: [] for k in impls} for c in clocks}
         per_round = -(-args.reps // args.rounds)
         for _ in range(args.rounds):
-            for k, fn in impls.items():
-                events[k] += timing.time_cuda_events(fn, reps=per_round, flusher=flusher)
-        for k in impls:
-            row["events_ms"][k] = timing.summarize(events[k])
-        if not args.no_span:
-            # interleaved rounds (fused, eager, floor, fused, ...): a drift of the card's clocks
-            # or of the host during the run falls on every implementation alike, not on one
-            spans = {k: [] for k in impls}
-            per_round = -(-args.reps // args.rounds)
-            for _ in range(args.rounds):
+            for c, timer in clocks.items():
                 for k, fn in impls.items():
-                    spans[k] += timing.time_kernel_span(fn, reps=per_round, flusher=flusher)
-            for k in impls:
-                row["span_ms"][k] = timing.summarize(spans[k])
+                    samples[c][k] += timer(fn, reps=per_round, flusher=flusher)
+        for c in clocks:
+            row[c] = {k: timing.summarize(v) for k, v in samples[c].items()}
 
         if args.tune:
             # the whole op (kernel span, the official timer) under several stage tiles

@@ -21,6 +21,7 @@ Prints a table last; writes host_costs.json to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -50,6 +51,19 @@ def host_us(fn, n=100, reps=7):
         out.append((time.perf_counter() - t0) / n * 1e6)
     torch.cuda.synchronize()
     return statistics.median(out)
+
+
+def interleaved_host_us(fns: dict, n=100, rounds=9, contexts=None) -> dict:
+    """``host_us`` of several callables, one sample each in turn per round (the host's speed
+    drifts): the median per name. ``contexts[name]()`` (optional) is entered around that name's
+    sample, outside the timed calls."""
+    got = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            with (contexts[k]() if contexts and k in contexts else contextlib.nullcontext()):
+                f()
+                got[k].append(host_us(f, n=n, reps=1))
+    return {k: statistics.median(v) for k, v in got.items()}
 
 
 def main() -> int:
@@ -120,29 +134,17 @@ def main() -> int:
             fn()
             rows.append({"case": name, "workload": w.name, "tokens": M, "host_us": host_us(fn)})
             print(f"{w.name:<14s} {name:<22s} {rows[-1]['host_us']:8.1f} us", flush=True)
-        # A/B, interleaved rep by rep (the host's speed drifts): the products as planned cuBLASLt
-        # calls vs torch.mm
-        # A/B, interleaved rep by rep: the call with out= and the call that allocates its outputs
-        ab = {"091 call, out= [A/B vs allocating]": cases["091 call, out="],
-              "091 call [A/B vs out=]": cases["091 call"]}
-        got = {k: [] for k in ab}
-        for _ in range(9):
-            for k, f in ab.items():
-                f()
-                got[k].append(host_us(f, reps=1))
-        for k in ab:
-            rows.append({"case": k, "workload": w.name, "tokens": M, "host_us": statistics.median(got[k])})
-            print(f"{w.name:<14s} {k:<22s} {rows[-1]['host_us']:8.1f} us", flush=True)
+        # A/B, interleaved rep by rep (the host's speed drifts): the call with out= and the call that
+        # allocates its outputs; then the products as planned cuBLASLt calls vs torch.mm
         fn = cases["091 call, out="]
-        samples = {True: [], False: []}
-        for _ in range(9):
-            for on in (True, False):
-                with config.override(cublaslt=on):
-                    fn()
-                    samples[on].append(host_us(fn, reps=1))
-        for on, label in ((True, "091 call, out= [A/B: cuBLASLt]"), (False, "091 call, out= [A/B: torch.mm]")):
-            rows.append({"case": label, "workload": w.name, "tokens": M, "host_us": statistics.median(samples[on])})
-            print(f"{w.name:<14s} {label:<22s} {rows[-1]['host_us']:8.1f} us", flush=True)
+        ab = interleaved_host_us({"091 call, out= [A/B vs allocating]": fn, "091 call [A/B vs out=]": cases["091 call"]})
+        ab.update(interleaved_host_us(
+            {"091 call, out= [A/B: cuBLASLt]": fn, "091 call, out= [A/B: torch.mm]": fn},
+            contexts={"091 call, out= [A/B: cuBLASLt]": lambda: config.override(cublaslt=True),
+                      "091 call, out= [A/B: torch.mm]": lambda: config.override(cublaslt=False)}))
+        for label, us in ab.items():
+            rows.append({"case": label, "workload": w.name, "tokens": M, "host_us": us})
+            print(f"{w.name:<14s} {label:<22s} {us:8.1f} us", flush=True)
         if args.cprofile and wi == int(args.workloads.split(",")[0]):
             import cProfile
             import io
@@ -222,15 +224,9 @@ def main() -> int:
         abc = {"training forward+backward [A/B/C]": fwd_bwd,
                "  autograd alone [A/B/C]": autograd_only,
                "  planned forward + backward, no autograd [A/B/C]": lambda: (plan_fwd(), plan_bwd())}
-        got = {k: [] for k in abc}
-        for _ in range(9):
-            for k, f in abc.items():
-                f()
-                got[k].append(host_us(f, n=50, reps=1))
-        for k in abc:
-            rows.append({"case": f"{k} {position}", "workload": f"T{T}", "tokens": T,
-                         "host_us": statistics.median(got[k])})
-            print(f"T{T:<13d} {k + ' ' + position:<40s} {rows[-1]['host_us']:8.1f} us", flush=True)
+        for k, us in interleaved_host_us(abc, n=50).items():
+            rows.append({"case": f"{k} {position}", "workload": f"T{T}", "tokens": T, "host_us": us})
+            print(f"T{T:<13d} {k + ' ' + position:<40s} {us:8.1f} us", flush=True)
         # per block inside a step of several: one backward() for N blocks, so the autograd engine's
         # fixed cost per backward call (a model pays it once per step, not per layer) is shared;
         # marginal = (T(N blocks) - T(1 block)) / (N - 1), ours and a do-nothing Function's
@@ -257,20 +253,13 @@ def main() -> int:
                 torch.autograd.backward(outs, small_grads * n)
             return run
 
-        marg = {}
         for label, make in (("fusedqkv", step_of), ("do-nothing Function", pass_step_of)):
-            one, many = make(1), make(n_blocks)
-            t1, tn = [], []
-            for _ in range(7):  # interleaved: the host's speed drifts
-                one()
-                t1.append(host_us(one, n=8, reps=1))
-                many()
-                tn.append(host_us(many, n=8, reps=1))
-            marg[label] = (statistics.median(tn) - statistics.median(t1)) / (n_blocks - 1)
+            t = interleaved_host_us({"one": make(1), "many": make(n_blocks)}, n=8, rounds=7)
+            marginal = (t["many"] - t["one"]) / (n_blocks - 1)
             name = f"training fwd+bwd per block, {n_blocks} blocks a step (marginal) [{label}]"
-            rows.append({"case": f"{name} {position}", "workload": f"T{T}", "tokens": T, "host_us": marg[label],
-                         "one_block_us": statistics.median(t1), "n_blocks_us": statistics.median(tn)})
-            print(f"T{T:<13d} {name + ' ' + position:<40s} {marg[label]:8.1f} us", flush=True)
+            rows.append({"case": f"{name} {position}", "workload": f"T{T}", "tokens": T, "host_us": marginal,
+                         "one_block_us": t["one"], "n_blocks_us": t["many"]})
+            print(f"T{T:<13d} {name + ' ' + position:<40s} {marginal:8.1f} us", flush=True)
         for name, fn, variant in (("training forward (no_grad)", fwd, True),
                                   ("training forward+backward", fwd_bwd, True),
                                   ("training forward+backward [torch.mm]", fwd_bwd, False)):

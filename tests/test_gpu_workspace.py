@@ -2,11 +2,10 @@
 plan on that stream (the call with out= and the call without are two plans of one shape), grown
 to the largest dQKV, and results unchanged by the sharing."""
 
-import math
-
 import pytest
 import torch
 
+import _oracle
 import fusedqkv
 from fusedqkv.ops import plan as P
 
@@ -14,19 +13,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 def _inputs(b, hq, hkv, s, d, hidden, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def rn(*sh):
-        return torch.randn(*sh, generator=g).bfloat16().cuda()
-
-    ang = torch.randn(b, s, d, generator=g)
-    qkv = (hq + 2 * hkv) * d
-    return [rn(b, hq, s, d), rn(b, hkv, s, d), rn(b, hkv, s, d), rn(b, s, hidden), ang.cos().bfloat16().cuda(),
-            ang.sin().bfloat16().cuda(), (torch.randn(qkv, hidden, generator=g) / math.sqrt(hidden)).bfloat16().cuda(),
-            (1 + 0.1 * torch.randn(d, generator=g)).bfloat16().cuda(),
-            (1 + 0.1 * torch.randn(d, generator=g)).bfloat16().cuda(), rn(b, hq, s, d), rn(b, hkv, s, d),
-            (torch.randn(b, hq, s, 1, generator=g).abs() + 0.1).bfloat16().cuda(),
-            (torch.randn(b, hkv, s, 1, generator=g).abs() + 0.1).bfloat16().cuda(), 1e-5]
+    return [t.cuda() if isinstance(t, torch.Tensor) else t
+            for t in _oracle.make_inputs(b, hq, hkv, s, d, hidden=hidden, seed=seed)]
 
 
 @cuda

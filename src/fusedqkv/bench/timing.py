@@ -36,6 +36,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..ops.launch import BoundLaunch, Ptr, current_stream
+
 FLUSH_KERNEL_NAME = "l2_flush_kernel"
 
 
@@ -48,26 +50,18 @@ class L2Flusher:
         props = torch.cuda.get_device_properties(device)
         l2 = getattr(props, "L2_cache_size", 0) or 50 * 1024 * 1024
         self.buf = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
-        self._launch = None
-        self._ptrs = [self.buf.data_ptr()]
-
-    def __call__(self) -> None:
         # a bound launch (the compiled kernel's launcher, a few us of host) rather than the JIT
         # dispatch (~15-25 us on the lent host): a loop of small calls whose flush costs more
         # host time than the evaluator's zero_() would turn host-bound and time the host
-        launch = self._launch
-        if launch is None:
-            from ..kernels.l2_flush import l2_flush_kernel
-            from ..ops.launch import BoundLaunch, Ptr
+        from ..kernels.l2_flush import l2_flush_kernel
 
-            n = self.buf.numel()
-            launch = self._launch = BoundLaunch(l2_flush_kernel, (triton_cdiv(n, self.BLOCK),),
-                                                [Ptr(0, self.buf), n], {"BLOCK": self.BLOCK, "num_warps": 4})
-        stream = torch._C._cuda_getCurrentRawStream(self.buf.device.index)
-        if launch._raw is None:
-            launch.launch([self.buf], None, stream)
-        else:
-            launch.launch(None, self._ptrs, stream)
+        n = self.buf.numel()
+        self._launch = BoundLaunch(l2_flush_kernel, (triton_cdiv(n, self.BLOCK),), [Ptr(0, self.buf), n],
+                                   {"BLOCK": self.BLOCK, "num_warps": 4})
+        self._ptrs = [self.buf.data_ptr()]
+
+    def __call__(self) -> None:
+        self._launch.launch([self.buf], self._ptrs, current_stream(self.buf.device))
 
 
 def triton_cdiv(a: int, b: int) -> int:
