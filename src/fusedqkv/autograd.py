@@ -17,8 +17,9 @@ writing dQKV token-major, then dX = dQKV W and dW = dQKV^T X on cuBLAS (and the 
 gradient, dQKV summed over tokens in fp32). grad_cos/sin are computed only when cos/sin
 require grad; dX/dW only when needed.
 
-Eager calls are planned once per input signature (:mod:`fusedqkv.ops.plan`): the forward's
-plan travels through the Function, the backward's is looked up by its own signature.
+Eager calls are planned once per input signature (:mod:`fusedqkv.ops.training_forward`,
+:mod:`fusedqkv.ops.training_backward`): the forward's plan travels through the Function, the
+backward's is looked up by its own signature.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Optional
 
 import torch
 
-from .ops import plan as _plan
+from .ops.training_backward import training_backward
+from .ops.training_forward import forward_plan, run_forward
 from .ops import validation as V
 from .ops.gqa_forward import validate_forward_inputs
 
@@ -54,9 +56,9 @@ def _position(norm_after_rope: bool) -> str:
 def _fwd_impl(hidden_states: Tensor, qkv_weight: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
               cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool,
               backend: str, qkv_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    plan = _plan.forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
+    plan = forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                               num_kv_heads, eps, _position(norm_after_rope), backend, qkv_bias)
-    return _plan.run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
+    return run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
 
 
 def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Tensor, qkv_weight: Tensor,
@@ -65,7 +67,7 @@ def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Ten
               need_hidden_grad: bool, need_weight_grad: bool, need_cos_sin_grad: bool,
               backend: str, need_bias_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                    Tensor]:
-    g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _plan.training_backward(
+    g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = training_backward(
         grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads,
         num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad, need_cos_sin_grad, backend,
         need_bias_grad)
@@ -138,7 +140,7 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
     def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, meta):
         num_heads, num_kv_heads, eps, norm_after_rope, backend, plan = meta
         if plan is not None:
-            q, k, qkv, _, _ = _plan.run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
+            q, k, qkv, _, _ = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                                 cos, sin, qkv_bias)
         else:
             q, k, qkv, _, _ = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
@@ -161,7 +163,7 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
         args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
                 num_heads, num_kv_heads, eps, norm_after_rope, bool(need[0]), bool(need[1]), need_cs, backend, need_b)
         if plan is not None and not torch.compiler.is_compiling():
-            g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _plan.training_backward(*args)
+            g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = training_backward(*args)
         else:
             g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _call(_bwd_op, _bwd_impl, *args)
         return (g_x if need[0] else None, g_w if need[1] else None, g_qw if need[2] else None,
@@ -224,7 +226,7 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
         plan = None
         b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
     else:
-        plan = _plan.forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
+        plan = forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                                   num_kv_heads, eps, qk_norm_position, backend, qkv_bias)
         sz = plan.sz
         b, s, d = plan.cs_shape

@@ -23,7 +23,8 @@ import torch
 
 from . import config
 from . import validation as V
-from .launch import BoundLaunch, Ptr, next_pow2 as _next_pow2, sm_count
+from .device import sm_count
+from .launch import BoundLaunch, Ptr, next_pow2 as _next_pow2
 
 try:  # Triton is a dependency on Linux only; the torch backend serves without it
     from ..kernels.rope_qk_norm_fwd import rope_qk_norm_fwd_kernel

@@ -22,7 +22,9 @@ import torch
 
 from . import config
 from .config import INTERPRET
-from .launch import BoundLaunch, Desc, Ptr, Table, current_stream, next_pow2 as _next_pow2, sm90_or_newer, sm_count
+from . import device as _device
+from .device import current_stream, sm90_or_newer, sm_count
+from .launch import BoundLaunch, Desc, Ptr, Table, next_pow2 as _next_pow2
 
 try:  # Triton is a dependency on Linux only; the torch backend serves without it
     from ..kernels.rope_qk_norm import rope_qk_norm_bwd_finish_kernel, rope_qk_norm_bwd_kernel
@@ -94,7 +96,7 @@ def rope_qk_norm_backward(
     scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None,
 ):
     """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``; one
-    unplanned call (the public entry points keep plans: :mod:`fusedqkv.ops.plan`).
+    unplanned call (the public entry points keep plans: :mod:`fusedqkv.ops.backward_091`, :mod:`fusedqkv.ops.training_backward`).
 
     Arguments are already validated. ``saved_q``/``saved_k`` are the rotated pre-norm
     tensors (``saved_rotated=True``, SOL-ExecBench 091) or the raw projection outputs.
@@ -113,13 +115,15 @@ def rope_qk_norm_backward(
                        norm_after_rope, saved_rotated, eps)
         return None
     table = Table()
-    operands = [grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight, cos, sin,
-                dqkv, grad_cos, grad_sin, grad_q_norm_weight, grad_k_norm_weight, scratch]
-    slots = [None if t is None else table.add(t) for t in operands]
+    operands = dict(grad_q=grad_q, grad_k=grad_k, grad_v=grad_v, saved_q=saved_q, saved_k=saved_k, rstd_q=rstd_q,
+                    rstd_k=rstd_k, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, cos=cos, sin=sin,
+                    dqkv=dqkv, grad_cos=grad_cos, grad_sin=grad_sin, grad_q_norm_weight=grad_q_norm_weight,
+                    grad_k_norm_weight=grad_k_norm_weight, scratch=scratch)
+    slots = [None if t is None else table.add(name, t) for name, t in operands.items()]
     stage = plan_backward_stage(table, *slots, exact=exact, norm_after_rope=norm_after_rope,
                                 saved_rotated=saved_rotated, eps=eps, finish_outside=False, cfg=config.current())
     stream = current_stream(grad_q.device)
-    tensors = table.tensors([t for t in operands if t is not None] + stage.call_inputs(stream))
+    tensors = table.tensors({**operands, **stage.call_inputs(stream)})
     for launch in stage.launches():
         launch.launch(tensors, None, stream)
     return stage
@@ -137,20 +141,6 @@ def _tma_4d(t: torch.Tensor, half: int) -> bool:
         return False
     return (t.stride(3) == 1 and t.data_ptr() % 16 == 0 and half & (half - 1) == 0 and half * es >= 16
             and all((st * es) % 16 == 0 for st in t.stride()[:3]))
-
-
-_tickets: dict = {}
-
-
-def ticket_buffer(device: torch.device, n: int, stream: int, slot: str = "stage") -> torch.Tensor:
-    """At least ``n`` zeroed int32 tickets per (device, stream, slot). Every kernel that takes
-    tickets leaves them zero again, so the buffer is reused without a memset, and kernels
-    on one stream (which never overlap) may share a slot."""
-    key = (device, stream, slot)
-    buf = _tickets.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _tickets[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
 
 
 def _partial_layout(shapes):
@@ -210,21 +200,22 @@ class NormWeightFinish:
 class StagePlan:
     """The backward stage of one input signature: its launch, the norm-weight finish when that
     is not fused (``finish``: a :class:`NormWeightFinish` for the caller to launch or hand to
-    the Triton dW), and what the call must supply besides its own tensors: the ticket buffer
-    and, where the partials don't fit in the scratch, a buffer of ``part_bytes``."""
+    the Triton dW), and what the call must supply besides its own tensors (``call_inputs``):
+    the stream's tickets and, where the partials don't fit in the scratch, a buffer of
+    ``part_bytes``."""
 
-    def __init__(self, launch, finish, tick_slot, n_tick, part_slot, part_bytes, device):
+    def __init__(self, launch, finish, n_tick, own_partials, part_bytes, device):
         self.launch, self.finish = launch, finish
-        self.tick_slot, self.n_tick, self.part_slot, self.part_bytes = tick_slot, n_tick, part_slot, part_bytes
+        self.n_tick, self.own_partials, self.part_bytes = n_tick, own_partials, part_bytes
         self.device = device
 
-    def call_inputs(self, stream: int = 0) -> list:
-        """The entries the stage adds to the call's table (after the caller's), in order."""
-        out = []
-        if self.tick_slot is not None:
-            out.append(ticket_buffer(self.device, self.n_tick, stream))
-        if self.part_slot is not None:
-            out.append(torch.empty(self.part_bytes // 4, dtype=torch.float32, device=self.device))
+    def call_inputs(self, stream: int = 0) -> dict:
+        """The table entries the stage adds to the caller's, by name: ``tickets``, ``partials``."""
+        out = {}
+        if self.n_tick:
+            out["tickets"] = _device.tickets(self.device, stream, self.n_tick)
+        if self.own_partials:
+            out["partials"] = torch.empty(self.part_bytes // 4, dtype=torch.float32, device=self.device)
         return out
 
     def launches(self, with_finish: bool = True) -> list:
@@ -266,11 +257,13 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
         shapes += [(nqg + nkg, 2, M, D) if grad_cos_sin else (1,), (n_prog, nqg + nkg, D)]
     offs, nbytes = _partial_layout(shapes)
     n_tick = (n_prog if grouped else 0) + (n_sup + 1 if fused else 0)
-    tick = table.add(ticket_buffer(device, n_tick, current_stream(device))) if n_tick else None
-    part_slot = None
-    if not (fused and scratch is not None and _scratch_fits(scratch.like, nbytes)):
-        scratch = part_slot = table.add(torch.empty(nbytes // 4, dtype=torch.float32, device=device))
-    parts = [table.derive(scratch, off, shape) for off, shape in zip(offs, shapes)]
+    # a stand-in of the stream's tickets (the plan keeps no buffer: the call supplies them)
+    tick = table.add("tickets", torch.empty(max(n_tick, 1), dtype=torch.int32, device=device)) if n_tick else None
+    own_partials = not (fused and scratch is not None and _scratch_fits(scratch.like, nbytes))
+    if own_partials:
+        scratch = table.add("partials", torch.empty(nbytes // 4, dtype=torch.float32, device=device))
+    part_names = ("w_part", "w_sup", "cs_part", "w_grp")
+    parts = [table.derive(name, scratch, off, shape) for name, off, shape in zip(part_names, offs, shapes)]
     w_part, w_sup = parts[:2]
     cs_part, w_grp = parts[2:] if grouped else (w_part, w_part)
     if not grad_cos_sin:
@@ -294,7 +287,7 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
                 if num_warps == 4 and device.type == "cuda" else {})),
     )
     finish = None if fused else NormWeightFinish(w_part, n_prog, gwq, gwk, D)
-    return StagePlan(launch, finish, tick, n_tick, part_slot, nbytes, device)
+    return StagePlan(launch, finish, n_tick, own_partials, nbytes, device)
 
 
 def _rotate_half(t: torch.Tensor) -> torch.Tensor:
