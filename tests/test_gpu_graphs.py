@@ -45,6 +45,10 @@ class _Model(nn.Module):
         return x.float().pow(2).mean()
 
 
+# zero_grad(set_to_none=True), PyTorch's default: under reduce-overhead, gradients accumulated into
+# the previous step's .grad (set_to_none=False) read a backward graph's output after the next
+# replay overwrote it -- torch 2.11 refuses that for any model, a plain-PyTorch block included
+# (benchmarks/NOTES.md, session 10)
 def _train(model, step_fn, xs, cos, sin):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     losses = []
@@ -52,7 +56,7 @@ def _train(model, step_fn, xs, cos, sin):
         loss = step_fn(x, cos, sin)
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
     return losses
 
@@ -109,7 +113,7 @@ def test_reduce_overhead_on_a_patched_hf_qwen3():
             loss = fn(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=True)
             out.append(float(loss))
         return out
 
