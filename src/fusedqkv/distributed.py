@@ -387,17 +387,16 @@ class _HeadParallelFunction(torch.autograd.Function):
             g_b = _start_scatter_kv(g_b, plan, pg) if need[6] else None
         else:
             g_w, g_b = (g_w, None), (g_b, None)  # ready
+        if need_cs:  # a shared [1, S, D] cos/sin: its gradient summed over the batch first
+            g_cos = g_cos if g_cos.shape[0] == ctx.cs_batch[0] else g_cos.sum(0, keepdim=True)
+            g_sin = g_sin if g_sin.shape[0] == ctx.cs_batch[1] else g_sin.sum(0, keepdim=True)
         names = [n for n, wanted in zip(("q", "k", "cos", "sin"), need[2:6]) if wanted]
         small = dict(zip(("q", "k", "cos", "sin"), (g_qw, g_kw, g_cos, g_sin)))
         summed = dict(zip(names, _start_sum([small[n] for n in names], plan, pg)()))
         w_spec, q_spec, k_spec, b_spec = ctx.specs
         out_qw = _to_dtensor(summed["q"].to(ctx.norm_dtypes[0]), q_spec) if need[2] else None
         out_kw = _to_dtensor(summed["k"].to(ctx.norm_dtypes[1]), k_spec) if need[3] else None
-        out_cs = [None, None]
-        for j, key in enumerate(("cos", "sin")):
-            if need[4 + j]:
-                g = summed[key]
-                out_cs[j] = g if g.shape[0] == ctx.cs_batch[j] else g.sum(0, keepdim=True)
+        out_cs = [summed.get("cos"), summed.get("sin")]
         return (_wait(g_x) if need[0] else None, _to_dtensor(_wait(g_w), w_spec) if need[1] else None,
                 out_qw, out_kw, *out_cs, _to_dtensor(_wait(g_b), b_spec) if need[6] else None, None)
 

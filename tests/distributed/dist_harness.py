@@ -477,7 +477,9 @@ def check_tp_block_layouts(sz, device, dtype, layouts=LAYOUTS, kv_heads=None, bi
     kw = dict(qk_norm_position="before_rope", **_options(bias, offset))
     single = make_layer(sz, device, dtype, **kw).block
     xs = x.detach().clone().requires_grad_()
-    out_ref = single(xs, cos, sin)
+    # cos/sin require grad too (their gradient: each rank's heads' part, summed over the group)
+    cos_s, sin_s = cos.detach().clone().requires_grad_(), sin.detach().clone().requires_grad_()
+    out_ref = single(xs, cos_s, sin_s)
     g = torch.Generator().manual_seed(7)
     grads_out = [torch.randn(o.shape, generator=g).to(device=device, dtype=dtype) for o in out_ref]
     torch.autograd.backward(out_ref, grads_out)
@@ -494,7 +496,9 @@ def check_tp_block_layouts(sz, device, dtype, layouts=LAYOUTS, kv_heads=None, bi
         else:
             xl = local_batch(x.transpose(0, 1), rank, ws).transpose(0, 1).detach().clone().requires_grad_()
             xin = DTensor.from_local(xl, mesh, [Shard(1)], run_check=False) if layout == "dtensor-input" else xl
-        out = fn(xin, cos, sin)
+        # the sequence-sharded call takes one [1, S, D] cos/sin for the batch (equal rows here)
+        cs = [(t[:1] if seq else t).detach().clone().requires_grad_() for t in (cos, sin)]
+        out = fn(xin, *cs)
         qh, kvh, first = _local_head_slices(block, rank)
         heads = (qh, kvh, kvh)
         gl = [gg[:, h] if (i == 0 or first) else torch.zeros_like(gg[:, h]) for i, (gg, h) in
@@ -502,6 +506,7 @@ def check_tp_block_layouts(sz, device, dtype, layouts=LAYOUTS, kv_heads=None, bi
         torch.autograd.backward([o.to_local() for o in out], gl)
         got = {f"out:{n}": o.to_local() for n, o in zip("qkv", out)}
         got["input"] = xl.grad
+        got["cos"], got["sin"] = (t.grad for t in cs)
         for n, p in block.named_parameters():
             gp = full(p.grad)
             if n in ("qkv_weight", "qkv_bias"):
@@ -517,6 +522,9 @@ def check_tp_block_layouts(sz, device, dtype, layouts=LAYOUTS, kv_heads=None, bi
             errs[f"{layout}:placement:{n}"] = float(pl != (Shard(1),))
         ref_in = xs.grad if layout == "replicated" else xs.grad.chunk(ws, dim=1)[rank]
         errs[f"{layout}:input"] = rel_err(got["input"], ref_in)
+        for n, t in (("cos", cos_s), ("sin", sin_s)):
+            errs[f"{layout}:grad:{n}"] = rel_err(got[n], t.grad.sum(0, keepdim=True) if layout == "seq-sharded"
+                                                  else t.grad)
         for n, _ in single.named_parameters():
             errs[f"{layout}:grad:{n}"] = rel_err(got[f"grad:{n}"], getattr(single, n).grad)
         if compile_backend:
