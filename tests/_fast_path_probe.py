@@ -174,7 +174,7 @@ def main() -> int:
     x, w = torch.randn(48, 16).half(), torch.randn(16, 16).half()
     y = torch.zeros(48, 16, dtype=torch.float16)
     table = Table()
-    px, py, pw = table.add(x), table.add(y), table.add(w)
+    px, py, pw = table.add("x", x), table.add("y", y), table.add("w", w)
     consts = dict(BLOCK=16, FLAG=True, num_warps=4, launch_pdl=True)  # PDL on, cooperative grid off
     launch = BoundLaunch(desc_kernel, (3,), [Desc(px, [16, 16]), py, 37, 1, 16, 0.5, Desc(pw, [16, 16])], consts)
     launch.launch([x, y, w], None, STREAM)  # the JIT: compiles (offline), launches, binds
@@ -212,7 +212,7 @@ def main() -> int:
 
     # a kernel with a pointer only
     buf = torch.zeros(100, dtype=torch.int32)
-    plain = BoundLaunch(plain_kernel, (2,), [Table().add(buf), 100], dict(BLOCK=64))
+    plain = BoundLaunch(plain_kernel, (2,), [Table().add("buf", buf), 100], dict(BLOCK=64))
     plain.launch([buf], None, STREAM)
     triton_call = last_launch()
     if not plain.bound:

@@ -119,7 +119,8 @@ def run_probe(version: str) -> dict:
     try:
         proc = subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired as e:
-        return {"ok": False, "problems": [f"the probe ran past 600 s:\n{str(e.stdout)[-2000:]}\n{str(e.stderr)[-2000:]}"]}
+        tail = f"{str(e.stdout)[-2000:]}\n{str(e.stderr)[-2000:]}"
+        return {"ok": False, "problems": [f"the probe ran past 600 s:\n{tail}"]}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
         return {"ok": False, "problems": [f"the probe exited {proc.returncode} without a result:\n"
@@ -214,7 +215,8 @@ def test_torch_internals_are_in_use():
     g = internals.tensor_guards([t])
     assert g.check(t) and not g.check(torch.empty(4, 3))
     views = [t, t[:, ::2], t.t(), torch.empty(3, 1).expand(3, 4), torch.empty(1, 4).expand(1, 4),
-             torch.empty(4).as_strided((2, 3), (1, 1)), torch.empty(0, 3).expand(0, 3), torch.empty(2, 1, 3)[:, [0, 0]]]
+             torch.empty(4).as_strided((2, 3), (1, 1)), torch.empty(0, 1).expand(0, 4),
+             torch.empty(2, 1).expand(2, 4).t(), torch.empty(3, 1, 2).expand(3, 5, 2)[:, :, :1]]
     assert [internals.has_internal_overlap(v) for v in views] == [torch._debug_has_internal_overlap(v) == 1
                                                                    for v in views]
     assert internals.has_internal_overlap(views[3])

@@ -23,7 +23,9 @@ The raw launch speaks two launcher ABIs, told apart by the structure of Triton's
 
 In both, ``kernel_args`` holds every parameter in order (constexprs too: the launcher skips them),
 each host TMA descriptor expanded by Triton's ``make_tensordesc_arg`` into its encoded map, shape
-and strides.
+and strides; the launch metadata and hooks are Triton's (``knobs.runtime.launch_enter_hook`` and
+``launch_exit_hook``, read at each launch), or None while no hook is registered.
+``tests/test_fast_path_gate.py`` compares the raw call with Triton's own on every supported Triton.
 """
 
 from __future__ import annotations
@@ -173,8 +175,9 @@ def tensor_guards(tensors: Sequence[torch.Tensor]):
 
 def has_internal_overlap(t: torch.Tensor) -> bool:
     """Whether ``t`` surely has elements sharing memory: ``torch._debug_has_internal_overlap(t) == 1``
-    (MemOverlap::Yes: a dimension of size > 1 with stride 0), without the private function."""
-    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+    (MemOverlap::Yes: a non-empty tensor with a dimension of size > 1 and stride 0), without the
+    private function."""
+    return t.numel() > 0 and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
 
 
 def raise_compile_limits(at_least: int = 64) -> None:

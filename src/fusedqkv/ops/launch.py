@@ -172,7 +172,7 @@ class BoundLaunch:
             return
         resolved = [self._resolve(a, tensors) for a in self.args]
         compiled = self.fn[self.grid](*resolved, **self.constexprs)
-        if not self.raw_disabled:
+        if raw is None and not self.raw_disabled:
             self._bind_raw(compiled, resolved)
 
     def _bind_raw(self, compiled, resolved: Sequence) -> None:
