@@ -77,7 +77,6 @@ traces into one graph.
 
 from __future__ import annotations
 
-import copy
 from typing import NamedTuple, Optional
 
 import torch
@@ -89,6 +88,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .autograd import _bwd_impl, _fwd_impl, gqa_qkv_rope_qk_norm
 from .module import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm, reference_block
+from .ops.internals import dtensor_from_spec, dtensor_spec, functional_collectives
 
 __all__ = ["HeadParallelQKV", "parallelize_block", "tp_plan", "HeadParallelGQAQKVRoPEQKNorm",
            "HeadParallelReferenceGQAQKVRoPEQKNorm", "tp_row_order", "to_tp_rows", "to_canonical_rows",
@@ -97,7 +97,7 @@ __all__ = ["HeadParallelQKV", "parallelize_block", "tp_plan", "HeadParallelGQAQK
 _BLOCK_PARAMS = ("qkv_weight", "q_norm_weight", "k_norm_weight")
 _ROW_PARAMS = ("qkv_weight", "qkv_bias")  # rows [Q | K | V]: sharded in the TP row order
 
-_c10d = torch.ops._c10d_functional
+_c10d = functional_collectives()
 # c10d's names for the single-tensor gather / reduce-scatter (torch >= 2.13; the older names before)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -326,9 +326,8 @@ def _start_scatter_kv(grad: torch.Tensor, plan: _HeadParallelPlan, pg) -> tuple:
 
 
 def _to_dtensor(local: torch.Tensor, spec) -> DTensor:
-    # the parameter's own spec: what DTensor's to_local backward does, without its per-call
-    # global-shape computation (the gradient has the parameter's layout by construction)
-    return DTensor(local, copy.copy(spec), requires_grad=False)
+    # the parameter's own spec: the gradient has the parameter's layout by construction
+    return dtensor_from_spec(local, spec)
 
 
 class _HeadParallelFunction(torch.autograd.Function):
@@ -365,8 +364,8 @@ class _HeadParallelFunction(torch.autograd.Function):
         v = qkv.view(B, S, hq + 2 * hkv, n_tot // (hq + 2 * hkv))[:, :, hq + hkv:].transpose(1, 2)
         ctx.save_for_backward(x, w, q_w, k_w, cos, sin, qkv)
         ctx.meta = meta
-        ctx.specs = (qkv_weight._spec, q_norm_weight._spec, k_norm_weight._spec,
-                     None if qkv_bias is None else qkv_bias._spec)
+        ctx.specs = (dtensor_spec(qkv_weight), dtensor_spec(q_norm_weight), dtensor_spec(k_norm_weight),
+                     None if qkv_bias is None else dtensor_spec(qkv_bias))
         ctx.norm_dtypes = (q_norm_weight.dtype, k_norm_weight.dtype)
         return q, k, v
 

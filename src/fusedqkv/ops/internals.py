@@ -479,3 +479,28 @@ def _bind(abi, compiled, grid, values, ptr_slots, desc_slots):
         pack = list if descs else tuple  # as Triton's descriptor wrapper / CudaLauncher pass them
         hooks = (4, *hooks_of)
     return make_enqueue(launcher, grid, head, template, raw_ptrs, descs, pack, hooks), descs
+
+
+# ------------------------------------------------------------------------------ torch.distributed (TP)
+
+
+def functional_collectives():
+    """torch's traceable collectives (``torch.ops._c10d_functional``: ``all_reduce``,
+    ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``wait_tensor``), which torch.compile
+    traces; the head-parallel block's backward uses them."""
+    return torch.ops._c10d_functional
+
+
+def dtensor_spec(t):
+    """A DTensor's spec (mesh, placements, global shape): the private ``_spec``."""
+    return t._spec
+
+
+def dtensor_from_spec(local: torch.Tensor, spec):
+    """A DTensor of ``local`` with a copy of ``spec`` and no autograd history: what DTensor's
+    ``to_local`` backward builds, without its per-call global-shape computation."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, copy.copy(spec), requires_grad=False)
