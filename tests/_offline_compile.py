@@ -16,7 +16,7 @@ sizes stay below 2**31), or ``one=NAME`` makes a single argument the constant 1.
 
 The constexpr values come from the launchers (``fusedqkv/ops``):
 
-* ``rope_qk_norm_bwd_kernel`` (``ops/rope_qk_norm._backward_triton``): the 091 entry point runs
+* ``rope_qk_norm_bwd_kernel`` (``ops/rope_qk_norm.plan_backward_stage``): the 091 entry point runs
   EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, rstd loaded, FUSED_FINISH unless a Triton
   dW runs the finish (then an fp32 placeholder for the tickets when not grouped); the training
   API runs not EXACT, either norm position, the raw projection output saved, rstd recomputed,
@@ -296,8 +296,7 @@ def _kernel(path: str):
 
 # integer arguments that are sizes (token, head, row counts, matrix dims): below 2**31 on any GPU
 # (and TMA coordinates are 32-bit); the others are strides, which pass 2**31 elements on big tensors
-SIZE_ARGS = {"M", "S", "HQ", "HKV", "NQG", "N_PROG_T", "NQKV", "HIDDEN", "K_PER_SPLIT", "R", "C", "K", "fin_rows",
-             "n_rows", "n"}
+SIZE_ARGS = {"M", "S", "HQ", "HKV", "NQG", "R", "C", "K", "fin_rows", "n_rows", "n"}
 
 
 def int_args(kernel) -> list:

@@ -25,9 +25,6 @@ Kernels (the forward lives in rope_qk_norm_fwd.py):
   - ``TMA``: the q/k gradient and activation tiles come through host TMA descriptors
     (token blocks then never straddle two sequences); otherwise per-thread loads.
 
-  One program's work is ``_stage_program(pid, kind, ...)``; the single-launch kernel
-  (gqa_bwd_single_launch.py) runs the same work items from a persistent loop.
-
 * The norm-weight finish sums the partial rows in a fixed order (deterministic; no
   atomics in any sum). With ``FUSED_FINISH`` the last programs to finish do it inside the
   main kernel, in two levels (self-resetting tickets decide who is last); otherwise
@@ -431,58 +428,17 @@ def rope_qk_norm_bwd_kernel(
     GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr, TMA: tl.constexpr,
     LP2: tl.constexpr,
 ):
-    """Grid (token blocks, kinds): one ``_stage_program`` per program; axis 1 picks the
-    query+key work (0) or the value copy (1) -- GROUPED: a query group, a key group, or the
-    value copy (the last)."""
-    _stage_program(
-        tl.program_id(0), tl.program_id(1), tl.num_programs(0),
-        gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,
-        xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, rq_ptr, srq_b, srq_h, srq_s,
-        rk_ptr, srk_b, srk_h, srk_s, wq_ptr, swq, wk_ptr, swk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b,
-        ssin_s, ssin_d, dqkv_ptr, s_dqkv_t, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s,
-        sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr, M, S, HQ, HKV, eps,
-        gq_desc, xq_desc, gk_desc, xk_desc,
-        D, HALF, HALF_P2, D_P2, BLOCK_T, HB, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, FUSED_FINISH,
-        SUPER, RECOMPUTE_RSTD, PF, GROUPED, NQG, NKG, GSIZE, TMA, LP2
-    )
-
-
-@triton.jit
-def _stage_program(
-    # which token block, which work, of how many blocks. Work: the query and key heads (0) or the
-    # value copy (1); GROUPED: query head group (< NQG), key head group (< NQG + NKG), value copy
-    pid, kind, n_prog,
-    gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
-    gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d,
-    gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,
-    xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
-    xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
-    rq_ptr, srq_b, srq_h, srq_s,
-    rk_ptr, srk_b, srk_h, srk_s,
-    wq_ptr, swq, wk_ptr, swk,
-    cos_ptr, scos_b, scos_s, scos_d,
-    sin_ptr, ssin_b, ssin_s, ssin_d,
-    dqkv_ptr, s_dqkv_t,
-    gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
-    gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr,
-    M, S, HQ, HKV, eps,
-    # TMA: host descriptors of grad/saved q and k (else placeholders never read)
-    gq_desc, xq_desc, gk_desc, xk_desc,
-    D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
-    BLOCK_T: tl.constexpr, HB: tl.constexpr,
-    EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
-    GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
-    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
-    GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr, TMA: tl.constexpr,
-    LP2: tl.constexpr,
-):
-    """One work item of the backward stage: a block of BLOCK_T tokens, and either every query
+    """Grid (token blocks, kinds). Program (pid, kind) takes a block of BLOCK_T tokens, and either every query
     and key head of it (grad_cos/grad_sin complete in the program: no partials), or -- GROUPED,
     for few tokens, where that leaves too few programs -- one group of GSIZE query or key heads
     (fp32 partials; the last group of the block to finish sums them), or the copy of its value
     heads. (One block per program: a loop over several blocks, carrying the norm-weight sums,
-    took the 8-token kernel from ~150 to ~210 registers, sm_90 offline.)"""
+    took the 8-token kernel from ~150 to ~210 registers, sm_90 offline.) Axis 1 (``kind``): the query
+    and key heads (0) or the value copy (1); GROUPED: a query head group (< NQG), a key head group
+    (< NQG + NKG), or the value copy (the last)."""
+    pid = tl.program_id(0)
+    kind = tl.program_id(1)
+    n_prog = tl.num_programs(0)
     DT: tl.constexpr = gq_ptr.dtype.element_ty
     R: tl.constexpr = HB * BLOCK_T
     NG: tl.constexpr = NQG + NKG
