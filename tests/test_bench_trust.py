@@ -96,7 +96,7 @@ def test_aggregate_keeps_out_of_range_values_and_leaves_undefined_out():
 
 
 def test_host_wait_reads_this_process():
-    with timing.HostWait(threads=1) as hw:
+    with timing.HostWait() as hw:
         sum(range(200000))
     if timing._run_delay_ns() is None:
         pytest.skip("no /proc/self/task/*/schedstat here")

@@ -136,7 +136,7 @@ def cmd_bench(a) -> int:
             if nm in names:
                 results["rank_in_group"][n] = {"rank": names.index(nm) + 1, "of": len(names)}
                 rank_lines.append(f"{n} #{names.index(nm) + 1}/{len(names)}"
-                                  + (" (flagged: ranked after the unflagged runs)" if records.is_flagged(rec) else ""))
+                                  + (" (flagged: ranked after any unflagged run)" if records.is_flagged(rec) else ""))
     paths = report.write_report(results, recs, manifest, out, group_rank=rank_lines)
 
     s = results["summary"]

@@ -230,13 +230,14 @@ def _run_delay_ns() -> Optional[dict]:
 
 
 class HostWait:
-    """Run-queue wait of this process's threads over a block, per thread, as a fraction of the
-    block's wall time: ~0 when the threads got a CPU whenever they wanted one; about 1/3 for
-    code on two threads while another process keeps one of two cores busy. ``threads`` is the number of threads the timed
-    code runs on (default torch's intra-op threads). ``fraction`` is None off Linux."""
+    """How long this process's threads waited for a CPU over a block: the largest run-queue wait
+    of one thread as a fraction of the block's wall time. ~0 when every thread got a CPU whenever
+    it wanted one; ~0.5 for the thread that shares a core with another process's busy loop. The
+    largest, not the mean: threads meeting at a barrier (every parallel region) all wait for the
+    slowest one, so one thread kept off its core slows the whole call. ``fraction`` is None off
+    Linux (no ``/proc/self/task/*/schedstat``)."""
 
-    def __init__(self, threads: Optional[int] = None):
-        self.threads = max(1, threads or torch.get_num_threads())
+    def __init__(self):
         self.fraction: Optional[float] = None
 
     def __enter__(self) -> "HostWait":
@@ -249,8 +250,8 @@ class HostWait:
         if self._d0 is None or d1 is None or wall <= 0:
             return
         # a thread born inside the block counts all its wait; one that ended drops out
-        waited = sum(v - self._d0.get(tid, 0) for tid, v in d1.items())
-        self.fraction = max(0.0, waited / 1e9 / wall / self.threads)
+        waited = max((v - self._d0.get(tid, 0) for tid, v in d1.items()), default=0)
+        self.fraction = max(0.0, waited / 1e9 / wall)
 
 
 @dataclass

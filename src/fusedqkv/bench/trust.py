@@ -12,15 +12,14 @@ never clipped, when:
   ``NOISE_SPREAD``) or, on a CPU, waited for the processor (host wait over ``HOST_WAIT``);
 * ``noisy`` / ``baseline_noisy`` (CPU runs) -- the spread of its own / the baseline's
   repetitions, ``(p80 - p20) / median``, is over ``NOISE_SPREAD``;
-* ``host_busy`` / ``baseline_host_busy`` (CPU runs) -- while it (or the baseline) was timed, this
-  process's threads waited for a CPU, on average per thread, more than ``HOST_WAIT`` of the
-  wall time (run-queue delay, ``/proc/self/task/*/schedstat``): other processes took the cores
-  the timed code wanted, so a wall clock measured them as well.
+* ``host_busy`` / ``baseline_host_busy`` (CPU runs) -- while it (or the baseline) was timed, one
+  of this process's threads waited for a CPU more than ``HOST_WAIT`` of the wall time (run-queue
+  delay, ``/proc/self/task/*/schedstat``; ``timing.HostWait``): other processes took cores the
+  timed code wanted, so a wall clock measured them as well.
 
 Why these thresholds, and why the timing flags are CPU-only: a process alone on its cores
-waits for a CPU close to never, while with one of two cores kept busy, code running on both
-threads (the bound's matmul and copy, the GEMMs) shares two cores among three runnable threads
-and waits ~1/3 of its time per thread -- 0.10 sits well between. A spread of half the median
+waits for a CPU close to never, while the thread that shares a core with another process's busy
+loop waits about half the time -- 0.10 sits well between. A spread of half the median
 between p20 and p80 is far beyond the repeatability of undisturbed calls; only a disturbed run
 reaches it. A GPU run times by device clocks (kernel span, CUDA events): host load does not slow
 the device, and the H200 box's host jitter at 128-586 tokens gives kernel-span spreads up to
@@ -39,7 +38,7 @@ import math
 from typing import Iterable, Optional
 
 NOISE_SPREAD = 0.5  # (p80 - p20) / median of the repetitions
-HOST_WAIT = 0.10  # run-queue wait per thread / wall time of the timed calls (CPU runs)
+HOST_WAIT = 0.10  # the most-waiting thread's run-queue wait / wall time of the timed calls (CPU runs)
 
 FLAGS = {
     "below_sol": "time below the SOL bound (S > 1)",
@@ -47,7 +46,7 @@ FLAGS = {
     "bound_unsteady": "the measured ceilings behind the SOL bound were noisy or taken on a busy host",
     "noisy": f"spread of the repetitions (p80 - p20) / median > {NOISE_SPREAD}",
     "baseline_noisy": f"the baseline's spread (p80 - p20) / median > {NOISE_SPREAD}",
-    "host_busy": f"host busy while timed: run-queue wait > {HOST_WAIT:.0%} of the wall time per thread",
+    "host_busy": f"host busy while timed: a thread waited for a CPU > {HOST_WAIT:.0%} of the wall time",
     "baseline_host_busy": f"host busy while the baseline was timed (run-queue wait > {HOST_WAIT:.0%})",
 }
 
