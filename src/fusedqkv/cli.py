@@ -59,8 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--impl", "--implementations", dest="impls",
                    help="comma-separated: fusedqkv, eager, compile, gemm_floor (default: all on CUDA, "
                    "fusedqkv,eager on CPU; eager is always measured, it is the baseline)")
-    b.add_argument("--reps", type=int, help="timed repetitions per workload (default 50 GPU / 5 CPU; quick 10 / 3)")
-    b.add_argument("--warmup", type=int, help="warm-up calls before timing (default 10 GPU / 1 CPU)")
+    b.add_argument("--reps", type=int, help="timed repetitions per workload, >= 1 (default: GPU 50, quick 10; "
+                   "CPU as many as fit in --time-budget, at least 5)")
+    b.add_argument("--warmup", type=int, help="warm-up calls before timing, >= 0 (default: GPU 10, quick 2; "
+                   "CPU until 3 calls in a row agree within 25%%, at most 2 s)")
+    b.add_argument("--time-budget", type=float, metavar="SECONDS",
+                   help="CPU runs: seconds of timed calls per implementation and workload (default 1, quick 0.3)")
     b.add_argument("--quick", action="store_true", help="fewer repetitions (and on CPU fewer, smaller workloads)")
     b.add_argument("--max-tokens", type=int, help="cap tokens per workload (CPU default 128, quick 64)")
     b.add_argument("--statistic", default="median", choices=["mean", "median"],
@@ -75,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-store", action="store_true", help="do not add the run to the run store")
     b.add_argument("--quiet", action="store_true", help="no progress display")
 
-    r = sub.add_parser("runs", help="list the runs of a comparison group ranked by SOL score")
+    r = sub.add_parser("runs", help="list the runs of a comparison group ranked by SOL score (flagged runs last)")
     r.add_argument("--store", help="run store folder")
     r.add_argument("--group", help="comparison group key (default: the group of the latest run; 'all' for every group)")
     r.add_argument("--compare", help="run name to compare with the group's #1 (default: latest fusedqkv run of the group)")
@@ -97,14 +101,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_bench(a) -> int:
-    from .bench import harness, records, report
+    from .bench import harness, records, report, trust
 
-    out = _writable_dir(a.out)
     cfg = harness.BenchConfig(device=a.device, workloads=_csv(a.workloads), implementations=_csv(a.impls),
                               reps=a.reps, warmup=a.warmup, quick=a.quick, max_tokens=a.max_tokens,
                               span=not a.no_span, span_source=a.span_clock, statistic=a.statistic,
-                              measure_ceilings=a.measure_ceilings,
+                              measure_ceilings=a.measure_ceilings, time_budget=a.time_budget,
                               progress=not a.quiet)
+    try:
+        harness.plan_bench(cfg)  # every argument checked before --out or the store is touched
+    except harness.BenchError as e:
+        raise CliError(str(e)) from None
+    out = _writable_dir(a.out)
     try:
         results = harness.run_bench(cfg)
     except harness.BenchError as e:
@@ -127,27 +135,37 @@ def cmd_bench(a) -> int:
             nm = rec["run"]["metadata"]["name"]
             if nm in names:
                 results["rank_in_group"][n] = {"rank": names.index(nm) + 1, "of": len(names)}
-                rank_lines.append(f"{n} #{names.index(nm) + 1}/{len(names)}")
+                rank_lines.append(f"{n} #{names.index(nm) + 1}/{len(names)}"
+                                  + (" (flagged: ranked after any unflagged run)" if records.is_flagged(rec) else ""))
     paths = report.write_report(results, recs, manifest, out, group_rank=rank_lines)
 
     s = results["summary"]
     label = "CPU run (reduced workloads)" if results["cpu_run"] else results["hardware"]
     print(f"{results['definition']} on {label}: {results['primary_timer']} {results['statistic']}, "
           f"{len(results['workloads'])} workloads")
-    print(f"{'impl':<11s} {'SOL score':>9s} {'latency ms':>11s} {'speedup':>8s} {'geomean':>8s} {'faster':>7s} {'correct':>8s}")
+    print(f"{'impl':<11s} {'SOL score':>9s} {'latency ms':>11s} {'speedup':>8s} {'geomean':>8s} {'faster':>7s} "
+          f"{'correct':>8s}  flags")
+    flagged = []
     for n in report._impls(results):
         x = s[n]
         f = _fmt_or_dash
+        t = x.get("trust")
+        if t and t["flagged"]:
+            flagged.append(f"{n} ({trust.describe(t)})")
         print(f"{n:<11s} {f(x['sol_score'], '{:9.4f}'):>9s} {f(x['latency_ms'], '{:11.4f}'):>11s} "
               f"{f(x['avg_speedup'], '{:7.3f}x'):>8s} {f(x['geomean_speedup'], '{:7.3f}x'):>8s} "
               f"{x['fast_1_count']:>3d}/{x['fast_1_total']:<3d} "
-              f"{('n/a' if x['role'] == 'bound' else str(x['correct_count']) + '/' + str(x['total'])):>8s}")
+              f"{('n/a' if x['role'] == 'bound' else str(x['correct_count']) + '/' + str(x['total'])):>8s}  "
+              f"{'-' if not t else ('FLAGGED' if t['flagged'] else 'none')}")
     g = report.floor_ratio_geomean(results)
     if g is not None:
         print(f"geomean fusedqkv / two-GEMM floor: {g:.3f}")
     if rank_lines:
         print("rank in comparison group: " + "; ".join(rank_lines))
     print(f"wrote {', '.join(sorted(p.name for p in paths.values()))} to {out}")
+    if flagged or results.get("bound_flags"):
+        print("fusedqkv: warning: these timings cannot be trusted -- flagged: " + "; ".join(flagged)
+              + ". See the report's Flags section; 'fusedqkv runs' ranks flagged runs last.", file=sys.stderr)
     if results["failed_claims"]:
         print(f"fusedqkv: correctness check failed for: {', '.join(results['failed_claims'])}", file=sys.stderr)
         return EXIT_CHECK_FAILED
@@ -197,23 +215,32 @@ def cmd_runs(a) -> int:
               f"{r0['metadata']['labels']['hardware']}"
               + (" (CPU run)" if r0["metadata"]["labels"].get("cpuRun") == "true" else "")
               + f", protocol {r0['spec']['protocolDigest'][:19]}, workloads {r0['spec']['workloadDigest'][:19]}")
-        print(f"{'#':>3s} {'name':<60s} {'impl':<9s} {'status':<9s} {'SOL score':>9s} {'latency ms':>10s} "
-              f"{'speedup':>8s} {'faster':>6s} {'impl digest':<19s}")
+        width = max(len("name"), *(len(r["run"]["metadata"]["name"]) for r in o["runs"]))
+        print(f"{'#':>3s} {'name':<{width}s} {'impl':<9s} {'status':<9s} {'flags':<7s} {'SOL score':>9s} "
+              f"{'latency ms':>10s} {'speedup':>8s} {'faster':>6s} {'impl digest':<19s}")
         for i, r in enumerate(o["runs"], 1):
             sp, m = r["run"]["spec"], r["run"]["spec"]["sourceNative"]["metrics"]
             f = _fmt_or_dash
-            print(f"{i:>3d} {r['run']['metadata']['name']:<60s} {r['run']['metadata']['labels']['implementation']:<9s} "
-                  f"{sp['status']:<9s} {f(m['sol_score'], '{:9.4f}'):>9s} {f(m['latency_ms'], '{:10.4f}'):>10s} "
+            tr = sp.get("trust")
+            flag = "-" if tr is None else ("FLAGGED" if tr.get("flagged") else "none")
+            print(f"{i:>3d} {r['run']['metadata']['name']:<{width}s} "
+                  f"{r['run']['metadata']['labels']['implementation']:<9s} "
+                  f"{sp['status']:<9s} {flag:<7s} {f(m['sol_score'], '{:9.4f}'):>9s} {f(m['latency_ms'], '{:10.4f}'):>10s} "
                   f"{f(m['avg_speedup'], '{:7.3f}x'):>8s} {m['fast_1_count']:>2}/{m['fast_1_total']:<3} "
                   f"{sp['implementationDigest'][:19]}")
+        fl = [r for r in o["runs"] if records.is_flagged(r)]
+        if fl:
+            print(f"{len(fl)} flagged run(s) ranked after the unflagged ones: some of their rows cannot be trusted "
+                  "(a score outside [0, 1], an untrusted SOL bound, noisy or contended timings; see their reports)")
         c = o["compare"]
         if c:
             if c["run"] == c["best"]:
-                print(f"{c['run']} is #1 of its group")
+                print(f"{c['run']} is #1 of its group" + (" (every run of the group is flagged)"
+                                                           if c["flagged"]["best"] else ""))
             else:
                 ms = c["metrics"]
                 d = ms["sol_score"]["delta"]
-                print(f"{c['run']} vs #1 {c['best']}: SOL score {ms['sol_score']['run']} vs {ms['sol_score']['best']}"
+                print(f"{c['run']}{' (flagged)' if c['flagged']['run'] else ''} vs #1 {c['best']}: SOL score {ms['sol_score']['run']} vs {ms['sol_score']['best']}"
                       + (f" ({d:+.4f})" if d is not None else "")
                       + (f", mean latency x{c['latency_ratio_vs_best']:.3f} of #1" if c["latency_ratio_vs_best"] else ""))
         print()

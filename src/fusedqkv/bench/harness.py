@@ -23,6 +23,7 @@ import datetime as _dt
 import inspect
 import json
 import math
+import re
 import sys
 import time
 import traceback
@@ -31,11 +32,15 @@ from typing import Callable, Optional
 
 import torch
 
-from . import problem, records, roofline, timing
+from . import problem, records, roofline, timing, trust
 
 CPU_QUICK_WORKLOADS = (2, 11, 8, 13)  # small ones: b1 s131, b1 s128, b1 s256, b2 s293
 CPU_QUICK_MAX_TOKENS = 64
 CPU_MAX_TOKENS = 128
+# CPU runs time each implementation on each workload for a budget of wall time (at least
+# timing.CPU_MIN_REPS calls), as timeit.autorange does, instead of a fixed count
+CPU_BUDGET_S = 1.0
+CPU_QUICK_BUDGET_S = 0.3
 
 
 class BenchError(Exception):
@@ -208,8 +213,8 @@ class BenchConfig:
     device: str = "auto"
     workloads: Optional[list] = None  # names/indices/uuids; None = default set
     implementations: Optional[list] = None  # None = default set for the device
-    reps: Optional[int] = None
-    warmup: Optional[int] = None
+    reps: Optional[int] = None  # None: GPU 50 (quick 10); CPU adaptive to time_budget
+    warmup: Optional[int] = None  # None: GPU 10 (quick 2); CPU until the calls agree
     quick: bool = False
     max_tokens: Optional[int] = None  # CPU reduction cap
     span: bool = True
@@ -218,6 +223,25 @@ class BenchConfig:
     measure_ceilings: bool = False
     progress: bool = True
     definition: str = problem.DEFAULT_DEFINITION
+    time_budget: Optional[float] = None  # CPU: seconds of timed calls per implementation and workload
+
+
+@dataclass
+class Plan:
+    """A checked BenchConfig: everything resolved, nothing run yet."""
+
+    device: torch.device
+    definition: problem.Definition
+    implementations: list
+    workloads: list
+    cap: Optional[int]
+    reps: Optional[int]  # None: adaptive (CPU)
+    warmup: Optional[int]  # None: until stable (CPU)
+    time_budget: Optional[float]  # CPU adaptive repetitions
+    span: bool
+    span_source: str
+    primary_timer: str
+    timers: list
 
 
 def resolve_device(name: str) -> torch.device:
@@ -245,28 +269,114 @@ def resolve_implementations(names, device: torch.device) -> list:
     return chosen
 
 
+_REDUCED_NAME = re.compile(r"^w(\d+)_b(\d+)_s(\d+)$")
+
+
+def _reduced_by_name(defn, key: str):
+    """The workload a reduced run printed as ``key`` (``w00_b32_s4``: w00_b32_s256 cut to 128
+    tokens), at exactly that size, or None when ``key`` is no such name."""
+    m = _REDUCED_NAME.match(str(key))
+    if not m:
+        return None
+    idx, b, sl = (int(g) for g in m.groups())
+    try:
+        w = defn.workload(idx)
+    except KeyError:
+        return None
+    r = problem.reduced_workload(w, b * sl)
+    return r if (r.axes["batch_size"], r.axes["seq_len"]) == (b, sl) else None
+
+
 def resolve_workloads(defn, keys, device: torch.device, quick: bool, max_tokens: Optional[int]) -> tuple:
-    """(workloads, reduction cap or None)."""
+    """(workloads, reduction cap or None). Keys are indices, uuids, names, or the names of
+    reduced workloads a CPU run prints (those keep the size they name)."""
+    cpu = device.type == "cpu"
+    cap = (max_tokens or (CPU_QUICK_MAX_TOKENS if quick else CPU_MAX_TOKENS)) if cpu else max_tokens
     if keys:
-        wls = []
+        out = []
         for k in keys:
             try:
-                wls.append(defn.workload(k))
+                w = defn.workload(k)
             except KeyError:
-                raise BenchError(f"unknown workload {k!r}; known: {', '.join(w.name for w in defn.workloads)}") from None
-    elif device.type == "cpu" and quick:
-        wls = [defn.workload(i) for i in CPU_QUICK_WORKLOADS]
+                w = None
+            if w is not None:
+                out.append(problem.reduced_workload(w, cap) if cap else w)
+                continue
+            r = _reduced_by_name(defn, k)
+            if r is None:
+                raise BenchError(f"unknown workload {k!r}; known: {', '.join(w.name for w in defn.workloads)} "
+                                 "(or an index, a uuid, or a reduced name a CPU run prints, e.g. w00_b32_s4)")
+            out.append(r)
+        return out, cap
+    wls = [defn.workload(i) for i in CPU_QUICK_WORKLOADS] if (cpu and quick) else list(defn.workloads)
+    return ([problem.reduced_workload(w, cap) for w in wls] if cap else wls), cap
+
+
+def _positive(name: str, v, allow_zero: bool = False, kind=int):
+    if v is None:
+        return None
+    bad = (not isinstance(v, (int, float)) or isinstance(v, bool) or (kind is int and not float(v).is_integer())
+           or not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero))
+    if bad:
+        raise BenchError(f"{name}: expected {'a whole number' if kind is int else 'a number'} "
+                         f"{'>= 0' if allow_zero else '> 0'}, got {v!r}")
+    return kind(v)
+
+
+def plan_bench(cfg: BenchConfig) -> Plan:
+    """Checks every setting of a run (raising BenchError naming the option) without running
+    anything: the CLI calls it before it touches --out."""
+    reps = _positive("--reps", cfg.reps)
+    warmup = _positive("--warmup", cfg.warmup, allow_zero=True)
+    budget = _positive("--time-budget", cfg.time_budget, kind=float)
+    max_tokens = _positive("--max-tokens", cfg.max_tokens)
+    if cfg.statistic not in ("mean", "median"):
+        raise BenchError(f"--statistic: expected mean or median, got {cfg.statistic!r}")
+    if cfg.span_source not in ("auto", "cupti", "profiler"):
+        raise BenchError(f"--span-clock: expected auto, cupti or profiler, got {cfg.span_source!r}")
+    device = resolve_device(cfg.device)
+    cpu = device.type == "cpu"
+    if budget is not None and not cpu:
+        raise BenchError("--time-budget: CPU runs only (a GPU run times a fixed --reps, as the evaluator)")
+    try:
+        defn = problem.load_definition(cfg.definition)
+    except KeyError as e:
+        raise BenchError(str(e).strip("'\"")) from None
+    impl_names = resolve_implementations(cfg.implementations, device)
+    wls, cap = resolve_workloads(defn, cfg.workloads, device, cfg.quick, max_tokens)
+    if cpu:
+        budget = None if reps is not None else (budget or (CPU_QUICK_BUDGET_S if cfg.quick else CPU_BUDGET_S))
     else:
-        wls = list(defn.workloads)
-    if device.type == "cpu":
-        cap = max_tokens or (CPU_QUICK_MAX_TOKENS if quick else CPU_MAX_TOKENS)
-        return [problem.reduced_workload(w, cap) for w in wls], cap
-    if max_tokens:
-        return [problem.reduced_workload(w, max_tokens) for w in wls], max_tokens
-    return wls, None
+        # GPU: the evaluator's 10 warm-up calls and 50 timed ones
+        reps = reps or (10 if cfg.quick else 50)
+        warmup = warmup if warmup is not None else (2 if cfg.quick else 10)
+    span = cfg.span and not cpu
+    if span and cfg.span_source == "cupti" and not timing.cupti_available():
+        raise BenchError("--span-clock cupti: cupti-python is not importable (pip install cupti-python)")
+    span_source = ("cupti" if timing.cupti_available() else "profiler") if cfg.span_source == "auto" else cfg.span_source
+    primary_timer = "cpu_wall" if cpu else ("kernel_span" if span else "cuda_events")
+    timers = ["cpu_wall"] if cpu else (["kernel_span", "cuda_events"] if span else ["cuda_events"])
+    return Plan(device, defn, impl_names, wls, cap, reps, warmup, budget, span, span_source, primary_timer, timers)
 
 
-def protocol_for(device: torch.device, reps: int, warmup: int, primary_timer: str, timers: list,
+def repetitions_spec(reps: Optional[int], budget: Optional[float]):
+    """The protocol's repetitions: a count, or the adaptive rule of a CPU run."""
+    if reps is not None:
+        return reps
+    return {"adaptive": f"calls until {budget:g} s of wall time and at least {timing.CPU_MIN_REPS} calls "
+                        f"(at most {timing.CPU_MAX_REPS}), as timeit.autorange",
+            "budgetS": budget, "minimum": timing.CPU_MIN_REPS, "maximum": timing.CPU_MAX_REPS}
+
+
+def warmup_spec(warmup: Optional[int]):
+    if warmup is not None:
+        return warmup
+    return {"untilStable": f"until 3 consecutive calls agree within {timing.CPU_STABLE_WITHIN:.0%} "
+                           f"(at least 1 call, at most {timing.CPU_WARMUP_CAP_S:g} s)",
+            "withinFraction": timing.CPU_STABLE_WITHIN, "capS": timing.CPU_WARMUP_CAP_S}
+
+
+def protocol_for(device: torch.device, reps, warmup, primary_timer: str, timers: list,
                  statistic: str, ceilings_source: str, definition: str, span_source: str = "auto") -> dict:
     cpu = device.type == "cpu"
     proto = {
@@ -302,9 +412,10 @@ def protocol_for(device: torch.device, reps: int, warmup: int, primary_timer: st
 # ----------------------------------------------------------------------------- run
 
 
-def _time(call, device, reps, warmup, span, flusher, span_source: str = "auto") -> dict:
+def _time(call, device, reps, warmup, span, flusher, span_source: str = "auto", budget_s: Optional[float] = None) -> dict:
     """The evaluator's iteration (fresh argument addresses, L2 flush, the call) timed by
-    kernel span (CUPTI or the profiler) and by CUDA events; wall clock on a CPU."""
+    kernel span (CUPTI or the profiler) and by CUDA events; wall clock on a CPU (repetitions
+    to ``budget_s`` when ``reps`` is None, with the host wait of the timed calls)."""
     call = as_call(call)
     if device.type == "cuda":
         out = {"cuda_events": timing.summarize(timing.time_call_events(
@@ -315,7 +426,9 @@ def _time(call, device, reps, warmup, span, flusher, span_source: str = "auto") 
             out["kernel_span"] = {**timing.summarize(st.samples_ms), "source": st.source,
                                   "activities_per_call": max(st.activities_per_call, default=0)}
         return out
-    return {"cpu_wall": timing.summarize(timing.time_cpu(call, reps=reps, warmup=warmup))}
+    ct = timing.time_cpu_budget(call, budget_s=budget_s or CPU_BUDGET_S, reps=reps, warmup=warmup)
+    return {"cpu_wall": {**timing.summarize(ct.samples_ms), "host_wait": ct.host_wait,
+                         "warmup_calls": ct.warmup_calls, "warmup_stable": ct.warmup_stable}}
 
 
 def _sync(device):
@@ -325,24 +438,10 @@ def _sync(device):
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the benchmark; returns the results (everything the records and the report need)."""
-    device = resolve_device(cfg.device)
-    try:
-        defn = problem.load_definition(cfg.definition)
-    except KeyError as e:
-        raise BenchError(str(e).strip("'\"")) from None
-    impl_names = resolve_implementations(cfg.implementations, device)
-    wls, cap = resolve_workloads(defn, cfg.workloads, device, cfg.quick, cfg.max_tokens)
+    pl = plan_bench(cfg)
+    device, defn, impl_names, wls, cap = pl.device, pl.definition, pl.implementations, pl.workloads, pl.cap
     cpu = device.type == "cpu"
-    if cfg.statistic not in ("mean", "median"):
-        raise BenchError(f"--statistic: expected mean or median, got {cfg.statistic!r}")
-    # GPU: the evaluator's 10 warm-up calls and 50 timed ones
-    reps = cfg.reps or ((3 if cfg.quick else 5) if cpu else (10 if cfg.quick else 50))
-    warmup = cfg.warmup if cfg.warmup is not None else (1 if cpu else (2 if cfg.quick else 10))
-    if reps < 1 or warmup < 0:
-        raise BenchError("--reps must be >= 1 and --warmup >= 0")
-    span = cfg.span and not cpu
-    primary_timer = "cpu_wall" if cpu else ("kernel_span" if span else "cuda_events")
-    timers = ["cpu_wall"] if cpu else (["kernel_span", "cuda_events"] if span else ["cuda_events"])
+    primary_timer = pl.primary_timer
 
     env = records.environment(device)
     hw = env["hardwareName"]
@@ -351,14 +450,14 @@ def run_bench(cfg: BenchConfig) -> dict:
     if ceil is None or cfg.measure_ceilings:
         measured = roofline.measure_ceilings(device, hw)
         ceil = measured
-    ceil_source = "measured at start (bf16 matmul, copy)" if ceil.source == "measured" else f"datasheet ({ceil.name})"
-    if cfg.span_source not in ("auto", "cupti", "profiler"):
-        raise BenchError(f"--span-clock: expected auto, cupti or profiler, got {cfg.span_source!r}")
-    if span and cfg.span_source == "cupti" and not timing.cupti_available():
-        raise BenchError("--span-clock cupti: cupti-python is not importable (pip install cupti-python)")
-    span_source = ("cupti" if timing.cupti_available() else "profiler") if cfg.span_source == "auto" else cfg.span_source
-    protocol = protocol_for(device, reps, warmup, primary_timer, timers, cfg.statistic, ceil_source, defn.name,
-                            span_source)
+    if ceil.source != "measured":
+        ceil_source = f"datasheet ({ceil.name})"
+    elif cpu:  # the faster of two measurements: load during one of them only understates the device
+        ceil_source = "measured at start and at end, the faster of each (bf16 matmul, copy)"
+    else:
+        ceil_source = "measured at start (bf16 matmul, copy)"
+    protocol = protocol_for(device, repetitions_spec(pl.reps, pl.time_budget), warmup_spec(pl.warmup),
+                            primary_timer, pl.timers, cfg.statistic, ceil_source, defn.name, pl.span_source)
     workload_set = {"definition": defn.name, "deviceReduced": cap is not None, "maxTokens": cap,
                     "workloads": [w.to_json() for w in wls]}
 
@@ -368,8 +467,10 @@ def run_bench(cfg: BenchConfig) -> dict:
     names = list(defn.outputs)
     flusher = timing.L2Flusher(device) if not cpu else None
     prog = Progress(len(wls) * len(impls), enabled=cfg.progress)
+    reps_note = (f"reps {pl.reps}" if pl.reps is not None
+                 else f"reps adaptive ({pl.time_budget:g} s each, >= {timing.CPU_MIN_REPS})")
     prog.note(f"fusedqkv bench: {defn.name} on {hw}{' (CPU run, reduced workloads)' if cpu else ''}: "
-              f"{len(wls)} workloads x {', '.join(impl_names)}; reps {reps}, timer {primary_timer}; "
+              f"{len(wls)} workloads x {', '.join(impl_names)}; {reps_note}, timer {primary_timer}; "
               f"reference: {ref_label}")
 
     rows = []
@@ -378,9 +479,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         with torch.no_grad():
             ref_out = tuple(ref(*args))
         _sync(device)
-        rl = roofline.roofline(defn, w.axes, ceil)
         row = {"workload": w.name, "index": w.index, "uuid": w.uuid, "axes": dict(w.axes), "tokens": w.tokens,
-               "tolerance": {"atol": w.atol, "rtol": w.rtol}, "roofline": rl, "sol_ms": rl["sol_ms"],
+               "tolerance": {"atol": w.atol, "rtol": w.rtol},
                "b200": ({"sol_ms": w.b200_sol_ms, "baseline_ms": w.b200_baseline_ms}
                         if w.b200_sol_ms is not None else None),
                "impls": {}}
@@ -403,7 +503,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                         res["correct"] = None
                         res["note"] = "a bound, not a solution"
                     del got
-                    res["timings"] = _time(fn, device, reps, warmup, span, flusher, span_source)
+                    res["timings"] = _time(fn, device, pl.reps, pl.warmup, pl.span, flusher, pl.span_source,
+                                           pl.time_budget)
                 res["latency_ms"] = res["timings"][primary_timer][cfg.statistic]
             except Exception as e:  # noqa: BLE001 - a failing peer is a result, not a crash
                 res.update(status="error", correct=False if impl.role != "bound" else None,
@@ -412,19 +513,28 @@ def run_bench(cfg: BenchConfig) -> dict:
             row["impls"][impl.name] = res
             lat = res.get("latency_ms")
             ok = {True: "ok", False: "FAIL", None: "-"}[res.get("correct")] if res["status"] == "ok" else "ERROR"
+            hwait = res.get("timings", {}).get("cpu_wall", {}).get("host_wait")
             prog.step(f"{w.name:<16s} {impl.name:<10s} {ok:<5s} "
-                      + (f"{lat:9.4f} ms" if lat is not None else res.get("error", "")[:80]))
+                      + (f"{lat:9.4f} ms" if lat is not None else res.get("error", "")[:80])
+                      + (f"  (host busy: waited {hwait:.0%})" if hwait is not None and hwait > trust.HOST_WAIT else ""))
         rows.append(row)
         del args, ref_out
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # run-level figures per implementation
+    if cpu:  # again at the end; the bound is the faster of the two (see ceil_source)
+        ceil = measured = roofline.best_ceilings([measured, roofline.measure_ceilings(device, hw, when="end")])
+    for r, w in zip(rows, wls):
+        rl = roofline.roofline(defn, w.axes, ceil)
+        r["roofline"], r["sol_ms"] = rl, rl["sol_ms"]
+
+    # run-level figures per implementation, and the flags of rows that cannot be trusted
+    run_flags = trust.bound_flags(ceil.to_json(), cpu)
     base = [r["impls"]["eager"].get("latency_ms") for r in rows]
     sols = [r["sol_ms"] for r in rows]
     summary = {}
     for impl in impls:
-        lats, scored = [], []
+        lats, scored, row_flags = [], [], []
         for r in rows:
             x = r["impls"][impl.name]
             lat = x.get("latency_ms")
@@ -437,6 +547,18 @@ def run_bench(cfg: BenchConfig) -> dict:
             x["sol_score"] = s
             tb, t = r["impls"]["eager"].get("latency_ms"), x.get("latency_ms")
             x["speedup"] = (tb / t) if (tb and t) else None
+            own = x.get("timings", {}).get(primary_timer)
+            x["spread"] = trust.spread(own)
+            if impl.role == "bound":  # not scored: only its own timing's flags, for the reader
+                x["flags"] = trust.timing_flags(own, cpu)
+                continue
+            x["flags"] = trust.row_flags(t, r["sol_ms"], tb, own,
+                                         r["impls"]["eager"].get("timings", {}).get(primary_timer), cpu,
+                                         run_flags, is_baseline=impl.name == "eager")
+            if s is None and x["status"] == "ok" and x.get("correct") is not False and t is not None:
+                x["flags"] = x["flags"] or ["bound_not_below_baseline"]  # no value: T_b == T_sol
+            assert trust.check_invariant(s, x["flags"]), (r["workload"], impl.name, s)
+            row_flags.append(x["flags"])
         measured_lats = [x for x in lats if x is not None]
         per_stat = {st: [r["impls"][impl.name]["timings"][primary_timer][st] for r in rows
                          if r["impls"][impl.name].get("timings")] for st in ("mean", "median")}
@@ -453,6 +575,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             # per statistic of the per-call distribution, averaged over the workloads
             "latency_ms_by_statistic": {st: (sum(v) / len(v)) if v else None for st, v in per_stat.items()},
             "implementationDigest": records.digest(impl.sources(ctx)),
+            "trust": ({**trust.summarize_flags(row_flags), "rules": trust.rules(cpu)} if impl.role != "bound"
+                      else None),
         }
         summary[impl.name]["_sources"] = impl.sources(ctx)
 
@@ -462,13 +586,27 @@ def run_bench(cfg: BenchConfig) -> dict:
         "definition": defn.name, "definition_meta": defn.meta, "device": device.type, "cpu_run": cpu,
         "hardware": hw, "observedAt": observed, "reference_label": ref_label,
         "implementations": impl_names, "primary_timer": primary_timer, "statistic": cfg.statistic,
-        "reps": reps, "warmup": warmup, "quick": cfg.quick,
+        "reps": protocol["repetitions"], "warmup": protocol["warmup"], "quick": cfg.quick,
         "ceilings": ceil.to_json(), "measured_ceilings": measured.to_json() if measured else None,
         "datasheet_ceilings": (roofline.datasheet_ceilings(hw).to_json()
                                if (not cpu and roofline.datasheet_ceilings(hw)) else None),
         "protocol": protocol, "workload_set": workload_set, "environment": env,
         "workloads": rows, "summary": summary, "failed_claims": failed,
+        "bound_flags": run_flags,
     }
+
+
+def _workload_detail(results: dict, name: str) -> list:
+    """Per workload of one implementation: its score, flags and the spread of its repetitions."""
+    out = []
+    for r in results["workloads"]:
+        x = r["impls"][name]
+        t = x.get("timings", {}).get(results["primary_timer"], {})
+        out.append({"workload": r["workload"], "sol_score": x.get("sol_score"), "sol_ms": r.get("sol_ms"),
+                    "flags": x.get("flags", []),
+                    "latency_ms": {k: t[k] for k in ("n", "min", "p20", "median", "p80", "max", "mean") if k in t},
+                    "spread": x.get("spread"), "host_wait": t.get("host_wait")})
+    return out
 
 
 def build_records(results: dict) -> dict:
@@ -485,7 +623,8 @@ def build_records(results: dict) -> dict:
             protocol=results["protocol"], workloads=results["workload_set"], env=results["environment"],
             implementation_sources=s["_sources"], metrics=metrics, latency_ms_mean=s["latency_ms_by_statistic"]["mean"],
             latency_ms_median=s["latency_ms_by_statistic"]["median"], primary_statistic=results["statistic"],
-            status=status, observed_at=results["observedAt"], cpu_run=results["cpu_run"])
+            status=status, observed_at=results["observedAt"], cpu_run=results["cpu_run"],
+            trust=s.get("trust"), per_workload=_workload_detail(results, name))
     return out
 
 

@@ -237,4 +237,5 @@ def reference_impl(name: str = DEFAULT_DEFINITION) -> tuple:
     def eager(*args):
         return gqa_qkv_rope_qk_norm_backward(*args, backend="torch")  # runs under no_grad itself
 
-    return eager, "fusedqkv eager re-implementation (official pack not found)"
+    return eager, ("fusedqkv eager re-implementation (official pack not found: set FUSEDQKV_SOL_EXECBENCH to the "
+                   "SOL-ExecBench folder holding 091_fused_gqa_qkv_rope_qk_norm_backward/definition.json; see README)")

@@ -6,7 +6,10 @@ A record has the structure of a KernelIndex record of a SOL-ExecBench run::
              "metadata": {name, title, labels},
              "spec": {status, timing: {latencyNs: {mean, median}, primaryStatistic}, observedAt,
                       sourceNative: {source, benchmark, metrics: {sol_score, latency_ms,
-                                     avg_speedup, fast_1_count, fast_1_total}},
+                                     avg_speedup, fast_1_count, fast_1_total},
+                                     workloads: [{workload, sol_score, flags, latency_ms: {n, min,
+                                                  p20, median, p80, max, mean}, spread, ...}]},
+                      trust: {flagged, flaggedWorkloads, workloads, flags: {flag: count}, rules},
                       protocolDigest, workloadDigest, environmentDigest, implementationDigest}},
      "protocol": {"kind": "BenchmarkProtocol", ...},
      "environment": {"kind": "ExecutionEnvironment", ...}}
@@ -15,7 +18,8 @@ Digests are ``sha256:`` + the hex digest of canonical JSON (sorted keys, no spac
 the protocol, the workload set, the environment and the implementation's sources:
 the same code on the same setup gives the same digests; a change to one changes its
 digest. Runs of the same definition, device and protocol (and workload set) form a
-**comparison group**, ranked by SOL score.
+**comparison group**, ranked by SOL score, flagged runs (``spec.trust``: rows that cannot be
+trusted, ``bench.trust``) after every unflagged one.
 """
 
 from __future__ import annotations
@@ -128,7 +132,9 @@ def comparison_group(definition: str, hardware: str, protocol_digest: str, workl
 def make_record(*, definition: str, implementation: str, impl_label: str, protocol: dict, workloads: dict,
                 env: dict, implementation_sources: dict, metrics: dict, latency_ms_mean: Optional[float],
                 latency_ms_median: Optional[float], primary_statistic: str, status: str, observed_at: str,
-                cpu_run: bool) -> dict:
+                cpu_run: bool, trust: Optional[dict] = None, per_workload: Optional[list] = None) -> dict:
+    """``trust``: the run's flags (``bench.trust.summarize_flags`` and the rules); ``per_workload``:
+    per workload its score, flags and the spread of its repetitions (min/p20/median/p80/max)."""
     pd, wd, ed, idg = digest(protocol), digest(workloads), digest(env), digest(implementation_sources)
     hw = env.get("hardwareName", "unknown")
     group = comparison_group(definition, hw, pd, wd)
@@ -148,7 +154,8 @@ def make_record(*, definition: str, implementation: str, impl_label: str, protoc
             "title": title,
             "labels": {"definition": definition, "implementation": implementation, "hardware": hw,
                        "deviceType": env.get("deviceType", "cpu"), "cpuRun": "true" if cpu_run else "false",
-                       "comparisonGroup": group},
+                       "comparisonGroup": group,
+                       "flagged": "true" if (trust or {}).get("flagged") else "false"},
             "annotations": {"implementationLabel": impl_label},
         },
         "spec": {
@@ -164,6 +171,10 @@ def make_record(*, definition: str, implementation: str, impl_label: str, protoc
             "implementationDigest": idg,
         },
     }
+    if trust is not None:
+        run["spec"]["trust"] = trust
+    if per_workload is not None:
+        run["spec"]["sourceNative"]["workloads"] = per_workload
     return {"run": run, "protocol": protocol, "environment": env}
 
 
@@ -260,11 +271,18 @@ def _score(rec: dict) -> float:
     return -1.0 if s is None else float(s)
 
 
+def is_flagged(rec: dict) -> bool:
+    """A run some of whose rows cannot be trusted (a score outside [0, 1], an untrusted bound,
+    noisy or contended timings: ``bench.trust``). Records older than the flags count as unflagged."""
+    return bool(rec["run"]["spec"].get("trust", {}).get("flagged"))
+
+
 def rank(records: list) -> list:
-    """Records of one group, best first: SOL score descending, then lower latency, then older."""
+    """Records of one group, best first: unflagged runs before flagged ones, then SOL score
+    descending, then lower latency, then older."""
     def key(r):
         lat = r["run"]["spec"]["timing"]["latencyNs"].get("mean", float("inf"))
-        return (-_score(r), lat, r["run"]["spec"]["observedAt"], r["run"]["metadata"]["name"])
+        return (is_flagged(r), -_score(r), lat, r["run"]["spec"]["observedAt"], r["run"]["metadata"]["name"])
     return sorted(records, key=key)
 
 
@@ -287,4 +305,5 @@ def compare(rec: dict, best: dict) -> dict:
     lb = best["run"]["spec"]["timing"]["latencyNs"].get("mean")
     out["latency_ratio_vs_best"] = (la / lb) if la and lb else None
     out["same_implementation"] = rec["run"]["spec"]["implementationDigest"] == best["run"]["spec"]["implementationDigest"]
+    out["flagged"] = {"run": is_flagged(rec), "best": is_flagged(best)}
     return out

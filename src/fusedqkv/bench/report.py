@@ -10,6 +10,8 @@ import math
 import re
 from pathlib import Path
 
+from . import trust
+
 ORDER = ("fusedqkv", "compile", "eager", "gemm_floor")
 
 
@@ -34,6 +36,18 @@ def _run_label(results) -> str:
 
 
 def latency_plot(results: dict, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = latency_figure(results)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def latency_figure(results: dict):
+    """Latency per workload and implementation (the primary statistic; bars: p20-p80 of the
+    repetitions), the SOL bound, and -- only when there are any -- failed and flagged points,
+    each with its legend entry."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,29 +55,53 @@ def latency_plot(results: dict, path: Path) -> Path:
 
     rows = results["workloads"]
     names = _impls(results)
+    primary = results["primary_timer"]
     x = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(rows) + 3), 5))
     markers = {"fusedqkv": "o", "eager": "s", "compile": "^", "gemm_floor": "v"}
+    plotted = [r["sol_ms"] for r in rows if r.get("sol_ms")]
+    bad, flagged = [], []
     for n in names:
-        ys = [r["impls"][n].get("latency_ms") for r in rows]
-        xs = [i for i, y in zip(x, ys) if y]
-        ax.plot(xs, [y for y in ys if y], marker=markers.get(n, "x"), linestyle="-", label=n)
-        bad = [(i, r["impls"][n].get("latency_ms")) for i, r in zip(x, rows)
-               if r["impls"][n].get("correct") is False and r["impls"][n].get("latency_ms")]
-        if bad:
-            ax.scatter([b[0] for b in bad], [b[1] for b in bad], marker="x", color="red", s=60, zorder=5)
+        pts = []
+        for i, r in zip(x, rows):
+            xi = r["impls"][n]
+            y = xi.get("latency_ms")
+            if not y:
+                continue
+            t = xi.get("timings", {}).get(primary, {})
+            lo, hi = t.get("p20", y), t.get("p80", y)
+            pts.append((i, y, max(0.0, y - lo), max(0.0, hi - y)))
+            plotted += [lo, hi, y]
+            if xi.get("correct") is False:
+                bad.append((i, y))
+            if xi.get("flags"):
+                flagged.append((i, y))
+        if pts:
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[[p[2] for p in pts], [p[3] for p in pts]],
+                        marker=markers.get(n, "x"), linestyle="-", capsize=2, label=n)
     ax.plot(x, [r["sol_ms"] for r in rows], color="black", linestyle="--", marker="_", label="SOL bound")
+    if bad:
+        ax.scatter([b[0] for b in bad], [b[1] for b in bad], marker="x", color="red", s=60, zorder=5,
+                   label="failed correctness")
+    if flagged:
+        ax.scatter([b[0] for b in flagged], [b[1] for b in flagged], marker="o", facecolors="none",
+                   edgecolors="purple", s=160, linewidths=1.5, zorder=6, label="flagged (cannot be trusted)")
     ax.set_yscale("log")
+    pos = [v for v in plotted if v and v > 0]
+    if pos:  # room above the top point and below the bottom one (log axis: a factor)
+        ax.set_ylim(min(pos) / 1.6, max(pos) * 1.6)
     ax.set_xticks(x)
     ax.set_xticklabels([r["workload"] for r in rows], rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel(f"latency, ms ({results['primary_timer']}, {results['statistic']}; log)")
-    ax.set_title(f"{results['definition']} — {_run_label(results)}\n(red x: failed correctness)", fontsize=10)
+    ax.set_xlabel("workload" + (" (reduced for the CPU run)" if results["cpu_run"] else ""))
+    ax.set_ylabel(f"latency, ms ({primary} {results['statistic']}; bars p20-p80; log)")
+    ax.set_title(f"{results['definition']} — {_run_label(results)}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    order = names + ["SOL bound", "failed correctness", "flagged (cannot be trusted)"]
+    pairs = sorted(zip(handles, labels), key=lambda hl: order.index(hl[1]) if hl[1] in order else len(order))
+    ax.legend([h for h, _ in pairs], [lb for _, lb in pairs], fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 # ----------------------------------------------------------------------------- tables
@@ -83,6 +121,7 @@ def summary_table(results: dict, recs: dict) -> list:
             "faster": f"{s['fast_1_count']}/{s['fast_1_total']}",
             "correct": "n/a" if s["role"] == "bound" else f"{s['correct_count']}/{s['total']}",
             "digest": (r["run"]["spec"]["implementationDigest"][:19] if r else s["implementationDigest"][:19]),
+            "flags": trust.describe(s["trust"]) if s.get("trust") else "n/a",
         })
     return out
 
@@ -92,9 +131,11 @@ TIMER_LABEL = {"kernel_span": "span ms", "cuda_events": "events ms", "cpu_wall":
 
 def workload_table(results: dict) -> list:
     """One row per workload, one number per cell: per implementation its primary latency,
-    CUDA events (when the primary is the span), the correctness check and the SOL score S;
-    fusedqkv / floor when both ran; the dataset's B200 figures."""
+    CUDA events (when the primary is the span), on a CPU run the spread of the repetitions
+    ((p80 - p20) / median), the correctness check, the SOL score S and, where any row of the
+    implementation is flagged, its flags; fusedqkv / floor when both ran; the dataset's B200 figures."""
     stat, primary = results["statistic"], results["primary_timer"]
+    flagged_impls = {n: any(r["impls"][n].get("flags") for r in results["workloads"]) for n in _impls(results)}
     rows = []
     for r in results["workloads"]:
         d = {"workload": r["workload"], "tokens": r["tokens"], "sol ms": _f(r["sol_ms"]),
@@ -106,10 +147,14 @@ def workload_table(results: dict) -> list:
             d[f"{n} {TIMER_LABEL.get(primary, primary)}"] = _f(x.get("latency_ms")) if ok else "—"
             if primary == "kernel_span":
                 d[f"{n} events ms"] = _f(t.get("cuda_events", {}).get(stat)) if ok else "—"
+            if results["cpu_run"]:
+                d[f"{n} spread"] = _f(x.get("spread"), "{:.0%}") if ok else "—"
             if x["role"] != "bound":
                 d[f"{n} check"] = ({True: "ok", False: "FAIL", None: "—"}[x.get("correct")] if ok
                                    else f"ERROR: {x.get('error', '')[:60]}")
                 d[f"{n} S"] = _f(x.get("sol_score"), "{:.3f}") if ok else "—"
+                if flagged_impls.get(n):
+                    d[f"{n} flags"] = ", ".join(x.get("flags", [])) or "—"
             elif not ok:
                 d[f"{n} check"] = f"ERROR: {x.get('error', '')[:60]}"
         fq, fl = (r["impls"].get(k, {}).get("latency_ms") for k in ("fusedqkv", "gemm_floor"))
@@ -170,14 +215,41 @@ def _html_table(rows: list) -> str:
     return h + "</tbody></table></div>"
 
 
+def _repetitions_text(results: dict) -> str:
+    reps, warm = results["reps"], results["warmup"]
+    if isinstance(reps, dict):
+        ns = [x["timings"][results["primary_timer"]]["n"] for r in results["workloads"] for x in r["impls"].values()
+              if x.get("timings")]
+        n = (f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}") if ns else "?"
+        text = (f"{n} repetitions (adaptive: {reps['budgetS']:g} s of calls per implementation and workload, "
+                f"at least {reps['minimum']})")
+    else:
+        text = f"{reps} repetitions"
+    if isinstance(warm, dict):
+        return text + f" (warm-up until 3 calls agree within {warm['withinFraction']:.0%}, at most {warm['capS']:g} s)"
+    return text + f" (warm-up {warm})"
+
+
+def _trust_line(results: dict) -> str:
+    parts = []
+    for n in _impls(results):
+        t = results["summary"][n].get("trust")
+        if t and t["flagged"]:
+            parts.append(f"{n} {trust.describe(t)}")
+    if not parts:
+        return "Flags: none (every score in [0, 1]; bound and timings trusted)"
+    return "**FLAGGED — these timings cannot be trusted**: " + "; ".join(parts) + " (see Flags)"
+
+
 def _header_lines(results: dict, manifest: dict, group_rank: list) -> list:
     spec = manifest["run"]["spec"]
     c = results["ceilings"]
     lines = [
         f"Run: {_run_label(results)}" + (" — **CPU run: reduced workloads, wall clock, no L2 flush; not comparable with GPU figures**" if results["cpu_run"] else ""),
+        _trust_line(results),
         f"Record: `{manifest['run']['metadata']['name']}` — status {spec['status']}, observed {spec['observedAt']}",
-        f"Primary measurement: {results['primary_timer']} {results['statistic']} of {results['reps']} repetitions "
-        f"(warm-up {results['warmup']}); SOL from {results['protocol']['sol']['ceilings']}: "
+        f"Primary measurement: {results['primary_timer']} {results['statistic']} of {_repetitions_text(results)}; "
+        f"SOL from {results['protocol']['sol']['ceilings']}: "
         f"{c['tflops']:.1f} TFLOP/s, {c['tb_per_s']:.3f} TB/s",
         f"Reference (oracle and baseline): {results['reference_label']}",
         f"Comparison group: `{manifest['run']['metadata']['labels']['comparisonGroup']}`",
@@ -192,6 +264,32 @@ def _header_lines(results: dict, manifest: dict, group_rank: list) -> list:
     if group_rank:
         lines.append("Rank in comparison group: " + "; ".join(group_rank))
     return lines
+
+
+def _flag_rules(results: dict) -> list:
+    """The Flags section: what each flag means and the thresholds in force."""
+    cpu = results["cpu_run"]
+    lines = ["S in [0, 1] needs T_sol <= T and T_sol < T_b; a row outside that, or whose bound or timings "
+             "cannot be trusted, is flagged (its score is kept as computed, never clipped), and a run with a "
+             "flagged row is flagged: `fusedqkv runs` ranks it after every unflagged run."]
+    lines += [f"`{k}`: {v}" for k, v in trust.FLAGS.items()
+              if cpu or k in ("below_sol", "bound_not_below_baseline", "bound_unsteady")]
+    if not cpu:
+        lines.append("GPU run: device clocks; the spread of the repetitions and host load are recorded, not flagged.")
+    if results.get("bound_flags"):
+        lines.append("This run's SOL bound: " + ", ".join(results["bound_flags"]) + " (measured ceilings in results.json)")
+    return lines
+
+
+_CODE = re.compile(r"`([^`]+)`")
+_BOLD = re.compile(r"\*\*(.+?)\*\*")
+
+
+def _inline_html(text: str) -> str:
+    """The markdown of a header line as HTML: `code` spans and **bold**, everything else escaped."""
+    out = html.escape(text)
+    out = _CODE.sub(lambda m: f"<code>{m.group(1)}</code>", out)
+    return _BOLD.sub(lambda m: f"<b>{m.group(1)}</b>", out)
 
 
 def write_report(results: dict, recs: dict, manifest: dict, out_dir: Path, group_rank=None) -> dict:
@@ -238,7 +336,8 @@ def write_report(results: dict, recs: dict, manifest: dict, out_dir: Path, group
         (" B200 figures are the dataset's, as figures." if not results["cpu_run"] else ""), "",
         _md_table(wl), "", "## Correctness failures", "",
         _md_table(failures) if failures else "None.", "",
-        "![latency](latency.png)", "", "## Protocol", "", "```json", proto_json, "```", "",
+        "## Flags", ""] + [f"- {l}" for l in _flag_rules(results)] + [
+        "", "![latency](latency.png)", "", "## Protocol", "", "```json", proto_json, "```", "",
         "## Environment", "", "```json", env_json, "```", ""]
     paths["report.md"] = out_dir / "report.md"
     paths["report.md"].write_text("\n".join(md))
@@ -251,19 +350,26 @@ def write_report(results: dict, recs: dict, manifest: dict, out_dir: Path, group
            "th{background:#f0f0f0}td.fail{background:#fdd}code,pre{background:#f6f6f6}"
            "pre{white-space:pre-wrap;overflow-wrap:anywhere}.scroll{max-width:100%;overflow-x:auto}"
            "img.plot{display:block;max-width:100%;height:auto}"
-           ".cpu{background:#fff3cd;padding:.5em;border:1px solid #e0c060}")
+           ".cpu{background:#fff3cd;padding:.5em;border:1px solid #e0c060}"
+           ".flagged{background:#fdd;padding:.5em;border:1px solid #d66}summary{cursor:pointer}")
     h = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
          f"<style>{css}</style></head><body><h1>{html.escape(title)}</h1>"]
     if results["cpu_run"]:
         h.append("<p class='cpu'><b>CPU run</b>: reduced workloads, wall clock, no L2 flush; "
                  "not comparable with GPU figures.</p>")
-    h.append("<ul>" + "".join(f"<li>{html.escape(l).replace('**', '')}</li>" for l in head) + "</ul>")
+    if any((results["summary"][n].get("trust") or {}).get("flagged") for n in results["summary"]):
+        h.append("<p class='flagged'><b>Flagged</b>: some rows of this run cannot be trusted (see Flags); "
+                 "<code>fusedqkv runs</code> ranks it after every unflagged run.</p>")
+    h.append("<ul>" + "".join(f"<li>{_inline_html(l)}</li>" for l in head) + "</ul>")
     h.append("<h2>Summary (run level)</h2>" + _html_table(summ))
     h.append("<h2>Per workload</h2>" + _html_table(wl))
     h.append("<h2>Correctness failures</h2>" + (_html_table(failures) if failures else "<p>None.</p>"))
+    h.append("<h2>Flags</h2><ul>" + "".join(f"<li>{_inline_html(l)}</li>" for l in _flag_rules(results)) + "</ul>")
     h.append(f"<h2>Latency against the SOL bound</h2><img class='plot' alt='latency' "
              f"src='data:image/png;base64,{png64}'/>")
-    h.append(f"<h2>Manifest</h2><pre>{html.escape(json.dumps(manifest, indent=1, sort_keys=True))}</pre>")
+    h.append("<h2>Manifest</h2><details><summary>The KernelIndex record of this run (also in "
+             "<a href='manifest.json'>manifest.json</a>)</summary>"
+             f"<pre>{html.escape(json.dumps(manifest, indent=1, sort_keys=True))}</pre></details>")
     h.append("</body></html>")
     paths["report.html"] = out_dir / "report.html"
     paths["report.html"].write_text("".join(h))

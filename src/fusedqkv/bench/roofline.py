@@ -12,7 +12,8 @@
 * ``T_sol = max(FLOPs / peak_flops, bytes / peak_bw)``.
 * **SOL score** of a latency T against the baseline T_b of the same run:
   ``S = 1 / (1 + (T - T_sol) / (T_b - T_sol))`` -- 1 at the bound, 0.5 at the
-  baseline, towards 0 when slower. Undefined (None) when T_b <= T_sol.
+  baseline, towards 0 when slower; in [0, 1] only while T_sol <= T and T_sol < T_b. Outside
+  that the formula's value is kept and the row flagged (``trust``), never clipped.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Ceilings:
     flops_per_s: float
     bytes_per_s: float
     source: str  # "datasheet" or "measured"
+    detail: Optional[dict] = None  # measured: the repetitions' summaries and the host wait
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -103,12 +105,23 @@ def roofline(defn, axes: dict, ceil: Ceilings) -> dict:
 
 
 def sol_score(t: float, t_sol: float, t_base: float) -> Optional[float]:
-    """S = 1 / (1 + (T - T_sol) / (T_b - T_sol)); None when undefined."""
+    """S = 1 / (1 + (T - T_sol) / (T_b - T_sol)) where it is in [0, 1]; None otherwise."""
+    s = sol_score_formula(t, t_sol, t_base)
+    if s is None or t_base <= t_sol or t < t_sol:
+        return None
+    return s
+
+
+def sol_score_formula(t: float, t_sol: float, t_base: float) -> Optional[float]:
+    """The formula's value as it falls, also outside [0, 1] (T < T_sol or T_b < T_sol: the row
+    is then flagged, see ``trust``); None when it has no value (T_b == T_sol, a missing or
+    non-finite time)."""
     if t is None or t_base is None or t_sol is None:
         return None
-    if not all(math.isfinite(x) for x in (t, t_sol, t_base)) or t <= 0 or t_base <= t_sol:
+    if not all(math.isfinite(x) for x in (t, t_sol, t_base)) or t <= 0 or t_base <= 0 or t_base == t_sol:
         return None
-    return 1.0 / (1.0 + (t - t_sol) / (t_base - t_sol))
+    d = 1.0 + (t - t_sol) / (t_base - t_sol)
+    return (1.0 / d) if d != 0 else None
 
 
 def geomean(xs: Iterable[float]) -> Optional[float]:
@@ -121,21 +134,23 @@ def geomean(xs: Iterable[float]) -> Optional[float]:
 def aggregate(times: list, base_times: list, sol_times: list) -> dict:
     """Run-level figures from per-workload latencies (None where not measured/correct).
 
-    mean SOL score over the workloads where it is defined (a failed or missing one
-    counts 0, as a failed workload scores nothing), speed-up as mean of ratios and
-    geomean, and how many workloads were faster than the baseline.
+    Mean SOL score over the workloads: a failed or missing one counts 0 (a failed workload
+    scores nothing); a correct one its formula value as it falls (outside [0, 1] only on rows
+    ``trust`` flags); a workload where the formula has no value (T_b == T_sol, flagged) is left
+    out of the mean. Speed-up as mean of ratios and geomean, and how many workloads were
+    faster than the baseline.
     """
     scores, ratios, faster = [], [], 0
     for t, tb, ts in zip(times, base_times, sol_times):
         if t is None or tb is None:
             scores.append(0.0)
             continue
-        s = sol_score(t, ts, tb)
-        scores.append(0.0 if s is None else s)
+        scores.append(sol_score_formula(t, ts, tb))
         ratios.append(tb / t)
         faster += int(t < tb)
     n = len(times)
-    return {"sol_score": (sum(scores) / n) if n else None, "sol_scores": scores,
+    defined = [s for s in scores if s is not None]
+    return {"sol_score": (sum(defined) / len(defined)) if defined else None, "sol_scores": scores,
             "avg_speedup": (sum(ratios) / len(ratios)) if ratios else None,
             "geomean_speedup": geomean(ratios), "fast_1_count": faster, "fast_1_total": n}
 
@@ -143,9 +158,9 @@ def aggregate(times: list, base_times: list, sol_times: list) -> dict:
 # ----------------------------------------------------------------------------- measured
 
 
-def _best_ms(fn, device: torch.device, reps: int) -> float:
+def _times_ms(fn, device: torch.device, reps: int) -> list:
     fn()
-    best = math.inf
+    out = []
     for _ in range(reps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -154,30 +169,53 @@ def _best_ms(fn, device: torch.device, reps: int) -> float:
             fn()
             e.record()
             torch.cuda.synchronize(device)
-            ms = s.elapsed_time(e)
+            out.append(s.elapsed_time(e))
         else:
             t0 = time.perf_counter()
             fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        best = min(best, ms)
-    return best
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
 
 
-def measure_ceilings(device, name: str) -> Ceilings:
-    """A bf16 matmul and a device copy, best of a few: achievable FLOP/s and bytes/s."""
+def _best_ms(fn, device: torch.device, reps: int) -> float:
+    return min(_times_ms(fn, device, reps))
+
+
+def measure_ceilings(device, name: str, when: str = "start") -> Ceilings:
+    """A bf16 matmul and a device copy, best of a few: achievable FLOP/s and bytes/s. The
+    repetitions' summaries (their spread says how steady the bound is) and, on a CPU, how long
+    this process waited for a processor meanwhile go into ``detail``."""
+    from .timing import HostWait, summarize
+
     device = torch.device(device)
     gpu = device.type == "cuda"
     n = 8192 if gpu else 1024
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-    t_mm = _best_ms(lambda: torch.mm(a, b, out=c), device, reps=10 if gpu else 3)
-    flops = 2 * n ** 3 / (t_mm * 1e-3)
-    nbytes = (1 << 30) if gpu else (64 << 20)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    src.fill_(1)
-    t_cp = _best_ms(lambda: dst.copy_(src), device, reps=10 if gpu else 3)
-    bw = 2 * nbytes / (t_cp * 1e-3)
+    reps = 10
+    with HostWait() as hw:
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+        mm = _times_ms(lambda: torch.mm(a, b, out=c), device, reps=reps)
+        nbytes = (1 << 30) if gpu else (64 << 20)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        src.fill_(1)
+        cp = _times_ms(lambda: dst.copy_(src), device, reps=reps)
+    flops = 2 * n ** 3 / (min(mm) * 1e-3)
+    bw = 2 * nbytes / (min(cp) * 1e-3)
     del a, b, c, src, dst
-    return Ceilings(name, flops, bw, "measured")
+    detail = {"when": when, "matmul_ms": summarize(mm), "copy_ms": summarize(cp),
+              "host_wait": None if gpu else hw.fraction}
+    return Ceilings(name, flops, bw, "measured", detail)
+
+
+def best_ceilings(measurements: list) -> Ceilings:
+    """The highest FLOP/s and the highest bytes/s of several measurements of one device (the
+    bound is what the device can do; a measurement slowed by other load only understates it).
+    ``detail.chosen``: the measurement each figure came from."""
+    f = max(measurements, key=lambda m: m.flops_per_s)
+    b = max(measurements, key=lambda m: m.bytes_per_s)
+    return Ceilings(f.name, f.flops_per_s, b.bytes_per_s, "measured",
+                    {"flops_from": f.detail.get("when"), "bytes_from": b.detail.get("when"),
+                     "chosen": {"flops": f.detail, "bytes": b.detail},
+                     "measurements": [m.detail for m in measurements]})

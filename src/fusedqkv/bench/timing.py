@@ -20,7 +20,9 @@ over the iterations. Here:
   after another implementation's block inherits its clock).
 * ``time_cuda_events`` / ``time_kernel_span`` / ``profile_kernel_calls``: the older
   fixed-argument helpers, kept for the scripts in ``benchmarks/``.
-* ``time_cpu``: wall clock for CPU runs (no cache flush; labelled as a CPU run).
+* ``time_cpu_budget``: wall clock for CPU runs (no cache flush; labelled as a CPU run):
+  repetitions to a time budget, warm-up until the calls agree, and the host wait of the
+  timed calls (``HostWait``: how long this process's threads waited for a CPU).
 
 The L2 flush is ``l2_flush_kernel``: it writes the same 2x-L2 bytes at the same point of
 the iteration as the evaluator's ``zero_()``, under a name the profiler path can find.
@@ -29,6 +31,7 @@ the iteration as the evaluator's ``zero_()``, under a name the profiler path can
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -205,6 +208,110 @@ def time_cpu(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> list:
         fn()
         out.append((time.perf_counter() - t0) * 1000.0)
     return out
+
+
+# ----------------------------------------------------------------------------- CPU runs: budget and host wait
+
+
+def _run_delay_ns() -> Optional[dict]:
+    """Per thread of this process, the time it has spent runnable but waiting for a CPU (ns;
+    the second field of ``/proc/self/task/<tid>/schedstat``); None where the kernel does not say."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    out = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out or None
+
+
+class HostWait:
+    """How long this process's threads waited for a CPU over a block: the largest run-queue wait
+    of one thread as a fraction of the block's wall time. ~0 when every thread got a CPU whenever
+    it wanted one; ~0.5 for the thread that shares a core with another process's busy loop. The
+    largest, not the mean: threads meeting at a barrier (every parallel region) all wait for the
+    slowest one, so one thread kept off its core slows the whole call. ``fraction`` is None off
+    Linux (no ``/proc/self/task/*/schedstat``)."""
+
+    def __init__(self):
+        self.fraction: Optional[float] = None
+
+    def __enter__(self) -> "HostWait":
+        self._d0, self._t0 = _run_delay_ns(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter() - self._t0
+        d1 = _run_delay_ns()
+        if self._d0 is None or d1 is None or wall <= 0:
+            return
+        # a thread born inside the block counts all its wait; one that ended drops out
+        waited = max((v - self._d0.get(tid, 0) for tid, v in d1.items()), default=0)
+        self.fraction = max(0.0, waited / 1e9 / wall)
+
+
+@dataclass
+class CpuTimes:
+    samples_ms: list
+    warmup_calls: int
+    warmup_stable: Optional[bool]  # None: a fixed warm-up was asked for
+    host_wait: Optional[float]
+
+
+# the adaptive CPU protocol: repetitions to a time budget, as timeit.autorange picks its loop count
+CPU_MIN_REPS = 5
+CPU_MAX_REPS = 1000
+CPU_WARMUP_CAP_S = 2.0  # the first calls of a process can run 10x slow for ~2 s (allocator, thread pool)
+CPU_STABLE_WITHIN = 0.25  # warm-up ends when 3 consecutive calls agree within 25 %
+
+
+def _stable(ms: list) -> bool:
+    last = ms[-3:]
+    return len(last) == 3 and max(last) <= (1.0 + CPU_STABLE_WITHIN) * min(last)
+
+
+def time_cpu_budget(fn: Callable[[], object], budget_s: float = 1.0, reps: Optional[int] = None,
+                    warmup: Optional[int] = None, min_reps: int = CPU_MIN_REPS, max_reps: int = CPU_MAX_REPS,
+                    warmup_cap_s: float = CPU_WARMUP_CAP_S) -> CpuTimes:
+    """Wall clock of single calls on a CPU.
+
+    Warm-up: ``warmup`` calls when given; else until three consecutive calls agree within
+    ``CPU_STABLE_WITHIN`` (at least one call, at most ``warmup_cap_s``). Timed: ``reps`` calls when
+    given; else calls until ``budget_s`` has passed and at least ``min_reps`` were made (at most
+    ``max_reps``). The host wait (:class:`HostWait`) covers the timed calls."""
+    if budget_s is None or not budget_s > 0:
+        raise ValueError(f"budget_s: expected > 0, got {budget_s!r}")
+    wms: list = []
+    t_w = time.perf_counter()
+    while True:
+        if warmup is not None:
+            if len(wms) >= warmup:
+                break
+        elif wms and (_stable(wms) or time.perf_counter() - t_w >= warmup_cap_s):
+            break
+        t0 = time.perf_counter()
+        fn()
+        wms.append((time.perf_counter() - t0) * 1000.0)
+    out = []
+    with HostWait() as hw:
+        t_start = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            out.append((t1 - t0) * 1000.0)
+            n = len(out)
+            if reps is not None:
+                if n >= reps:
+                    break
+            elif n >= max_reps or (n >= min_reps and t1 - t_start >= budget_s):
+                break
+    return CpuTimes(out, len(wms), None if warmup is not None else _stable(wms), hw.fraction)
 
 
 # ----------------------------------------------------------------------------- evaluator-style timing
