@@ -337,7 +337,7 @@ def matmul_jobs() -> list:
     axes = dict(use=tuple(MATMUL_USES), dtype=("bf16", "fp16"), finish=(True, False), nprog=("one", "sms", "per_sm"),
                 ints=INT_MODES, cc=PRODUCT_TARGETS)
     jobs = [_matmul_job(**r) for r in pairwise(axes, seed=4)]
-    jobs.append(_matmul_job("hybrid_dw", "bf16", True, "per_sm", "plain"))  # as 091 launches it
+    jobs += [_matmul_job("hybrid_dw", "bf16", True, "per_sm", "plain", cc=cc) for cc in PRODUCT_TARGETS]  # as 091 launches it
     jobs.append(_matmul_job("hybrid_dw", "bf16", True, "per_sm", "div16", fin_d=80, norm_fp32=True))
     jobs.append(_matmul_job("chain_dw", "fp16", True, "sms", "plain", fin_d=256))
     return jobs

@@ -211,8 +211,9 @@ def test_capture_keeps_no_fusedqkv_buffer():
     for step in steps.values():
         step()
     torch.cuda.synchronize()
+    graph, side = _capture(steps["bwd091"])  # warm-up on the side stream: its kept buffers exist now
+    torch.cuda.synchronize()
     before = fusedqkv.cache_info()["buffers"]
-    graph, side = _capture(steps["bwd091"])
     with torch.cuda.graph(graph):  # captured on a stream fusedqkv has not seen
         steps["bwd091"]()
         steps["train"]()
