@@ -69,7 +69,7 @@ def fall_back(reason: str) -> None:
     _FALLBACKS[reason] = None
     warnings.warn(f"fusedqkv: a fast path is off: {reason}. fusedqkv takes the public path instead (the same "
                   f"results, more host time per call). Supported: Triton {_range_text(TRITON_SUPPORTED)}, torch "
-                  f"{_range_text(TORCH_SUPPORTED)}; see fusedqkv.ops.internals.fast_path_info()",
+                  f"{_range_text(TORCH_SUPPORTED)}; see cache_info()['fast_path']",
                   FastPathWarning, stacklevel=3)
 
 
