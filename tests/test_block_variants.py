@@ -349,3 +349,15 @@ def test_the_plain_block_is_the_variant_free_path():
     assert plan.variant == Variant()
     assert Variant().constexprs(128) == dict(HALF=64, HALF_P2=64, PASS=0, PASS_P2=1, INTERLEAVED=False,
                                              NORM_WEIGHT=True, ALL_HEADS=False, Q_GATE=False, V_NORM=False)
+
+
+def test_bench_variants_script_smoke(tmp_path):
+    """benchmarks/bench_variants.py runs every variant end to end (CPU, the torch backend)."""
+    import json
+
+    from _scripts import load_benchmark
+
+    bench = load_benchmark("bench_variants")
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_variants.json").read_text())["rows"]
+    assert {r["variant"] for r in rows} == set(bench.VARIANTS)
