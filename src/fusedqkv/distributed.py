@@ -598,6 +598,14 @@ class HeadParallelQKV(ParallelStyle):
             raise NotImplementedError(
                 f"HeadParallelQKV: expected a fusedqkv.GQAQKVRoPEQKNorm or ReferenceGQAQKVRoPEQKNorm, got "
                 f"{base.__name__} (its forward is not known to the head-parallel plan)")
+        plain = dict(q_gate=False, rope_style="neox", norm_scope="head", v_norm=False)
+        variant = {k: getattr(module, k, v) for k, v in plain.items() if getattr(module, k, v) != v}
+        if variant or module.q_norm_weight is None:  # (the plan shards plain heads: issue 25's variants not yet)
+            if module.q_norm_weight is None:
+                variant["norm_weight"] = False
+            raise NotImplementedError(f"HeadParallelQKV: the block's variants {variant} are not head-parallel; "
+                                      "expected a block with the default q_gate, rope_style, norm_scope, norm_weight "
+                                      "and v_norm")
         names = tuple(n for n, _ in module.named_parameters())
         expected = _BLOCK_PARAMS + (() if module.qkv_bias is None else ("qkv_bias",))
         if sorted(names) != sorted(expected) or list(module.children()):

@@ -171,3 +171,13 @@ def test_autocast_with_bf16_inputs_and_fp32_weights():
     assert q.dtype == k.dtype == v.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):  # outside autocast the dtypes must agree
         block(x, cos, sin)
+
+
+@pytest.mark.parametrize("kw", [dict(q_gate=True), dict(norm_weight=False), dict(norm_scope="all_heads"),
+                                dict(v_norm=True), dict(rope_style="interleaved")])
+def test_the_block_variants_are_refused_not_sharded_wrongly(kw):
+    """Issue 25's variants change the rows and norms the head-parallel plan shards: a clear error."""
+    from fusedqkv import GQAQKVRoPEQKNorm
+
+    with pytest.raises(NotImplementedError, match="variants"):
+        fdist.HeadParallelQKV()._apply(GQAQKVRoPEQKNorm(16, 2, 1, 8, **kw), None)
