@@ -325,6 +325,7 @@ class FusedSpec:
     split: tuple[int, ...]      # their row counts
     block_kwargs: tuple         # (name, value) pairs for gqa_qkv_rope_qk_norm beyond the sizes
     k_eq_v: bool                # v is the raw k projection (no v_proj; Gemma 4)
+    hf_children: tuple          # the HF module's child names in order (its state-dict order)
 
     @property
     def kwargs(self) -> dict:
@@ -508,7 +509,8 @@ def __getattr__(name: str):
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
     """``qkv_proj.weight``/``.bias`` -> HF's ``q_proj``/``k_proj``/``v_proj`` entries, in HF's
-    key order (the module's keys are the tail of ``state_dict`` when this runs)."""
+    key order (the module's keys are the tail of ``state_dict`` when this runs: its own
+    parameters and buffers, then its children's, which are put back in the HF module's order)."""
     fused_w, fused_b = prefix + FUSED_NAME + ".weight", prefix + FUSED_NAME + ".bias"
     if fused_w not in state_dict:
         return
@@ -518,22 +520,29 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
             break
         tail.append(key)
     tail.reverse()
-    items = [(key, state_dict.pop(key)) for key in tail]
+    items = dict((key, state_dict.pop(key)) for key in tail)
     spec: FusedSpec = module._fusedqkv
-    n = len(spec.projs)
-    for key, value in items:
-        if key == fused_b:
-            continue
-        if key != fused_w:
+    children = {}  # child name -> [(key, value)]
+    for key, value in items.items():
+        child, _, rest = key[len(prefix):].partition(".")
+        if not rest or child not in module._modules:  # the module's own parameter or buffer
             state_dict[key] = value
-            continue
-        bias = dict(items).get(fused_b)
-        # copies: views of one storage would be taken for tied weights by save_pretrained
-        for name, w_part, b_part in zip(spec.projs, value.detach().split(spec.split),
-                                        bias.detach().split(spec.split) if bias is not None else (None,) * n):
-            state_dict[f"{prefix}{name}.weight"] = w_part.clone()
-            if b_part is not None:
-                state_dict[f"{prefix}{name}.bias"] = b_part.clone()
+        elif child != FUSED_NAME:
+            children.setdefault(child, []).append((key, value))
+    bias = items.get(fused_b)
+    # copies: views of one storage would be taken for tied weights by save_pretrained
+    w_parts = items[fused_w].detach().split(spec.split)
+    b_parts = bias.detach().split(spec.split) if bias is not None else (None,) * len(spec.projs)
+    for name, w_part, b_part in zip(spec.projs, w_parts, b_parts):
+        children[name] = [(f"{prefix}{name}.weight", w_part.clone())]
+        if b_part is not None:
+            children[name].append((f"{prefix}{name}.bias", b_part.clone()))
+    for child in spec.hf_children:
+        for key, value in children.pop(child, ()):
+            state_dict[key] = value
+    for entries in children.values():  # children added after apply_to
+        for key, value in entries:
+            state_dict[key] = value
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None and (prefix + FUSED_NAME) in meta:
         version = meta.pop(prefix + FUSED_NAME)
@@ -732,7 +741,7 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
         if value != default:
             opts.append((key, value))
     split = tuple(p.weight.shape[0] for p in projs)
-    return FusedSpec(hq, hkv, d, eps_q, names, split, tuple(opts), k_eq_v)
+    return FusedSpec(hq, hkv, d, eps_q, names, split, tuple(opts), k_eq_v, tuple(attn._modules))
 
 
 def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
@@ -756,7 +765,7 @@ def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
     for name, m in attn._modules.items():
         if name == "q_proj":
             modules[FUSED_NAME] = proj
-        elif name not in spec.projs and not (name == "v_proj" and m is None):
+        elif name not in spec.projs:
             modules[name] = m
     attn._modules.clear()
     attn._modules.update(modules)
