@@ -21,7 +21,7 @@ import torch
 
 from fusedqkv.bench import timing
 from fusedqkv.ops import config
-from fusedqkv.ops import plan as P
+from fusedqkv.ops import training_forward as P
 from fusedqkv.ops.gqa_forward import forward_launch_config, forward_torch
 
 CONFIGS = {  # name: (hidden, hq, hkv, D, norm position)
@@ -186,7 +186,7 @@ def main() -> int:
                     tensors = (qkv, wq, wk, cos, sin, q, k, rq, rk)
                     ptrs = [t.data_ptr() for t in tensors]
                     launch = tp.launch
-                    assert launch._raw is not None
+                    assert launch.bound
                     tiles[str(tile)] = time_ms(lambda: launch.launch(None, ptrs, stream), flusher, args.reps)
             row["stage_ms_by_tile"] = tiles
             # Inductor's stage on the same input

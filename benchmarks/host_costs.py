@@ -35,8 +35,8 @@ import fusedqkv
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
 from fusedqkv.ops import config, cublaslt
-from fusedqkv.ops import plan as _plan
-from fusedqkv.ops.launch import current_stream
+from fusedqkv.ops import backward_091, training_backward, training_forward
+from fusedqkv.ops.device import current_stream
 
 
 def host_us(fn, n=100, reps=7):
@@ -93,21 +93,18 @@ def main() -> int:
         # the parts of one planned call (out=): lookup, addresses, each bound launch alone
 
         gqa_qkv_rope_qk_norm_backward(*a, out=out)
-        p = _plan._BACKWARD_091.recent[0][2]
+        p = backward_091.PLANS.last()
         tensors13 = list(a[:13]) + list(out)
-        scal = _plan._scalars_091(a[13], out, None)
-        cases["  plan lookup (guards)"] = lambda: _plan._BACKWARD_091.lookup(tensors13, scal, None)
+        scal = backward_091._scalars(a[13], out, None)
+        cases["  plan lookup (guards)"] = lambda: backward_091.PLANS.lookup(tensors13, scal, None)
         cases["  19 data_ptr()"] = lambda: [t.data_ptr() for t in tensors13]
         cases["  torch.empty(dqkv)"] = lambda: torch.empty(p.dqkv_shape, dtype=p.dtype, device=dev)
         if p._ready:
-            ins = (a[0], a[1], a[2], a[9], a[10], a[11], a[12], a[7], a[8], a[4], a[5])
-            dq2 = torch.empty(p.dqkv_shape, dtype=p.dtype, device=dev)
-            ptrs = [t.data_ptr() for t in ins] + [dq2.data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
-                                                   out[4].data_ptr(), out[5].data_ptr(), out[0].data_ptr()]
-            if p.path != "cublas":
-                ptrs += [a[6].data_ptr(), a[3].data_ptr(), out[0].data_ptr(), out[3].data_ptr()]
-            ptrs += [t.data_ptr() for t in p.stage.call_inputs(current_stream(dev))]
-            p.table.pointers(ptrs)
+            named = dict(zip(backward_091.INPUT_NAMES, a[:13]))
+            named.update(zip(backward_091.OUTPUT_NAMES, out))
+            named.update(p.stage.call_inputs(current_stream(dev)),
+                         dqkv=torch.empty(p.dqkv_shape, dtype=p.dtype, device=dev))
+            ptrs = p.table.addresses({name: t.data_ptr() for name, t in named.items()})
             stream = current_stream(dev)
             for k, bl in enumerate(p.launches):
                 cases[f"  bound launch {k} ({bl.fn.__name__[:18]})"] = (
@@ -186,16 +183,16 @@ def main() -> int:
         after = position == "after_rope"
         cos_e, sin_e = cos.expand(1, T, 128), sin.expand(1, T, 128)
         W, wq, wk = block.qkv_weight, block.q_norm_weight, block.k_norm_weight
-        fplan = _plan.forward_plan(hs, W, wq, wk, cos_e, sin_e, 32, 8, block.eps, position, "auto")
-        qkv_saved = _plan.run_forward(fplan, hs, W, wq, wk, cos_e, sin_e)[2]
+        fplan = training_forward.forward_plan(hs, W, wq, wk, cos_e, sin_e, 32, 8, block.eps, position, "auto")
+        qkv_saved = training_forward.run_forward(fplan, hs, W, wq, wk, cos_e, sin_e)[2]
 
         def plan_fwd():
-            _plan.run_forward(fplan, hs, W, wq, wk, cos_e, sin_e)
+            training_forward.run_forward(fplan, hs, W, wq, wk, cos_e, sin_e)
 
         @torch.no_grad()  # as inside autograd's backward
         def plan_bwd():
-            _plan.training_backward(*grads, hs, W, qkv_saved, wq, wk, cos_e, sin_e, 32, 8, block.eps, after,
-                                    True, True, False, "auto")
+            training_backward.training_backward(*grads, hs, W, qkv_saved, wq, wk, cos_e, sin_e, 32, 8, block.eps,
+                                                after, True, True, False, "auto")
 
         class Passthrough(torch.autograd.Function):  # autograd's own share: a Function that does nothing
             @staticmethod
@@ -265,11 +262,11 @@ def main() -> int:
                                   ("training forward+backward [torch.mm]", fwd_bwd, False)):
             with config.override(cublaslt=variant):
                 fn()
-                m0 = (_plan._FORWARD.misses, _plan._TRAINING_BACKWARD.misses)
+                m0 = (training_forward.PLANS.misses, training_backward.PLANS.misses)
                 for _ in range(5):
                     fn()
-                print(f"plan-cache misses in 5 calls: forward {_plan._FORWARD.misses - m0[0]}, "
-                      f"backward {_plan._TRAINING_BACKWARD.misses - m0[1]}")
+                print(f"plan-cache misses in 5 calls: forward {training_forward.PLANS.misses - m0[0]}, "
+                      f"backward {training_backward.PLANS.misses - m0[1]}")
                 if args.cprofile and position == "after_rope":
                     import cProfile
                     import io

@@ -16,7 +16,7 @@ sizes stay below 2**31), or ``one=NAME`` makes a single argument the constant 1.
 
 The constexpr values come from the launchers (``fusedqkv/ops``):
 
-* ``rope_qk_norm_bwd_kernel`` (``ops/rope_qk_norm._backward_triton``): the 091 entry point runs
+* ``rope_qk_norm_bwd_kernel`` (``ops/rope_qk_norm.plan_backward_stage``): the 091 entry point runs
   EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, rstd loaded, FUSED_FINISH unless a Triton
   dW runs the finish (then an fp32 placeholder for the tickets when not grouped); the training
   API runs not EXACT, either norm position, the raw projection output saved, rstd recomputed,
@@ -99,15 +99,51 @@ def _tt(dt: str) -> str:
     return {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[dt]
 
 
-def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="cubin", one=None):
+# the block's variants (issue 25) as the training launchers build them (ops/gqa_forward.Variant); rot as a
+# function of head_dim (partial rotary at half or a quarter of it)
+VARIANTS = {
+    "plain": dict(),
+    "unweighted": dict(norm_weight=False),
+    "partial": dict(rot=2),
+    "interleaved": dict(interleaved=True),
+    "partial_interleaved": dict(rot=4, interleaved=True),
+    "gate": dict(q_gate=True, rot=4),
+    "v_norm": dict(v_norm=True),
+    "all_heads": dict(all_heads=True),
+    "all_heads_combo": dict(all_heads=True, norm_weight=False, q_gate=True, v_norm=True, interleaved=True, rot=2),
+}
+
+
+def variant_of(name: str, d: int):
+    """The launchers' :class:`Variant` of a variant name at head_dim d, or None where it does not exist
+    (a partial rotary width that is not an even size below head_dim)."""
+    from fusedqkv.ops.gqa_forward import Variant
+
+    kw = dict(VARIANTS[name])
+    if "rot" in kw:
+        rot = d // kw["rot"]
+        rot -= rot % 2
+        if not 2 <= rot < d:
+            return None
+        kw["rot"] = rot
+    return Variant(**kw)
+
+
+def _qk_variant(v) -> bool:
+    """The variants that take the query/key heads through the variant path (no TMA, no register cap)."""
+    return bool(v.rot or v.interleaved or not v.norm_weight or v.all_heads or v.q_gate)
+
+
+def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="cubin", one=None, variant="plain"):
     """One compile of ``rope_qk_norm_bwd_kernel``."""
+    var = variant_of(variant, d)
     exact = mode.startswith("091")
-    fused = mode != "091_finish_outside"
     nar = mode in ("091", "091_finish_outside", "train_after", "train_after_nocs")
     gcs = exact or not mode.endswith("_nocs")
+    fused = mode != "091_finish_outside" and var.norm_weight and not var.all_heads
     hq, hkv = heads
     block_t, gsize, tma = {"all8": (8, 0, False), "all8_tma": (8, 0, True), "group16": (8, 16, False),
-                           "group16_tma": (8, 16, True), "group8": (4, 8, False)}[layout]
+                           "group16_tma": (8, 16, True), "group8": (4, 8, False), "all4": (4, 0, False)}[layout]
     grouped = gsize > 0
     num_warps = max(1, min(16, block_t * _p2(d // 2) // 128))
     act = _tt(dtype)
@@ -115,19 +151,19 @@ def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="
     rstd = act if exact else "fp32"  # training: rstd recomputed, an fp32 placeholder
     half = d // 2
     n_tick = (1 if grouped else 0) + (1 if fused else 0)
-    consts = dict(D=d, HALF=half, HALF_P2=_p2(half), D_P2=_p2(d), BLOCK_T=block_t, HB=1, EXACT=exact,
+    consts = dict(D=d, D_P2=_p2(d), BLOCK_T=block_t, HB=1, EXACT=exact,
                   NORM_AFTER_ROPE=nar, SAVED_ROTATED=exact, GRAD_COS_SIN=gcs, FUSED_FINISH=fused, SUPER=32,
                   RECOMPUTE_RSTD=not exact, PF=3, GROUPED=grouped,
                   NQG=-(-hq // gsize) if grouped else 1, NKG=-(-hkv // gsize) if grouped else 1,
-                  GSIZE=max(gsize, 1), TMA=tma, LP2=cc >= 90)
+                  GSIZE=max(gsize, 1), TMA=tma, LP2=cc >= 90, **var.constexprs(d))
     types = {}
     for n in ("gq_ptr", "gk_ptr", "gv_ptr", "xq_ptr", "xk_ptr", "cos_ptr", "sin_ptr", "dqkv_ptr", "gcos_ptr",
-              "gsin_ptr"):
+              "gsin_ptr", "gg_ptr", "xv_ptr"):
         types[n] = "*" + act
     for n in ("rq_ptr", "rk_ptr"):
         types[n] = "*" + rstd
     for n in ("wq_ptr", "wk_ptr", "gwq_ptr", "gwk_ptr"):
-        types[n] = "*" + norm
+        types[n] = "*" + norm if var.norm_weight else "*fp32"  # unweighted: w_part stands in
     for n in ("wpart_ptr", "wsup_ptr", "cs_ptr", "wgrp_ptr"):
         types[n] = "*fp32"
     types["tick_ptr"] = "*i32" if n_tick else "*fp32"  # no tickets: w_part stands in
@@ -135,10 +171,11 @@ def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="
         types[n] = f"tensordesc<{act}[1, 1, {block_t}, {half}]>" if tma else "*" + act
     types["eps"] = "fp32"
     options = {"num_warps": num_warps, "num_stages": 3, "enable_fp_fusion": not exact}
-    if num_warps == 4:
+    if num_warps == 4 and not _qk_variant(var):
         options["maxnreg"] = 96 if grouped and block_t == 8 else 128
     label = (f"stage sm{cc} {mode} {layout} d{d} {dtype}{'/normfp32' if norm_fp32 else ''} "
-             f"hq{hq}/hkv{hkv} ints={ints}{'' if one is None else ' one=' + one}")
+             f"hq{hq}/hkv{hkv} ints={ints}{'' if variant == 'plain' else ' variant=' + variant}"
+             f"{'' if one is None else ' one=' + one}")
     return dict(kernel="rope_qk_norm.rope_qk_norm_bwd_kernel", cc=cc, consts=consts, types=types, ints=ints,
                 one=one, options=options, level=level, label=label)
 
@@ -162,26 +199,55 @@ STAGE_AXES = dict(
 )
 
 
+def _variant_stage_valid(r):
+    v = variant_of(r["variant"], r["d"])
+    if v is None:
+        return False
+    if v.all_heads != (r["layout"] in ("all8", "all4")):  # all heads: never grouped; all4 only for it
+        return r["layout"] == "all8" and not v.all_heads
+    if r["layout"].endswith("_tma") and _qk_variant(v):
+        return False
+    return _stage_valid(r)
+
+
+# the variants: training modes only, their layouts (all_heads: blocks of 8 or 4 tokens, never grouped)
+VARIANT_STAGE_AXES = dict(
+    cc=(80, 90),
+    variant=tuple(n for n in VARIANTS if n != "plain"),
+    mode=("train_after", "train_after_nocs", "train_before", "train_before_nocs"),
+    layout=("all8", "all8_tma", "group16", "group8", "all4"),
+    d=(128, 80),
+    dtype=DTYPES,
+    heads=((32, 8), (7, 7)),
+    ints=INT_MODES,
+)
+
+
 def stage_jobs() -> list:
     jobs = [_stage_job(**r) for r in pairwise(STAGE_AXES, _stage_valid, seed=1)]
+    jobs += [_stage_job(**r) for r in pairwise(VARIANT_STAGE_AXES, _variant_stage_valid, seed=10)]
     # 091 as launched at few tokens, sm_80 (fp32 math and a cast) and sm_90 (bf16x2 pairs)
     jobs += [_stage_job(cc, "091", "group8", 128, "bf16", (32, 8), "plain") for cc in (80, 90)]
     # 091 with fp32 norm weights beside bf16 activations (the weights' dtype is free)
     jobs.append(_stage_job(90, "091", "group8", 128, "bf16", (32, 8), "plain", norm_fp32=True))
     jobs.append(_stage_job(90, "train_after", "all8_tma", 128, "bf16", (32, 8), "div16", norm_fp32=True))
+    jobs.append(_stage_job(90, "train_before", "group16", 128, "bf16", (32, 8), "plain", norm_fp32=True,
+                           variant="gate"))
     return jobs
 
 
-def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one=None):
+def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one=None, variant="plain"):
+    var = variant_of(variant, d)
     act = _tt(dtype)
     norm = "fp32" if norm_fp32 else act
-    consts = dict(D=d, HALF=d // 2, HALF_P2=_p2(d // 2), BLOCK_T=max(1, min(32, 1024 // _p2(d // 2))), GROUP=group,
-                  NORM_AFTER_ROPE=nar)
-    types = {n: "*" + act for n in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr")}
-    types.update({n: "*" + norm for n in ("wq_ptr", "wk_ptr")})
+    consts = dict(D=d, BLOCK_T=max(1, min(32, 1024 // _p2(d // 2))), GROUP=group, NORM_AFTER_ROPE=nar, D_P2=_p2(d),
+                  **var.constexprs(d))
+    types = {n: "*" + act for n in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr")}
+    types.update({n: "*" + norm if var.norm_weight else "*" + act for n in ("wq_ptr", "wk_ptr")})
     types.update({n: "*fp32" for n in ("rq_ptr", "rk_ptr")})
     types["eps"] = "fp32"
-    label = f"forward sm{cc} d{d} {dtype} group{group} nar={nar} ints={ints}{'' if one is None else ' one=' + one}"
+    label = (f"forward sm{cc} d{d} {dtype} group{group} nar={nar} ints={ints}"
+             f"{'' if variant == 'plain' else ' variant=' + variant}{'' if one is None else ' one=' + one}")
     return dict(kernel="rope_qk_norm_fwd.rope_qk_norm_fwd_kernel", cc=cc, consts=consts, types=types, ints=ints,
                 one=one, options={"num_warps": 8 if group == 8 else 4}, level=level, label=label)
 
@@ -190,6 +256,10 @@ def forward_jobs() -> list:
     axes = dict(cc=(80, 90), d=HEAD_DIMS, dtype=DTYPES, group=(1, 2, 4, 8), nar=(True, False), ints=INT_MODES)
     jobs = [_fwd_job(**r) for r in pairwise(axes, seed=2)]
     jobs.append(_fwd_job(90, 128, "bf16", 8, True, "plain", norm_fp32=True))
+    variant_axes = dict(cc=(80, 90), variant=tuple(n for n in VARIANTS if n != "plain"), d=(128, 80, 64),
+                        dtype=DTYPES, group=(1, 4), nar=(True, False), ints=INT_MODES)
+    jobs += [_fwd_job(**r) for r in pairwise(variant_axes, lambda r: variant_of(r["variant"], r["d"]) is not None,
+                                             seed=6)]
     return jobs
 
 
@@ -204,6 +274,19 @@ def _finish_job(cc, d, dtype, ints, level="cubin", one=None):
 def finish_jobs() -> list:
     axes = dict(cc=(80, 90), d=HEAD_DIMS, dtype=DTYPES, ints=INT_MODES)
     return [_finish_job(**r) for r in pairwise(axes, seed=3)]
+
+
+def _finish_cols_job(cc, dtype, ints, level="cubin", one=None):
+    """``rope_qk_norm_bwd_finish_cols_kernel`` (``AllHeadsNormWeightFinish``): BLOCK_R 16, BLOCK_C 128, 4 warps."""
+    types = {"wpart_ptr": "*fp32", "gwq_ptr": "*" + _tt(dtype), "gwk_ptr": "*" + _tt(dtype)}
+    return dict(kernel="rope_qk_norm.rope_qk_norm_bwd_finish_cols_kernel", cc=cc, consts=dict(BLOCK_R=16, BLOCK_C=128),
+                types=types, ints=ints, one=one, options={"num_warps": 4}, level=level,
+                label=f"finish_cols sm{cc} {dtype} ints={ints}{'' if one is None else ' one=' + one}")
+
+
+def finish_cols_jobs() -> list:
+    axes = dict(cc=(80, 90), dtype=DTYPES, ints=INT_MODES)
+    return [_finish_cols_job(**r) for r in pairwise(axes, seed=7)]
 
 
 # (tile rows, cols, K step, warps, stages, programs per SM) as in ops/projection
@@ -259,7 +342,7 @@ def _flush_job(ints, level="cubin", one=None):
 
 def full_jobs() -> list:
     """Every constexpr value (pairwise), each job compiled to a cubin."""
-    return (stage_jobs() + forward_jobs() + finish_jobs() + matmul_jobs()
+    return (stage_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs() + matmul_jobs()
             + [_flush_job(m) for m in INT_MODES])
 
 
@@ -269,8 +352,13 @@ def one_at_a_time_jobs(kernel_args: dict) -> list:
     bases = [
         _stage_job(90, "091", "group8", 128, "bf16", (32, 8), "plain", level="ttir"),
         _stage_job(90, "train_before", "all8_tma", 128, "fp16", (32, 8), "plain", level="ttir"),
+        _stage_job(90, "train_before", "all8", 128, "bf16", (32, 8), "plain", level="ttir",
+                   variant="all_heads_combo"),
+        _stage_job(90, "train_after", "group8", 128, "bf16", (32, 8), "plain", level="ttir", variant="gate"),
         _fwd_job(90, 128, "bf16", 4, True, "plain", level="ttir"),
+        _fwd_job(90, 128, "bf16", 4, False, "plain", level="ttir", variant="all_heads_combo"),
         _finish_job(90, 128, "bf16", "plain", level="ttir"),
+        _finish_cols_job(90, "bf16", "plain", level="ttir"),
         _matmul_job("chain_dw", "bf16", True, "sms", "plain", level="ttir"),
         _matmul_job("chain_dx", "bf16", False, "sms", "plain", level="ttir"),
         _flush_job("plain", level="ttir"),
@@ -296,8 +384,7 @@ def _kernel(path: str):
 
 # integer arguments that are sizes (token, head, row counts, matrix dims): below 2**31 on any GPU
 # (and TMA coordinates are 32-bit); the others are strides, which pass 2**31 elements on big tensors
-SIZE_ARGS = {"M", "S", "HQ", "HKV", "NQG", "N_PROG_T", "NQKV", "HIDDEN", "K_PER_SPLIT", "R", "C", "K", "fin_rows",
-             "n_rows", "n"}
+SIZE_ARGS = {"M", "S", "HQ", "HKV", "NQG", "R", "C", "K", "fin_rows", "n_rows", "n", "NQ", "NK"}
 
 
 def int_args(kernel) -> list:

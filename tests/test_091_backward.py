@@ -10,7 +10,7 @@ import torch
 
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
-from fusedqkv.ops import config, plan, projection
+from fusedqkv.ops import backward_091, config, projection
 
 DEFN = problem.load_definition()
 REF = problem.load_official_reference()
@@ -101,7 +101,7 @@ def _assert_product_close(name, a, b):
 
 
 def _last_plan():
-    return plan._BACKWARD_091.recent[0][2]
+    return backward_091.PLANS.last()
 
 
 @pytest.mark.parametrize("finish", ["finish_in_dw", "finish_in_stage"])

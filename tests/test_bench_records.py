@@ -52,7 +52,7 @@ def test_source_tree_digest_stable_and_sensitive(tmp_path):
 def test_package_source_tree_covers_kernels_and_ops():
     tree = records.source_tree()
     assert any(k.startswith("kernels/") for k in tree) and any(k.startswith("ops/") for k in tree)
-    assert "ops/gqa_backward.py" in tree
+    assert "ops/backward_091.py" in tree
 
 
 def test_environment_digest_stable():

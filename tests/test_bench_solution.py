@@ -183,7 +183,7 @@ def test_shipped_sources_are_the_entry_closure():
     pkg = solution.PKG + "/"
     assert paths[0] == pkg + "__init__.py" and paths[-1] == "main.py"
     shipped = {p[len(pkg):] for p in paths if p.startswith(pkg)} - {"__init__.py"}
-    assert {"ops/gqa_backward.py", "ops/__init__.py", "kernels/__init__.py", "kernels/rope_qk_norm.py"} <= shipped
+    assert {"ops/backward_091.py", "ops/__init__.py", "kernels/__init__.py", "kernels/rope_qk_norm.py"} <= shipped
     assert all(p.split("/")[0] in solution.SHIPPABLE for p in shipped)
     assert "kernels/l2_flush.py" not in shipped and not any(p.startswith("bench/") for p in shipped)
     assert shipped == set(solution.module_closure())

@@ -86,7 +86,7 @@ def test_plans_use_it_and_agree_with_torch_mm():
     """The 091 backward and the training block with and without the cuBLASLt calls: same
     results within a GEMM's rounding; the plans hold the calls only when it is on."""
     import fusedqkv
-    from fusedqkv.ops import plan as P
+    from fusedqkv.ops import training_backward, training_forward
 
     torch.manual_seed(0)
     B, S, hidden, hq, hkv, D = 1, 300, 512, 8, 2, 64
@@ -103,8 +103,8 @@ def test_plans_use_it_and_agree_with_torch_mm():
                     p.grad = None
                 q, k, v = block(x, cos, sin)
                 (q.float().square().sum() + k.float().sum() + v.float().sum()).backward()
-            fp = P._FORWARD.recent[0][2]
-            bp = P._TRAINING_BACKWARD.recent[0][2]
+            fp = training_forward.PLANS.last()
+            bp = training_backward.PLANS.last()
             assert (fp.lt_qkv is not None) == on and (bp.lt_dx is not None) == on and (bp.lt_dw is not None) == on
             results[on] = [t.detach().float().clone() for t in (q, k, v, x.grad, block.qkv_weight.grad)]
     for a, b in zip(results[True], results[False]):

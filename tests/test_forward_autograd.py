@@ -286,7 +286,7 @@ def test_opcheck_custom_ops(norm_after_rope):
     args = _op_inputs(norm_after_rope)
     torch.library.opcheck(fwd, args)
     x, w, wq, wk, cos, sin, hq, hkv = args[:8]
-    q, k, qkv, rq, rk = fwd(*args)
+    q, k, qkv, rq, rk, _ = fwd(*args)
     g = torch.Generator().manual_seed(1)
     gq, gk, gv = (torch.randn(t.shape, generator=g) for t in (q, k, k))
     for flags in [(True, True, True), (False, True, False), (True, False, False)]:

@@ -7,9 +7,16 @@ import torch
 
 import _oracle
 import fusedqkv
-from fusedqkv.ops import plan as P
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _kept_dqkv(stream: int) -> int:
+    """Bytes of the kept dQKV buffer of this device and stream (0: none), from cache_info()."""
+    for b in fusedqkv.cache_info()["buffers"]:
+        if b["kind"] == "dqkv" and b["device"] == torch.cuda.current_device() and b["stream"] == stream:
+            return b["bytes"]
+    return 0
 
 
 def _inputs(b, hq, hkv, s, d, hidden, seed=0):
@@ -35,11 +42,11 @@ def test_plans_on_one_stream_share_the_kept_workspace():
     assert all(torch.equal(a, b) for a, b in zip(first, out))
     # a larger dQKV grows the shared buffer; the smaller plans then use the grown one, same results
     stream = torch.cuda.current_stream().cuda_stream
-    key = (torch.cuda.current_device(), stream)
-    n_small = P._KEPT_WORKSPACES[key].numel()
+    n_small = _kept_dqkv(stream)
+    assert n_small >= dqkv_bytes
     ref_large = bw(*large, backend="torch")
     got_large = bw(*large)
-    assert P._KEPT_WORKSPACES[key].numel() > n_small
+    assert _kept_dqkv(stream) > n_small
     again = bw(*small, out=tuple(torch.empty_like(t) for t in first))
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
@@ -59,5 +66,5 @@ def test_each_stream_has_its_own_buffer():
         got = bw(*args)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    assert (torch.cuda.current_device(), side.cuda_stream) in P._KEPT_WORKSPACES
+    assert _kept_dqkv(side.cuda_stream) > 0
     assert all(torch.equal(a, b) for a, b in zip(ref, got))

@@ -76,7 +76,7 @@ def test_091_triton_products_at_one_to_three_tokens(shape, products):
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
     with config.override(**changes):
         tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
-        assert fusedqkv.ops.plan._BACKWARD_091.recent[0][2].path == ("chain" if products == "pdl_chain" else "hybrid")
+        assert fusedqkv.ops.backward_091.PLANS.last().path == ("chain" if products == "pdl_chain" else "hybrid")
     for name, a, b in zip(_oracle.OUTPUT_NAMES, cpu, tri):
         if name in ("grad_hidden_states", "grad_qkv_weight"):  # fp32 sums in another order than torch.mm
             a32, b32 = a.float(), b.float()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fusedqkv
-from fusedqkv.ops import gqa_backward
+from fusedqkv.ops import backward_091 as gqa_backward
 
 from _oracle import make_inputs
 
@@ -97,6 +97,9 @@ CASES = [
     ("grad_key_seq", setarg("grad_key", lambda t, a: t[:, :, :2]), ValueError, r"^grad_key: expected shape \[2, num_kv_heads, 3, 64\]"),
     ("grad_key_head_dim", setarg("grad_key", lambda t, a: t[..., :32]), ValueError, r"^grad_key: expected shape \[2, num_kv_heads, 3, 64\]"),
     ("grad_value_kv_heads", setarg("grad_value", lambda t, a: rn(B, 1, S, D)), ValueError, r"^grad_value: expected shape \[2, 2, 3, 64\] \(like grad_key\)"),
+    # grad_key is the odd one out (grad_value, key_pre_norm and k_rstd have 2 heads): named as such
+    ("grad_key_kv_heads", setarg("grad_key", lambda t, a: rn(B, 1, S, D)), ValueError,
+     r"^grad_key: expected shape \[2, 2, 3, 64\] \(num_kv_heads from grad_value and key_pre_norm and k_rstd\), got \[2, 1, 3, 64\]"),
     ("grad_value_seq", setarg("grad_value", lambda t, a: t[:, :, :1]), ValueError, r"^grad_value: expected shape \[2, 2, 3, 64\]"),
     ("query_pre_norm_heads", setarg("query_pre_norm", lambda t, a: t[:, :2]), ValueError, r"^query_pre_norm: expected shape \[2, 4, 3, 64\] \(like grad_query\)"),
     ("key_pre_norm_batch", setarg("key_pre_norm", lambda t, a: t[:1]), ValueError, r"^key_pre_norm: expected shape \[2, 2, 3, 64\] \(like grad_key\)"),
@@ -171,11 +174,11 @@ def no_compute(monkeypatch):
     """Any launch (Triton stage or GEMM) during a rejected call fails the test."""
     def boom(*a, **k):
         raise AssertionError("a kernel was launched before validation rejected the call")
-    from fusedqkv.ops import launch, plan
+    from fusedqkv.ops import backward_091, launch
 
     monkeypatch.setattr(launch.BoundLaunch, "launch", boom)
-    monkeypatch.setattr(plan, "backward_torch", boom)
-    monkeypatch.setattr(plan, "_mm_into", boom)
+    monkeypatch.setattr(backward_091, "backward_torch", boom)
+    monkeypatch.setattr(backward_091, "mm_into", boom)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -17,8 +17,9 @@ writing dQKV token-major, then dX = dQKV W and dW = dQKV^T X on cuBLAS (and the 
 gradient, dQKV summed over tokens in fp32). grad_cos/sin are computed only when cos/sin
 require grad; dX/dW only when needed.
 
-Eager calls are planned once per input signature (:mod:`fusedqkv.ops.plan`): the forward's
-plan travels through the Function, the backward's is looked up by its own signature.
+Eager calls are planned once per input signature (:mod:`fusedqkv.ops.training_forward`,
+:mod:`fusedqkv.ops.training_backward`): the forward's plan travels through the Function, the
+backward's is looked up by its own signature.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from typing import Optional
 
 import torch
 
-from .ops import plan as _plan
+from .ops.training_backward import training_backward
+from .ops.training_forward import forward_plan, run_forward
 from .ops import validation as V
-from .ops.gqa_forward import validate_forward_inputs
+from .ops.gqa_forward import Variant, validate_forward_inputs
 
 Tensor = torch.Tensor
 
@@ -51,28 +53,44 @@ def _position(norm_after_rope: bool) -> str:
 # ------------------------------------------------------------------------ implementations
 
 
-def _fwd_impl(hidden_states: Tensor, qkv_weight: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
-              cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool,
-              backend: str, qkv_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    plan = _plan.forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
-                              num_kv_heads, eps, _position(norm_after_rope), backend, qkv_bias)
-    return _plan.run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
+def _variant_of(q_gate: bool, interleaved: bool, all_heads: bool, v_norm: bool, weighted: bool, rot: int,
+                d: int) -> Variant:
+    return Variant(rot=0 if rot == d else rot, interleaved=interleaved, q_gate=q_gate, norm_weight=weighted,
+                   all_heads=all_heads, v_norm=v_norm)
+
+
+def _fwd_impl(hidden_states: Tensor, qkv_weight: Tensor, q_norm_weight: Optional[Tensor],
+              k_norm_weight: Optional[Tensor], cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float,
+              norm_after_rope: bool, backend: str, qkv_bias: Optional[Tensor] = None, q_gate: bool = False,
+              interleaved: bool = False, all_heads: bool = False,
+              v_norm: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    plan = forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
+                        num_kv_heads, eps, _position(norm_after_rope), backend, qkv_bias, q_gate,
+                        "interleaved" if interleaved else "neox", "all_heads" if all_heads else "head", v_norm)
+    q, k, qkv, rq, rk, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
+                                       qkv_bias)
+    # a custom op returns tensors: an empty one stands for v when it is a view of qkv
+    return q, k, qkv, rq, rk, hidden_states.new_empty(_EMPTY_SHAPE) if v is None else v
 
 
 def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Tensor, qkv_weight: Tensor,
-              qkv: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor,
+              qkv: Tensor, q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor],
               cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool,
               need_hidden_grad: bool, need_weight_grad: bool, need_cos_sin_grad: bool,
-              backend: str, need_bias_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                   Tensor]:
-    g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _plan.training_backward(
+              backend: str, need_bias_grad: bool = False, grad_gate: Optional[Tensor] = None, q_gate: bool = False,
+              interleaved: bool = False, all_heads: bool = False,
+              v_norm: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    d = qkv.shape[2] // ((2 * num_heads if q_gate else num_heads) + 2 * num_kv_heads)
+    variant = _variant_of(q_gate, interleaved, all_heads, v_norm, q_norm_weight is not None, cos.shape[2], d)
+    g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = training_backward(
         grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads,
         num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad, need_cos_sin_grad, backend,
-        need_bias_grad)
-    # a custom op returns tensors: empty ones stand for the gradients not needed
+        need_bias_grad, grad_gate if q_gate else None, variant)
+    # a custom op returns tensors: empty ones stand for the gradients not needed (or absent)
     empty = qkv_weight.new_empty
     return (hidden_states.new_empty(_EMPTY_SHAPE) if g_x is None else g_x, empty(_EMPTY_SHAPE) if g_w is None else g_w,
-            g_qw, g_kw, cos.new_empty(_EMPTY_SHAPE) if g_cos is None else g_cos,
+            empty(_EMPTY_SHAPE) if g_qw is None else g_qw, empty(_EMPTY_SHAPE) if g_kw is None else g_kw,
+            cos.new_empty(_EMPTY_SHAPE) if g_cos is None else g_cos,
             sin.new_empty(_EMPTY_SHAPE) if g_sin is None else g_sin, empty(_EMPTY_SHAPE) if g_b is None else g_b)
 
 
@@ -84,30 +102,37 @@ _bwd_op = torch.library.custom_op("fusedqkv::gqa_qkv_rope_qk_norm_bwd", mutates_
 
 @_fwd_op.register_fake
 def _fwd_fake(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
-              norm_after_rope, backend, qkv_bias=None):
+              norm_after_rope, backend, qkv_bias=None, q_gate=False, interleaved=False, all_heads=False,
+              v_norm=False):
     B, S, _ = hidden_states.shape
     n_tot = qkv_weight.shape[0]
-    D = n_tot // (num_heads + 2 * num_kv_heads)
+    D = n_tot // ((2 * num_heads if q_gate else num_heads) + 2 * num_kv_heads)
     q = hidden_states.new_empty((B, S, num_heads, D)).transpose(1, 2)  # token-major, as the real op's
     k = hidden_states.new_empty((B, S, num_kv_heads, D)).transpose(1, 2)
     qkv = hidden_states.new_empty((B, S, n_tot))
     rq = hidden_states.new_empty((B, num_heads, S), dtype=torch.float32)
     rk = hidden_states.new_empty((B, num_kv_heads, S), dtype=torch.float32)
-    return q, k, qkv, rq, rk
+    v = hidden_states.new_empty((B, S, num_kv_heads, D)).transpose(1, 2) if v_norm else \
+        hidden_states.new_empty(_EMPTY_SHAPE)
+    return q, k, qkv, rq, rk, v
 
 
 @_bwd_op.register_fake
 def _bwd_fake(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight,
               cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad,
-              need_cos_sin_grad, backend, need_bias_grad=False):
+              need_cos_sin_grad, backend, need_bias_grad=False, grad_gate=None, q_gate=False, interleaved=False,
+              all_heads=False, v_norm=False):
     B, S, n_tot = qkv.shape
-    D = n_tot // (num_heads + 2 * num_kv_heads)
+    rot = cos.shape[2]
     g_x = hidden_states.new_empty(tuple(hidden_states.shape) if need_hidden_grad else _EMPTY_SHAPE)
     g_w = qkv_weight.new_empty(tuple(qkv_weight.shape) if need_weight_grad else _EMPTY_SHAPE)
-    g_qw = q_norm_weight.new_empty(q_norm_weight.shape)
-    g_kw = k_norm_weight.new_empty(k_norm_weight.shape)
-    g_cos = cos.new_empty((B, S, D) if need_cos_sin_grad else _EMPTY_SHAPE)
-    g_sin = sin.new_empty((B, S, D) if need_cos_sin_grad else _EMPTY_SHAPE)
+    if q_norm_weight is None:
+        g_qw = g_kw = qkv_weight.new_empty(_EMPTY_SHAPE)
+    else:
+        g_qw = q_norm_weight.new_empty(q_norm_weight.shape)
+        g_kw = k_norm_weight.new_empty(k_norm_weight.shape)
+    g_cos = cos.new_empty((B, S, rot) if need_cos_sin_grad else _EMPTY_SHAPE)
+    g_sin = sin.new_empty((B, S, rot) if need_cos_sin_grad else _EMPTY_SHAPE)
     g_b = qkv_weight.new_empty((n_tot,) if need_bias_grad else _EMPTY_SHAPE)
     return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b
 
@@ -124,46 +149,58 @@ def _call(op, impl, *args):
     return impl(*args)
 
 
+def _op_flags(variant: Variant) -> tuple:
+    """The variant as the custom ops' flags (partial rotary: cos/sin's width; weights: given or None)."""
+    return variant.q_gate, variant.interleaved, variant.all_heads, variant.v_norm
+
+
 class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
     """(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, meta) ->
-    (q, k, v), each [B, H, S, D].
+    (q, k, v), each [B, H, S, D]; with a gate (q, k, v, gate), gate [B, S, H, D].
 
-    cos/sin must already be [batch, seq, head_dim] (expand a shared [1, seq, head_dim]
-    first; autograd then sums its gradient over the batch). ``qkv_bias`` optional (None).
-    ``meta``: ``(num_heads, num_kv_heads, eps, norm_after_rope, backend, plan)``, one argument
-    (``apply`` costs host time per argument); ``plan`` the forward's plan (eager calls), or None
-    (under torch.compile: the custom ops)."""
+    cos/sin must already be [batch, seq, rot] (expand a shared [1, seq, rot] first; autograd
+    then sums its gradient over the batch). ``qkv_bias`` optional (None); the norm weights None
+    for unweighted norms. ``meta``: ``(num_heads, num_kv_heads, eps, norm_after_rope, backend,
+    plan, variant)``, one argument (``apply`` costs host time per argument); ``plan`` the
+    forward's plan (eager calls), or None (under torch.compile: the custom ops); ``variant`` the
+    block's :class:`~fusedqkv.ops.gqa_forward.Variant`."""
 
     @staticmethod
     def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, meta):
-        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan = meta
+        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant = meta
         if plan is not None:
-            q, k, qkv, _, _ = _plan.run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
-                                                cos, sin, qkv_bias)
+            q, k, qkv, _, _, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
+                                             cos, sin, qkv_bias)
         else:
-            q, k, qkv, _, _ = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
-                                    cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias)
+            q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
+                                       cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,
+                                       *_op_flags(variant))
         B, S, n_tot = qkv.shape
-        D = n_tot // (num_heads + 2 * num_kv_heads)
-        v = qkv.view(B, S, num_heads + 2 * num_kv_heads, D)[:, :, num_heads + num_kv_heads:].transpose(1, 2)
-        # rstd is not kept: the backward recomputes it from qkv
+        nq = 2 * num_heads if variant.q_gate else num_heads
+        heads = qkv.view(B, S, nq + 2 * num_kv_heads, n_tot // (nq + 2 * num_kv_heads))
+        if not variant.v_norm:
+            v = heads[:, :, nq + num_kv_heads:].transpose(1, 2)
+        # rstd is not kept: the backward recomputes it from qkv (and v's norm from its columns)
         ctx.save_for_backward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv)
         ctx.meta = meta
+        if variant.q_gate:  # the gate: the second half of each query head's columns, unnormed
+            return q, k, v, heads[:, :, 1:nq:2]
         return q, k, v
 
     @staticmethod
-    def backward(ctx, grad_q, grad_k, grad_v):
+    def backward(ctx, grad_q, grad_k, grad_v, grad_gate=None):
         hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv = ctx.saved_tensors
-        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan = ctx.meta
+        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant = ctx.meta
         need = ctx.needs_input_grad
         need_cs = bool(need[4] or need[5])
         need_b = bool(need[6])
         args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
                 num_heads, num_kv_heads, eps, norm_after_rope, bool(need[0]), bool(need[1]), need_cs, backend, need_b)
         if plan is not None and not torch.compiler.is_compiling():
-            g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _plan.training_backward(*args)
+            g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = training_backward(*args, grad_gate, variant)
         else:
-            g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _call(_bwd_op, _bwd_impl, *args)
+            g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _call(_bwd_op, _bwd_impl, *args, grad_gate,
+                                                            *_op_flags(variant))
         return (g_x if need[0] else None, g_w if need[1] else None, g_qw if need[2] else None,
                 g_kw if need[3] else None, g_cos if need[4] else None, g_sin if need[5] else None,
                 g_b if need_b else None, None)
@@ -171,12 +208,14 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
 
 def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, *, num_heads,
                          num_kv_heads, eps=1e-6, qk_norm_position="after_rope", backend: Optional[str] = None,
-                         qkv_bias: Optional[Tensor] = None, norm_weight_offset: float = 0.0):
-    """QKV projection + RoPE + per-head RMSNorm of q and k, differentiable.
+                         qkv_bias: Optional[Tensor] = None, norm_weight_offset: float = 0.0, q_gate: bool = False,
+                         rope_style: str = "neox", norm_scope: str = "head", v_norm: bool = False):
+    """QKV projection + RoPE + RMSNorm of q and k, differentiable.
 
     hidden_states ``[batch, seq, hidden]``; qkv_weight ``[(num_heads + 2*num_kv_heads)*head_dim,
     hidden]`` (rows ``[Q | K | V]``); q/k_norm_weight ``[head_dim]``; cos/sin ``[batch, seq,
-    head_dim]`` or ``[1, seq, head_dim]`` (HF layout, NeoX rotate-half).
+    rot]`` or ``[1, seq, rot]`` (HF layout), ``rot`` the rotary width: head_dim, or an even size
+    below it for partial rotary (the leading rot dims of each head rotate, the rest pass through).
     ``qk_norm_position``: ``"after_rope"`` (RoPE, then RMSNorm: HunyuanImage-3.0, 091) or
     ``"before_rope"`` (RMSNorm, then RoPE: Qwen3, OLMo 2).
     ``qkv_bias``: optional ``[(num_heads + 2*num_kv_heads)*head_dim]`` bias of the projection
@@ -184,17 +223,28 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     ``norm_weight_offset``: the norms scale by ``norm_weight + offset`` (Gemma3: ``1 + w``,
     offset 1.0), formed in fp32 as HF's Gemma3 norm does.
 
+    The block's variants: ``q_norm_weight=None`` and ``k_norm_weight=None``: unweighted norms
+    (Llama 4, nanochat); ``rope_style="interleaved"``: RoPE pairs ``(2i, 2i+1)`` (GPT-J / Llama 4;
+    cos/sin per element); ``norm_scope="all_heads"``: the RMS over all ``num_heads*head_dim``
+    channels of q per token, and all of k's (OLMo 2/3; weights ``[num_heads*head_dim]`` and
+    ``[num_kv_heads*head_dim]``); ``q_gate=True``: the Q rows of qkv_weight are per head
+    ``[q | gate]`` (``2*num_heads`` blocks; Qwen3-Next), and the call returns ``(q, k, v, gate)``
+    with gate ``[batch, seq, num_heads, head_dim]`` (a view of the projection output, unnormed);
+    ``v_norm=True``: v RMS-normed per head without a weight (Gemma 3n). An unsupported
+    combination raises ValueError naming the arguments.
+
     Returns ``(q, k, v)`` as ``[batch, heads, seq, head_dim]`` in hidden_states' dtype, laid out
     token-major as HF attention's are (``[batch, seq, heads, head_dim]`` in memory; v is a view
-    of the projection output), so an attention kernel's output needs no copy before o_proj.
-    ``backend`` forces ``"triton"`` or ``"torch"``; by default CUDA uses Triton, CPU PyTorch.
-    The work is planned once per input signature (validation included).
+    of the projection output unless normed), so an attention kernel's output needs no copy
+    before o_proj. ``backend`` forces ``"triton"`` or ``"torch"``; by default CUDA uses Triton,
+    CPU PyTorch. The work is planned once per input signature (validation included).
 
     Under ``torch.autocast`` the block runs in the autocast dtype (hidden_states, qkv_weight,
     the bias, cos and sin cast to it, as ``F.linear`` would; the norm weights keep theirs) with
     autocast off inside: its GEMMs write preallocated outputs of one dtype.
     """
     dev_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
+    options = dict(q_gate=q_gate, rope_style=rope_style, norm_scope=norm_scope, v_norm=v_norm)
     if dev_type in ("cuda", "cpu") and torch.is_autocast_enabled(dev_type):
         dt = torch.get_autocast_dtype(dev_type)
         hidden_states, qkv_weight, qkv_bias, cos, sin = (
@@ -204,10 +254,13 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
             return gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                         num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
                                         qk_norm_position=qk_norm_position, backend=backend, qkv_bias=qkv_bias,
-                                        norm_weight_offset=norm_weight_offset)
+                                        norm_weight_offset=norm_weight_offset, **options)
     if norm_weight_offset != 0.0 or type(norm_weight_offset) not in (float, int):
         offset = V.require_number("norm_weight_offset", norm_weight_offset)
         if offset != 0.0:
+            if q_norm_weight is None and k_norm_weight is None:
+                raise ValueError(f"norm_weight_offset: {offset} needs norm weights; with q_norm_weight and "
+                                 "k_norm_weight None (unweighted norms) expected 0.0")
             # w + offset as a differentiable op before the Function (its gradient w.r.t. w is the
             # identity), in fp32 as HF's Gemma3RMSNorm forms 1 + w: the kernels take fp32 norm weights
             if not isinstance(q_norm_weight, torch.Tensor) or not isinstance(k_norm_weight, torch.Tensor):
@@ -218,20 +271,21 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     backend = _backend_arg(backend)
     if torch.compiler.is_compiling():  # traced: plain validation, then the custom ops
         sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                                     num_heads, num_kv_heads, eps, qk_norm_position)
+                                     num_heads, num_kv_heads, eps, qk_norm_position, **options)
         if qkv_bias is not None:
             V.require_shape("qkv_bias", qkv_bias, (sz["qkv"],), "[(num_heads + 2*num_kv_heads)*head_dim]")
         plan = None
-        b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
+        b, s, rot = sz["batch"], sz["seq"], sz["rot"]
     else:
-        plan = _plan.forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
-                                  num_kv_heads, eps, qk_norm_position, backend, qkv_bias)
+        plan = forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
+                            num_kv_heads, eps, qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope,
+                            v_norm)
         sz = plan.sz
-        b, s, d = plan.cs_shape
+        b, s, rot = plan.cs_shape
     if cos.shape[0] != b:
-        cos = cos.expand(b, s, d)
+        cos = cos.expand(b, s, rot)
     if sin.shape[0] != b:
-        sin = sin.expand(b, s, d)
+        sin = sin.expand(b, s, rot)
     return GQAQKVRoPEQKNormFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias,
                                           (sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"],
-                                           backend, plan))
+                                           backend, plan, sz["variant"]))

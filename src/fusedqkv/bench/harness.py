@@ -104,7 +104,7 @@ def as_call(x) -> Call:
 
 
 def _prep_fusedqkv(ctx, args, ref_out):
-    from ..ops.gqa_backward import gqa_qkv_rope_qk_norm_backward
+    from ..ops.backward_091 import gqa_qkv_rope_qk_norm_backward
 
     n = len(args)
     out = tuple(torch.empty_like(t) for t in ref_out)

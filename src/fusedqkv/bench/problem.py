@@ -232,7 +232,7 @@ def reference_impl(name: str = DEFAULT_DEFINITION) -> tuple:
     ref = load_official_reference(name)
     if ref is not None:
         return ref, "official reference (definition.json)"
-    from ..ops.gqa_backward import gqa_qkv_rope_qk_norm_backward
+    from ..ops.backward_091 import gqa_qkv_rope_qk_norm_backward
 
     def eager(*args):
         return gqa_qkv_rope_qk_norm_backward(*args, backend="torch")  # runs under no_grad itself

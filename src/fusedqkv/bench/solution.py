@@ -6,7 +6,7 @@ Field names follow SOL-ExecBench's Solution schema: ``name``, ``definition``,
 and ``sources`` (``path`` + ``content``); ``language`` is written beside ``languages``.
 
 What is shipped is what runs: the modules reached from the module that defines the
-entry function (``ops/gqa_backward.py``) by following its relative imports (``ast``,
+entry function (``ops/backward_091.py``) by following its relative imports (``ast``,
 imports anywhere in a module, lazy ones included), plus the ``__init__`` of every package
 on the way, under a private package name (``fusedqkv_sol``, so an installed fusedqkv can
 neither shadow nor serve them), and ``main.py``, whose ``run`` takes the definition's inputs
@@ -42,7 +42,7 @@ PKG = "fusedqkv_sol"
 ENTRY_FILE = "main.py"
 ENTRY_FN = "run"
 # the module (relative to the package root) that defines the function main.py calls
-ENTRY_MODULE = "ops.gqa_backward"
+ENTRY_MODULE = "ops.backward_091"
 ENTRY_FUNCTION = "gqa_qkv_rope_qk_norm_backward"
 # the package's subpackages a shipped module may import from (bench/ & co. are benchmark-only)
 SHIPPABLE = ("kernels", "ops")

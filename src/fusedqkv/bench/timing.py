@@ -36,7 +36,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..ops.launch import BoundLaunch, Ptr, current_stream
+from ..ops.device import current_stream
+from ..ops.launch import BoundLaunch, Ptr
 
 FLUSH_KERNEL_NAME = "l2_flush_kernel"
 
@@ -56,7 +57,7 @@ class L2Flusher:
         from ..kernels.l2_flush import l2_flush_kernel
 
         n = self.buf.numel()
-        self._launch = BoundLaunch(l2_flush_kernel, (triton_cdiv(n, self.BLOCK),), [Ptr(0, self.buf), n],
+        self._launch = BoundLaunch(l2_flush_kernel, (triton_cdiv(n, self.BLOCK),), [Ptr("buf", 0, self.buf), n],
                                    {"BLOCK": self.BLOCK, "num_warps": 4})
         self._ptrs = [self.buf.data_ptr()]
 

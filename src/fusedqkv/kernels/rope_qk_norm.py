@@ -25,8 +25,18 @@ Kernels (the forward lives in rope_qk_norm_fwd.py):
   - ``TMA``: the q/k gradient and activation tiles come through host TMA descriptors
     (token blocks then never straddle two sequences); otherwise per-thread loads.
 
-  One program's work is ``_stage_program(pid, kind, ...)``; the single-launch kernel
-  (gqa_bwd_single_launch.py) runs the same work items from a persistent loop.
+  The block's variants (issue 25), in the training mode only (not EXACT, raw saved tensors,
+  rstd recomputed); all off on the 091 path and the plain training path, whose code they leave
+  as it was. ``HALF`` is the number of RoPE pairs per head (``rot/2``; ``D/2`` without partial
+  rotary) and ``PASS = D - 2*HALF`` trailing dims pass RoPE unrotated (``PASS_P2`` their tile
+  width); ``INTERLEAVED``: pairs ``(2i, 2i+1)`` (else NeoX ``(i, i + HALF)``); ``NORM_WEIGHT``:
+  the norm scales by a weight (else unweighted: no weight gradients); ``ALL_HEADS``: the norm's
+  RMS is over all heads of a token (weights ``[H*D]``; a first pass over the heads sums n^2 and
+  g*w*n per token; never GROUPED; the weight gradients per head and program, finished by
+  ``rope_qk_norm_bwd_finish_cols_kernel``); ``Q_GATE``: each query head is ``[q | gate]`` in
+  dQKV (the gate's gradient copied by the value program); ``V_NORM``: v is an unweighted
+  per-head RMSNorm of the raw v (its backward in the value program). The query/key variants
+  run in ``_head_set_bwd_variants`` (fp32, no TMA).
 
 * The norm-weight finish sums the partial rows in a fixed order (deterministic; no
   atomics in any sum). With ``FUSED_FINISH`` the last programs to finish do it inside the
@@ -78,25 +88,43 @@ def _store_cast(ptr, x, mask):
 
 
 @triton.jit
+def pair_cols(dh, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Columns within a head of the two elements of RoPE pairs ``dh``: NeoX rotate-half
+    ``(i, i + HALF)``, or interleaved (GPT-J / Llama 4) ``(2i, 2i + 1)``."""
+    if INTERLEAVED:
+        return dh * 2, dh * 2 + 1
+    else:
+        return dh, dh + HALF
+
+
+@triton.jit
 def load_cos_sin_raw(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s, tmask, dh,
-                     HALF: tl.constexpr):
-    """cos/sin halves of a block of tokens as [tokens, head_dim/2] tiles in their dtype."""
+                     HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """cos/sin at the two elements of each RoPE pair of a block of tokens as [tokens, pairs]
+    tiles in their dtype (NeoX: the two halves)."""
     cmask = tmask[:, None] & (dh[None, :] < HALF)
     cbase = cos_ptr + b[:, None] * scos_b + s[:, None] * scos_s
     sbase = sin_ptr + b[:, None] * ssin_b + s[:, None] * ssin_s
-    c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0)
-    c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0)
-    s1 = tl.load(sbase + dh[None, :] * ssin_d, mask=cmask, other=0.0)
-    s2 = tl.load(sbase + (dh[None, :] + HALF) * ssin_d, mask=cmask, other=0.0)
+    if INTERLEAVED:
+        i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
+        c1 = tl.load(cbase + i1[None, :] * scos_d, mask=cmask, other=0.0)
+        c2 = tl.load(cbase + i2[None, :] * scos_d, mask=cmask, other=0.0)
+        s1 = tl.load(sbase + i1[None, :] * ssin_d, mask=cmask, other=0.0)
+        s2 = tl.load(sbase + i2[None, :] * ssin_d, mask=cmask, other=0.0)
+    else:
+        c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0)
+        c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0)
+        s1 = tl.load(sbase + dh[None, :] * ssin_d, mask=cmask, other=0.0)
+        s2 = tl.load(sbase + (dh[None, :] + HALF) * ssin_d, mask=cmask, other=0.0)
     return c1, c2, s1, s2
 
 
 @triton.jit
 def load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s, tmask, dh,
-                 HALF: tl.constexpr):
-    """cos/sin halves of a block of tokens as fp32 [tokens, head_dim/2] tiles."""
+                 HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """cos/sin of the RoPE pairs of a block of tokens as fp32 [tokens, pairs] tiles."""
     c1, c2, s1, s2 = load_cos_sin_raw(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s,
-                                      tmask, dh, HALF)
+                                      tmask, dh, HALF, INTERLEAVED)
     return c1.to(tl.float32), c2.to(tl.float32), s1.to(tl.float32), s2.to(tl.float32)
 
 
@@ -355,10 +383,192 @@ def _head_set_bwd(
 
 
 @triton.jit
+def _load_norm_w(w_ptr, sw, off, i1, i2, ip, dmask, pm, PASS: tl.constexpr):
+    """Norm-weight elements ``off`` + the pair columns (and pass-through columns) as fp32 [1, n] rows."""
+    w1 = tl.load(w_ptr + (off + i1) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + (off + i2) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    if PASS > 0:
+        wp = tl.load(w_ptr + (off + ip) * sw, mask=pm, other=0.0).to(tl.float32)[None, :]
+    else:
+        wp = w1  # (never used)
+    return w1, w2, wp
+
+
+@triton.jit
+def _variant_front(g_row, x_row, sg_d, sx_d, i1, i2, ip, mask, pmask, c1, c2, s1, s2,
+                   NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr):
+    """One head step of the training variants: the norm's input n and the gradient at the norm's
+    output gn (pairs and pass-through; fp32), with the raw x and g pairs."""
+    g1 = tl.load(g_row + i1 * sg_d, mask=mask, other=0.0).to(tl.float32)
+    g2 = tl.load(g_row + i2 * sg_d, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row + i1 * sx_d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + i2 * sx_d, mask=mask, other=0.0).to(tl.float32)
+    if PASS > 0:
+        gp = tl.load(g_row + ip * sg_d, mask=pmask, other=0.0).to(tl.float32)
+        xp = tl.load(x_row + ip * sx_d, mask=pmask, other=0.0).to(tl.float32)
+    else:
+        gp = g1  # (never used)
+        xp = x1
+    if NORM_AFTER_ROPE:
+        n1, n2 = _rotate(x1, x2, c1, c2, s1, s2, tl.float32, False)
+        gn1 = g1
+        gn2 = g2
+    else:
+        n1 = x1
+        n2 = x2
+        gn1, gn2 = _rope_bwd(g1, g2, c1, c2, s1, s2, tl.float32, False)
+    return n1, n2, xp, gn1, gn2, gp, x1, x2, g1, g2
+
+
+@triton.jit
+def _row_sum(a1, a2, ap, PASS: tl.constexpr):
+    t = tl.sum(a1, axis=1, keep_dims=True) + tl.sum(a2, axis=1, keep_dims=True)
+    if PASS > 0:
+        t += tl.sum(ap, axis=1, keep_dims=True)
+    return t
+
+
+@triton.jit
+def _head_set_bwd_variants(
+    g_ptr, sg_b, sg_h, sg_s, sg_d,
+    x_ptr, sx_b, sx_h, sx_s, sx_d,
+    w_ptr, sw,
+    dqkv_ptr, s_dqkv_t, col0, OHS,
+    wrow_ptr,
+    H0, H1, b, s, tok, rmask, hb,
+    c1, c2, s1, s2, eps, cs1, cs2, sn1, sn2,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
+    GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr, HB: tl.constexpr, PF: tl.constexpr,
+    PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+    ALL_HEADS: tl.constexpr,
+):
+    """``_head_set_bwd`` for the block's variants, in the training mode only (fp32, one rounding;
+    x the raw projection output; rstd recomputed; no TMA): partial rotary (PASS trailing dims
+    unrotated), interleaved pairs, no norm weight, the norm over all heads of a token
+    (ALL_HEADS: HB == 1; a first pass over the heads sums n^2 and gn*w*n per token), and a head
+    stride ``OHS`` in dQKV (2D for gated queries). Writes this set's norm-weight gradient row
+    to ``wrow_ptr`` ([D]: summed over heads and tokens; ALL_HEADS: head h's [D] at h*D, summed
+    over tokens) and returns the grad_cos/sin accumulators (see ``_head_set_bwd``)."""
+    dh = tl.arange(0, HALF_P2)
+    dmask = dh < HALF
+    i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
+    dp = tl.arange(0, PASS_P2)
+    ip = 2 * HALF + dp
+    pm = dp < PASS
+    i1r = i1[None, :]
+    i2r = i2[None, :]
+    ipr = ip[None, :]
+    g_row = g_ptr + b[:, None] * sg_b + s[:, None] * sg_s + hb[:, None] * sg_h
+    x_row = x_ptr + b[:, None] * sx_b + s[:, None] * sx_s + hb[:, None] * sx_h
+    out_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + col0 + hb[:, None] * OHS
+    R: tl.constexpr = HB * BLOCK_T
+    if NORM_WEIGHT and not ALL_HEADS:
+        w1, w2, wp = _load_norm_w(w_ptr, sw, 0, i1, i2, ip, dmask, pm, PASS)
+    else:
+        w1 = 1.0
+        w2 = 1.0
+        wp = 1.0
+    wg1 = tl.zeros([R, HALF_P2], tl.float32)
+    wg2 = tl.zeros([R, HALF_P2], tl.float32)
+    wgp = tl.zeros([R, PASS_P2], tl.float32)
+    if ALL_HEADS:
+        # per token over every head of the set: sum of n^2 (rstd) and of gn*w*n (the rstd gradient)
+        ss = tl.zeros([R, 1], tl.float32)
+        gs = tl.zeros([R, 1], tl.float32)
+        for h0 in tl.range(H0, H1, HB, num_stages=PF):
+            hmask = rmask & (h0 + hb < H1)
+            mask = hmask[:, None] & dmask[None, :]
+            pmask = hmask[:, None] & pm[None, :]
+            n1, n2, np_, gn1, gn2, gnp, x1, x2, g1, g2 = _variant_front(
+                g_row + h0 * sg_h, x_row + h0 * sx_h, sg_d, sx_d, i1r, i2r, ipr, mask, pmask, c1, c2, s1, s2,
+                NORM_AFTER_ROPE, PASS)
+            if NORM_WEIGHT:
+                v1, v2, vp = _load_norm_w(w_ptr, sw, h0 * D, i1, i2, ip, dmask, pm, PASS)
+            else:
+                v1 = w1
+                v2 = w2
+                vp = wp
+            ss += _row_sum(n1 * n1, n2 * n2, np_ * np_, PASS)
+            gs += _row_sum(gn1 * v1 * n1, gn2 * v2 * n2, gnp * vp * np_, PASS)
+        nd = (H1 - H0) * D
+        # (rows past the tokens: 0, not 1/sqrt(eps), which is inf for eps = 0 and 0 * inf = nan)
+        r = tl.where(rmask[:, None], 1.0 / tl.sqrt(ss / nd + eps), 0.0)
+        grad_rstd = gs
+        c = -(r * r * r) / nd
+    for h0 in tl.range(H0, H1, HB, num_stages=PF):
+        hmask = rmask & (h0 + hb < H1)
+        mask = hmask[:, None] & dmask[None, :]
+        pmask = hmask[:, None] & pm[None, :]
+        n1, n2, np_, gn1, gn2, gnp, x1, x2, g1, g2 = _variant_front(
+            g_row + h0 * sg_h, x_row + h0 * sx_h, sg_d, sx_d, i1r, i2r, ipr, mask, pmask, c1, c2, s1, s2,
+            NORM_AFTER_ROPE, PASS)
+        if ALL_HEADS and NORM_WEIGHT:
+            v1, v2, vp = _load_norm_w(w_ptr, sw, h0 * D, i1, i2, ip, dmask, pm, PASS)
+        else:
+            v1 = w1
+            v2 = w2
+            vp = wp
+        gw1 = gn1 * v1
+        gw2 = gn2 * v2
+        gwp = gnp * vp
+        if not ALL_HEADS:
+            r = tl.where(hmask[:, None], 1.0 / tl.sqrt(_row_sum(n1 * n1, n2 * n2, np_ * np_, PASS) / D + eps), 0.0)
+            grad_rstd = _row_sum(gw1 * n1, gw2 * n2, gwp * np_, PASS)
+            c = -(r * r * r) / D
+        # d/dn of n*r*w: g*w*r - r^3 * n * sum(g*w*n) / N
+        dn1 = gw1 * r + grad_rstd * (c * n1)
+        dn2 = gw2 * r + grad_rstd * (c * n2)
+        a1 = n1 * r
+        a2 = n2 * r
+        if NORM_AFTER_ROPE:
+            dx1, dx2 = _rope_bwd(dn1, dn2, c1, c2, s1, s2, tl.float32, False)
+            q1 = dn1  # the gradient at RoPE's output, and RoPE's input
+            q2 = dn2
+            p1 = x1
+            p2 = x2
+        else:
+            dx1 = dn1
+            dx2 = dn2
+            q1 = g1
+            q2 = g2
+            p1 = a1 * v1  # n * r * w
+            p2 = a2 * v2
+        ob = out_row + h0 * OHS
+        _store_cast(ob + i1r, dx1, mask)
+        _store_cast(ob + i2r, dx2, mask)
+        if PASS > 0:
+            ap = np_ * r
+            _store_cast(ob + ipr, gwp * r + grad_rstd * (c * np_), pmask)
+        if NORM_WEIGHT:
+            if ALL_HEADS:  # this head's own weights: summed over tokens now
+                wb = wrow_ptr + h0 * D
+                tl.store(wb + i1, tl.sum(gn1 * a1, axis=0), mask=dmask)
+                tl.store(wb + i2, tl.sum(gn2 * a2, axis=0), mask=dmask)
+                if PASS > 0:
+                    tl.store(wb + ip, tl.sum(gnp * ap, axis=0), mask=pm)
+            else:
+                wg1 = tl.fma(gn1, a1, wg1)
+                wg2 = tl.fma(gn2, a2, wg2)
+                if PASS > 0:
+                    wgp = tl.fma(gnp, ap, wgp)
+        if GRAD_COS_SIN:
+            cs1 += q1 * p1
+            cs2 += q2 * p2
+            sn1 += -(q1 * p2)
+            sn2 += q2 * p1
+    if NORM_WEIGHT and not ALL_HEADS:
+        tl.store(wrow_ptr + i1, tl.sum(wg1, axis=0), mask=dmask)
+        tl.store(wrow_ptr + i2, tl.sum(wg2, axis=0), mask=dmask)
+        if PASS > 0:
+            tl.store(wrow_ptr + ip, tl.sum(wgp, axis=0), mask=pm)
+    return cs1, cs2, sn1, sn2
+
+
+@triton.jit
 def _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
                    c1, c2, s1, s2, tok0, t_end, S, ADD_STORED: tl.constexpr,
                    HALF: tl.constexpr, HALF_P2: tl.constexpr, DT: tl.constexpr, EXACT: tl.constexpr,
-                   HB: tl.constexpr, BLOCK_T: tl.constexpr):
+                   HB: tl.constexpr, BLOCK_T: tl.constexpr, INTERLEAVED: tl.constexpr):
     """grad_cos/grad_sin of tokens [tok0, tok0 + BLOCK_T) from per-row sums: each summed over
     the rows of its token and rounded; with ADD_STORED, added to the (rounded) values this
     program stored there before and rounded again."""
@@ -367,10 +577,16 @@ def _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin
     m = (t < t_end) & (d < HALF)
     tb = (t // S).to(tl.int64)
     ts = t % S
-    p_c1 = gcos_ptr + tb * sgcos_b + ts * sgcos_s + d * sgcos_d
-    p_c2 = p_c1 + HALF * sgcos_d
-    p_s1 = gsin_ptr + tb * sgsin_b + ts * sgsin_s + d * sgsin_d
-    p_s2 = p_s1 + HALF * sgsin_d
+    if INTERLEAVED:
+        p_c1 = gcos_ptr + tb * sgcos_b + ts * sgcos_s + (2 * d) * sgcos_d
+        p_c2 = p_c1 + sgcos_d
+        p_s1 = gsin_ptr + tb * sgsin_b + ts * sgsin_s + (2 * d) * sgsin_d
+        p_s2 = p_s1 + sgsin_d
+    else:
+        p_c1 = gcos_ptr + tb * sgcos_b + ts * sgcos_s + d * sgcos_d
+        p_c2 = p_c1 + HALF * sgcos_d
+        p_s1 = gsin_ptr + tb * sgsin_b + ts * sgsin_s + d * sgsin_d
+        p_s2 = p_s1 + HALF * sgsin_d
     v_c1 = _rnd(_token_sum(c1, HB, BLOCK_T, HALF_P2), DT, EXACT)
     v_c2 = _rnd(_token_sum(c2, HB, BLOCK_T, HALF_P2), DT, EXACT)
     v_s1 = _rnd(_token_sum(s1, HB, BLOCK_T, HALF_P2), DT, EXACT)
@@ -408,21 +624,25 @@ def rope_qk_norm_bwd_kernel(
     # rstd [B, H, S] (a trailing size-1 dim dropped by the launcher)
     rq_ptr, srq_b, srq_h, srq_s,
     rk_ptr, srk_b, srk_h, srk_s,
-    # norm weights [D]
+    # norm weights [D] (ALL_HEADS: [H*D]; no NORM_WEIGHT: placeholders never read)
     wq_ptr, swq, wk_ptr, swk,
-    # cos / sin [B, S, D]
+    # cos / sin [B, S, D] ([B, S, rot] with partial rotary)
     cos_ptr, scos_b, scos_s, scos_d,
     sin_ptr, ssin_b, ssin_s, ssin_d,
     # outputs: dQKV [M, (Hq + 2 Hkv) D]; grad_cos / grad_sin [B, S, D]
     dqkv_ptr, s_dqkv_t,
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    # norm-weight gradients [D], their fp32 partials [programs, 2, D] and super rows, tickets;
-    # GROUPED: grad_cos/sin partials [groups, 2, M, D] and norm-weight rows [programs, groups, D]
+    # norm-weight gradients [D], their fp32 partials [programs, 2, D] (ALL_HEADS: [programs,
+    # (Hq + Hkv) * D]) and super rows, tickets; GROUPED: grad_cos/sin partials [groups, 2, M, D]
+    # and norm-weight rows [programs, groups, D]
     gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr,
     M, S, HQ, HKV, eps,
     # TMA: host descriptors of grad/saved q and k (else placeholders never read)
     gq_desc, xq_desc, gk_desc, xk_desc,
+    # Q_GATE: the gate's gradient [B, Hq, S, D]; V_NORM: the raw v [B, Hkv, S, D] with the strides
+    # of k (both views of the projection output); else placeholders never read
+    gg_ptr, sgg_b, sgg_h, sgg_s, sgg_d, xv_ptr,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr, HB: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
@@ -430,62 +650,30 @@ def rope_qk_norm_bwd_kernel(
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
     GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr, TMA: tl.constexpr,
     LP2: tl.constexpr,
+    PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+    ALL_HEADS: tl.constexpr, Q_GATE: tl.constexpr, V_NORM: tl.constexpr,
 ):
-    """Grid (token blocks, kinds): one ``_stage_program`` per program; axis 1 picks the
-    query+key work (0) or the value copy (1) -- GROUPED: a query group, a key group, or the
-    value copy (the last)."""
-    _stage_program(
-        tl.program_id(0), tl.program_id(1), tl.num_programs(0),
-        gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,
-        xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, rq_ptr, srq_b, srq_h, srq_s,
-        rk_ptr, srk_b, srk_h, srk_s, wq_ptr, swq, wk_ptr, swk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b,
-        ssin_s, ssin_d, dqkv_ptr, s_dqkv_t, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s,
-        sgsin_d, gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr, M, S, HQ, HKV, eps,
-        gq_desc, xq_desc, gk_desc, xk_desc,
-        D, HALF, HALF_P2, D_P2, BLOCK_T, HB, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, FUSED_FINISH,
-        SUPER, RECOMPUTE_RSTD, PF, GROUPED, NQG, NKG, GSIZE, TMA, LP2
-    )
-
-
-@triton.jit
-def _stage_program(
-    # which token block, which work, of how many blocks. Work: the query and key heads (0) or the
-    # value copy (1); GROUPED: query head group (< NQG), key head group (< NQG + NKG), value copy
-    pid, kind, n_prog,
-    gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
-    gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d,
-    gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,
-    xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
-    xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
-    rq_ptr, srq_b, srq_h, srq_s,
-    rk_ptr, srk_b, srk_h, srk_s,
-    wq_ptr, swq, wk_ptr, swk,
-    cos_ptr, scos_b, scos_s, scos_d,
-    sin_ptr, ssin_b, ssin_s, ssin_d,
-    dqkv_ptr, s_dqkv_t,
-    gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
-    gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr,
-    M, S, HQ, HKV, eps,
-    # TMA: host descriptors of grad/saved q and k (else placeholders never read)
-    gq_desc, xq_desc, gk_desc, xk_desc,
-    D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
-    BLOCK_T: tl.constexpr, HB: tl.constexpr,
-    EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
-    GRAD_COS_SIN: tl.constexpr, FUSED_FINISH: tl.constexpr, SUPER: tl.constexpr,
-    RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr,
-    GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr, TMA: tl.constexpr,
-    LP2: tl.constexpr,
-):
-    """One work item of the backward stage: a block of BLOCK_T tokens, and either every query
+    """Grid (token blocks, kinds). Program (pid, kind) takes a block of BLOCK_T tokens, and either every query
     and key head of it (grad_cos/grad_sin complete in the program: no partials), or -- GROUPED,
     for few tokens, where that leaves too few programs -- one group of GSIZE query or key heads
     (fp32 partials; the last group of the block to finish sums them), or the copy of its value
     heads. (One block per program: a loop over several blocks, carrying the norm-weight sums,
-    took the 8-token kernel from ~150 to ~210 registers, sm_90 offline.)"""
+    took the 8-token kernel from ~150 to ~210 registers, sm_90 offline.) Axis 1 (``kind``): the query
+    and key heads (0) or the value copy (1); GROUPED: a query head group (< NQG), a key head group
+    (< NQG + NKG), or the value copy (the last).
+
+    The block's variants (training mode only; see the module docstring) run the query and key
+    heads through ``_head_set_bwd_variants``; V_NORM and Q_GATE change the value program."""
+    pid = tl.program_id(0)
+    kind = tl.program_id(1)
+    n_prog = tl.num_programs(0)
     DT: tl.constexpr = gq_ptr.dtype.element_ty
     R: tl.constexpr = HB * BLOCK_T
     NG: tl.constexpr = NQG + NKG
+    # the variants of the query/key heads (all off: _head_set_bwd, the 091 and plain training paths)
+    VARIANT: tl.constexpr = ((PASS > 0) or INTERLEAVED) or ((not NORM_WEIGHT) or (ALL_HEADS or Q_GATE))
+    # dQKV columns between two query heads ([q | gate] per head with Q_GATE)
+    QOHS: tl.constexpr = 2 * D if Q_GATE else D
     rows = tl.arange(0, R)
     hb = rows // BLOCK_T
     if TMA:
@@ -513,36 +701,55 @@ def _stage_program(
         n_qk = 1
     if kind < n_qk:
         c1, c2, s1, s2 = load_cos_sin_raw(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
-                                          b, s, rmask, dh, HALF)
+                                          b, s, rmask, dh, HALF, INTERLEAVED)
         z = tl.zeros([R, HALF_P2], tl.float32)
         if GROUPED:
             if kind < NQG:
                 h0 = kind * GSIZE
-                c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
-                    gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
-                    rq_ptr, srq_b, srq_h, srq_s, wq_ptr, swq, dqkv_ptr, s_dqkv_t, 0,
-                    h0, tl.minimum(h0 + GSIZE, HQ), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
-                    gq_desc, xq_desc, b0, s0,
-                    D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                    RECOMPUTE_RSTD, PF, TMA, LP2,
-                )
+                if VARIANT:
+                    c_1, c_2, s_1, s_2 = _head_set_bwd_variants(
+                        gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d, wq_ptr, swq,
+                        dqkv_ptr, s_dqkv_t, 0, QOHS, wgrp_ptr + (pid * NG + kind) * D, h0, tl.minimum(h0 + GSIZE, HQ), b, s, tok, rmask, hb,
+                        c1, c2, s1, s2, eps, z, z, z, z,
+                        D, HALF, HALF_P2, NORM_AFTER_ROPE, GRAD_COS_SIN, BLOCK_T, HB, PF,
+                        PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS,
+                    )
+                else:
+                    c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+                        gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
+                        rq_ptr, srq_b, srq_h, srq_s, wq_ptr, swq, dqkv_ptr, s_dqkv_t, 0,
+                        h0, tl.minimum(h0 + GSIZE, HQ), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
+                        gq_desc, xq_desc, b0, s0,
+                        D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
+                        RECOMPUTE_RSTD, PF, TMA, LP2,
+                    )
             else:
                 h0 = (kind - NQG) * GSIZE
-                c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
-                    gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
-                    rk_ptr, srk_b, srk_h, srk_s, wk_ptr, swk, dqkv_ptr, s_dqkv_t, HQ * D,
-                    h0, tl.minimum(h0 + GSIZE, HKV), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
-                    gk_desc, xk_desc, b0, s0,
-                    D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                    RECOMPUTE_RSTD, PF, TMA, LP2,
-                )
+                if VARIANT:
+                    c_1, c_2, s_1, s_2 = _head_set_bwd_variants(
+                        gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, wk_ptr, swk,
+                        dqkv_ptr, s_dqkv_t, HQ * QOHS, D, wgrp_ptr + (pid * NG + kind) * D, h0,
+                        tl.minimum(h0 + GSIZE, HKV), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
+                        D, HALF, HALF_P2, NORM_AFTER_ROPE, GRAD_COS_SIN, BLOCK_T, HB, PF,
+                        PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS,
+                    )
+                else:
+                    c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+                        gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
+                        rk_ptr, srk_b, srk_h, srk_s, wk_ptr, swk, dqkv_ptr, s_dqkv_t, HQ * D,
+                        h0, tl.minimum(h0 + GSIZE, HKV), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
+                        gk_desc, xk_desc, b0, s0,
+                        D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
+                        RECOMPUTE_RSTD, PF, TMA, LP2,
+                    )
             # partials: this group's head sums of grad_cos/sin per token [groups, 2, M, D] and its
-            # norm-weight row [blocks, groups, D], fp32
+            # norm-weight row [blocks, groups, D], fp32 (the variants store theirs)
             if GRAD_COS_SIN:
                 _store_cs_partials(cs_ptr, kind, M, tok0, t_end, c_1, c_2, s_1, s_2, D, HALF, HALF_P2, HB, BLOCK_T)
-            grow = wgrp_ptr + (pid * NG + kind) * D
-            tl.store(grow + dh, a1, mask=hm)
-            tl.store(grow + HALF + dh, a2, mask=hm)
+            if not VARIANT:
+                grow = wgrp_ptr + (pid * NG + kind) * D
+                tl.store(grow + dh, a1, mask=hm)
+                tl.store(grow + HALF + dh, a2, mask=hm)
             # the last group of this block to finish (a ticket, not a sum: the results are
             # summed in a fixed order) turns the block's partials into grad_cos/sin and its
             # query and key norm-weight rows. Acquire/release atomics order the partial stores;
@@ -553,11 +760,41 @@ def _stage_program(
                 tl.store(tick_ptr + pid, 0)
                 if GRAD_COS_SIN:
                     _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s,
-                                          sgsin_d, tok0, t_end, M, S, D, HALF, HALF_P2, DT, EXACT, NQG, NKG, BLOCK_T)
-                _finish_block_norm_weight(wgrp_ptr, wpart_ptr, pid, D, D_P2, NQG, NKG)
+                                          sgsin_d, tok0, t_end, M, S, D, HALF, HALF_P2, DT, EXACT, NQG, NKG, BLOCK_T,
+                                          INTERLEAVED)
+                if NORM_WEIGHT:
+                    _finish_block_norm_weight(wgrp_ptr, wpart_ptr, pid, D, D_P2, NQG, NKG)
                 if FUSED_FINISH:
                     _finish_norm_weight_levels(pid, n_prog, wpart_ptr, wsup_ptr, tick_ptr + n_prog,
                                                gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, SUPER)
+        elif VARIANT:
+            # norm-weight partials [programs, 2 (query, key), D] fp32 (ALL_HEADS: [programs, (Hq + Hkv) * D])
+            if ALL_HEADS:
+                wrow_q = wpart_ptr + pid.to(tl.int64) * ((HQ + HKV) * D)
+                wrow_k = wrow_q + HQ * D
+            else:
+                wrow_q = wpart_ptr + pid * 2 * D
+                wrow_k = wrow_q + D
+            c_1, c_2, s_1, s_2 = _head_set_bwd_variants(
+                gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d, wq_ptr, swq,
+                dqkv_ptr, s_dqkv_t, 0, QOHS, wrow_q, 0, HQ, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
+                D, HALF, HALF_P2, NORM_AFTER_ROPE, GRAD_COS_SIN, BLOCK_T, HB, PF,
+                PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS,
+            )
+            c_1, c_2, s_1, s_2 = _head_set_bwd_variants(
+                gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, wk_ptr, swk,
+                dqkv_ptr, s_dqkv_t, HQ * QOHS, D, wrow_k, 0, HKV, b, s, tok, rmask, hb, c1, c2, s1, s2, eps,
+                c_1, c_2, s_1, s_2,
+                D, HALF, HALF_P2, NORM_AFTER_ROPE, GRAD_COS_SIN, BLOCK_T, HB, PF,
+                PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS,
+            )
+            if GRAD_COS_SIN:
+                _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                               c_1, c_2, s_1, s_2, tok0, t_end, S, False,
+                               HALF, HALF_P2, DT, False, HB, BLOCK_T, INTERLEAVED)
+            if FUSED_FINISH:
+                _finish_norm_weight_levels(pid, n_prog, wpart_ptr, wsup_ptr, tick_ptr,
+                                           gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, SUPER)
         else:
             c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
                 gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
@@ -577,7 +814,7 @@ def _stage_program(
                 # the key heads run (in registers they took ~80 more, sm_90 offline)
                 _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
                                c_1, c_2, s_1, s_2, tok0, t_end, S, False,
-                               HALF, HALF_P2, DT, EXACT, HB, BLOCK_T)
+                               HALF, HALF_P2, DT, EXACT, HB, BLOCK_T, INTERLEAVED)
                 c_1 = z
                 c_2 = z
                 s_1 = z
@@ -596,21 +833,41 @@ def _stage_program(
             if GRAD_COS_SIN:
                 _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
                                c_1, c_2, s_1, s_2, tok0, t_end, S, EXACT,
-                               HALF, HALF_P2, DT, EXACT, HB, BLOCK_T)
+                               HALF, HALF_P2, DT, EXACT, HB, BLOCK_T, INTERLEAVED)
             if FUSED_FINISH:
                 _finish_norm_weight_levels(pid, n_prog, wpart_ptr, wsup_ptr, tick_ptr,
                                            gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, SUPER)
     else:
-        # V needs no math: copy its heads into the last third of dQKV
+        # V needs no math (V_NORM: the backward of its unweighted RMSNorm): its heads into the last
+        # third of dQKV; with Q_GATE, the gate's gradient into the gate columns too
         dv = tl.arange(0, D_P2)[None, :]
         v_row = gv_ptr + b[:, None] * sgv_b + s[:, None] * sgv_s + hb[:, None] * sgv_h + dv * sgv_d
-        o_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + (HQ + HKV) * D + hb[:, None] * D + dv
+        if Q_GATE:
+            o_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + (2 * HQ + HKV) * D + hb[:, None] * D + dv
+        else:
+            o_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + (HQ + HKV) * D + hb[:, None] * D + dv
         # (a name of its own: the query/key branch's h0 is i32, this loop variable takes HKV's
         # type -- i64 once an argument is beyond 32 bits -- and scf.if joins same-named variables)
         for hv in range(0, HKV, HB):
             vmask = (rmask & (hv + hb < HKV))[:, None] & (dv < D)
             v = tl.load(v_row + hv * sgv_h, mask=vmask, other=0.0)
-            tl.store(o_row + hv * D, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a copy
+            if V_NORM:
+                xv = tl.load(xv_ptr + b[:, None] * sxk_b + s[:, None] * sxk_s + (hv + hb[:, None]) * sxk_h
+                             + dv * sxk_d, mask=vmask, other=0.0).to(tl.float32)
+                gvf = v.to(tl.float32)
+                rv = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1, keep_dims=True) / D + eps)
+                rv = tl.where((rmask & (hv + hb < HKV))[:, None], rv, 0.0)
+                grad_rv = tl.sum(gvf * xv, axis=1, keep_dims=True)
+                _store_cast(o_row + hv * D, gvf * rv + grad_rv * ((-(rv * rv * rv) / D) * xv), vmask)
+            else:
+                tl.store(o_row + hv * D, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a copy
+        if Q_GATE:
+            g_row = gg_ptr + b[:, None] * sgg_b + s[:, None] * sgg_s + hb[:, None] * sgg_h + dv * sgg_d
+            og_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + D + hb[:, None] * (2 * D) + dv
+            for hg in range(0, HQ, HB):
+                gmask = (rmask & (hg + hb < HQ))[:, None] & (dv < D)
+                gg = tl.load(g_row + hg * sgg_h, mask=gmask, other=0.0)
+                tl.store(og_row + hg * (2 * D), gg.to(dqkv_ptr.dtype.element_ty), mask=gmask)
 
 
 @triton.jit
@@ -657,7 +914,7 @@ def _store_cs_partials(cs_ptr, group, M, tok0, t_end, c1, c2, s1, s2, D: tl.cons
 def _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
                           tok0, t_end, M, S, D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
                           DT: tl.constexpr, EXACT: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr,
-                          BLOCK_T: tl.constexpr):
+                          BLOCK_T: tl.constexpr, INTERLEAVED: tl.constexpr):
     """grad_cos/grad_sin of a token block from the head groups' partials: the query groups and
     the key groups summed (fixed order) and rounded separately, then added, as the reference
     does. The group loops are unrolled, so every load is in flight at once (one load per group
@@ -688,12 +945,20 @@ def _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr,
         ks2 += tl.load(base + g * gstride + sstride + HALF, mask=m, other=0.0, cache_modifier=".cg")
     tb = (t // S).to(tl.int64)
     ts = t % S
-    pc = gcos_ptr + tb * sgcos_b + ts * sgcos_s + d * sgcos_d
-    ps = gsin_ptr + tb * sgsin_b + ts * sgsin_s + d * sgsin_d
+    if INTERLEAVED:
+        pc = gcos_ptr + tb * sgcos_b + ts * sgcos_s + (2 * d) * sgcos_d
+        ps = gsin_ptr + tb * sgsin_b + ts * sgsin_s + (2 * d) * sgsin_d
+        pc2 = pc + sgcos_d
+        ps2 = ps + sgsin_d
+    else:
+        pc = gcos_ptr + tb * sgcos_b + ts * sgcos_s + d * sgcos_d
+        ps = gsin_ptr + tb * sgsin_b + ts * sgsin_s + d * sgsin_d
+        pc2 = pc + HALF * sgcos_d
+        ps2 = ps + HALF * sgsin_d
     _store_cast(pc, _rnd(_rnd(qc1, DT, EXACT) + _rnd(kc1, DT, EXACT), DT, EXACT), m)
-    _store_cast(pc + HALF * sgcos_d, _rnd(_rnd(qc2, DT, EXACT) + _rnd(kc2, DT, EXACT), DT, EXACT), m)
+    _store_cast(pc2, _rnd(_rnd(qc2, DT, EXACT) + _rnd(kc2, DT, EXACT), DT, EXACT), m)
     _store_cast(ps, _rnd(_rnd(qs1, DT, EXACT) + _rnd(ks1, DT, EXACT), DT, EXACT), m)
-    _store_cast(ps + HALF * sgsin_d, _rnd(_rnd(qs2, DT, EXACT) + _rnd(ks2, DT, EXACT), DT, EXACT), m)
+    _store_cast(ps2, _rnd(_rnd(qs2, DT, EXACT) + _rnd(ks2, DT, EXACT), DT, EXACT), m)
 
 
 @triton.jit
@@ -750,3 +1015,22 @@ def rope_qk_norm_bwd_finish_kernel(wpart_ptr, n_rows, gwq_ptr, sgwq, gwk_ptr, sg
                                    D: tl.constexpr, D_P2: tl.constexpr, BLOCK_R: tl.constexpr):
     """The norm-weight gradients as a second launch (when the finish is not fused)."""
     _finish_norm_weight(wpart_ptr, n_rows, gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, BLOCK_R, "")
+
+
+@triton.jit
+def rope_qk_norm_bwd_finish_cols_kernel(wpart_ptr, n_rows, NQ, NK, gwq_ptr, sgwq, gwk_ptr, sgwk,
+                                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """ALL_HEADS: the norm-weight gradients ([Hq*D] and [Hkv*D]) from the stage's fp32 rows
+    ``[n_rows, NQ + NK]`` (query columns first); grid over blocks of BLOCK_C columns, each
+    summing its columns over the rows in a fixed order."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    n_cols = NQ + NK
+    cm = cols < n_cols
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for r0 in range(0, n_rows, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)[:, None]
+        m = (rows < n_rows) & cm[None, :]
+        acc += tl.load(wpart_ptr + rows.to(tl.int64) * n_cols + cols[None, :], mask=m, other=0.0)
+    tot = tl.sum(acc, axis=0)
+    _store_cast(gwq_ptr + cols * sgwq, tot, cols < NQ)
+    _store_cast(gwk_ptr + (cols - NQ) * sgwk, tot, (cols >= NQ) & cm)

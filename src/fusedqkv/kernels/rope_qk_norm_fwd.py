@@ -1,4 +1,4 @@
-"""Triton kernel of the forward of RoPE + per-head RMSNorm ("QK-norm").
+"""Triton kernel of the forward of RoPE + RMSNorm ("QK-norm").
 
 ``rope_qk_norm_fwd_kernel`` reads the projection output ``qkv`` token-major
 ``[tokens, (Hq + 2*Hkv) * D]`` (last dim contiguous), applies RoPE and RMSNorm in
@@ -9,58 +9,168 @@ rounded once.
 Grid: ``(token blocks, head groups)``.  Head groups are ``GROUP`` consecutive query
 heads (the first ``cdiv(Hq, GROUP)`` groups) or key heads (the rest).  A program loads
 cos/sin for its ``BLOCK_T`` tokens once, then loops over the heads of its group with
-2D tiles ``[BLOCK_T, head_dim/2]`` -- the two rotate-half halves -- so the register
-footprint does not grow with the head count (a 3D ``[heads, tokens, head_dim/2]``
-tile spills on sm_90 with 32 heads).
+2D tiles ``[BLOCK_T, rotary pairs]`` -- the first and the second element of each RoPE
+pair -- so the register footprint does not grow with the head count (a 3D ``[heads,
+tokens, head_dim/2]`` tile spills on sm_90 with 32 heads).
+
+Constexpr switches of the block's variants (all off: the plain per-head block above):
+
+- ``HALF``: rotary pairs per head (``rot/2``; ``head_dim/2`` without partial rotary);
+  ``PASS = D - 2*HALF`` trailing dims of each head pass RoPE unrotated (partial rotary),
+  a third tile ``[BLOCK_T, PASS_P2]``; the norm covers all D.
+- ``INTERLEAVED``: RoPE pairs ``(2i, 2i+1)`` (GPT-J / Llama 4) instead of NeoX's
+  ``(i, i + HALF)``; cos/sin are per element either way.
+- ``NORM_WEIGHT``: the norm scales by its weight (else an unweighted RMSNorm).
+- ``ALL_HEADS``: the RMS is over all heads of a token (``Hq*D`` channels of q, ``Hkv*D`` of k;
+  weights ``[H*D]``): one program per (token block, q or k) walks the heads twice (sum of
+  squares, then the outputs); rstd is stored for every head.
+- ``Q_GATE``: the Q rows of the projection are per head ``[q | gate]`` (2D columns); the
+  gate is not touched here (the caller views it in ``qkv``).
+- ``V_NORM``: v is RMS-normed per head without a weight into ``v`` (groups after the key
+  groups); otherwise v stays a view of ``qkv``.
 """
 
 import triton
 import triton.language as tl
 
-from .rope_qk_norm import _store_cast, load_cos_sin
+from .rope_qk_norm import _store_cast, load_cos_sin, pair_cols
 
 
 @triton.jit
 def _rope_fwd_2d(x1, x2, c1, c2, s1, s2):
-    # x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1); fp32
+    # x*cos + rotate(x)*sin on the two elements of each pair: y1 = x1*c1 - x2*s1, y2 = x2*c2 + x1*s2; fp32
     return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
 
 
 @triton.jit
+def _head_in(xb, i1, i2, ip, mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr):
+    """One head's pair tiles (and pass-through tile) as the norm sees them, fp32, and their sum of
+    squares per token."""
+    x1 = tl.load(xb + i1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xb + i2, mask=mask, other=0.0).to(tl.float32)
+    if NORM_AFTER_ROPE:
+        x1, x2 = _rope_fwd_2d(x1, x2, c1, c2, s1, s2)
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+    if PASS > 0:
+        xp = tl.load(xb + ip, mask=pmask, other=0.0).to(tl.float32)
+        ss += tl.sum(xp * xp, axis=1)
+    else:
+        xp = x1  # (no pass-through dims: never used)
+    return x1, x2, xp, ss
+
+
+@triton.jit
+def _head_out(ob, so_d, i1, i2, ip, x1, x2, xp, r, w1, w2, wp, mask, pmask, c1, c2, s1, s2,
+              NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr, NORM_WEIGHT: tl.constexpr):
+    """x * r (* w), rotated when RoPE comes after the norm, stored (one rounding)."""
+    if NORM_WEIGHT:
+        y1 = x1 * r[:, None] * w1
+        y2 = x2 * r[:, None] * w2
+    else:
+        y1 = x1 * r[:, None]
+        y2 = x2 * r[:, None]
+    if not NORM_AFTER_ROPE:
+        y1, y2 = _rope_fwd_2d(y1, y2, c1, c2, s1, s2)
+    _store_cast(ob + i1 * so_d, y1, mask)
+    _store_cast(ob + i2 * so_d, y2, mask)
+    if PASS > 0:
+        if NORM_WEIGHT:
+            yp = xp * r[:, None] * wp
+        else:
+            yp = xp * r[:, None]
+        _store_cast(ob + ip * so_d, yp, pmask)
+
+
+@triton.jit
+def _load_w(w_ptr, sw, off, i1, i2, ip, dmask, pm, PASS: tl.constexpr):
+    w1 = tl.load(w_ptr + (off + i1) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + (off + i2) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    if PASS > 0:
+        wp = tl.load(w_ptr + (off + ip) * sw, mask=pm, other=0.0).to(tl.float32)[None, :]
+    else:
+        wp = w1
+    return w1, w2, wp
+
+
+@triton.jit
 def _head_group_fwd(
-    x_ptr, s_x_t, col0,
+    x_ptr, s_x_t, col0, XHS,
     w_ptr, sw,
     o_ptr, so_b, so_h, so_s, so_d,
     r_ptr, sr_b, sr_h, sr_s,
     tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
     h0, H,
     D: tl.constexpr, HALF: tl.constexpr, GROUP: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
+    PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+    ALL_HEADS: tl.constexpr,
 ):
+    """Heads [h0, h0 + GROUP) of one head set (ALL_HEADS: all H of them, normed together).
+    ``XHS``: the columns between two heads of the set in a ``qkv`` row."""
     dmask = dh < HALF
-    w1 = tl.load(w_ptr + dh * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + (dh + HALF) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    x_row = x_ptr + tok64[:, None] * s_x_t + col0 + dh[None, :]
+    i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
+    dp = tl.arange(0, PASS_P2)
+    ip = 2 * HALF + dp
+    pm = dp < PASS
+    pmask_t = tmask[:, None] & pm[None, :]
+    if NORM_WEIGHT and not ALL_HEADS:
+        w1, w2, wp = _load_w(w_ptr, sw, 0, i1, i2, ip, dmask, pm, PASS)
+    else:
+        w1 = 1.0
+        w2 = 1.0
+        wp = 1.0
+    x_row = x_ptr + tok64[:, None] * s_x_t + col0
+    ob_row = o_ptr + b[:, None] * so_b + s[:, None] * so_s
+    if ALL_HEADS:
+        # the RMS over every head of the token: a pass for the sum of squares, one for the outputs
+        ss = tl.zeros_like(tmask.to(tl.float32))
+        for h in range(0, H):
+            _, _, _, ssh = _head_in(x_row + h * XHS, i1[None, :], i2[None, :], ip[None, :], cmask, pmask_t,
+                                    c1, c2, s1, s2, NORM_AFTER_ROPE, PASS)
+            ss += ssh
+        r = 1.0 / tl.sqrt_rn(ss / (H * D) + eps)
+        for h in range(0, H):
+            x1, x2, xp, _ = _head_in(x_row + h * XHS, i1[None, :], i2[None, :], ip[None, :], cmask, pmask_t,
+                                     c1, c2, s1, s2, NORM_AFTER_ROPE, PASS)
+            if NORM_WEIGHT:  # this head's part of the [H*D] weights
+                v1, v2, vp = _load_w(w_ptr, sw, h * D, i1, i2, ip, dmask, pm, PASS)
+            else:
+                v1 = w1
+                v2 = w2
+                vp = wp
+            _head_out(ob_row + h * so_h, so_d, i1[None, :], i2[None, :], ip[None, :], x1, x2, xp, r, v1, v2, vp,
+                      cmask, pmask_t, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, NORM_WEIGHT)
+            tl.store(r_ptr + b * sr_b + h * sr_h + s * sr_s, r, mask=tmask)
+    else:
+        for hh in range(0, GROUP):
+            h = h0 + hh
+            # a per-token block, not a scalar compare broadcast into the mask: Triton 3.9's interpreter
+            # types a scalar compare by its operands (int32), and a splat of it is no valid mask
+            hvalid = tl.broadcast_to(h, tmask.shape) < H
+            mask = cmask & hvalid[:, None]
+            pmask = pmask_t & hvalid[:, None]
+            x1, x2, xp, ss = _head_in(x_row + h * XHS, i1[None, :], i2[None, :], ip[None, :], mask, pmask,
+                                      c1, c2, s1, s2, NORM_AFTER_ROPE, PASS)
+            r = 1.0 / tl.sqrt_rn(ss / D + eps)
+            _head_out(ob_row + h * so_h, so_d, i1[None, :], i2[None, :], ip[None, :], x1, x2, xp, r, w1, w2, wp,
+                      mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, NORM_WEIGHT)
+            tl.store(r_ptr + b * sr_b + h * sr_h + s * sr_s, r, mask=tmask & hvalid)
+
+
+@triton.jit
+def _v_group_fwd(x_ptr, s_x_t, col0, o_ptr, so_b, so_h, so_s, so_d, tok64, b, s, tmask, eps, h0, H,
+                 D: tl.constexpr, D_P2: tl.constexpr, GROUP: tl.constexpr):
+    """V_NORM: heads [h0, h0 + GROUP) of v RMS-normed without a weight (whole-head tiles)."""
+    dv = tl.arange(0, D_P2)
+    vmask = tmask[:, None] & (dv < D)[None, :]
+    x_row = x_ptr + tok64[:, None] * s_x_t + col0 + dv[None, :]
+    o_row = o_ptr + b[:, None] * so_b + s[:, None] * so_s + dv[None, :] * so_d
     for hh in range(0, GROUP):
         h = h0 + hh
-        # a per-token block, not a scalar compare broadcast into the mask: Triton 3.9's interpreter
-        # types a scalar compare by its operands (int32), and a splat of it is no valid mask
         hvalid = tl.broadcast_to(h, tmask.shape) < H
-        mask = cmask & hvalid[:, None]
-        xb = x_row + h * D
-        x1 = tl.load(xb, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(xb + HALF, mask=mask, other=0.0).to(tl.float32)
-        if NORM_AFTER_ROPE:
-            x1, x2 = _rope_fwd_2d(x1, x2, c1, c2, s1, s2)
-        ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D
-        r = 1.0 / tl.sqrt_rn(ms + eps)
-        y1 = x1 * r[:, None] * w1
-        y2 = x2 * r[:, None] * w2
-        if not NORM_AFTER_ROPE:
-            y1, y2 = _rope_fwd_2d(y1, y2, c1, c2, s1, s2)
-        ob = o_ptr + b[:, None] * so_b + h * so_h + s[:, None] * so_s
-        _store_cast(ob + dh[None, :] * so_d, y1, mask)
-        _store_cast(ob + (dh[None, :] + HALF) * so_d, y2, mask)
-        tl.store(r_ptr + b * sr_b + h * sr_h + s * sr_s, r, mask=tmask & hvalid)
+        m = vmask & hvalid[:, None]
+        x = tl.load(x_row + h * D, mask=m, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)
+        _store_cast(o_row + h * so_h, x * r[:, None], m)
 
 
 @triton.jit
@@ -73,9 +183,13 @@ def rope_qk_norm_fwd_kernel(
     k_ptr, sk_b, sk_h, sk_s, sk_d,
     rq_ptr, srq_b, srq_h, srq_s,
     rk_ptr, srk_b, srk_h, srk_s,
+    # V_NORM: the normed v [B, Hkv, S, D] (else a placeholder never written)
+    v_ptr, sv_b, sv_h, sv_s, sv_d,
     eps, M, S, HQ, HKV, NQG,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
     BLOCK_T: tl.constexpr, GROUP: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
+    PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+    ALL_HEADS: tl.constexpr, Q_GATE: tl.constexpr, V_NORM: tl.constexpr, D_P2: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -87,15 +201,33 @@ def rope_qk_norm_fwd_kernel(
     b = tok64 // S
     s = tok64 % S
     cmask = tmask[:, None] & dmask[None, :]
-    c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
-                                  b, s, tmask, dh, HALF)
+    # columns of a query head in a qkv row: [q | gate] with Q_GATE
+    QHS: tl.constexpr = 2 * D if Q_GATE else D
     if pid_g < NQG:
-        _head_group_fwd(qkv_ptr, s_qkv_t, 0, wq_ptr, swq,
+        c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
+                                      b, s, tmask, dh, HALF, INTERLEAVED)
+        _head_group_fwd(qkv_ptr, s_qkv_t, 0, QHS, wq_ptr, swq,
                         q_ptr, sq_b, sq_h, sq_s, sq_d, rq_ptr, srq_b, srq_h, srq_s,
                         tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
-                        pid_g * GROUP, HQ, D, HALF, GROUP, NORM_AFTER_ROPE)
+                        pid_g * GROUP, HQ, D, HALF, GROUP, NORM_AFTER_ROPE,
+                        PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS)
     else:
-        _head_group_fwd(qkv_ptr, s_qkv_t, HQ * D, wk_ptr, swk,
-                        k_ptr, sk_b, sk_h, sk_s, sk_d, rk_ptr, srk_b, srk_h, srk_s,
-                        tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
-                        (pid_g - NQG) * GROUP, HKV, D, HALF, GROUP, NORM_AFTER_ROPE)
+        if ALL_HEADS:
+            nkg = 1
+        else:
+            nkg = tl.cdiv(HKV, GROUP)
+        kg = pid_g - NQG
+        is_v = False
+        if V_NORM:
+            is_v = kg >= nkg
+        if is_v:
+            _v_group_fwd(qkv_ptr, s_qkv_t, HQ * QHS + HKV * D, v_ptr, sv_b, sv_h, sv_s, sv_d,
+                         tok64, b, s, tmask, eps, (kg - nkg) * GROUP, HKV, D, D_P2, GROUP)
+        else:
+            c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
+                                          b, s, tmask, dh, HALF, INTERLEAVED)
+            _head_group_fwd(qkv_ptr, s_qkv_t, HQ * QHS, D, wk_ptr, swk,
+                            k_ptr, sk_b, sk_h, sk_s, sk_d, rk_ptr, srk_b, srk_h, srk_s,
+                            tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
+                            kg * GROUP, HKV, D, HALF, GROUP, NORM_AFTER_ROPE,
+                            PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS)

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from . import device as _device
+
 _CUDA_R_16F, _CUDA_R_16BF, _CUDA_R_32F = 2, 14, 0
 _COMPUTE_32F = 68
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
@@ -33,7 +35,7 @@ _PREF_MAX_WORKSPACE = 1
 _PREF_ALIGN_A, _PREF_ALIGN_B, _PREF_ALIGN_C, _PREF_ALIGN_D = 5, 6, 7, 8
 _OP_N, _OP_T = 0, 1
 _HEURISTIC_RESULT_BYTES = 96  # cublasLtMatmulHeuristicResult_t: algo (64) + size_t + int + float + int[4]
-_MAX_WORKSPACE = 32 << 20  # cuBLAS's recommendation for Hopper
+_MAX_WORKSPACE = 32 << 20  # cuBLAS's recommendation for Hopper and Blackwell (the heuristic may use less)
 _DTYPES = {torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
 # alignments an algorithm may assume: the plan's run checks the call's addresses against the
 # larger and takes the algorithm chosen for 16 bytes otherwise
@@ -86,17 +88,16 @@ class _Lib:
         self.heuristic = fn("cublasLtMatmulAlgoGetHeuristic", vp, vp, vp, vp, vp, vp, vp, i32, vp, vp)
         # every argument an address or a size: the hot path passes plain ints
         self.matmul = fn("cublasLtMatmul", vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp)
-        self._handles: dict = {}
         self._lock = threading.Lock()
 
     def handle(self, index: int) -> int:
-        h = self._handles.get(index)
-        if h is None:
+        """The device's cuBLASLt handle (owned by :mod:`fusedqkv.ops.device`)."""
+        def create() -> int:
             with self._lock, torch.cuda.device(index):
                 out = ctypes.c_void_p()
                 _check(self.create(ctypes.byref(out)), "cublasLtCreate")
-                h = self._handles[index] = out.value
-        return h
+                return out.value
+        return _device.handle("cublaslt", index, create)
 
 
 def _check(status: int, what: str) -> None:
@@ -116,21 +117,6 @@ def library() -> Optional[_Lib]:
         return _Lib(cdll)
     except AttributeError:  # a library without the entry points
         return None
-
-
-# workspace per (device, stream): calls on one stream never overlap on the GPU
-_WORKSPACES: dict = {}
-
-
-def _workspace(device: torch.device, index: int, stream: int, nbytes: int) -> int:
-    key = (index, stream)
-    ws = _WORKSPACES.get(key)
-    if ws is None or ws.numel() < nbytes:
-        ws = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
-        if torch.cuda.is_current_stream_capturing():  # a graph's memory: not kept past the capture
-            return ws.data_ptr()
-        _WORKSPACES[key] = ws
-    return ws.data_ptr()
 
 
 def _column_major(shape, strides):
@@ -227,10 +213,11 @@ class LtMatmul:
     def __call__(self, a_ptr: int, b_ptr: int, d_ptr: int, stream: int) -> None:
         algo = self.algos[0] if not ((a_ptr | b_ptr | d_ptr) & (ALIGN_HIGH - 1)) else self.algos[1]
         b_l, a_l, d_l = self.layouts
-        ws = _workspace(self.device, self.index, stream, self.ws_bytes) if self.ws_bytes else None
+        # the stream's workspace (a fresh one, held until the call returns, while capturing)
+        ws = _device.workspace("cublaslt", self.device, stream, self.ws_bytes) if self.ws_bytes else None
         alpha, beta = self.scalars
         status = self.lib.matmul(self.handle, self.desc, alpha, b_ptr, b_l, a_ptr, a_l, beta, d_ptr, d_l, d_ptr, d_l,
-                                 algo, ws, self.ws_bytes, stream)
+                                 algo, None if ws is None else ws.data_ptr(), self.ws_bytes, stream)
         if status != 0:
             raise LtError(f"cublasLtMatmul failed with cuBLAS status {status} (shape {self.shape})")
 

@@ -17,13 +17,16 @@ Two backends with one semantics (fp32 math, one rounding to the input dtype):
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
+from typing import Optional
 
 import torch
 
 from . import config
 from . import validation as V
-from .launch import BoundLaunch, Ptr, next_pow2 as _next_pow2, sm_count
+from .device import current_stream, sm_count
+from .launch import BoundLaunch, Ptr, Table, next_pow2 as _next_pow2
 
 try:  # Triton is a dependency on Linux only; the torch backend serves without it
     from ..kernels.rope_qk_norm_fwd import rope_qk_norm_fwd_kernel
@@ -31,6 +34,46 @@ except ImportError:  # pragma: no cover
     rope_qk_norm_fwd_kernel = None
 
 QK_NORM_POSITIONS = ("after_rope", "before_rope")
+ROPE_STYLES = ("neox", "interleaved")
+NORM_SCOPES = ("head", "all_heads")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The block's variant switches (issue 25); all off (``PLAIN``) is the plain block: per-head
+    weighted RMSNorm, NeoX RoPE over the whole head, no gate, v a view.
+
+    ``rot``: rotary dims per head (even), 0 for all of head_dim (partial rotary otherwise: the
+    trailing ``head_dim - rot`` dims pass RoPE unrotated, the norm covers all of them);
+    ``interleaved``: RoPE pairs ``(2i, 2i+1)`` instead of ``(i, i + rot/2)``; ``q_gate``: the Q
+    rows of the projection are per head ``[q | gate]``; ``norm_weight``: the q/k norms scale by
+    a weight; ``all_heads``: the q (k) norm is over all heads of a token; ``v_norm``: v is
+    RMS-normed per head without a weight."""
+
+    rot: int = 0
+    interleaved: bool = False
+    q_gate: bool = False
+    norm_weight: bool = True
+    all_heads: bool = False
+    v_norm: bool = False
+
+    def rotary(self, d: int) -> int:
+        return self.rot or d
+
+    def q_cols(self, d: int) -> int:
+        """Columns of one query head in a projection row ([q | gate] with q_gate)."""
+        return 2 * d if self.q_gate else d
+
+    def constexprs(self, d: int) -> dict:
+        """The kernels' constexprs of the variant (both stages)."""
+        half = self.rotary(d) // 2
+        n_pass = d - 2 * half
+        return dict(HALF=half, HALF_P2=_next_pow2(half), PASS=n_pass, PASS_P2=_next_pow2(n_pass),
+                    INTERLEAVED=self.interleaved, NORM_WEIGHT=self.norm_weight, ALL_HEADS=self.all_heads,
+                    Q_GATE=self.q_gate, V_NORM=self.v_norm)
+
+
+PLAIN = Variant()
 
 
 # ----------------------------------------------------------------------------- validation
@@ -51,14 +94,46 @@ def norm_after_rope_from_position(qk_norm_position) -> bool:
     return qk_norm_position == "after_rope"
 
 
-def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                            num_heads, num_kv_heads, eps, qk_norm_position) -> dict:
-    """Check the public forward arguments; returns the derived sizes.
+def _require_bool(name: str, x) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
+    return x
 
-    cos/sin may be ``[batch, seq, head_dim]`` or ``[1, seq, head_dim]`` (shared by the batch).
+
+def _require_choice(name: str, x, choices: tuple, what: str) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"{name}: expected a str ({what}), got {type(x).__name__}")
+    if x not in choices:
+        raise ValueError(f"{name}: expected {what}, got {x!r}")
+    return x
+
+
+def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
+                            num_heads, num_kv_heads, eps, qk_norm_position, *, q_gate=False, rope_style="neox",
+                            norm_scope="head", v_norm=False) -> dict:
+    """Check the public forward arguments; returns the derived sizes and the :class:`Variant`.
+
+    cos/sin may be ``[batch, seq, rot]`` or ``[1, seq, rot]`` (shared by the batch), ``rot`` the
+    rotary width (even, 2..head_dim; head_dim unless partial rotary). ``q_norm_weight`` and
+    ``k_norm_weight`` both None: unweighted norms.
     """
-    for n, t in (("hidden_states", hidden_states), ("qkv_weight", qkv_weight), ("q_norm_weight", q_norm_weight),
-                 ("k_norm_weight", k_norm_weight), ("cos", cos), ("sin", sin)):
+    q_gate = _require_bool("q_gate", q_gate)
+    v_norm = _require_bool("v_norm", v_norm)
+    interleaved = _require_choice("rope_style", rope_style, ROPE_STYLES,
+                                  "'neox' (rotate-half pairs (i, i + rot/2)) or 'interleaved' (pairs (2i, 2i+1))"
+                                  ) == "interleaved"
+    all_heads = _require_choice("norm_scope", norm_scope, NORM_SCOPES,
+                                "'head' (RMSNorm per head) or 'all_heads' (over all heads of a token)") == "all_heads"
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight / k_norm_weight: give both (weighted norms) or neither (None: unweighted "
+                         f"norms); got q_norm_weight {'None' if q_norm_weight is None else 'a tensor'} and "
+                         f"k_norm_weight {'None' if k_norm_weight is None else 'a tensor'}")
+    weighted = q_norm_weight is not None
+    named = [("hidden_states", hidden_states), ("qkv_weight", qkv_weight)]
+    if weighted:
+        named += [("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)]
+    named += [("cos", cos), ("sin", sin)]
+    for n, t in named:
         V.require_tensor(n, t)
     hq = _require_int("num_heads", num_heads)
     hkv = _require_int("num_kv_heads", num_kv_heads)
@@ -70,31 +145,48 @@ def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_wei
         raise ValueError(f"head configuration: num_heads={hq} and num_kv_heads={hkv} must be >= 1")
     V.require_ndim("hidden_states", hidden_states, 3, "[batch, seq, hidden_size]")
     b, s, hidden = hidden_states.shape
-    V.require_ndim("qkv_weight", qkv_weight, 2, "[(num_heads + 2*num_kv_heads)*head_dim, hidden_size]")
+    q_rows = "2*num_heads" if q_gate else "num_heads"
+    V.require_ndim("qkv_weight", qkv_weight, 2, f"[({q_rows} + 2*num_kv_heads)*head_dim, hidden_size]")
     V.require_matching_hidden(hidden_states, qkv_weight)
     n_tot, w_hidden = qkv_weight.shape
-    heads_tot = hq + 2 * hkv
+    heads_tot = (2 * hq if q_gate else hq) + 2 * hkv
     if w_hidden != hidden or n_tot % heads_tot != 0 or n_tot == 0:
+        gate = (" (q_gate: the Q rows are num_heads blocks of [q | gate], 2*head_dim rows each)"
+                if q_gate else "")
         raise ValueError(
-            f"qkv_weight: expected shape [(num_heads + 2*num_kv_heads)*head_dim, hidden_size] = "
-            f"[({hq} + 2*{hkv})*head_dim, {hidden}], got [{', '.join(map(str, qkv_weight.shape))}]")
+            f"qkv_weight: expected shape [({q_rows} + 2*num_kv_heads)*head_dim, hidden_size] = "
+            f"[({2 * hq if q_gate else hq} + 2*{hkv})*head_dim, {hidden}]{gate}, "
+            f"got [{', '.join(map(str, qkv_weight.shape))}]")
     d = n_tot // heads_tot
     V.require_head_config(hq, hkv, d, "from num_heads, num_kv_heads and qkv_weight")
-    V.require_shape("q_norm_weight", q_norm_weight, (d,), "[head_dim]")
-    V.require_shape("k_norm_weight", k_norm_weight, (d,), "[head_dim]")
+    if weighted:
+        if all_heads:
+            V.require_shape("q_norm_weight", q_norm_weight, (hq * d,), "[num_heads*head_dim] for norm_scope='all_heads'")
+            V.require_shape("k_norm_weight", k_norm_weight, (hkv * d,),
+                            "[num_kv_heads*head_dim] for norm_scope='all_heads'")
+        else:
+            V.require_shape("q_norm_weight", q_norm_weight, (d,), "[head_dim]")
+            V.require_shape("k_norm_weight", k_norm_weight, (d,), "[head_dim]")
     for n, t in (("cos", cos), ("sin", sin)):
-        V.require_ndim(n, t, 3, "[batch, seq, head_dim]")
-        if tuple(t.shape) not in ((b, s, d), (1, s, d)):
-            V.require_shape(n, t, (b, s, d), "[batch, seq, head_dim] or [1, seq, head_dim]")
-    for n, t in (("hidden_states", hidden_states), ("qkv_weight", qkv_weight), ("q_norm_weight", q_norm_weight),
-                 ("k_norm_weight", k_norm_weight), ("cos", cos), ("sin", sin)):
+        V.require_ndim(n, t, 3, "[batch, seq, rot] (rot: the rotary width, head_dim unless partial rotary)")
+    rot = cos.shape[2]
+    last = "head_dim" if rot == d else "rot"
+    for n, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape[:2]) not in ((b, s), (1, s)):
+            V.require_shape(n, t, (b, s, rot), f"[batch, seq, {last}] or [1, seq, {last}]")
+    if sin.shape[2] != rot:
+        V.require_shape("sin", sin, (sin.shape[0], s, rot), "the rotary width of cos")
+    if rot % 2 or not 2 <= rot <= d:
+        raise ValueError(f"cos/sin: rotary width {rot} (their last size) is not supported; expected an even size "
+                         f"from 2 to head_dim={d} (partial rotary below head_dim)")
+    for n, t in named:
         V.require_float_dtype(n, t)
     dtype = V.require_same_dtype([("hidden_states", hidden_states), ("qkv_weight", qkv_weight), ("cos", cos), ("sin", sin)])
-    device = V.require_same_device([("hidden_states", hidden_states), ("qkv_weight", qkv_weight),
-                                    ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight),
-                                    ("cos", cos), ("sin", sin)])
+    device = V.require_same_device(named)
+    variant = Variant(rot=0 if rot == d else rot, interleaved=interleaved, q_gate=q_gate, norm_weight=weighted,
+                      all_heads=all_heads, v_norm=v_norm)
     return dict(batch=b, seq=s, hidden=hidden, num_heads=hq, num_kv_heads=hkv, head_dim=d, qkv=n_tot,
-                eps=eps, norm_after_rope=norm_after_rope, dtype=dtype, device=device)
+                eps=eps, norm_after_rope=norm_after_rope, dtype=dtype, device=device, variant=variant, rot=rot)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -122,27 +214,60 @@ def forward_launch_config(M: int, hq: int, hkv: int, d: int, device: torch.devic
     return block_t, group, 4
 
 
-def plan_forward_stage(qkv: Ptr, wq: Ptr, wk: Ptr, cos: Ptr, sin: Ptr, q: Ptr, k: Ptr, rq: Ptr, rk: Ptr,
-                       hq: int, hkv: int, eps: float, norm_after_rope: bool, cfg: config.Config) -> BoundLaunch:
+def plan_forward_stage(qkv: Ptr, wq: Optional[Ptr], wk: Optional[Ptr], cos: Ptr, sin: Ptr, q: Ptr, k: Ptr, rq: Ptr,
+                       rk: Ptr, hq: int, hkv: int, eps: float, norm_after_rope: bool, cfg: config.Config,
+                       variant: Variant = PLAIN, v: Optional[Ptr] = None) -> BoundLaunch:
     """The forward stage's launch over table slots: RoPE + RMSNorm of the q/k parts of ``qkv``
-    ``[B, S, (Hq+2Hkv)*D]`` (last dim contiguous, batch and seq one token axis) into q/k
-    ``[B, H, S, D]`` and rstd ``[B, H, S]`` fp32."""
+    ``[B, S, (Hq+2Hkv)*D]`` (last dim contiguous, batch and seq one token axis; ``2*Hq`` with a
+    gate) into q/k ``[B, H, S, D]`` and rstd ``[B, H, S]`` fp32; with ``variant.v_norm`` also v
+    into ``v`` ``[B, Hkv, S, D]``. ``wq``/``wk`` None: unweighted norms."""
     B, S, n_tot = qkv.like.shape
-    D = n_tot // (hq + 2 * hkv)
+    D = n_tot // ((2 * hq if variant.q_gate else hq) + 2 * hkv)
     M = B * S
     block_t, group, num_warps = cfg.forward_tile or forward_launch_config(M, hq, hkv, D, qkv.like.device)
     s_t = qkv.like.stride(1)
-    nqg = -(-hq // group)
+    # ALL_HEADS: one program per token block walks all query (key) heads
+    nqg, nkg = (1, 1) if variant.all_heads else (-(-hq // group), -(-hkv // group))
+    nvg = -(-hkv // group) if variant.v_norm else 0
+    if wq is None:  # unweighted: placeholders the kernel never reads
+        wq = wk = cos
+        w_strides = (0, 0)
+    else:
+        w_strides = (wq.like.stride(0), wk.like.stride(0))
+    if v is None:
+        v = q
     return BoundLaunch(
-        rope_qk_norm_fwd_kernel, (-(-M // block_t), nqg + -(-hkv // group)),
-        (qkv, s_t, wq, wq.like.stride(0), wk, wk.like.stride(0),
+        rope_qk_norm_fwd_kernel, (-(-M // block_t), nqg + nkg + nvg),
+        (qkv, s_t, wq, w_strides[0], wk, w_strides[1],
          cos, *cos.like.stride(), sin, *sin.like.stride(),
          q, *q.like.stride(), k, *k.like.stride(),
-         rq, *rq.like.stride(), rk, *rk.like.stride(),
+         rq, *rq.like.stride(), rk, *rk.like.stride(), v, *v.like.stride(),
          float(eps), M, S, hq, hkv, nqg),
-        dict(D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), BLOCK_T=block_t, GROUP=group,
-             NORM_AFTER_ROPE=bool(norm_after_rope), num_warps=num_warps),
+        dict(D=D, BLOCK_T=block_t, GROUP=group, NORM_AFTER_ROPE=bool(norm_after_rope), D_P2=_next_pow2(D),
+             **variant.constexprs(D), num_warps=num_warps),
     )
+
+
+def rope_qk_norm_forward(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope, variant: Variant = PLAIN,
+                         backend: str = "triton"):
+    """The forward stage, one unplanned call (the public entry point keeps plans): (q, k, rstd_q,
+    rstd_k, v) as :func:`forward_torch` returns them. Arguments are already validated; cos/sin
+    ``[B, S, rot]``."""
+    if backend == "torch":
+        return forward_torch(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope, variant)
+    B, S, n_tot = qkv.shape
+    D = n_tot // ((2 * hq if variant.q_gate else hq) + 2 * hkv)
+    q = token_major(B, hq, S, D, qkv.dtype, qkv.device)
+    k = token_major(B, hkv, S, D, qkv.dtype, qkv.device)
+    rq = torch.empty((B, hq, S), dtype=torch.float32, device=qkv.device)
+    rk = torch.empty((B, hkv, S), dtype=torch.float32, device=qkv.device)
+    v = token_major(B, hkv, S, D, qkv.dtype, qkv.device) if variant.v_norm else None
+    table = Table()
+    named = dict(qkv=qkv, q_norm_weight=wq, k_norm_weight=wk, cos=cos, sin=sin, q=q, k=k, rstd_q=rq, rstd_k=rk, v=v)
+    slots = [None if t is None else table.add(name, t) for name, t in named.items()]
+    launch = plan_forward_stage(*slots[:9], hq, hkv, eps, norm_after_rope, config.current(), variant, slots[9])
+    launch.launch(table.tensors(named), None, current_stream(qkv.device))
+    return q, k, rq, rk, v
 
 
 def token_major(B: int, H: int, S: int, D: int, dtype, device) -> torch.Tensor:
@@ -152,40 +277,83 @@ def token_major(B: int, H: int, S: int, D: int, dtype, device) -> torch.Tensor:
     return torch.empty((B, S, H, D), dtype=dtype, device=device).transpose(1, 2)
 
 
-def forward_torch(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope):
-    """The forward stage on the torch backend: (q, k, rstd_q, rstd_k) as the Triton stage
-    returns them (fp32 math, one rounding)."""
+def forward_torch(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope, variant: Variant = PLAIN):
+    """The forward stage on the torch backend: (q, k, rstd_q, rstd_k, v) as the Triton stage
+    returns them (fp32 math, one rounding); v None unless ``variant.v_norm``."""
     B, S, n_tot = qkv.shape
-    D = n_tot // (hq + 2 * hkv)
+    D = n_tot // ((2 * hq if variant.q_gate else hq) + 2 * hkv)
     q = token_major(B, hq, S, D, qkv.dtype, qkv.device)
     k = token_major(B, hkv, S, D, qkv.dtype, qkv.device)
     rq = torch.empty((B, hq, S), dtype=torch.float32, device=qkv.device)
     rk = torch.empty((B, hkv, S), dtype=torch.float32, device=qkv.device)
-    _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope)
-    return q, k, rq, rk
+    v = token_major(B, hkv, S, D, qkv.dtype, qkv.device) if variant.v_norm else None
+    _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, v, hq, hkv, D, eps, norm_after_rope, variant)
+    return q, k, rq, rk, v
 
 
-def _rotate_half(t: torch.Tensor) -> torch.Tensor:
-    h = t.shape[-1] // 2
-    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+def rotate(t: torch.Tensor, rot: int, interleaved: bool) -> torch.Tensor:
+    """The rotation partner of every element of the leading ``rot`` dims (``rotate_half`` within
+    them, or ``rotate_pairs``), zero for the dims past them: RoPE is ``x*cos + rotate(x)*sin``
+    with cos 1 and sin 0 there. ``rotate`` is antisymmetric: its transpose is ``-rotate``."""
+    r = t[..., :rot]
+    if interleaved:
+        out = torch.stack((-r[..., 1::2], r[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        h = rot // 2
+        out = torch.cat((-r[..., h:], r[..., :h]), dim=-1)
+    if rot < t.shape[-1]:
+        out = torch.cat((out, torch.zeros_like(t[..., rot:])), dim=-1)
+    return out
 
 
-def _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, hq, hkv, D, eps, norm_after_rope):
+def pad_rotary(c: torch.Tensor, d: int, fill: float) -> torch.Tensor:
+    """cos/sin ``[.., rot]`` widened to ``[.., d]`` with ``fill`` (cos 1, sin 0: the pass-through dims)."""
+    rot = c.shape[-1]
+    if rot == d:
+        return c
+    return torch.cat((c, torch.full((*c.shape[:-1], d - rot), fill, dtype=c.dtype, device=c.device)), dim=-1)
+
+
+def heads_of(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_gate: bool):
+    """Views ``[B, H, S, D]`` of the query, key, value (and gate, or None) heads of a projection
+    output ``[B, S, n]``."""
     B, S, _ = qkv.shape
-    heads = qkv.view(B, S, hq + 2 * hkv, D)  # sizes, not -1: zero tokens are valid
-    c = cos.float().unsqueeze(1)
-    s = sin.float().unsqueeze(1)
+    nq = 2 * hq if q_gate else hq
+    heads = qkv.view(B, S, nq + 2 * hkv, d)  # sizes, not -1: zero tokens are valid
+    if q_gate:
+        xq, gate = heads[:, :, 0:nq:2], heads[:, :, 1:nq:2]
+    else:
+        xq, gate = heads[:, :, :hq], None
+    xk, xv = heads[:, :, nq: nq + hkv], heads[:, :, nq + hkv:]
+    t = lambda x: None if x is None else x.transpose(1, 2)  # noqa: E731
+    return t(xq), t(xk), t(xv), t(gate)
+
+
+def _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, v, hq, hkv, D, eps, norm_after_rope, variant):
+    rot, il = variant.rotary(D), variant.interleaved
+    xq, xk, xv, _ = heads_of(qkv, hq, hkv, D, variant.q_gate)
+    c = pad_rotary(cos.float(), D, 1.0).unsqueeze(1)
+    s = pad_rotary(sin.float(), D, 0.0).unsqueeze(1)
 
     def head_set(x, w, out, r_out):
-        x = x.transpose(1, 2).float()
+        x = x.float()
+        H = x.shape[1]
         if norm_after_rope:
-            x = x * c + _rotate_half(x) * s
-        r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-        y = x * r * w.float()
+            x = x * c + rotate(x, rot, il) * s
+        if variant.all_heads:  # one RMS over every head of a token
+            r = torch.rsqrt(x.pow(2).mean(dim=(1, 3), keepdim=True) + eps).expand(-1, H, -1, -1)
+        else:
+            r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+        y = x * r
+        if w is not None:
+            y = y * (w.float().view(H, 1, D) if variant.all_heads else w.float())
         if not norm_after_rope:
-            y = y * c + _rotate_half(y) * s
+            y = y * c + rotate(y, rot, il) * s
         out.copy_(y)
         r_out.copy_(r[..., 0])
 
-    head_set(heads[:, :, :hq], wq, q, rq)
-    head_set(heads[:, :, hq: hq + hkv], wk, k, rk)
+    head_set(xq, wq, q, rq)
+    head_set(xk, wk, k, rk)
+    if v is not None:
+        x = xv.float()
+        v.copy_(x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps))

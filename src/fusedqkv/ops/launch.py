@@ -4,7 +4,7 @@
 stride is passed) and Triton's launcher asks the driver about each pointer and encodes
 each host TMA descriptor again: tens of us of host time per launch, which the 091 timer
 pays as idle GPU time between our launches and a training loop pays whenever the GPU is
-not busier than the host. A plan (:mod:`fusedqkv.ops.plan`) builds each launch once per
+not busier than the host. A plan (:mod:`fusedqkv.ops.backward_091` and the training plans) builds each launch once per
 input signature as a :class:`BoundLaunch`: the argument list is a template whose tensor
 arguments are *slots* (:class:`Ptr`, :class:`Desc`) into the call's table of tensors. Its
 first call goes through the JIT (compiling, or finding the cached binary); later calls fill
@@ -17,9 +17,9 @@ same slots and templates, so the CPU tests exercise them).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -27,49 +27,15 @@ import torch
 from .config import INTERPRET
 
 
-@functools.cache
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
-
-
-def device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def sm90_or_newer(device: torch.device) -> bool:
-    """A CUDA device of compute capability 9.0 or newer (Hopper on): what TMA descriptors,
-    programmatic dependent launch and the 16-bit pair arithmetic of the exact stage need.
-    Older GPUs take the per-thread loads, fp32 math with a cast (the same roundings) and cuBLAS."""
-    if device.type != "cuda":
-        return False
-    return _capability(device_index(device)) >= (9, 0)
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 for the CPU interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device_index(device))
-
-
-def current_stream(device: torch.device) -> int:
-    """The raw handle of the current stream (0 for the CPU)."""
-    return torch._C._cuda_getCurrentRawStream(device_index(device)) if device.type == "cuda" else 0
-
-
 class Ptr:
-    """A tensor argument: entry ``index`` of the call's tensor table. ``like`` is the tensor of
-    the call that built the plan (its strides, dtype and shape are the plan's)."""
+    """A tensor argument: the entry ``name`` (position ``index``) of the call's tensor table.
+    ``like`` is the tensor of the call that built the plan (its strides, dtype and shape are the
+    plan's)."""
 
-    __slots__ = ("index", "like")
+    __slots__ = ("name", "index", "like")
 
-    def __init__(self, index: int, like: torch.Tensor):
-        self.index, self.like = index, like
+    def __init__(self, name: str, index: int, like: torch.Tensor):
+        self.name, self.index, self.like = name, index, like
 
 
 class Desc:
@@ -94,45 +60,61 @@ def next_pow2(n: int) -> int:
 
 
 class Table:
-    """The tensor table of a planned call: entries the call supplies (``add``, in order), then
+    """The tensor table of a planned call, by name: entries the call supplies (``add``), then
     entries derived from them (``derive``: fp32 views at a fixed byte offset into a contiguous
     entry, e.g. partials carved from an output's memory). Launch arguments refer to entries by
-    :class:`Ptr`/:class:`Desc` slots."""
+    :class:`Ptr`/:class:`Desc` slots; a call hands its tensors (``tensors``) or their addresses
+    (``addresses``) as a mapping from entry names, so no caller depends on positions."""
 
     def __init__(self):
-        self.slots: list = []  # every Ptr handed out
-        self.n_supplied = 0
-        self.derived: list = []  # (base index, byte offset, shape)
+        self.slots: dict = {}  # name -> Ptr, supplied entries in order, then derived ones
+        self.supplied: list = []  # names of the supplied entries, in table order
+        self.derived: list = []  # (base name, byte offset, shape)
+        self._get = None
 
-    def add(self, t: torch.Tensor) -> Ptr:
+    def add(self, name: str, t: torch.Tensor) -> Ptr:
         if self.derived:
             raise RuntimeError("Table: supplied entries come before derived ones")
-        self.n_supplied += 1
-        self.slots.append(Ptr(self.n_supplied - 1, t))
-        return self.slots[-1]
+        if name in self.slots:
+            raise KeyError(f"Table: entry {name!r} added twice")
+        self.slots[name] = Ptr(name, len(self.supplied), t)
+        self.supplied.append(name)
+        self._get = None
+        return self.slots[name]
 
-    def derive(self, base: Ptr, byte_offset: int, shape) -> Ptr:
-        self.slots.append(Ptr(self.n_supplied + len(self.derived), carve(base.like, byte_offset, shape)))
-        self.derived.append((base.index, byte_offset, tuple(shape)))
-        return self.slots[-1]
+    def derive(self, name: str, base: Ptr, byte_offset: int, shape) -> Ptr:
+        index = len(self.supplied) + len(self.derived)
+        self.slots[name] = Ptr(name, index, carve(base.like, byte_offset, shape))
+        self.derived.append((base.name, byte_offset, tuple(shape)))
+        return self.slots[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.slots
 
     def release(self) -> None:
         """Forget the building call's tensors (a plan must not keep a call's memory alive)."""
-        for p in self.slots:
+        for p in self.slots.values():
             p.like = None
 
-    def tensors(self, supplied) -> list:
-        """The full table of a call (derived entries as views): for the JIT path."""
-        out = list(supplied)
+    def _getter(self):
+        if self._get is None:  # one C-level lookup of every supplied name
+            names = self.supplied
+            self._get = operator.itemgetter(*names) if len(names) > 1 else (lambda m, n=names[0]: (m[n],))
+        return self._get
+
+    def tensors(self, named: dict) -> list:
+        """The full table of a call from its tensors by name (derived entries as views): the JIT path."""
+        out = list(self._getter()(named))
         for base, off, shape in self.derived:
-            out.append(carve(out[base], off, shape))
+            out.append(carve(named[base], off, shape))
         return out
 
-    def pointers(self, ptrs: list) -> list:
-        """The full table's addresses from the supplied entries' (``ptrs``, extended in place)."""
+    def addresses(self, named: dict) -> list:
+        """The full table's addresses from the supplied entries' addresses by name."""
+        out = list(self._getter()(named))
         for base, off, _ in self.derived:
-            ptrs.append(ptrs[base] + off)
-        return ptrs
+            out.append(named[base] + off)
+        return out
 
 
 def _tensor_descriptor(t: torch.Tensor, block):
@@ -226,6 +208,11 @@ class BoundLaunch:
         self._raw = None  # the generated enqueue, once compiled and bound
         self._descs: list = []  # its descriptor slots
         self.raw_disabled = INTERPRET
+
+    @property
+    def bound(self) -> bool:
+        """Compiled and bound: later calls pass addresses only."""
+        return self._raw is not None
 
     def _resolve(self, a, tensors):
         if isinstance(a, Ptr):

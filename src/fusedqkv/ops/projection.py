@@ -22,7 +22,8 @@ import math
 import torch
 
 from .config import INTERPRET, Config
-from .launch import BoundLaunch, Desc, Ptr, Table, current_stream, next_pow2 as _next_pow2, sm90_or_newer
+from .device import current_stream, sm90_or_newer
+from .launch import BoundLaunch, Desc, Ptr, Table, next_pow2 as _next_pow2
 
 try:  # Triton is a dependency on Linux only
     from ..kernels.projection_grads import tma_matmul_kernel
@@ -68,12 +69,12 @@ def tma_matmul(a: Ptr, b: Ptr, c: Ptr, *, trans_a: bool, config: tuple, sms: int
 def tma_matmul_on(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, **kw):
     """:func:`tma_matmul` on these tensors, as a callable that queues it (benchmarks)."""
     table = Table()
-    launch = tma_matmul(table.add(a), table.add(b), table.add(c), **kw)
+    launch = tma_matmul(table.add("a", a), table.add("b", b), table.add("c", c), **kw)
     table.release()
     tensors, ptrs = [a, b, c], [a.data_ptr(), b.data_ptr(), c.data_ptr()]
 
     def enqueue():
-        launch.launch(tensors, ptrs if launch._raw is not None else None, current_stream(a.device))
+        launch.launch(tensors, ptrs if launch.bound else None, current_stream(a.device))
     return enqueue
 
 

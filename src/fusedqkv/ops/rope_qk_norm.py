@@ -22,12 +22,16 @@ import torch
 
 from . import config
 from .config import INTERPRET
-from .launch import BoundLaunch, Desc, Ptr, Table, current_stream, next_pow2 as _next_pow2, sm90_or_newer, sm_count
+from . import device as _device
+from .device import current_stream, sm90_or_newer, sm_count
+from .launch import BoundLaunch, Desc, Ptr, Table, next_pow2 as _next_pow2
+from .gqa_forward import PLAIN, Variant, heads_of, pad_rotary, rotate
 
 try:  # Triton is a dependency on Linux only; the torch backend serves without it
-    from ..kernels.rope_qk_norm import rope_qk_norm_bwd_finish_kernel, rope_qk_norm_bwd_kernel
+    from ..kernels.rope_qk_norm import (rope_qk_norm_bwd_finish_cols_kernel, rope_qk_norm_bwd_finish_kernel,
+                                        rope_qk_norm_bwd_kernel)
 except ImportError:  # pragma: no cover
-    rope_qk_norm_bwd_kernel = rope_qk_norm_bwd_finish_kernel = None
+    rope_qk_norm_bwd_kernel = rope_qk_norm_bwd_finish_kernel = rope_qk_norm_bwd_finish_cols_kernel = None
 
 
 def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int, int, int]:
@@ -91,10 +95,11 @@ def rope_qk_norm_backward(
     grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight, cos, sin,
     *, dqkv, grad_cos=None, grad_sin=None, grad_q_norm_weight, grad_k_norm_weight,
     exact: bool, norm_after_rope: bool = True, saved_rotated: bool = True, backend: Optional[str] = None,
-    scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None,
+    scratch: Optional[torch.Tensor] = None, eps: Optional[float] = None, variant: Variant = PLAIN,
+    grad_gate: Optional[torch.Tensor] = None, saved_v: Optional[torch.Tensor] = None,
 ):
     """Backward of RoPE + per-head RMSNorm for q and k, plus the V copy, into ``dqkv``; one
-    unplanned call (the public entry points keep plans: :mod:`fusedqkv.ops.plan`).
+    unplanned call (the public entry points keep plans: :mod:`fusedqkv.ops.backward_091`, :mod:`fusedqkv.ops.training_backward`).
 
     Arguments are already validated. ``saved_q``/``saved_k`` are the rotated pre-norm
     tensors (``saved_rotated=True``, SOL-ExecBench 091) or the raw projection outputs.
@@ -103,6 +108,11 @@ def rope_qk_norm_backward(
     from the saved tensor (``eps`` required), as the forward did. ``scratch``: a tensor whose
     memory may hold the fp32 partials (the caller overwrites it afterwards).
 
+    ``variant`` (not ``PLAIN``: the training mode only -- not exact, raw saved tensors, rstd
+    recomputed): the block's variants (:class:`~fusedqkv.ops.gqa_forward.Variant`); norm weights
+    and their gradients None without a norm weight; ``grad_gate`` ``[B, Hq, S, D]`` with
+    ``q_gate``; ``saved_v`` (the raw v) with ``v_norm``.
+
     Returns the :class:`StagePlan` it ran (None on the torch backend).
     """
     if (rstd_q is None) != (rstd_k is None) or (rstd_q is None and eps is None):
@@ -110,16 +120,19 @@ def rope_qk_norm_backward(
     if pick_backend(grad_q.device, backend) == "torch":
         backward_torch(grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight,
                        cos, sin, dqkv, grad_cos, grad_sin, grad_q_norm_weight, grad_k_norm_weight, exact,
-                       norm_after_rope, saved_rotated, eps)
+                       norm_after_rope, saved_rotated, eps, variant, grad_gate, saved_v)
         return None
     table = Table()
-    operands = [grad_q, grad_k, grad_v, saved_q, saved_k, rstd_q, rstd_k, q_norm_weight, k_norm_weight, cos, sin,
-                dqkv, grad_cos, grad_sin, grad_q_norm_weight, grad_k_norm_weight, scratch]
-    slots = [None if t is None else table.add(t) for t in operands]
-    stage = plan_backward_stage(table, *slots, exact=exact, norm_after_rope=norm_after_rope,
-                                saved_rotated=saved_rotated, eps=eps, finish_outside=False, cfg=config.current())
+    operands = dict(grad_q=grad_q, grad_k=grad_k, grad_v=grad_v, saved_q=saved_q, saved_k=saved_k, rstd_q=rstd_q,
+                    rstd_k=rstd_k, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, cos=cos, sin=sin,
+                    dqkv=dqkv, grad_cos=grad_cos, grad_sin=grad_sin, grad_q_norm_weight=grad_q_norm_weight,
+                    grad_k_norm_weight=grad_k_norm_weight, scratch=scratch, grad_gate=grad_gate, saved_v=saved_v)
+    slots = [None if t is None else table.add(name, t) for name, t in operands.items()]
+    stage = plan_backward_stage(table, *slots[:17], exact=exact, norm_after_rope=norm_after_rope,
+                                saved_rotated=saved_rotated, eps=eps, finish_outside=False, cfg=config.current(),
+                                variant=variant, gg=slots[17], xv=slots[18])
     stream = current_stream(grad_q.device)
-    tensors = table.tensors([t for t in operands if t is not None] + stage.call_inputs(stream))
+    tensors = table.tensors({**operands, **stage.call_inputs(stream)})
     for launch in stage.launches():
         launch.launch(tensors, None, stream)
     return stage
@@ -139,20 +152,6 @@ def _tma_4d(t: torch.Tensor, half: int) -> bool:
             and all((st * es) % 16 == 0 for st in t.stride()[:3]))
 
 
-_tickets: dict = {}
-
-
-def ticket_buffer(device: torch.device, n: int, stream: int, slot: str = "stage") -> torch.Tensor:
-    """At least ``n`` zeroed int32 tickets per (device, stream, slot). Every kernel that takes
-    tickets leaves them zero again, so the buffer is reused without a memset, and kernels
-    on one stream (which never overlap) may share a slot."""
-    key = (device, stream, slot)
-    buf = _tickets.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _tickets[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
-
-
 def _partial_layout(shapes):
     """Byte offsets of fp32 buffers of the given shapes packed one after another (each 16-byte
     aligned), and the total bytes."""
@@ -169,9 +168,9 @@ def _scratch_fits(t: torch.Tensor, nbytes: int) -> bool:
 
 def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk, w_part, w_sup, tick,
                       cs_part, w_grp):
-    """The stage kernel's tensor arguments (:class:`Ptr` slots), each followed by its strides, in
-    parameter order. ``rq`` None (rstd recomputed): a placeholder with zero strides that the
-    kernel never reads."""
+    """The stage kernel's leading tensor arguments (:class:`Ptr` slots), each followed by its
+    strides, in parameter order. ``rq`` None (rstd recomputed), ``wq`` None (no norm weight):
+    placeholders with zero strides that the kernel never reads."""
     def st(p, n=None):
         s = p.like.stride()
         return s if n is None else s[:n]
@@ -181,16 +180,33 @@ def stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, 
         rq_strides = rk_strides = (0, 0, 0)
     else:
         rq_strides, rk_strides = st(rq, 3), st(rk, 3)
+    if wq is None:
+        wq = wk = gwq = gwk = w_part
+        w_strides = (0, 0, 0, 0)
+    else:
+        w_strides = (st(wq)[0], st(wk)[0], st(gwq)[0], st(gwk)[0])
     return (
         gq, *st(gq), gk, *st(gk), gv, *st(gv),
         xq, *st(xq), xk, *st(xk),
         rq, *rq_strides, rk, *rk_strides,
-        wq, st(wq)[0], wk, st(wk)[0],
+        wq, w_strides[0], wk, w_strides[1],
         cos, *st(cos), sin, *st(sin),
         dqkv, st(dqkv)[0],
         gcos, *st(gcos), gsin, *st(gsin),
-        gwq, st(gwq)[0], gwk, st(gwk)[0], w_part, w_sup, tick, cs_part, w_grp,
+        gwq, w_strides[2], gwk, w_strides[3], w_part, w_sup, tick, cs_part, w_grp,
     )
+
+
+def variant_tensor_args(gv, xk, gg=None, xv=None):
+    """The stage kernel's trailing tensor arguments (after the descriptors): the gate's gradient
+    ``gg`` (Q_GATE) with its strides and the raw v ``xv`` (V_NORM, ``xk``'s strides); absent, the
+    v gradient as a placeholder the kernel never reads."""
+    gg, gg_strides = (gv, (0, 0, 0, 0)) if gg is None else (gg, gg.like.stride())
+    if xv is None:
+        xv = gv
+    elif xv.like.stride() != xk.like.stride():
+        raise ValueError("saved_v: expected the strides of saved_k (both views of the projection output)")
+    return (gg, *gg_strides, xv)
 
 
 class NormWeightFinish:
@@ -207,24 +223,39 @@ class NormWeightFinish:
             dict(D=d, D_P2=_next_pow2(d), BLOCK_R=32, num_warps=4))
 
 
+class AllHeadsNormWeightFinish:
+    """The norm-weight gradients of ``norm_scope='all_heads'`` (``[Hq*D]``, ``[Hkv*D]``): the stage's
+    fp32 rows ``part`` [n_rows, (Hq + Hkv) * D] summed per column in a fixed order, as a launch
+    (``rope_qk_norm_bwd_finish_cols_kernel``) queued after the stage."""
+
+    BLOCK_C = 128
+
+    def __init__(self, part: Ptr, n_rows: int, gwq: Ptr, gwk: Ptr, nq: int, nk: int):
+        self.launch = BoundLaunch(
+            rope_qk_norm_bwd_finish_cols_kernel, (-(-(nq + nk) // self.BLOCK_C),),
+            (part, n_rows, nq, nk, gwq, gwq.like.stride(0), gwk, gwk.like.stride(0)),
+            dict(BLOCK_R=16, BLOCK_C=self.BLOCK_C, num_warps=4))
+
+
 class StagePlan:
     """The backward stage of one input signature: its launch, the norm-weight finish when that
     is not fused (``finish``: a :class:`NormWeightFinish` for the caller to launch or hand to
-    the Triton dW), and what the call must supply besides its own tensors: the ticket buffer
-    and, where the partials don't fit in the scratch, a buffer of ``part_bytes``."""
+    the Triton dW), and what the call must supply besides its own tensors (``call_inputs``):
+    the stream's tickets and, where the partials don't fit in the scratch, a buffer of
+    ``part_bytes``."""
 
-    def __init__(self, launch, finish, tick_slot, n_tick, part_slot, part_bytes, device):
+    def __init__(self, launch, finish, n_tick, own_partials, part_bytes, device):
         self.launch, self.finish = launch, finish
-        self.tick_slot, self.n_tick, self.part_slot, self.part_bytes = tick_slot, n_tick, part_slot, part_bytes
+        self.n_tick, self.own_partials, self.part_bytes = n_tick, own_partials, part_bytes
         self.device = device
 
-    def call_inputs(self, stream: int = 0) -> list:
-        """The entries the stage adds to the call's table (after the caller's), in order."""
-        out = []
-        if self.tick_slot is not None:
-            out.append(ticket_buffer(self.device, self.n_tick, stream))
-        if self.part_slot is not None:
-            out.append(torch.empty(self.part_bytes // 4, dtype=torch.float32, device=self.device))
+    def call_inputs(self, stream: int = 0) -> dict:
+        """The table entries the stage adds to the caller's, by name: ``tickets``, ``partials``."""
+        out = {}
+        if self.n_tick:
+            out["tickets"] = _device.tickets(self.device, stream, self.n_tick)
+        if self.own_partials:
+            out["partials"] = torch.empty(self.part_bytes // 4, dtype=torch.float32, device=self.device)
         return out
 
     def launches(self, with_finish: bool = True) -> list:
@@ -234,43 +265,61 @@ class StagePlan:
 
 def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                         scratch, *, exact: bool, norm_after_rope: bool, saved_rotated: bool, eps, finish_outside: bool,
-                        cfg: config.Config) -> StagePlan:
+                        cfg: config.Config, variant: Variant = PLAIN, gg=None, xv=None) -> StagePlan:
     """Plan the stage kernel over table slots (``rq``/``rk`` None: rstd recomputed with ``eps``;
     ``gcos`` None: no grad_cos/grad_sin; ``scratch`` None or a slot whose memory may hold the
     fp32 partials). ``finish_outside``: leave the norm-weight gradients' last reduction (a
     chain of dependent L2 round trips at the stage's end, 3-4 us at few tokens) to the returned
     ``finish`` -- which a later kernel of the caller's runs, or which the caller launches.
-    Adds the stage's own entries to the table after the caller's (see ``call_inputs``)."""
+    Adds the stage's own entries to the table after the caller's (see ``call_inputs``).
+
+    ``variant``: the block's variants, training mode only (see :func:`rope_qk_norm_backward`;
+    ``wq``..``gwk`` None without a norm weight, ``gg`` the gate's gradient with ``q_gate``, ``xv``
+    the raw v with ``v_norm``). Those of the query/key heads run without TMA; ``all_heads`` in
+    blocks of every head (never grouped) with its norm-weight finish a second launch."""
     B, HQ, S, D = gq.like.shape
     HKV = gk.like.shape[1]
     M = B * S
     device = gq.like.device
     grad_cos_sin = gcos is not None
+    if variant != PLAIN and (exact or saved_rotated or rq is not None):
+        raise ValueError("the block's variants run in the training mode only: exact=False, saved_rotated=False, "
+                         "rstd recomputed")
+    # the variants that take the query/key heads through _head_set_bwd_variants
+    qk_variant = bool(variant.rot or variant.interleaved or not variant.norm_weight or variant.all_heads
+                      or variant.q_gate)
     block_t, hb, num_warps, prefetch, gsize = cfg.stage_tile or _launch_config(M, HQ, HKV, D, device)
     if cfg.stage_tile:
         num_warps = _warps_for(block_t * hb, D, 4)
+    if variant.all_heads:  # every head of a token block in one program, one head per step
+        gsize, hb = 0, 1
+        num_warps = _warps_for(block_t, D, 4)
     grouped = gsize > 0
     nqg, nkg = (-(-HQ // gsize), -(-HKV // gsize)) if grouped else (1, 1)
     # (the 4-token tiles of few tokens measured no faster through TMA: v10)
-    tma = cfg.stage_tma and block_t >= 8 and hb == 1 and all(_tma_4d(t.like, D // 2) for t in (gq, xq, gk, xk))
+    tma = (cfg.stage_tma and not qk_variant and block_t >= 8 and hb == 1
+           and all(_tma_4d(t.like, D // 2) for t in (gq, xq, gk, xk)))
     # TMA: blocks of one sequence each (a box never spans two)
     n_prog = B * -(-S // block_t) if tma else -(-M // block_t)
     n_sup = -(-n_prog // cfg.finish_super_rows)
-    fused = cfg.fused_finish and not finish_outside
+    # no norm weight: no weight gradients; all heads: a finish over [programs, (Hq + Hkv) * D] rows
+    fused = cfg.fused_finish and not finish_outside and variant.norm_weight and not variant.all_heads
     # The fused finish consumes the partials inside the kernel, so the dX output (written by the
     # GEMM after it) can hold them; the separate finish runs after the GEMMs and needs memory of
     # its own. (The grouped mode's grad_cos/sin partials and group rows are always consumed
     # inside the kernel.)
-    shapes = [(n_prog, 2, D), (n_sup, 2, D)]
+    shapes = [(n_prog, (HQ + HKV) * D) if variant.all_heads else (n_prog, 2, D), (n_sup, 2, D)]
     if grouped:
         shapes += [(nqg + nkg, 2, M, D) if grad_cos_sin else (1,), (n_prog, nqg + nkg, D)]
     offs, nbytes = _partial_layout(shapes)
     n_tick = (n_prog if grouped else 0) + (n_sup + 1 if fused else 0)
-    tick = table.add(ticket_buffer(device, n_tick, current_stream(device))) if n_tick else None
-    part_slot = None
-    if not (fused and scratch is not None and _scratch_fits(scratch.like, nbytes)):
-        scratch = part_slot = table.add(torch.empty(nbytes // 4, dtype=torch.float32, device=device))
-    parts = [table.derive(scratch, off, shape) for off, shape in zip(offs, shapes)]
+    # a stand-in of the stream's tickets (the plan keeps no buffer: the call supplies them)
+    tick = table.add("tickets", torch.empty(max(n_tick, 1), dtype=torch.int32, device=device)) if n_tick else None
+    own_partials = not (fused and scratch is not None and _scratch_fits(scratch.like, nbytes))
+    if own_partials:
+        scratch = table.add("partials", torch.empty(nbytes // 4, dtype=torch.float32, device=device))
+    part_names = ("w_part", "w_sup", "cs_part", "w_grp")
+    parts = [table.derive(name, scratch, off, shape) for name, off, shape in zip(part_names, offs, shapes)]
     w_part, w_sup = parts[:2]
     cs_part, w_grp = parts[2:] if grouped else (w_part, w_part)
     if not grad_cos_sin:
@@ -282,19 +331,26 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
         (*stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                             w_part, w_sup, tick or w_part, cs_part, w_grp),
          M, S, HQ, HKV, float(eps) if recompute else 0.0,
-         *((Desc(gq, box), Desc(xq, box), Desc(gk, box), Desc(xk, box)) if tma else (gq, gq, gq, gq))),
-        dict(D=D, HALF=D // 2, HALF_P2=_next_pow2(D // 2), D_P2=_next_pow2(D), BLOCK_T=block_t, HB=hb,
+         *((Desc(gq, box), Desc(xq, box), Desc(gk, box), Desc(xk, box)) if tma else (gq, gq, gq, gq)),
+         *variant_tensor_args(gv, xk, gg, xv)),
+        dict(D=D, D_P2=_next_pow2(D), BLOCK_T=block_t, HB=hb,
              EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
              GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=cfg.finish_super_rows, RECOMPUTE_RSTD=recompute,
              PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1), TMA=tma,
-             LP2=sm90_or_newer(device),
+             LP2=sm90_or_newer(device), **variant.constexprs(D),
              # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
              num_warps=num_warps, enable_fp_fusion=not exact,
+             # (the register caps were measured for the plain query/key path)
              **({"maxnreg": MAX_REGISTERS_GROUPED_8 if grouped and block_t == 8 else MAX_REGISTERS}
-                if num_warps == 4 and device.type == "cuda" else {})),
+                if num_warps == 4 and device.type == "cuda" and not qk_variant else {})),
     )
-    finish = None if fused else NormWeightFinish(w_part, n_prog, gwq, gwk, D)
-    return StagePlan(launch, finish, tick, n_tick, part_slot, nbytes, device)
+    if not variant.norm_weight or fused:
+        finish = None
+    elif variant.all_heads:
+        finish = AllHeadsNormWeightFinish(w_part, n_prog, gwq, gwk, HQ * D, HKV * D)
+    else:
+        finish = NormWeightFinish(w_part, n_prog, gwq, gwk, D)
+    return StagePlan(launch, finish, n_tick, own_partials, nbytes, device)
 
 
 def _rotate_half(t: torch.Tensor) -> torch.Tensor:
@@ -330,8 +386,12 @@ def _rms_norm_backward_torch(g, x, w, r, out_dtype, eps=None):
 
 
 def backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
-                   exact, norm_after_rope, saved_rotated, eps=None):
+                   exact, norm_after_rope, saved_rotated, eps=None, variant: Variant = PLAIN, gg=None, xv=None):
     """The stage on the torch backend (CPU path): outputs written in place."""
+    if variant != PLAIN:
+        _backward_torch_variant(gq, gk, gv, xq, xk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk, norm_after_rope,
+                                eps, variant, gg, xv)
+        return
     rq, rk = _rstd3(rq), _rstd3(rk)
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
@@ -372,3 +432,60 @@ def backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsi
         gsin.copy_(gsq + gsk)
     gwq.copy_(gwq32)
     gwk.copy_(gwk32)
+
+
+def _backward_torch_variant(gq, gk, gv, xq, xk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk, norm_after_rope, eps,
+                            variant, gg, xv):
+    """The training mode's stage with the block's variants (fp32, one rounding; x the raw
+    projection output, rstd recomputed). RoPE is ``x*c + rotate(x)*s`` with cos/sin widened by
+    1/0 over the pass-through dims; its transpose ``g*c - rotate(g*s)``. The all-heads norm is
+    the per-head one over a token's heads taken together."""
+    B, HQ, S, D = gq.shape
+    HKV = gk.shape[1]
+    rot, il = variant.rotary(D), variant.interleaved
+    c = pad_rotary(cos.float(), D, 1.0).unsqueeze(1)
+    s = pad_rotary(sin.float(), D, 0.0).unsqueeze(1)
+
+    def head_set(g, x, w):
+        g, x = g.float(), x.float()
+        H = x.shape[1]
+        if norm_after_rope:
+            n, gn = x * c + rotate(x, rot, il) * s, g
+        else:
+            n, gn = x, g * c - rotate(g * s, rot, il)
+        dims, N = ((1, 3), H * D) if variant.all_heads else ((3,), D)
+        r = torch.rsqrt(n.pow(2).mean(dim=dims, keepdim=True) + eps)
+        wf = 1.0 if w is None else (w.float().view(H, 1, D) if variant.all_heads else w.float())
+        gw = gn * wf
+        dn = gw * r + (gw * n).sum(dim=dims, keepdim=True) * (-r.pow(3) * n / N)
+        if norm_after_rope:
+            dx, q, p = dn * c - rotate(dn * s, rot, il), dn, x
+        else:
+            dx, q, p = dn, g, n * r * wf
+        grad_w = None
+        if w is not None:
+            grad_w = (gn * (n * r)).sum(dim=(0, 2))
+            grad_w = grad_w.reshape(-1) if variant.all_heads else grad_w.sum(0)
+        gc = (q * p).sum(dim=1)[..., :rot] if gcos is not None else None
+        gs = (q * rotate(p, rot, il)).sum(dim=1)[..., :rot] if gcos is not None else None
+        return dx, gc, gs, grad_w
+
+    dxq, gcq, gsq, gwq32 = head_set(gq, xq, wq)
+    dxk, gck, gsk, gwk32 = head_set(gk, xk, wk)
+    dq, dk, dv, dgate = heads_of(dqkv.view(B, S, dqkv.shape[1]), HQ, HKV, D, variant.q_gate)
+    dq.copy_(dxq)
+    dk.copy_(dxk)
+    if variant.v_norm:
+        x, g = xv.float(), gv.float()
+        r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+        dv.copy_(g * r + (g * x).sum(dim=-1, keepdim=True) * (-r.pow(3) * x / D))
+    else:
+        dv.copy_(gv)
+    if variant.q_gate:
+        dgate.copy_(gg)
+    if gcos is not None:
+        gcos.copy_(gcq + gck)
+        gsin.copy_(gsq + gsk)
+    if gwq is not None:
+        gwq.copy_(gwq32)
+        gwk.copy_(gwk32)

@@ -195,3 +195,25 @@ def require_out(out, specs: Sequence[tuple[str, Sequence[int], torch.dtype]], de
                 raise ValueError(f"out[{specs[i][0]}]: shares memory with the input {iname}; expected a destination "
                                  "that does not alias any input")
     return tuple(out)
+
+
+def span(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to one past its last (0: empty)."""
+    r = _byte_range(t)
+    return 0 if r is None else r[1] - r[0]
+
+
+def overlaps_any(out_ptrs, out_spans, in_ptrs, in_spans) -> bool:
+    """Whether any destination's bytes [ptr, ptr + span) overlap another destination's or an
+    input's (inputs may overlap each other). One sorted sweep: a plan's fast check before
+    :func:`require_out` names the culprit."""
+    iv = sorted([(p, p + s, True) for p, s in zip(out_ptrs, out_spans) if s]
+                + [(p, p + s, False) for p, s in zip(in_ptrs, in_spans) if s])
+    end_all = end_out = -1
+    for lo, hi, is_out in iv:
+        if lo < end_out or (is_out and lo < end_all):
+            return True
+        end_all = max(end_all, hi)
+        if is_out:
+            end_out = max(end_out, hi)
+    return False

@@ -1,0 +1,158 @@
+"""The one owner of fusedqkv's device state: per device, its SM count and capability; per
+(device, stream), the buffers calls on that stream share; and the registry of plan caches.
+
+Buffers kept per stream (calls on one stream never overlap on the GPU, so they may share):
+
+* ``tickets``: zeroed int32 counters of the kernels that elect a last program (each such kernel
+  leaves them zero again, so they are reused without a memset);
+* ``dqkv``: the 091 backward's dQKV workspace where it is small (its host time shows there);
+* ``cublaslt``: the workspace of the planned cuBLASLt GEMMs.
+
+**CUDA graphs.** While the current stream is being captured nothing is kept: each call takes its
+buffers from the caching allocator (the graph's private pool) and drops them when it returns,
+so no fusedqkv allocation outlives a captured call's outputs (``torch.compile(mode=
+"reduce-overhead")`` checks exactly that), and a replay never depends on a buffer that a later
+``clear()`` or a regrown buffer could free. Tickets taken during capture are zeroed by a
+captured memset.
+
+``clear()`` drops every kept buffer and every plan (``fusedqkv.clear_caches()``); ``info()``
+says what is kept (``fusedqkv.cache_info()``). Plans that cached a view of a kept buffer compare
+``generation`` before using it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from . import internals
+
+# the largest 091 dQKV kept per stream between calls (larger ones are allocated per call)
+DQKV_KEPT_BYTES = 32 << 20
+_TICKETS_MIN = 1024  # tickets are grown in steps of at least this many
+
+generation = 0  # bumped by clear(): cached views of kept buffers are stale after it
+_buffers: dict = {}  # (kind, device index, stream) -> tensor
+_plan_caches: dict = {}  # name -> PlanCache
+_handles: dict = {}  # (library, device index) -> (handle, destroy callable or None)
+
+
+# ------------------------------------------------------------------------------ the device
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def capability(device: torch.device) -> tuple:
+    """(major, minor) of a CUDA device; (0, 0) for the CPU."""
+    return _capability(device_index(device)) if device.type == "cuda" else (0, 0)
+
+
+def sm90_or_newer(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer (Hopper on): what TMA descriptors,
+    programmatic dependent launch and the 16-bit pair arithmetic of the exact stage need.
+    Older GPUs take the per-thread loads, fp32 math with a cast (the same roundings) and cuBLAS."""
+    return device.type == "cuda" and capability(device) >= (9, 0)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 for the CPU interpreter)."""
+    return _sm_count(device_index(device)) if device.type == "cuda" else 4
+
+
+def current_stream(device: torch.device) -> int:
+    """The raw handle of the current stream (0 for the CPU)."""
+    return internals.raw_stream(device_index(device)) if device.type == "cuda" else 0
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# ------------------------------------------------------------------------------ per-stream buffers
+
+
+def tickets(device: torch.device, stream: int, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 tickets for kernels on ``stream`` (kept per stream; fresh per
+    call while capturing)."""
+    if capturing(device):
+        return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
+    key = ("tickets", device_index(device) if device.type == "cuda" else -1, stream)
+    buf = _buffers.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _buffers[key] = torch.zeros(max(n, _TICKETS_MIN), dtype=torch.int32, device=device)
+    return buf
+
+
+def workspace(kind: str, device: torch.device, stream: int, nbytes: int, keep_max: int = 1 << 62) -> torch.Tensor:
+    """A byte buffer of at least ``nbytes`` for work on ``stream``: the stream's kept buffer of this
+    ``kind`` (grown to the largest asked for) when ``nbytes <= keep_max`` and the stream is not
+    being captured; otherwise a fresh one that the caller holds for the call."""
+    if nbytes > keep_max or capturing(device):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    key = (kind, device_index(device) if device.type == "cuda" else -1, stream)
+    buf = _buffers.get(key)
+    if buf is None or buf.numel() < nbytes:
+        buf = _buffers[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf
+
+
+def handle(library: str, index: int, create: Callable[[], int], destroy: Callable[[int], None] = None) -> int:
+    """A library handle (cuBLASLt's) per device, created once."""
+    entry = _handles.get((library, index))
+    if entry is None:
+        entry = _handles[(library, index)] = (create(), destroy)
+    return entry[0]
+
+
+# ------------------------------------------------------------------------------ plan caches
+
+
+def register_plan_cache(name: str, cache) -> None:
+    """Plan caches register here, so that ``clear()`` and ``info()`` see every one."""
+    _plan_caches[name] = cache
+
+
+def plan_cache(name: str):
+    return _plan_caches[name]
+
+
+# ------------------------------------------------------------------------------ clear and info
+
+
+def clear() -> None:
+    """Drop every kept buffer and every plan. (Library handles stay: they hold no device memory
+    worth giving back, and creating them again costs a synchronising call.)"""
+    global generation
+    generation += 1
+    _buffers.clear()
+    for cache in _plan_caches.values():
+        cache.clear()
+
+
+def info() -> dict:
+    """What fusedqkv keeps: plans per cache, kept buffers (kind, device, stream, bytes), their
+    total, library handles, and the state of the fast launch path."""
+    buffers = [dict(kind=kind, device=index, stream=stream, bytes=buf.numel() * buf.element_size())
+               for (kind, index, stream), buf in _buffers.items()]
+    return dict(
+        plans={name: cache.info() for name, cache in _plan_caches.items()},
+        buffers=buffers,
+        bytes=sum(b["bytes"] for b in buffers),
+        handles=sorted(f"{lib}:{index}" for lib, index in _handles),
+        fast_path=internals.fast_path_info(),
+    )

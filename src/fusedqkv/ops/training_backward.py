@@ -1,0 +1,199 @@
+"""The training block's backward, planned: the backward stage in its accurate mode (fp32 math,
+one rounding; rstd recomputed from the saved projection output; true grad_cos/grad_sin), then
+dX = dQKV W and dW = dQKV^T X (planned cuBLASLt calls or ``torch.mm``), the bias gradient, and
+where the stage does not fuse it, the norm-weight finish.
+
+``training_backward`` finds or builds the plan of a call's signature and runs it. The block's
+variants (:class:`~fusedqkv.ops.gqa_forward.Variant`) are part of the key: the stage runs them
+in the training mode (unweighted norms: no norm-weight gradients; a gate: its gradient into
+dQKV's gate columns; v normed: its backward from the saved raw v).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cublaslt import plan_matmul
+from .device import current_stream
+from .gqa_forward import PLAIN, heads_of
+from .launch import Table
+from .plan_cache import Misaligned, PlanCache, as_matrix
+from .rope_qk_norm import backward_torch, pick_backend, plan_backward_stage
+
+# the call's table entries, by name (``saved_q``/``saved_k``/``saved_v``: the q, k and v column blocks of
+# the saved qkv); the norm weights and their gradients only with weighted norms, the gate's gradient
+# only with a gate, saved_v only when v is normed
+CALL_ENTRIES = ("grad_q", "grad_k", "grad_v", "saved_q", "saved_k", "q_norm_weight", "k_norm_weight", "cos", "sin",
+                "dqkv", "grad_q_norm_weight", "grad_k_norm_weight", "grad_gate", "saved_v")
+
+
+class TrainingBackwardPlan:
+    """The training block's backward of one signature."""
+
+    def __init__(self, cfg, sizes, need, stage=None, table=None, aligned=True, lt_dx=None, lt_dw=None):
+        self.cfg, self.stage, self.table, self.aligned = cfg, stage, table, aligned
+        self.lt_dx, self.lt_dw = lt_dx, lt_dw  # dX and dW as planned cuBLASLt calls, or None
+        (self.B, self.S, self.hq, self.hkv, self.D, self.hidden, self.dtype, self.device, self.eps,
+         self.norm_after_rope, self.variant) = sizes
+        self.need_x, self.need_w, self.need_cs, self.need_b = need
+        self.nq = 2 * self.hq if self.variant.q_gate else self.hq  # query column blocks (with the gate's)
+        self.M, self.n_tot = self.B * self.S, (self.nq + 2 * self.hkv) * self.D
+        self.rot = self.variant.rotary(self.D)
+        # bytes from qkv's start to its k and v columns
+        self.k_offset = self.nq * self.D * self.dtype.itemsize
+        self.v_offset = (self.nq + self.hkv) * self.D * self.dtype.itemsize
+
+    def _saved_heads(self, qkv):
+        return heads_of(qkv, self.hq, self.hkv, self.D, self.variant.q_gate)[:3]
+
+    def run(self, grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
+            grad_gate=None):
+        """(g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_bias); the gradients not needed (or absent: no norm
+        weights) are None. ``grad_gate`` ``[B, S, Hq, D]`` with a gate."""
+        dt, dev, M = self.dtype, self.device, self.M
+        if grad_q.dtype != dt or grad_k.dtype != dt or grad_v.dtype != dt:
+            grad_q, grad_k, grad_v = grad_q.to(dt), grad_k.to(dt), grad_v.to(dt)
+        gg = None
+        if grad_gate is not None:
+            gg = (grad_gate if grad_gate.dtype == dt else grad_gate.to(dt)).transpose(1, 2)  # [B, Hq, S, D]
+        B, S = self.B, self.S
+        dqkv = torch.empty((M, self.n_tot), dtype=dt, device=dev)
+        g_qw = g_kw = None
+        if q_norm_weight is not None:
+            g_qw = torch.empty(q_norm_weight.shape, dtype=q_norm_weight.dtype, device=dev)
+            g_kw = torch.empty(k_norm_weight.shape, dtype=k_norm_weight.dtype, device=dev)
+        g_cos = torch.empty((B, S, self.rot), dtype=cos.dtype, device=dev) if self.need_cs else None
+        g_sin = torch.empty((B, S, self.rot), dtype=sin.dtype, device=dev) if self.need_cs else None
+        g_x = torch.empty((B, S, self.hidden), dtype=hidden_states.dtype, device=dev) if self.need_x else None
+        stream = current_stream(dev)
+        addr = None
+        if self.stage is None:  # the torch backend
+            saved_q, saved_k, saved_v = self._saved_heads(qkv)
+            backward_torch(grad_q, grad_k, grad_v, saved_q, saved_k, None, None, q_norm_weight, k_norm_weight,
+                           cos, sin, dqkv, g_cos, g_sin, g_qw, g_kw, False, self.norm_after_rope, False, self.eps,
+                           self.variant, gg, saved_v)
+        else:
+            stage = self.stage
+            named = dict(grad_q=grad_q, grad_k=grad_k, grad_v=grad_v, q_norm_weight=q_norm_weight,
+                         k_norm_weight=k_norm_weight, cos=cos, sin=sin, dqkv=dqkv, grad_q_norm_weight=g_qw,
+                         grad_k_norm_weight=g_kw, grad_cos=g_cos, grad_sin=g_sin, grad_hidden_states=g_x,
+                         grad_gate=gg, **stage.call_inputs(stream))
+            launches = stage.launches(with_finish=False)
+            if all(launch.bound for launch in stage.launches()):
+                addr = {name: t.data_ptr() for name, t in named.items() if t is not None}
+                addr["saved_q"] = q_ptr = qkv.data_ptr()
+                if self.aligned:
+                    acc = 0
+                    for p in addr.values():
+                        acc |= p
+                    if acc & 15:
+                        raise Misaligned
+                # (the k and v columns' alignment follows from qkv's and the shapes: the plan's)
+                addr["saved_k"] = q_ptr + self.k_offset
+                addr["saved_v"] = q_ptr + self.v_offset
+                ptrs, tensors = self.table.addresses(addr), None
+            else:
+                named["saved_q"], named["saved_k"], named["saved_v"] = self._saved_heads(qkv)
+                ptrs, tensors = None, self.table.tensors(named)
+            for launch in launches:
+                launch.launch(tensors, ptrs, stream)
+        g_w = None
+        lt_ok = addr is not None and not (hidden_states.data_ptr() | qkv_weight.data_ptr()) & 15
+        if self.need_x:
+            if self.lt_dx is not None and lt_ok:
+                self.lt_dx(addr["dqkv"], qkv_weight.data_ptr(), addr["grad_hidden_states"], stream)
+            else:
+                torch.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
+        if self.need_w:
+            if self.lt_dw is not None and lt_ok:
+                g_w = torch.empty((self.n_tot, self.hidden), dtype=dt, device=dev)
+                self.lt_dw(addr["dqkv"], hidden_states.data_ptr(), g_w.data_ptr(), stream)
+            else:
+                g_w = torch.mm(dqkv.t(), hidden_states.reshape(M, self.hidden))
+        # the bias gradient: dQKV summed over tokens, in fp32 (torch's reduction: a fixed order)
+        g_b = dqkv.sum(0, dtype=torch.float32).to(qkv_weight.dtype) if self.need_b else None
+        if self.stage is not None and self.stage.finish is not None:
+            self.stage.finish.launch.launch(tensors, ptrs, stream)
+        return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b
+
+
+def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight,
+                            cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend,
+                            need_b=False, grad_gate=None, variant=PLAIN, *, cfg) -> TrainingBackwardPlan:
+    B, S, n_tot = qkv.shape
+    hq, hkv = num_heads, num_kv_heads
+    nq = 2 * hq if variant.q_gate else hq
+    D = n_tot // (nq + 2 * hkv)
+    rot = variant.rotary(D)
+    dt, dev = qkv.dtype, qkv.device
+    sizes = (B, S, hq, hkv, D, hidden_states.shape[-1], dt, dev, eps, norm_after_rope, variant)
+    need = (need_x, need_w, need_cs, need_b)
+    backend = pick_backend(dev, None if backend in (None, "auto") else backend)
+    if backend == "torch" or B * S == 0:
+        return TrainingBackwardPlan(cfg, sizes, need)
+    gq, gk, gv = (g if g.dtype == dt else g.to(dt) for g in (grad_q, grad_k, grad_v))
+    saved_q, saved_k, saved_v = heads_of(qkv, hq, hkv, D, variant.q_gate)[:3]
+    M = B * S
+    dqkv = torch.empty((M, n_tot), dtype=dt, device=dev)
+    weighted = q_norm_weight is not None
+    like = dict(grad_q=gq, grad_k=gk, grad_v=gv, saved_q=saved_q, saved_k=saved_k, q_norm_weight=q_norm_weight,
+                k_norm_weight=k_norm_weight, cos=cos, sin=sin, dqkv=dqkv,
+                grad_q_norm_weight=torch.empty_like(q_norm_weight) if weighted else None,
+                grad_k_norm_weight=torch.empty_like(k_norm_weight) if weighted else None,
+                grad_gate=None if grad_gate is None else (grad_gate if grad_gate.dtype == dt
+                                                          else grad_gate.to(dt)).transpose(1, 2),
+                saved_v=saved_v if variant.v_norm else None)
+    table = Table()
+    slot = {name: None if like[name] is None else table.add(name, like[name]) for name in CALL_ENTRIES}
+    s_gcos = s_gsin = s_gx = None
+    if need_cs:
+        s_gcos = table.add("grad_cos", torch.empty((B, S, rot), dtype=cos.dtype, device=dev))
+        s_gsin = table.add("grad_sin", torch.empty((B, S, rot), dtype=sin.dtype, device=dev))
+    if need_x:  # dX's memory holds the stage's partials before dX overwrites it
+        s_gx = table.add("grad_hidden_states",
+                         torch.empty((B, S, hidden_states.shape[-1]), dtype=hidden_states.dtype, device=dev))
+    stage = plan_backward_stage(table, slot["grad_q"], slot["grad_k"], slot["grad_v"], slot["saved_q"],
+                                slot["saved_k"], None, None, slot["q_norm_weight"], slot["k_norm_weight"], slot["cos"],
+                                slot["sin"], slot["dqkv"], s_gcos, s_gsin, slot["grad_q_norm_weight"],
+                                slot["grad_k_norm_weight"], s_gx, exact=False, norm_after_rope=norm_after_rope,
+                                saved_rotated=False, eps=eps, finish_outside=False, cfg=cfg, variant=variant,
+                                gg=slot["grad_gate"], xv=slot["saved_v"])
+    table.release()
+    aligned = all(t.data_ptr() % 16 == 0 for t in (gq, gk, gv, qkv, q_norm_weight, k_norm_weight, cos, sin,
+                                                    like["grad_gate"]) if t is not None)
+    lt_dx = lt_dw = None
+    if aligned and qkv_weight.dtype == dt and hidden_states.dtype == dt:
+        hidden = hidden_states.shape[-1]
+        x2d = as_matrix(hidden_states, M, hidden)
+        if need_x:  # g_x [M, hidden] and g_w [n_tot, hidden]: allocated contiguous by the run
+            lt_dx = plan_matmul(dt, dev, M, hidden, n_tot, dqkv.stride(), qkv_weight.stride(), (hidden, 1), cfg)
+        if need_w and x2d is not None:
+            lt_dw = plan_matmul(dt, dev, n_tot, hidden, M, dqkv.t().stride(), x2d.stride(), (hidden, 1), cfg)
+    return TrainingBackwardPlan(cfg, sizes, need, stage, table, aligned, lt_dx, lt_dw)
+
+
+PLANS = PlanCache("training_backward", build_training_backward)
+
+
+def training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
+                      num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b=False,
+                      grad_gate=None, variant=PLAIN):
+    """The training block's gradients (see :class:`TrainingBackwardPlan`). ``q_norm_weight``/
+    ``k_norm_weight`` None: unweighted norms (their gradients None); ``grad_gate`` with a gate."""
+    tensors = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, cos, sin)
+    if q_norm_weight is not None:
+        tensors += (q_norm_weight, k_norm_weight)
+    if grad_gate is not None:
+        tensors += (grad_gate,)
+    scalars = (num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b, variant,
+               q_norm_weight is None, grad_gate is None)
+    build_args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
+                  num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b, grad_gate,
+                  variant)
+    call = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, grad_gate)
+    plan = PLANS.lookup(tensors, scalars, build_args)
+    try:
+        return plan.run(*call)
+    except Misaligned:
+        plan = PLANS.full_lookup(list(tensors), ("unaligned",) + scalars, build_args, remember=False)
+        return plan.run(*call)

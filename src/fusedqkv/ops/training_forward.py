@@ -1,0 +1,165 @@
+"""The training block's forward, planned: one GEMM (``qkv = x W^T [+ b]``, a planned cuBLASLt
+call or ``torch.mm``) and the forward stage (RoPE + RMSNorm of q and k, :mod:`fusedqkv.ops.gqa_forward`).
+
+``forward_plan`` finds or builds the plan of a call's signature (validating on a miss);
+``run_forward`` runs it: ``(q, k, qkv, rstd_q, rstd_k, v)`` (v None unless the variant norms it).
+The block's variants (``q_gate``, ``rope_style``, ``norm_scope``, ``v_norm``; unweighted norms as
+None weights; partial rotary from cos/sin's width) are part of the plan's key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import config as _config
+from . import validation as V
+from .cublaslt import lt_matmul
+from .device import current_stream
+from .gqa_forward import forward_torch, plan_forward_stage, token_major, validate_forward_inputs
+from .launch import Table
+from .plan_cache import Misaligned, PlanCache, as_matrix
+from .rope_qk_norm import pick_backend
+
+# the stage's table entries, by name (the norm weights only when the norms have them, v only when normed)
+STAGE_ENTRIES = ("qkv", "q_norm_weight", "k_norm_weight", "cos", "sin", "q", "k", "rstd_q", "rstd_k", "v")
+
+
+class ForwardPlan:
+    """The training block's forward of one input signature."""
+
+    def __init__(self, cfg, sz, backend, launch=None, table=None, aligned=True, lt_qkv=None):
+        self.cfg, self.sz, self.backend, self.launch, self.table, self.aligned = cfg, sz, backend, launch, table, aligned
+        self.lt_qkv = lt_qkv  # qkv = x W^T as a planned cuBLASLt call (no bias, aligned plans), or None
+        b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
+        self.M, self.hidden, self.n_tot = b * s, sz["hidden"], sz["qkv"]
+        self.qkv_shape = (b, s, self.n_tot)
+        self.q_shape, self.k_shape = (b, sz["num_heads"], s, d), (b, sz["num_kv_heads"], s, d)
+        self.rq_shape, self.rk_shape = self.q_shape[:3], self.k_shape[:3]
+        self.cs_shape = (b, s, sz["rot"])
+        self.device, self.dtype = sz["device"], sz["dtype"]
+        self.variant = sz["variant"]
+
+    def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias=None):
+        """(q, k, qkv, rstd_q, rstd_k, v); cos/sin ``[batch, seq, rot]`` (expanded); v None unless
+        the variant norms it."""
+        sz = self.sz
+        lt, launch = self.lt_qkv, self.launch
+        bound = launch is not None and launch.bound
+        if lt is not None and bound:
+            x_ptr, w_ptr = hidden_states.data_ptr(), qkv_weight.data_ptr()
+            if (x_ptr | w_ptr) & 15:
+                raise Misaligned
+            qkv = torch.empty(self.qkv_shape, dtype=self.dtype, device=self.device)
+            lt(x_ptr, w_ptr, qkv.data_ptr(), current_stream(self.device))
+        elif qkv_bias is None:
+            qkv = torch.mm(hidden_states.reshape(self.M, self.hidden), qkv_weight.t()).view(self.qkv_shape)
+        else:  # the bias rides in the GEMM: RoPE/norm see x W^T + b, as HF's Linear gives it
+            qkv = torch.addmm(qkv_bias, hidden_states.reshape(self.M, self.hidden), qkv_weight.t()).view(self.qkv_shape)
+        if launch is None:
+            q, k, rq, rk, v = forward_torch(qkv, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"],
+                                            sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"], self.variant)
+            return q, k, qkv, rq, rk, v
+        dev, dt = self.device, self.dtype
+        q = token_major(*self.q_shape, dt, dev)
+        k = token_major(*self.k_shape, dt, dev)
+        rq = torch.empty(self.rq_shape, dtype=torch.float32, device=dev)
+        rk = torch.empty(self.rk_shape, dtype=torch.float32, device=dev)
+        v = token_major(*self.k_shape, dt, dev) if self.variant.v_norm else None
+        named = dict(qkv=qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, cos=cos, sin=sin, q=q, k=k,
+                     rstd_q=rq, rstd_k=rk, v=v)
+        if bound:
+            addr = {name: t.data_ptr() for name, t in named.items() if t is not None}
+            if self.aligned and (addr.get("q_norm_weight", 0) | addr.get("k_norm_weight", 0) | addr["cos"]
+                                 | addr["sin"]) & 15:
+                raise Misaligned
+            launch.launch(None, self.table.addresses(addr), current_stream(dev))
+        else:
+            launch.launch(self.table.tensors(named), None, current_stream(dev))
+        return q, k, qkv, rq, rk, v
+
+
+def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
+                  eps, qk_norm_position, backend, qkv_bias=None, q_gate=False, rope_style="neox", norm_scope="head",
+                  v_norm=False, *, cfg) -> ForwardPlan:
+    """Validate the forward's arguments fully (clear errors) and plan it."""
+    sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
+                                 num_kv_heads, eps, qk_norm_position, q_gate=q_gate, rope_style=rope_style,
+                                 norm_scope=norm_scope, v_norm=v_norm)
+    variant = sz["variant"]
+    if qkv_bias is not None:
+        rows = "(2*num_heads + 2*num_kv_heads)*head_dim" if q_gate else "(num_heads + 2*num_kv_heads)*head_dim"
+        V.require_tensor("qkv_bias", qkv_bias)
+        V.require_shape("qkv_bias", qkv_bias, (sz["qkv"],), f"[{rows}]")
+        V.require_float_dtype("qkv_bias", qkv_bias)
+        V.require_same_dtype([("qkv_weight", qkv_weight), ("qkv_bias", qkv_bias)])
+        V.require_same_device([("qkv_weight", qkv_weight), ("qkv_bias", qkv_bias)])
+    device = sz["device"]
+    backend = pick_backend(device, None if backend in (None, "auto") else backend)
+    M = sz["batch"] * sz["seq"]
+    if backend == "torch" or M == 0:
+        return ForwardPlan(cfg, sz, backend)
+    b, s, d, rot = sz["batch"], sz["seq"], sz["head_dim"], sz["rot"]
+    qkv = torch.empty((b, s, sz["qkv"]), dtype=sz["dtype"], device=device)
+    like = dict(qkv=qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, cos=cos.expand(b, s, rot),
+                sin=sin.expand(b, s, rot), q=token_major(b, num_heads, s, d, sz["dtype"], device),
+                k=token_major(b, num_kv_heads, s, d, sz["dtype"], device),
+                rstd_q=torch.empty((b, num_heads, s), dtype=torch.float32, device=device),
+                rstd_k=torch.empty((b, num_kv_heads, s), dtype=torch.float32, device=device),
+                v=token_major(b, num_kv_heads, s, d, sz["dtype"], device) if variant.v_norm else None)
+    table = Table()
+    slots = [None if like[name] is None else table.add(name, like[name]) for name in STAGE_ENTRIES]
+    launch = plan_forward_stage(*slots[:9], num_heads, num_kv_heads, sz["eps"], sz["norm_after_rope"], cfg, variant,
+                                slots[9])
+    table.release()
+    aligned = all(t.data_ptr() % 16 == 0 for t in (q_norm_weight, k_norm_weight, cos, sin) if t is not None)
+    lt_qkv = None
+    if qkv_bias is None and aligned and hidden_states.data_ptr() % 16 == 0 and qkv_weight.data_ptr() % 16 == 0:
+        lt_qkv = lt_matmul(as_matrix(hidden_states, M, sz["hidden"]), qkv_weight.t(), qkv.view(M, sz["qkv"]), cfg)
+    return ForwardPlan(cfg, sz, backend, launch, table, aligned, lt_qkv)
+
+
+PLANS = PlanCache("training_forward", build_forward)
+
+
+def _guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias) -> tuple:
+    """The call's tensors (the norm weights only where given, the bias only where given)."""
+    tensors = (hidden_states, qkv_weight, cos, sin)
+    if q_norm_weight is not None or k_norm_weight is not None:
+        tensors += (q_norm_weight, k_norm_weight)
+    if qkv_bias is not None:
+        tensors += (qkv_bias,)
+    return tensors
+
+
+def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
+                 qk_norm_position, backend, qkv_bias=None, q_gate=False, rope_style="neox", norm_scope="head",
+                 v_norm=False) -> ForwardPlan:
+    """The forward's plan (validating the arguments on a miss). ``q_norm_weight``/``k_norm_weight``
+    None: unweighted norms."""
+    tensors = _guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
+    args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
+            qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope, v_norm)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or type(eps) not in (float, int):
+        return build_forward(*args, cfg=_config.current())
+    scalars = (num_heads, num_kv_heads, eps, qk_norm_position, backend, qkv_bias is not None, q_norm_weight is None,
+               q_gate, rope_style, norm_scope, v_norm)
+    return PLANS.lookup(tensors, scalars, args)
+
+
+def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
+                qkv_bias=None):
+    """``plan.run``; a call whose addresses the plan was not specialised for gets its own plan."""
+    try:
+        return plan.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
+    except Misaligned:
+        sz, var = plan.sz, plan.variant
+        position = "after_rope" if sz["norm_after_rope"] else "before_rope"
+        options = (var.q_gate, "interleaved" if var.interleaved else "neox", "all_heads" if var.all_heads else "head",
+                   var.v_norm)
+        args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"], sz["num_kv_heads"],
+                sz["eps"], position, plan.backend, qkv_bias, *options)
+        scalars = (sz["num_heads"], sz["num_kv_heads"], sz["eps"], position, plan.backend, qkv_bias is not None,
+                   q_norm_weight is None, *options)
+        own = PLANS.full_lookup(list(_guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
+                                              qkv_bias)), scalars, args, remember=False)
+        return own.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)

@@ -1,0 +1,56 @@
+"""fusedqkv.cache_info() and fusedqkv.clear_caches() on the CPU (the Triton interpreter keeps
+the same per-stream buffers as a GPU): what is kept is listed, with its bytes, and clearing drops
+plans and buffers; the next call rebuilds them with the same result."""
+
+import torch
+
+import fusedqkv
+from fusedqkv.ops import config
+
+from _oracle import make_inputs
+
+
+def _plans(info):
+    return {name: c["plans"] for name, c in info["plans"].items()}
+
+
+def test_cache_info_lists_plans_and_buffers_and_clear_drops_them():
+    fusedqkv.clear_caches()
+    info = fusedqkv.cache_info()
+    assert info["bytes"] == 0 and info["buffers"] == [] and set(_plans(info).values()) == {0}
+    assert set(info["plans"]) == {"backward_091", "training_forward", "training_backward"}
+    args = make_inputs(1, 4, 2, 9, 32, hidden=32, seed=2)
+    ref = fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    torch.manual_seed(0)
+    x = torch.randn(1, 5, 32, requires_grad=True)
+    w = torch.randn(64, 32, requires_grad=True)
+    wq, wk = torch.ones(8, requires_grad=True), torch.ones(8, requires_grad=True)
+    ang = torch.randn(1, 5, 8)
+    q, k, v = fusedqkv.gqa_qkv_rope_qk_norm(x, w, wq, wk, ang.cos(), ang.sin(), num_heads=4, num_kv_heads=2,
+                                            backend="triton")
+    (q.sum() + k.sum() + v.sum()).backward()
+    info = fusedqkv.cache_info()
+    assert _plans(info)["backward_091"] == 1
+    assert _plans(info)["training_forward"] == 1 and _plans(info)["training_backward"] == 1
+    # the interpreter's stage keeps its tickets per stream, as on a GPU
+    kinds = {b["kind"] for b in info["buffers"]}
+    assert "tickets" in kinds
+    assert info["bytes"] == sum(b["bytes"] for b in info["buffers"]) > 0
+    assert "fast_path" in info
+    fusedqkv.clear_caches()
+    info = fusedqkv.cache_info()
+    assert info["bytes"] == 0 and info["buffers"] == [] and set(_plans(info).values()) == {0}
+    again = fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(ref, again))
+    assert fusedqkv.cache_info()["plans"]["backward_091"]["plans"] == 1
+
+
+def test_builds_count_and_config_keys():
+    fusedqkv.clear_caches()
+    args = make_inputs(1, 4, 2, 6, 32, hidden=32, seed=3)
+    fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
+    fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
+    with config.override(hybrid_max_tokens=0):  # another config: another plan
+        fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
+    c = fusedqkv.cache_info()["plans"]["backward_091"]
+    assert c["plans"] == 2 and c["builds"] >= 2
