@@ -14,8 +14,11 @@ of the two entry points:
   official code rather than a re-implementation. The tolerance is that of the official
   workload nearest in token count (atol 0.008-0.073, rtol 0.05, 99% of elements).
 * ``train``: ``fusedqkv.gqa_qkv_rope_qk_norm`` forward and autograd backward (either norm
-  position; cos/sin trainable or frozen; frozen weight or input) against float64 autograd
-  through a plain-PyTorch reference, by the three-way rule: for every output and gradient,
+  position; cos/sin trainable or frozen; frozen weight or input; the block's variants of issue
+  25 drawn independently: a gated q, partial rotary at half or a quarter of head_dim,
+  interleaved RoPE, unweighted norms, the norm over all heads, an unweighted v norm) against
+  float64 autograd through a plain-PyTorch reference (``fusedqkv.module.reference_block``), by
+  the three-way rule: for every output and gradient,
   max|ours - f64| <= 2 * max|eager - f64| + atol, eager being the same reference in the
   case's dtype, atol = 1e-3 (16-bit) or 1e-4 (fp32) of max|f64|.
 
@@ -89,6 +92,10 @@ def draw_case(seed: int, index: int, caps: dict, api=None) -> dict:
     opt_train = dict(position=rng.choice(["after_rope", "before_rope"]), cos_grad=rng.random() < 0.5,
                      cos_broadcast=rng.random() < 0.25, frozen=rng.choice(["none", "none", "weight", "input"]),
                      norm_fp32=case["dtype"] != "fp32" and rng.random() < 0.15)
+    # the block's variants (drawn after the options above: earlier seeds keep their cases' other draws)
+    opt_train.update(q_gate=rng.random() < 0.2, rope_style="interleaved" if rng.random() < 0.2 else "neox",
+                     rot_div=rng.choice([1, 1, 1, 2, 4]), norm_weight=rng.random() >= 0.15,
+                     norm_scope="all_heads" if rng.random() < 0.15 else "head", v_norm=rng.random() < 0.2)
     case["api"] = api or case["api"]
     case.update(opt_091 if case["api"] == "091" else opt_train)
     return case
@@ -96,10 +103,12 @@ def draw_case(seed: int, index: int, caps: dict, api=None) -> dict:
 
 def case_line(case: dict) -> str:
     keys = ["api", "batch", "seq", "num_heads", "num_kv_heads", "head_dim", "hidden", "dtype", "layout"]
-    extra = [k for k in ("position", "cos_grad", "cos_broadcast", "frozen", "rstd_3d", "norm_fp32", "rstd_fp32", "out")
-             if case.get(k) not in (None, False, "none")]
+    extra = [k for k in ("position", "cos_grad", "cos_broadcast", "frozen", "rstd_3d", "norm_fp32", "rstd_fp32", "out",
+                         "q_gate", "v_norm") if case.get(k) not in (None, False, "none")]
+    extra += [k for k, plain in (("rope_style", "neox"), ("norm_scope", "head"), ("rot_div", 1), ("norm_weight", True))
+              if case.get(k, plain) != plain]
     return " ".join(f"{k}={case[k]}" for k in keys) + "".join(
-        f" {k}={case[k]}" if not isinstance(case[k], bool) else f" {k}" for k in extra)
+        f" {k}" if case[k] is True else f" {k}={case[k]}" for k in extra)
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -147,13 +156,15 @@ class Maker:
         return self.place(t.to(dtype), layout)
 
 
-def _cos_sin(mk: Maker, b, s, d, dtype, broadcast):
-    """HF rotary cos/sin (NeoX rotate-half: both halves equal), random positions."""
+def _cos_sin(mk: Maker, b, s, d, dtype, broadcast, interleaved=False):
+    """HF rotary cos/sin of width d, random positions: NeoX rotate-half (both halves equal), or
+    interleaved (each frequency twice in a row, as Llama 4's freqs_cis repeated per element)."""
     torch = mk.torch
     rows = 1 if broadcast else b
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64, device=mk.device) / d))
     pos = torch.randint(0, 8192, (rows, s), generator=mk.gen, device=mk.device).double()
-    emb = torch.cat([pos[..., None] * inv] * 2, dim=-1)
+    ang = pos[..., None] * inv
+    emb = ang.repeat_interleave(2, dim=-1) if interleaved else torch.cat([ang] * 2, dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -272,11 +283,17 @@ _OUTPUTS_091 = ("grad_hidden_states", "grad_cos", "grad_sin", "grad_qkv_weight",
 # ---------------------------------------------------------------------------- training API
 
 
-def _reference_block(x, w, wq, wk, cos, sin, hq, hkv, eps, position):
+def _reference_block(x, w, wq, wk, cos, sin, hq, hkv, eps, position, **variant):
     """The block in plain PyTorch (HF style): fusedqkv.module's reference, functionally."""
     from fusedqkv.module import reference_block
 
-    return reference_block(x, w, wq, wk, cos, sin, hq, hkv, eps, position == "after_rope")
+    return reference_block(x, w, wq, wk, cos, sin, hq, hkv, eps, position == "after_rope", **variant)
+
+
+def _rotary_width(d: int, rot_div: int) -> int:
+    """Partial rotary: head_dim / rot_div rounded down to an even size (at least 2)."""
+    rot = d // rot_div
+    return max(2, rot - rot % 2)
 
 
 def check_train(case, device, backend) -> dict:
@@ -287,38 +304,47 @@ def check_train(case, device, backend) -> dict:
     b, s, hq, hkv, d, h = (case[k] for k in ("batch", "seq", "num_heads", "num_kv_heads", "head_dim", "hidden"))
     dt = _dtype(case["dtype"])
     ndt = torch.float32 if case["norm_fp32"] else dt
+    variant = dict(q_gate=case.get("q_gate", False), rope_style=case.get("rope_style", "neox"),
+                   norm_scope=case.get("norm_scope", "head"), v_norm=case.get("v_norm", False))
+    weighted = case.get("norm_weight", True)
+    rot = _rotary_width(d, case.get("rot_div", 1))
+    all_heads = variant["norm_scope"] == "all_heads"
     mk = Maker(case, device)
-    nqkv = (hq + 2 * hkv) * d
+    nqkv = ((2 * hq if variant["q_gate"] else hq) + 2 * hkv) * d
     x = mk.randn((b, s, h), dt)
     w = mk.randn((nqkv, h), dt, scale=1 / math.sqrt(h))
-    wq = mk.randn((d,), ndt, scale=0.25, shift=1.0, layout="contiguous")
-    wk = mk.randn((d,), ndt, scale=0.25, shift=1.0, layout="contiguous")
-    cos, sin = _cos_sin(mk, b, s, d, dt, case["cos_broadcast"])
+    wq = mk.randn((hq * d if all_heads else d,), ndt, scale=0.25, shift=1.0, layout="contiguous")
+    wk = mk.randn((hkv * d if all_heads else d,), ndt, scale=0.25, shift=1.0, layout="contiguous")
+    cos, sin = _cos_sin(mk, b, s, rot, dt, case["cos_broadcast"], variant["rope_style"] == "interleaved")
     if not case["cos_broadcast"]:
         cos, sin = mk.place(cos), mk.place(sin)
-    grads = [mk.randn(shape, dt) for shape in ((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d))]
-    need = dict(x=case["frozen"] != "input", w=case["frozen"] != "weight", cs=case["cos_grad"])
+    shapes = [(b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d)] + ([(b, s, hq, d)] if variant["q_gate"] else [])
+    grads = [mk.randn(shape, dt) for shape in shapes]
+    need = dict(x=case["frozen"] != "input", w=case["frozen"] != "weight", cs=case["cos_grad"], nw=weighted)
 
     def leaves(t_dtype=None):
         conv = (lambda t: t.detach().to(t_dtype)) if t_dtype is not None else (lambda t: t.detach())
         lx = conv(x).requires_grad_(need["x"])
         lw = conv(w).requires_grad_(need["w"])
-        lq, lk = conv(wq).requires_grad_(), conv(wk).requires_grad_()
+        lq, lk = (conv(wq).requires_grad_(), conv(wk).requires_grad_()) if weighted else (None, None)
         lc, ls = conv(cos).requires_grad_(need["cs"]), conv(sin).requires_grad_(need["cs"])
-        wrt = [t for t, n in ((lx, need["x"]), (lw, need["w"]), (lq, True), (lk, True), (lc, need["cs"]),
-                              (ls, need["cs"])) if n]
+        wrt = [t for t, n in ((lx, need["x"]), (lw, need["w"]), (lq, need["nw"]), (lk, need["nw"]),
+                              (lc, need["cs"]), (ls, need["cs"])) if n]
         return (lx, lw, lq, lk, lc, ls), wrt
 
-    names = (["q", "k", "v"] + (["grad_x"] if need["x"] else []) + (["grad_qkv_weight"] if need["w"] else [])
-             + ["grad_q_norm_weight", "grad_k_norm_weight"] + (["grad_cos", "grad_sin"] if need["cs"] else []))
+    names = (["q", "k", "v"] + (["gate"] if variant["q_gate"] else []) + (["grad_x"] if need["x"] else [])
+             + (["grad_qkv_weight"] if need["w"] else [])
+             + (["grad_q_norm_weight", "grad_k_norm_weight"] if weighted else [])
+             + (["grad_cos", "grad_sin"] if need["cs"] else []))
 
     def run(impl, t_dtype=None):
         (lx, lw, lq, lk, lc, ls), wrt = leaves(t_dtype)
         if impl == "ours":
             outs = fusedqkv.gqa_qkv_rope_qk_norm(lx, lw, lq, lk, lc, ls, num_heads=hq, num_kv_heads=hkv,
-                                                 eps=case["eps"], qk_norm_position=case["position"], backend=backend)
+                                                 eps=case["eps"], qk_norm_position=case["position"], backend=backend,
+                                                 **variant)
         else:
-            outs = _reference_block(lx, lw, lq, lk, lc, ls, hq, hkv, case["eps"], case["position"])
+            outs = _reference_block(lx, lw, lq, lk, lc, ls, hq, hkv, case["eps"], case["position"], **variant)
         go = [g.to(o.dtype) if g.dtype != o.dtype else g for g, o in zip(grads, outs)]
         gr = torch.autograd.grad(outs, wrt, go)
         return [o.detach() for o in outs] + list(gr)
@@ -329,6 +355,9 @@ def check_train(case, device, backend) -> dict:
     ref = run("eager", torch.float64)
     atol_rel = 1e-4 if dt == torch.float32 else 1e-3
     detail, ok = {}, True
+    if len(ours) != len(names):
+        return dict(ok=False, outputs={"outputs": dict(passed=False, reason=f"{len(ours)} outputs and gradients, "
+                                                                           f"expected {len(names)}")})
     for n, a, e, r in zip(names, ours, eager, ref):
         if a.shape != r.shape or not bool(torch.isfinite(a).all()):
             detail[n] = dict(passed=False, reason=f"shape {tuple(a.shape)} vs {tuple(r.shape)} or non-finite")

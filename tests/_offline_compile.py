@@ -28,7 +28,12 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
 * ``rope_qk_norm_fwd_kernel`` (``ops/gqa_forward``): BLOCK_T = min(32, 1024 // HALF_P2), GROUP
   4/2/1 with 4 warps (the launcher's choices), GROUP 8 with 8 warps (reachable through the
   config's forward_tile), either norm position.
-* ``rope_qk_norm_bwd_finish_kernel`` (``NormWeightFinish``): BLOCK_R 32, 4 warps.
+* the block's variants (issue 25; ``ops/gqa_forward.Variant``, ``VARIANTS`` here): in both stages,
+  training modes only, their constexprs (HALF/PASS of partial rotary at half or a quarter of head_dim,
+  INTERLEAVED, NORM_WEIGHT, ALL_HEADS, Q_GATE, V_NORM) pairwise with the other axes; the query/key
+  variants without TMA and without the register cap, ALL_HEADS never grouped (blocks of 8 or 4 tokens).
+* ``rope_qk_norm_bwd_finish_kernel`` (``NormWeightFinish``): BLOCK_R 32, 4 warps;
+  ``rope_qk_norm_bwd_finish_cols_kernel`` (``AllHeadsNormWeightFinish``): BLOCK_R 16, BLOCK_C 128.
 * ``tma_matmul_kernel`` (``ops/projection``, sm_90 only): the chain's dX and dW and the
   hybrid's dW configurations, with and without the norm-weight finish, NPROG from 1 up.
 * ``l2_flush_kernel`` (the benchmark harness).

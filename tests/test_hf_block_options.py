@@ -194,7 +194,7 @@ def test_opcheck_custom_ops_with_bias():
     for nar in (True, False):
         args = (x, w, wq, wk, cos, sin, hq, hkv, 1e-6, nar, "auto", bias)
         torch.library.opcheck(fwd, args)
-        q, k, qkv, rq, rk = fwd(*args)
+        q, k, qkv, rq, rk, _ = fwd(*args)
         assert torch.allclose(qkv, x @ w.t() + bias, atol=1e-6)
         gq, gk, gv = (torch.randn(t.shape, generator=g) for t in (q, k, k))
         out = bwd(gq, gk, gv, x, w, qkv, wq, wk, cos, sin, hq, hkv, 1e-6, nar, True, True, False, "auto", True)

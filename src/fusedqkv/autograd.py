@@ -127,7 +127,7 @@ def _bwd_fake(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_wei
     g_x = hidden_states.new_empty(tuple(hidden_states.shape) if need_hidden_grad else _EMPTY_SHAPE)
     g_w = qkv_weight.new_empty(tuple(qkv_weight.shape) if need_weight_grad else _EMPTY_SHAPE)
     if q_norm_weight is None:
-        g_qw = g_kw = qkv_weight.new_empty(_EMPTY_SHAPE)
+        g_qw, g_kw = qkv_weight.new_empty(_EMPTY_SHAPE), qkv_weight.new_empty(_EMPTY_SHAPE)
     else:
         g_qw = q_norm_weight.new_empty(q_norm_weight.shape)
         g_kw = k_norm_weight.new_empty(k_norm_weight.shape)

@@ -332,11 +332,12 @@ def heads_of(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_gate: bool):
 def _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, v, hq, hkv, D, eps, norm_after_rope, variant):
     rot, il = variant.rotary(D), variant.interleaved
     xq, xk, xv, _ = heads_of(qkv, hq, hkv, D, variant.q_gate)
-    c = pad_rotary(cos.float(), D, 1.0).unsqueeze(1)
-    s = pad_rotary(sin.float(), D, 0.0).unsqueeze(1)
+    ct = torch.promote_types(qkv.dtype, torch.float32)  # fp32 math (fp64 for fp64 inputs: the gradient checks)
+    c = pad_rotary(cos.to(ct), D, 1.0).unsqueeze(1)
+    s = pad_rotary(sin.to(ct), D, 0.0).unsqueeze(1)
 
     def head_set(x, w, out, r_out):
-        x = x.float()
+        x = x.to(ct)
         H = x.shape[1]
         if norm_after_rope:
             x = x * c + rotate(x, rot, il) * s
@@ -346,7 +347,7 @@ def _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, v, hq, hkv, D, eps, norm
             r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
         y = x * r
         if w is not None:
-            y = y * (w.float().view(H, 1, D) if variant.all_heads else w.float())
+            y = y * (w.to(ct).view(H, 1, D) if variant.all_heads else w.to(ct))
         if not norm_after_rope:
             y = y * c + rotate(y, rot, il) * s
         out.copy_(y)
@@ -355,5 +356,5 @@ def _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, v, hq, hkv, D, eps, norm
     head_set(xq, wq, q, rq)
     head_set(xk, wk, k, rk)
     if v is not None:
-        x = xv.float()
+        x = xv.to(ct)
         v.copy_(x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps))

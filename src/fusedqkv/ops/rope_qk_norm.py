@@ -388,7 +388,7 @@ def _rms_norm_backward_torch(g, x, w, r, out_dtype, eps=None):
 def backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                    exact, norm_after_rope, saved_rotated, eps=None, variant: Variant = PLAIN, gg=None, xv=None):
     """The stage on the torch backend (CPU path): outputs written in place."""
-    if variant != PLAIN:
+    if variant != PLAIN or gq.dtype == torch.float64:  # (fp64: the general path computes in fp64)
         _backward_torch_variant(gq, gk, gv, xq, xk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk, norm_after_rope,
                                 eps, variant, gg, xv)
         return
@@ -436,18 +436,19 @@ def backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsi
 
 def _backward_torch_variant(gq, gk, gv, xq, xk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk, norm_after_rope, eps,
                             variant, gg, xv):
-    """The training mode's stage with the block's variants (fp32, one rounding; x the raw
-    projection output, rstd recomputed). RoPE is ``x*c + rotate(x)*s`` with cos/sin widened by
+    """The training mode's stage with the block's variants (fp32, one rounding -- fp64 for fp64
+    inputs; x the raw projection output, rstd recomputed). RoPE is ``x*c + rotate(x)*s`` with cos/sin widened by
     1/0 over the pass-through dims; its transpose ``g*c - rotate(g*s)``. The all-heads norm is
     the per-head one over a token's heads taken together."""
     B, HQ, S, D = gq.shape
     HKV = gk.shape[1]
     rot, il = variant.rotary(D), variant.interleaved
-    c = pad_rotary(cos.float(), D, 1.0).unsqueeze(1)
-    s = pad_rotary(sin.float(), D, 0.0).unsqueeze(1)
+    ct = torch.promote_types(gq.dtype, torch.float32)  # fp32 math (fp64 for fp64 inputs: the gradient checks)
+    c = pad_rotary(cos.to(ct), D, 1.0).unsqueeze(1)
+    s = pad_rotary(sin.to(ct), D, 0.0).unsqueeze(1)
 
     def head_set(g, x, w):
-        g, x = g.float(), x.float()
+        g, x = g.to(ct), x.to(ct)
         H = x.shape[1]
         if norm_after_rope:
             n, gn = x * c + rotate(x, rot, il) * s, g
@@ -455,7 +456,7 @@ def _backward_torch_variant(gq, gk, gv, xq, xk, wq, wk, cos, sin, dqkv, gcos, gs
             n, gn = x, g * c - rotate(g * s, rot, il)
         dims, N = ((1, 3), H * D) if variant.all_heads else ((3,), D)
         r = torch.rsqrt(n.pow(2).mean(dim=dims, keepdim=True) + eps)
-        wf = 1.0 if w is None else (w.float().view(H, 1, D) if variant.all_heads else w.float())
+        wf = 1.0 if w is None else (w.to(ct).view(H, 1, D) if variant.all_heads else w.to(ct))
         gw = gn * wf
         dn = gw * r + (gw * n).sum(dim=dims, keepdim=True) * (-r.pow(3) * n / N)
         if norm_after_rope:
@@ -476,7 +477,7 @@ def _backward_torch_variant(gq, gk, gv, xq, xk, wq, wk, cos, sin, dqkv, gcos, gs
     dq.copy_(dxq)
     dk.copy_(dxk)
     if variant.v_norm:
-        x, g = xv.float(), gv.float()
+        x, g = xv.to(ct), gv.to(ct)
         r = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
         dv.copy_(g * r + (g * x).sum(dim=-1, keepdim=True) * (-r.pow(3) * x / D))
     else:
