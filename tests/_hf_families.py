@@ -1,9 +1,7 @@
 """Tiny random Hugging Face models of every family in fusedqkv's SUPPORTED table (nothing
 downloaded): 2 decoder layers (hybrids: one of them attention), hidden 64, GQA 4:2 heads of 16
 (32 where a partial rotary width needs it), vocab 97. Each family names its model class (one
-with ``generate``), how many attention layers apply_to fuses, and the block features it needs
-beyond the original block (partial rotary, gated q, ...), so that the harness can run only
-what the installed block provides."""
+with ``generate``) and how many attention layers apply_to fuses."""
 
 from __future__ import annotations
 
@@ -46,7 +44,6 @@ class Family:
     config: dict                 # the config's arguments beyond COMMON (None values drop a COMMON key)
     n_fused: int = 2             # attention layers apply_to fuses
     bias: bool = True            # the config has attention_bias
-    needs: tuple = ()            # block features beyond the original block
     model: Optional[str] = None  # model class (default: AutoModelForCausalLM's)
     config_class: Optional[str] = None  # when AutoConfig cannot build the text config by model_type
     composite: Optional[tuple] = None   # (config class, its other sub-configs): the text config goes in text_config
@@ -80,11 +77,10 @@ FAMILIES = [
                       "gradient), fused or not"),
     Family("hunyuan_v1_moe", dict(num_experts=2, moe_topk=1)),
     Family("glm4_moe", dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_experts=None,
-                            use_qk_norm=True, rope_parameters=rope(0.5)), needs=("partial_rotary",)),
+                            use_qk_norm=True, rope_parameters=rope(0.5))),
     Family("laguna", dict(MOE, shared_expert_intermediate_size=32, sliding_window=5, gating="per-head",
                           layer_types=["sliding_attention", "full_attention"],
-                          rope_parameters={t: rope(0.5) for t in ("sliding_attention", "full_attention")}),
-           needs=("partial_rotary",)),
+                          rope_parameters={t: rope(0.5) for t in ("sliding_attention", "full_attention")})),
     # mRoPE (sections merged into per-token cos/sin by the rotary embedding)
     Family("qwen3_vl_text", dict(rope_parameters=MROPE), composite=("Qwen3VLConfig", dict(vision_config=QWEN_VIT)),
            model="Qwen3VLForConditionalGeneration"),
@@ -97,11 +93,11 @@ FAMILIES = [
     # RMSNorm after RoPE
     Family("hunyuan_vl_text", dict(rope_parameters=rope(mrope_section=[4, 2, 2])),
            composite=("HunYuanVLConfig", dict(vision_config=HUNYUAN_VIT)), model="HunYuanVLForConditionalGeneration"),
-    Family("nanochat", dict(), needs=("unweighted_norm",)),
+    Family("nanochat", dict()),
     Family("llama4_text", dict(MOE, num_local_experts=2, num_experts_per_tok=1, num_experts=None,
                                moe_intermediate_size=None, intermediate_size_mlp=96, no_rope_layers=[1, 0],
                                attention_chunk_size=64, attn_temperature_tuning=True, rope_parameters=rope()),
-           n_fused=1, needs=("unweighted_norm", "interleaved_rope")),
+           n_fused=1),
     # 1 + w, an output gate from g_proj
     Family("step3p5", dict(MOE, num_experts=None, num_local_experts=4, n_routed_experts=4, share_expert_dim=32,
                            sliding_window=5, layer_types=["sliding_attention", "full_attention"],
@@ -110,40 +106,38 @@ FAMILIES = [
     # gated q
     Family("qwen3_next", dict(**MOE, **HYBRID, head_dim=32, shared_expert_intermediate_size=32,
                               layer_types=["linear_attention", "full_attention"], rope_parameters=rope(0.25)),
-           n_fused=1, needs=("partial_rotary", "q_gate")),
+           n_fused=1),
     Family("qwen3_5_text", dict(**HYBRID, head_dim=32, layer_types=["linear_attention", "full_attention"],
                                 rope_parameters=rope(0.25, mrope_section=[2, 1, 1], mrope_interleaved=True)),
-           n_fused=1, needs=("partial_rotary", "q_gate")),
+           n_fused=1),
     Family("qwen3_5_moe_text", dict(**MOE, **HYBRID, head_dim=32, shared_expert_intermediate_size=32,
                                     layer_types=["linear_attention", "full_attention"],
                                     rope_parameters=rope(0.25, mrope_section=[2, 1, 1], mrope_interleaved=True)),
-           n_fused=1, needs=("partial_rotary", "q_gate")),
+           n_fused=1),
     # v norm; the last layer shares the KV of an earlier one and stays HF's
     Family("gemma3n_text", dict(num_hidden_layers=3, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
                                 laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=1, sliding_window=5,
                                 layer_types=["sliding_attention", "full_attention", "full_attention"],
-                                activation_sparsity_pattern=[0.0, 0.0, 0.0]), needs=("v_norm",)),
+                                activation_sparsity_pattern=[0.0, 0.0, 0.0])),
     # ... and head_dim 16 / 32 on sliding / full layers, whose v is the k projection (attention_k_eq_v)
     Family("gemma4_text", dict(num_hidden_layers=3, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
                                num_kv_shared_layers=1, sliding_window=5, global_head_dim=32, attention_k_eq_v=True,
                                num_global_key_value_heads=1,
-                               layer_types=["sliding_attention", "full_attention", "full_attention"]),
-           needs=("v_norm",)),
+                               layer_types=["sliding_attention", "full_attention", "full_attention"])),
     Family("qwen4_exp_text", dict(**MOE, **HYBRID, head_dim=32, shared_expert_intermediate_size=32, hc_count=2,
                                   hc_lowrank=8, layer_types=["linear_attention", "qwen_sparse_attention"],
                                   indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
                                   indexer_compress_ratio=2, rope_parameters=rope(0.25, mrope_section=[1, 1, 0])),
-           n_fused=1, needs=("partial_rotary", "q_gate")),
+           n_fused=1),
     # norm over all heads
-    Family("olmo2", dict(head_dim=None), needs=("all_heads",)),
-    Family("olmo3", dict(head_dim=None, sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
-           needs=("all_heads",)),
-    Family("olmoe", dict(MOE, head_dim=None, moe_intermediate_size=None), needs=("all_heads",)),
-    Family("flex_olmo", dict(MOE, head_dim=None, moe_intermediate_size=None), needs=("all_heads",)),
+    Family("olmo2", dict(head_dim=None)),
+    Family("olmo3", dict(head_dim=None, sliding_window=5, layer_types=["sliding_attention", "full_attention"])),
+    Family("olmoe", dict(MOE, head_dim=None, moe_intermediate_size=None)),
+    Family("flex_olmo", dict(MOE, head_dim=None, moe_intermediate_size=None)),
     Family("minimax_m2", dict(MOE, num_local_experts=4, num_experts=None, rope_parameters=rope(0.5)),
-           bias=False, needs=("all_heads", "partial_rotary")),
+           bias=False),
     Family("olmo_hybrid", dict(**HYBRID, head_dim=None, layer_types=["linear_attention", "full_attention"]),
-           n_fused=1, needs=("all_heads",)),
+           n_fused=1),
 ]
 
 
@@ -196,27 +190,3 @@ def batch(b=2, s=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (b, s), generator=g)
 
-
-def block_features() -> set:
-    """The block features beyond the original block that the installed fusedqkv provides."""
-    import inspect
-
-    import fusedqkv
-
-    params = inspect.signature(fusedqkv.gqa_qkv_rope_qk_norm).parameters
-    have = {f for f in ("q_gate", "v_norm") if f in params}
-    if "norm_scope" in params:
-        have.add("all_heads")
-    if "rope_style" in params:
-        have.add("interleaved_rope")
-    x = torch.randn(1, 2, 8)
-    w = torch.randn(4 * 4, 8)
-    cs = torch.ones(1, 2, 2), torch.zeros(1, 2, 2)
-    for feature, args in (("partial_rotary", (torch.ones(4), torch.ones(4)) + cs), ("unweighted_norm", (None, None)
-                          + (torch.ones(1, 2, 4), torch.zeros(1, 2, 4)))):
-        try:
-            fusedqkv.gqa_qkv_rope_qk_norm(x, w, *args, num_heads=2, num_kv_heads=1)
-            have.add(feature)
-        except (TypeError, ValueError):
-            pass
-    return have

@@ -29,16 +29,10 @@ def _version(v):
 TF_VERSION = _version(transformers.__version__)
 
 
-BLOCK_FEATURES = H.block_features()
-
-
 def _param(fam):
     marks = []
     if TF_VERSION < _version(fam.min_version):
         marks.append(pytest.mark.skip(reason=f"{fam.name} needs transformers >= {fam.min_version}"))
-    missing = set(fam.needs) - BLOCK_FEATURES
-    if missing:
-        marks.append(pytest.mark.skip(reason=f"the block lacks {sorted(missing)}"))
     return pytest.param(fam, id=fam.name, marks=marks)
 
 
