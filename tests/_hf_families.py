@@ -58,6 +58,8 @@ class Family:
 
 FAMILIES = [
     # Qwen3's recipe
+    Family("qwen3", dict(sliding_window=5, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"])),
+    Family("qwen3_moe", dict(MOE, head_dim=None)),
     Family("dots1", dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_experts=None,
                          moe_intermediate_size=32, sliding_window=5,
                          layer_types=["sliding_attention", "full_attention"])),
@@ -91,6 +93,7 @@ FAMILIES = [
                                                         vision_start_token_id=90)),
            model="Qwen3OmniMoeThinkerForConditionalGeneration"),
     # RMSNorm after RoPE
+    Family("hunyuan_v1_dense", dict()),
     Family("hunyuan_vl_text", dict(rope_parameters=rope(mrope_section=[4, 2, 2])),
            composite=("HunYuanVLConfig", dict(vision_config=HUNYUAN_VIT)), model="HunYuanVLForConditionalGeneration"),
     Family("nanochat", dict()),
@@ -98,7 +101,10 @@ FAMILIES = [
                                moe_intermediate_size=None, intermediate_size_mlp=96, no_rope_layers=[1, 0],
                                attention_chunk_size=64, attn_temperature_tuning=True, rope_parameters=rope()),
            n_fused=1),
-    # 1 + w, an output gate from g_proj
+    # 1 + w
+    Family("gemma3_text", dict(query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=20.0,
+                               final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"])),
+    # ... and an output gate from g_proj
     Family("step3p5", dict(MOE, num_experts=None, num_local_experts=4, n_routed_experts=4, share_expert_dim=32,
                            sliding_window=5, layer_types=["sliding_attention", "full_attention"],
                            mlp_layer_types=["dense", "sparse"]),

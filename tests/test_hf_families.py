@@ -8,6 +8,9 @@ tokens, and torch.compile. Plus mRoPE with distinct sections, the per-family err
 table itself (one row per family, each row tested)."""
 
 import copy
+import pathlib
+import re
+import warnings
 
 import pytest
 import torch
@@ -157,12 +160,9 @@ def test_family_torch_compile(fam):
 def test_every_row_has_a_family_test_and_exists():
     import importlib
 
-    import _hf_models
-
     rows = {a.model_type: a for a in fqt.SUPPORTED}
     assert len(rows) == len(fqt.SUPPORTED)  # one row per family
-    tested = {f.name for f in H.FAMILIES} | set(_hf_models.ARCHS)
-    assert set(rows) == tested
+    assert set(rows) == {f.name for f in H.FAMILIES}
     for f in H.FAMILIES:
         if TF_VERSION < _version(f.min_version):
             continue
@@ -170,6 +170,10 @@ def test_every_row_has_a_family_test_and_exists():
         cls = getattr(importlib.import_module(a.modeling), a.attention)  # the row names a real class ...
         assert f.name == H.config(f).get_text_config().model_type  # ... of this model_type
         assert cls.__name__ == a.attention
+    # the README's coverage table names every family
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    table = readme[readme.index("| family (`model_type`)"):readme.index("Every family takes q/k/v biases")]
+    assert set(re.findall(r"`(\w+)`", table)) >= set(rows)
 
 
 # --------------------------------------------------------------------------- mRoPE
@@ -240,7 +244,26 @@ def test_family_settings_without_a_block_are_named():
     with pytest.raises(fqt.UnsupportedModelError, match=r"'glm4_moe'\): no attention layer can be fused; .*"
                                                          r"no QK norm \(use_qk_norm=False\)"):
         fusedqkv.apply_to(m)
+    m = H.build(_family("llama4_text"), use_qk_norm=False)
+    with pytest.raises(fqt.UnsupportedModelError, match=r"llama4_text .*no QK norm"):
+        fusedqkv.apply_to(m)
     m = H.build(_family("olmoe"), clip_qkv=4.0)
     with pytest.raises(fqt.UnsupportedModelError, match=r"clip_qkv=4.0 clamps q/k/v"):
         fusedqkv.apply_to(m)
     assert not fused_modules(m)  # nothing changed
+
+
+def test_gemma4_global_layers_above_the_block_head_dim_stay_hf():
+    """Gemma 4's global layers (head_dim 512 in the released models) exceed the block's 256:
+    the sliding layers are fused, the global ones stay HF's, with a warning; outputs agree."""
+    fam = _family("gemma4_text")
+    ref = H.build(fam, global_head_dim=264)
+    m = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match=r"1 attention layers stay unfused: model.layers.1.self_attn: head_dim=264"):
+        assert fusedqkv.apply_to(m) == 1
+    ids = H.batch(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(m(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fusedqkv.apply_to(m) == 0  # nothing left, no warning again

@@ -1,7 +1,7 @@
 """fusedqkv.apply_to composes with Liger-Kernel's ``apply_liger_kernel_to_qwen3(model=...)``
 in either order (issue 16), and with Liger's patch of every other family both support (issue 25:
-Qwen3-VL(-MoE), Qwen3-Next, Qwen3.5(-MoE), HunYuan-MoE, EXAONE 4, OLMo 2/3, Gemma 4, Llama 4): Liger keeps its RMSNorm (also on q_norm/k_norm, whose weights the
-fused block reads), SwiGLU and fused linear cross-entropy; fusedqkv takes the attention input.
+Qwen3-VL(-MoE), Qwen3-Next, Qwen3.5(-MoE), HunYuan-MoE, EXAONE 4, OLMo 2/3, Gemma 4, Llama 4):
+Liger keeps its RMSNorm (also on q_norm/k_norm, whose weights the fused block reads), SwiGLU and fused linear cross-entropy; fusedqkv takes the attention input.
 Skipped when liger_kernel is not installed.
 
 Liger's Triton kernels do not run under the Triton CPU interpreter, so without a GPU the
@@ -51,8 +51,10 @@ class _FusedLinearCE:  # LigerFusedLinearCrossEntropyFunction
     @staticmethod
     def apply(x, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
               label_smoothing=0.0, reduction="mean", softcap=None, *rest):
-        assert ce_weight is None and lse_square_scale == 0.0 and softcap is None
+        assert ce_weight is None and lse_square_scale == 0.0
         logits = F.linear(x, weight, bias).float()
+        if softcap is not None:  # Gemma's final logit soft-capping
+            logits = softcap * torch.tanh(logits / softcap)
         loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing)
         return loss, None, None, None

@@ -39,8 +39,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..autograd import gqa_qkv_rope_qk_norm
+from ..ops.validation import MAX_HEAD_DIM as _MAX_HEAD_DIM
 
-_MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TF = "transformers.models."
 
