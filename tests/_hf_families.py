@@ -5,6 +5,7 @@ with ``generate``) and how many attention layers apply_to fuses."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Callable, Optional
 
@@ -58,7 +59,8 @@ class Family:
 
 FAMILIES = [
     # Qwen3's recipe
-    Family("qwen3", dict(sliding_window=5, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"])),
+    Family("qwen3", dict(sliding_window=5, use_sliding_window=True,
+                         layer_types=["sliding_attention", "full_attention"])),
     Family("qwen3_moe", dict(MOE, head_dim=None)),
     Family("dots1", dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_experts=None,
                          moe_intermediate_size=32, sliding_window=5,
@@ -196,3 +198,78 @@ def batch(b=2, s=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (b, s), generator=g)
 
+
+
+# --------------------------------------------------------------------------- shared by the tests
+
+
+def version(v):
+    return tuple(int(x) for x in v.split(".")[:2])
+
+
+def _tf_version():
+    try:
+        import transformers
+    except ImportError:
+        return (0, 0)
+    return version(transformers.__version__)
+
+
+TF_VERSION = _tf_version()
+
+
+def params():
+    """pytest parameters, one per family; those newer than the installed transformers skip."""
+    import pytest
+
+    out = []
+    for fam in FAMILIES:
+        marks = []
+        if TF_VERSION < version(fam.min_version):
+            marks.append(pytest.mark.skip(reason=f"{fam.name} needs transformers >= {fam.min_version}"))
+        out.append(pytest.param(fam, id=fam.name, marks=marks))
+    return out
+
+
+def family(name):
+    return next(f for f in FAMILIES if f.name == name)
+
+
+def fused_modules(m):
+    return [mod for mod in m.modules() if hasattr(mod, "_fusedqkv")]
+
+
+def patched_pair(fam, bias=False, device="cpu", **kw):
+    """(patched, unpatched deep copy) of a tiny model of the family."""
+    import fusedqkv
+
+    ref = build(fam, bias, **kw).to(device)
+    m = copy.deepcopy(ref)
+    assert fusedqkv.apply_to(m) == fam.n_fused
+    assert len(fused_modules(m)) == fam.n_fused
+    return m, ref
+
+
+def check_grads(m, ref, tol, atol=1e-8):
+    """every gradient of the patched model against the unpatched one; the fused weight's (and
+    bias's) against the concatenation of HF's projection gradients."""
+    got = dict(m.named_parameters())
+    want = dict(ref.named_parameters())
+    projs = {name: mod._fusedqkv.projs for name, mod in m.named_modules() if hasattr(mod, "_fusedqkv")}
+    joined = 0
+    for name, p in got.items():
+        if ".qkv_proj." in name:
+            base, kind = name.split(".qkv_proj.")
+            parts = [want[f"{base}.{proj}.{kind}"] for proj in projs[base]]
+            joined += len(parts) - 1
+            g = torch.cat([w.grad for w in parts])
+        else:
+            g = want[name].grad
+        if g is None:  # a parameter that the loss does not reach (both models alike)
+            assert p.grad is None, name
+            continue
+        assert p.grad is not None, name
+        # atol: a router's gradient may be rounding noise (1e-12) in both models
+        err = float((p.grad - g).abs().max())
+        assert err <= tol * float(g.abs().max()) + atol, (name, err, float(g.abs().max()))
+    assert len(want) - len(got) == joined  # HF's projections became one parameter (weight, bias) per layer

@@ -25,63 +25,10 @@ import fusedqkv  # noqa: E402
 from fusedqkv.integrations import transformers as fqt  # noqa: E402
 
 
-def _version(v):
-    return tuple(int(x) for x in v.split(".")[:2])
-
-
-TF_VERSION = _version(transformers.__version__)
-
-
-def _param(fam):
-    marks = []
-    if TF_VERSION < _version(fam.min_version):
-        marks.append(pytest.mark.skip(reason=f"{fam.name} needs transformers >= {fam.min_version}"))
-    return pytest.param(fam, id=fam.name, marks=marks)
-
-
-FAMILIES = [_param(f) for f in H.FAMILIES]
+FAMILIES = H.params()
 COMPILE_BACKEND = "eager"
-
-
-def fused_modules(m):
-    return [mod for mod in m.modules() if hasattr(mod, "_fusedqkv")]
-
-
-def patched_pair(fam, bias=False, **kw):
-    ref = H.build(fam, bias, **kw)
-    m = copy.deepcopy(ref)
-    assert fusedqkv.apply_to(m) == fam.n_fused
-    assert len(fused_modules(m)) == fam.n_fused
-    return m, ref
-
-
-def rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
-def check_grads(m, ref, tol):
-    """every gradient of the patched model against the unpatched one; the fused weight's (and
-    bias's) against the concatenation of HF's projection gradients."""
-    got = dict(m.named_parameters())
-    want = dict(ref.named_parameters())
-    projs = {name: mod._fusedqkv.projs for name, mod in m.named_modules() if hasattr(mod, "_fusedqkv")}
-    joined = 0
-    for name, p in got.items():
-        if ".qkv_proj." in name:
-            base, kind = name.split(".qkv_proj.")
-            parts = [want[f"{base}.{proj}.{kind}"] for proj in projs[base]]
-            joined += len(parts) - 1
-            g = torch.cat([w.grad for w in parts])
-        else:
-            g = want[name].grad
-        if g is None:  # a parameter that the loss does not reach (both models alike)
-            assert p.grad is None, name
-            continue
-        assert p.grad is not None, name
-        # atol: a router's gradient may be rounding noise (1e-12) in both models
-        err = float((p.grad - g).abs().max())
-        assert err <= tol * float(g.abs().max()) + 1e-8, (name, err, float(g.abs().max()))
-    assert len(want) - len(got) == joined  # HF's projections became one parameter (weight, bias) per layer
+TF_VERSION, _version = H.TF_VERSION, H.version
+fused_modules, patched_pair, check_grads = H.fused_modules, H.patched_pair, H.check_grads
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -184,7 +131,7 @@ def test_mrope_sections_merged_into_cos_sin(name):
     """Multimodal RoPE: distinct temporal/height/width positions (an image's) give per-token
     cos/sin that differ from the text positions'; the fused text model matches HF's with them,
     outputs and gradients."""
-    fam = next(f for f in H.FAMILIES if f.name == name)
+    fam = H.family(name)
     m, ref = patched_pair(fam, True)
     lm, lm_ref = m.model.language_model, ref.model.language_model
     b, s = 2, 10
@@ -235,19 +182,15 @@ def test_layernorm_qk_norm_families_are_named(model_type, cls, kw, words):
         fusedqkv.apply_to(_tiny(model_type, cls, **kw))
 
 
-def _family(name):
-    return next(f for f in H.FAMILIES if f.name == name)
-
-
 def test_family_settings_without_a_block_are_named():
-    m = H.build(_family("glm4_moe"), use_qk_norm=False, rope_parameters=H.rope(1.0))
+    m = H.build(H.family("glm4_moe"), use_qk_norm=False, rope_parameters=H.rope(1.0))
     with pytest.raises(fqt.UnsupportedModelError, match=r"'glm4_moe'\): no attention layer can be fused; .*"
                                                          r"no QK norm \(use_qk_norm=False\)"):
         fusedqkv.apply_to(m)
-    m = H.build(_family("llama4_text"), use_qk_norm=False)
+    m = H.build(H.family("llama4_text"), use_qk_norm=False)
     with pytest.raises(fqt.UnsupportedModelError, match=r"llama4_text .*no QK norm"):
         fusedqkv.apply_to(m)
-    m = H.build(_family("olmoe"), clip_qkv=4.0)
+    m = H.build(H.family("olmoe"), clip_qkv=4.0)
     with pytest.raises(fqt.UnsupportedModelError, match=r"clip_qkv=4.0 clamps q/k/v"):
         fusedqkv.apply_to(m)
     assert not fused_modules(m)  # nothing changed
@@ -256,7 +199,7 @@ def test_family_settings_without_a_block_are_named():
 def test_gemma4_global_layers_above_the_block_head_dim_stay_hf():
     """Gemma 4's global layers (head_dim 512 in the released models) exceed the block's 256:
     the sliding layers are fused, the global ones stay HF's, with a warning; outputs agree."""
-    fam = _family("gemma4_text")
+    fam = H.family("gemma4_text")
     ref = H.build(fam, global_head_dim=264)
     m = copy.deepcopy(ref)
     with pytest.warns(UserWarning, match=r"1 attention layers stay unfused: model.layers.1.self_attn: head_dim=264"):
@@ -275,7 +218,7 @@ def test_cpu_autocast_bf16_three_way(name):
     the patched model's loss and every gradient of the fp32 master weights are at most twice
     as far from the fp32 values (relative, Frobenius) as the unpatched model's under autocast,
     plus 1e-2."""
-    fam = _family(name)
+    fam = H.family(name)
     m, ref = patched_pair(fam, fam.bias)
     exact = copy.deepcopy(ref)
     for x in (m, ref, exact):

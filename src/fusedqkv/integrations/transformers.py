@@ -58,23 +58,24 @@ def _rope_hf(attn, hidden_states, position_embeddings):
     return position_embeddings
 
 
-def _identity_rope(hidden_states, head_dim):
-    # NoPE through the block: cos 1, sin 0 rotate nothing (x*1 + r*0 == x exactly)
+def _identity_rope(hidden_states):
+    # NoPE through the block: a rotary part of 2 dims with cos 1, sin 0 rotates nothing
+    # (x*1 + r*0 == x exactly); the rest of each head passes through
     s = hidden_states.shape[1]
-    return (hidden_states.new_ones(1, s, head_dim), hidden_states.new_zeros(1, s, head_dim))
+    return hidden_states.new_ones(1, s, 2), hidden_states.new_zeros(1, s, 2)
 
 
 def _rope_nope_on_global_layers(attn, hidden_states, position_embeddings):
     # EXAONE 4 / EXAONE-MoE / Kolibri: "global NoPE" on the full-attention layers of hybrid models
     if attn.sliding_window is None or attn.is_sliding:
         return position_embeddings
-    return _identity_rope(hidden_states, attn.head_dim)
+    return _identity_rope(hidden_states)
 
 
 def _rope_nope_if_none(attn, hidden_states, position_embeddings):
     # OLMo-Hybrid: no position embeddings -> NoPE
     if position_embeddings is None:
-        return _identity_rope(hidden_states, attn.head_dim)
+        return _identity_rope(hidden_states)
     return position_embeddings
 
 
@@ -132,20 +133,21 @@ def _mask_doge_dynamic(attn, hidden_states, value_states, attention_mask):
 def _prologue_qwen4_exp(attn, hidden_states, position_embeddings, attention_mask, cache):
     # Qwen4-Exp: the sparse-attention indexer narrows the mask; cos/sin cover the cached keys too
     selected = attn.indexer(hidden_states, position_embeddings, attention_mask, cache)
-    if attention_mask.is_floating_point():
-        attention_mask = attention_mask + selected
-    else:
+    if attention_mask.dtype == torch.bool:
         attention_mask = attention_mask & selected
+    elif selected.dtype == torch.bool:  # transformers >= 5.2x: a boolean selection on the float mask
+        attention_mask = attention_mask.masked_fill(~selected, torch.finfo(attention_mask.dtype).min)
+    else:  # an additive selection mask
+        attention_mask = attention_mask + selected
     n = hidden_states.shape[1]
     return tuple(x[:, -n:, :] for x in position_embeddings), attention_mask
 
 
-def _shared_kv_by_layer_idx(attn):
-    return attn.layer_idx
-
-
-def _shared_kv_by_layer_type(attn):
-    return attn.layer_type
+def _shared_kv_key(attn):
+    # Gemma 3n / 4 store a layer's full-length k/v for the KV-shared layers under its layer
+    # index where those read it by kv_shared_layer_index (Gemma 3n before transformers 5.2x), else
+    # under its layer type
+    return attn.layer_idx if hasattr(attn, "kv_shared_layer_index") else attn.layer_type
 
 
 def _skip_kv_shared(attn) -> Optional[str]:
@@ -204,34 +206,15 @@ class Arch:
     output_gate: Optional[Callable] = None     # (attn, attn_output, x) -> gated output
     skip: Optional[Callable] = None            # (attn) -> why this layer stays HF's, or None
 
-    @property
-    def features(self) -> tuple[str, ...]:
-        """The block switches this family uses (README table)."""
-        f = ["RMSNorm " + self.qk_norm_position.replace("_", " ")]
-        if self.norm_scope != "head":
-            f.append("norm over all heads")
-        if not self.norm_weight:
-            f.append("unweighted norm")
-        elif self.norm_weight_offset:
-            f.append(f"weight {self.norm_weight_offset:g}+w")
-        if self.q_gate:
-            f.append("gated q")
-        if self.rope_style != "neox":
-            f.append(f"{self.rope_style} RoPE")
-        if self.v_norm:
-            f.append("v norm")
-        return tuple(f)
-
 
 def _row(model_type, module, attention, norm_class, **kw):
     return Arch(model_type, _TF + module, attention, norm_class, **kw)
 
 
-_PLAIN = dict()  # Qwen3's recipe: per-head RMSNorm (weight w) before RoPE
 _HUNYUAN = dict(qk_norm_position="after_rope", q_norm="query_layernorm", k_norm="key_layernorm")
 _OLMO2 = dict(norm_scope="all_heads")
 _QWEN3_NEXT = dict(norm_weight_offset=1.0, q_gate=True)
-_GEMMA_N = dict(v_norm="v_norm", sliding_window=_sw_attr, shared_kv=_shared_kv_by_layer_idx, skip=_skip_kv_shared)
+_GEMMA_N = dict(v_norm="v_norm", sliding_window=_sw_attr, shared_kv=_shared_kv_key, skip=_skip_kv_shared)
 
 SUPPORTED = (
     # Qwen3's recipe (per-head RMSNorm before RoPE, weight w)
@@ -296,10 +279,10 @@ SUPPORTED = (
     # v norm (Gemma 3n / 4: weight w, unweighted v RMSNorm; KV-shared layers stay HF's)
     _row("gemma3n_text", "gemma3n.modeling_gemma3n", "Gemma3nTextAttention", "Gemma3nRMSNorm", **_GEMMA_N),
     _row("gemma4_text", "gemma4.modeling_gemma4", "Gemma4TextAttention", "Gemma4RMSNorm",
-         **dict(_GEMMA_N, shared_kv=_shared_kv_by_layer_type, skip=_skip_gemma4, k_eq_v="use_alternative_attention")),
+         **dict(_GEMMA_N, skip=_skip_gemma4, k_eq_v="use_alternative_attention")),
 )
 
-# families whose QK norm is not an RMSNorm, or whose projections are not q/k/v Linears
+# families with a QK norm the block does not compute (named in apply_to's error)
 UNSUPPORTED = {
     "cohere": "its QK norm (use_qk_norm) is a LayerNorm (mean-centred, per head), not an RMSNorm",
     "chameleon": "its QK norm is a LayerNorm (mean-centred, with bias), not an RMSNorm",
