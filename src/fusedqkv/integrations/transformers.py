@@ -4,21 +4,24 @@ For every supported attention module of the model it
 
 * joins ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj`` (an ``nn.Linear`` whose weight
   rows are ``[Q | K | V]``, with the biases where the config has them), in ``q_proj``'s place;
-* swaps the module's class for a subclass whose ``forward`` computes q, k, v with
-  :func:`fusedqkv.gqa_qkv_rope_qk_norm` (projection + RoPE + per-head RMSNorm, one GEMM and
-  one fused kernel forward, the fused backward) and hands them to the model's own KV cache
-  and attention backend (eager/sdpa/flash...) exactly as the original forward does;
+* swaps the module's class for a subclass whose ``forward`` computes q, k, v (and the output
+  gate of gated-query families) with :func:`fusedqkv.gqa_qkv_rope_qk_norm` (projection + RoPE +
+  RMSNorm, one GEMM and one fused kernel forward, the fused backward) and hands them to the
+  model's own KV cache and attention backend (eager/sdpa/flash...) exactly as the original
+  forward does;
 * registers state-dict hooks so that ``state_dict()`` holds HF's ``q_proj``/``k_proj``/
   ``v_proj`` keys and values (and ``load_state_dict`` of an HF state dict merges them), so
   ``save_pretrained`` writes an ordinary HF checkpoint.
 
-The attention module itself, its ``o_proj`` and norm modules (whose weights the fused block
-reads; Liger-Kernel may patch their forward) stay the objects the model references.
+The attention module itself, its output projection and norm modules (whose weights the fused
+block reads; Liger-Kernel may patch their forward) stay the objects the model references.
 
-Supported (``SUPPORTED``): Qwen3, Qwen3-MoE (RMSNorm before RoPE), HunYuan dense V1 (RMSNorm
-after RoPE) and Gemma3 text (before RoPE, weights in the form ``1 + w``), each with or without
-q/k/v biases (``attention_bias``). Anything else raises :class:`UnsupportedModelError` naming
-what is unsupported.
+``SUPPORTED`` is the one table of what each HF family's attention computes, as the block's
+switches (norm position and scope, weight form, gated query, RoPE style, v norm) plus the few
+places where a family's forward differs from the common one (how it passes the sliding window,
+NoPE layers, an output gate from another projection, a dynamic mask, shared KV). Adding a
+family whose forward follows the common pattern is one row. Anything else raises
+:class:`UnsupportedModelError` naming the family and the reason.
 """
 
 from __future__ import annotations
@@ -27,74 +30,291 @@ import dataclasses
 import importlib
 import inspect
 import sys
+import warnings
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..autograd import gqa_qkv_rope_qk_norm
+from ..ops.validation import MAX_HEAD_DIM as _MAX_HEAD_DIM
 
-_MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TF = "transformers.models."
 
 
 class UnsupportedModelError(ValueError):
     """The model, one of its attention modules or its configuration cannot be fused."""
 
 
+# --------------------------------------------------------------------------- per-family hooks
+# Small functions a row names where its family's forward differs from the common one. Each
+# mirrors the lines of the HF forward it replaces.
+
+
+def _rope_hf(attn, hidden_states, position_embeddings):
+    return position_embeddings
+
+
+def _identity_rope(hidden_states):
+    # NoPE through the block: a rotary part of 2 dims with cos 1, sin 0 rotates nothing
+    # (x*1 + r*0 == x exactly); the rest of each head passes through
+    s = hidden_states.shape[1]
+    return hidden_states.new_ones(1, s, 2), hidden_states.new_zeros(1, s, 2)
+
+
+def _rope_nope_on_global_layers(attn, hidden_states, position_embeddings):
+    # EXAONE 4 / EXAONE-MoE / Kolibri: "global NoPE" on the full-attention layers of hybrid models
+    if attn.sliding_window is None or attn.is_sliding:
+        return position_embeddings
+    return _identity_rope(hidden_states)
+
+
+def _rope_nope_if_none(attn, hidden_states, position_embeddings):
+    # OLMo-Hybrid: no position embeddings -> NoPE
+    if position_embeddings is None:
+        return _identity_rope(hidden_states)
+    return position_embeddings
+
+
+def _rope_negated_sin(attn, hidden_states, position_embeddings):
+    # NanoChat's rotate_half is cat(x2, -x1) = -(HF's): the same rotation with sin negated
+    cos, sin = position_embeddings
+    return cos, -sin
+
+
+def _rope_complex_interleaved(attn, hidden_states, position_embeddings):
+    # Llama 4: freqs_cis [B, S, D/2] complex, pairs (2i, 2i+1) -> per-element cos/sin [B, S, D]
+    f = position_embeddings.to(hidden_states.device)
+    dt = hidden_states.dtype
+    return f.real.repeat_interleave(2, -1).to(dt), f.imag.repeat_interleave(2, -1).to(dt)
+
+
+def _sw_attr(attn):
+    return attn.sliding_window
+
+
+def _sw_if_sliding(attn):
+    return attn.sliding_window if attn.is_sliding else None
+
+
+def _sw_config(attn):
+    return getattr(attn.config, "sliding_window", None)
+
+
+def _gate_softplus_g_proj(attn, attn_output, hidden_states):
+    # Laguna: softplus(g_proj(x)) per head or per channel
+    gate = F.softplus(attn.g_proj(hidden_states).float()).to(attn_output.dtype)
+    if attn.gate_per_head:
+        shape = hidden_states.shape[:-1]
+        return (attn_output.view(*shape, -1, attn.head_dim) * gate.unsqueeze(-1)).view(*shape, -1)
+    return attn_output * gate
+
+
+def _gate_sigmoid_g_proj_per_head(attn, attn_output, hidden_states):
+    # Step 3.7: sigmoid(g_proj(x)) per head
+    gate_states = attn.g_proj(hidden_states)
+    shape = attn_output.shape
+    out = attn_output.view(*shape[:-1], attn.num_heads, attn.head_dim) * gate_states.unsqueeze(-1).sigmoid()
+    return out.view(*shape)
+
+
+def _mask_doge_dynamic(attn, hidden_states, value_states, attention_mask):
+    # Doge: the dynamic mask from the (cached) values, as DogeAttention.forward builds it
+    dt_states = attn.dt_proj(value_states.transpose(1, 2).reshape(value_states.shape[0], value_states.shape[-2], -1))
+    dt_states = torch.exp(attn.A * F.softplus(dt_states)).transpose(-1, -2)
+    mask = attn.prepare_dynamic_mask(hidden_states=hidden_states, dt_states=dt_states,
+                                     keep_window_size=attn.keep_window_size, attention_mask=attention_mask)
+    return attn._fusedqkv_modeling.repeat_kv(mask, attn.num_key_value_groups)
+
+
+def _prologue_qwen4_exp(attn, hidden_states, position_embeddings, attention_mask, cache):
+    # Qwen4-Exp: the sparse-attention indexer narrows the mask; cos/sin cover the cached keys too
+    selected = attn.indexer(hidden_states, position_embeddings, attention_mask, cache)
+    if attention_mask.dtype == torch.bool:
+        attention_mask = attention_mask & selected
+    elif selected.dtype == torch.bool:  # transformers >= 5.2x: a boolean selection on the float mask
+        attention_mask = attention_mask.masked_fill(~selected, torch.finfo(attention_mask.dtype).min)
+    else:  # an additive selection mask
+        attention_mask = attention_mask + selected
+    n = hidden_states.shape[1]
+    return tuple(x[:, -n:, :] for x in position_embeddings), attention_mask
+
+
+def _shared_kv_key(attn):
+    # Gemma 3n / 4 store a layer's full-length k/v for the KV-shared layers under its layer
+    # index where those read it by kv_shared_layer_index (Gemma 3n before transformers 5.2x), else
+    # under its layer type
+    return attn.layer_idx if hasattr(attn, "kv_shared_layer_index") else attn.layer_type
+
+
+def _skip_kv_shared(attn) -> Optional[str]:
+    if getattr(attn, "is_kv_shared_layer", False):
+        return "a KV-shared layer (it reuses an earlier layer's k/v and has no k_proj/v_proj)"
+    return None
+
+
+def _skip_gemma4(attn) -> Optional[str]:
+    reason = _skip_kv_shared(attn)
+    if reason is None and isinstance(attn.head_dim, int) and attn.head_dim > _MAX_HEAD_DIM:
+        reason = f"head_dim={attn.head_dim} (global layer) is above the block's {_MAX_HEAD_DIM}"
+    return reason
+
+
+def _skip_llama4(attn) -> Optional[str]:
+    if "qk_norm" not in attn._modules:
+        return "no QK norm (a NoPE layer, or use_qk_norm=False)"
+    return None
+
+
+def _skip_glm4_moe(attn) -> Optional[str]:
+    if not getattr(attn, "use_qk_norm", False):
+        return "no QK norm (use_qk_norm=False)"
+    return None
+
+
+# --------------------------------------------------------------------------- the table
+
+
 @dataclasses.dataclass(frozen=True)
 class Arch:
-    """What one architecture's attention computes, read from its HF source."""
+    """What one HF attention class computes, read from its source: the block's switches and
+    the hooks where its forward differs from the common one."""
 
-    model_type: str
-    modeling: str            # module of the attention class
+    model_type: str          # config.model_type of the (text) model
+    modeling: str            # module of the attention class (under transformers.models.)
     attention: str           # attention class name
-    norm_class: str          # the per-head RMSNorm class of q and k
-    q_norm: str              # attribute names of the q/k norm modules
-    k_norm: str
-    qk_norm_position: str    # "before_rope" or "after_rope"
-    norm_weight_offset: float  # the norm scales by offset + weight
-    passes_sliding_window: bool  # the original forward hands sliding_window to the backend
+    norm_class: str          # the RMSNorm class of q and k (and v)
+    qk_norm_position: str = "before_rope"
+    norm_weight_offset: float = 0.0  # the norm scales by offset + weight
+    norm_weight: bool = True         # False: RMSNorm without a weight (Llama 4, NanoChat)
+    norm_scope: str = "head"         # "all_heads": one RMS over all heads' channels (OLMo 2)
+    q_gate: bool = False             # q_proj gives [q | gate] per head (Qwen3-Next / Qwen3.5)
+    rope_style: str = "neox"         # "interleaved": pairs (2i, 2i+1) (Llama 4)
+    q_norm: str = "q_norm"           # attribute names of the norm modules
+    k_norm: str = "k_norm"
+    v_norm: Optional[str] = None     # an unweighted RMSNorm of v (Gemma 3n / 4)
+    out_proj: str = "o_proj"
+    k_eq_v: Optional[str] = None     # attribute that is True where v is the raw k_proj output (Gemma 4)
+    rope: Callable = _rope_hf        # (attn, x, position_embeddings) -> (cos, sin)
+    sliding_window: Optional[Callable] = None  # (attn) -> the backend's sliding_window; None: not passed
+    prologue: Optional[Callable] = None        # (attn, x, pe, mask, cache) -> (pe, mask)
+    dynamic_mask: Optional[Callable] = None    # (attn, x, v, mask) -> mask
+    shared_kv: Optional[Callable] = None       # (attn) -> key of shared_kv_states it stores under
+    output_gate: Optional[Callable] = None     # (attn, attn_output, x) -> gated output
+    skip: Optional[Callable] = None            # (attn) -> why this layer stays HF's, or None
 
+
+def _row(model_type, module, attention, norm_class, **kw):
+    return Arch(model_type, _TF + module, attention, norm_class, **kw)
+
+
+_HUNYUAN = dict(qk_norm_position="after_rope", q_norm="query_layernorm", k_norm="key_layernorm")
+_OLMO2 = dict(norm_scope="all_heads")
+_QWEN3_NEXT = dict(norm_weight_offset=1.0, q_gate=True)
+_GEMMA_N = dict(v_norm="v_norm", sliding_window=_sw_attr, shared_kv=_shared_kv_key, skip=_skip_kv_shared)
 
 SUPPORTED = (
-    Arch("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3Attention", "Qwen3RMSNorm",
-         "q_norm", "k_norm", "before_rope", 0.0, True),
-    Arch("qwen3_moe", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention", "Qwen3MoeRMSNorm",
-         "q_norm", "k_norm", "before_rope", 0.0, True),
-    Arch("hunyuan_v1_dense", "transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense",
-         "HunYuanDenseV1Attention", "HunYuanDenseV1RMSNorm", "query_layernorm", "key_layernorm", "after_rope", 0.0,
-         False),
-    Arch("gemma3_text", "transformers.models.gemma3.modeling_gemma3", "Gemma3Attention", "Gemma3RMSNorm",
-         "q_norm", "k_norm", "before_rope", 1.0, True),
+    # Qwen3's recipe (per-head RMSNorm before RoPE, weight w)
+    _row("qwen3", "qwen3.modeling_qwen3", "Qwen3Attention", "Qwen3RMSNorm", sliding_window=_sw_attr),
+    _row("qwen3_moe", "qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention", "Qwen3MoeRMSNorm",
+         sliding_window=_sw_attr),
+    _row("qwen3_vl_text", "qwen3_vl.modeling_qwen3_vl", "Qwen3VLTextAttention", "Qwen3VLTextRMSNorm"),
+    _row("qwen3_vl_moe_text", "qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeTextAttention",
+         "Qwen3VLMoeTextRMSNorm"),
+    _row("qwen3_omni_moe_text", "qwen3_omni_moe.modeling_qwen3_omni_moe", "Qwen3OmniMoeThinkerTextAttention",
+         "Qwen3OmniMoeThinkerTextRMSNorm", sliding_window=_sw_attr),
+    _row("dots1", "dots1.modeling_dots1", "Dots1Attention", "Dots1RMSNorm", sliding_window=_sw_attr),
+    _row("mellum", "mellum.modeling_mellum", "MellumAttention", "MellumRMSNorm", sliding_window=_sw_attr),
+    _row("apertus", "apertus.modeling_apertus", "ApertusAttention", "ApertusRMSNorm"),
+    _row("hy_v3", "hy_v3.modeling_hy_v3", "HYV3Attention", "HYV3RMSNorm"),
+    _row("lfm2", "lfm2.modeling_lfm2", "Lfm2Attention", "Lfm2RMSNorm", q_norm="q_layernorm",
+         k_norm="k_layernorm", out_proj="out_proj"),
+    _row("lfm2_moe", "lfm2_moe.modeling_lfm2_moe", "Lfm2MoeAttention", "Lfm2MoeRMSNorm", q_norm="q_layernorm",
+         k_norm="k_layernorm", out_proj="out_proj"),
+    _row("exaone4", "exaone4.modeling_exaone4", "Exaone4Attention", "Exaone4RMSNorm",
+         rope=_rope_nope_on_global_layers, sliding_window=_sw_if_sliding),
+    _row("exaone_moe", "exaone_moe.modeling_exaone_moe", "ExaoneMoeAttention", "ExaoneMoeRMSNorm",
+         rope=_rope_nope_on_global_layers, sliding_window=_sw_if_sliding),
+    _row("kolibri1", "kolibri1.modeling_kolibri1", "Kolibri1Attention", "Kolibri1RMSNorm",
+         rope=_rope_nope_on_global_layers, sliding_window=_sw_if_sliding),
+    _row("doge", "doge.modeling_doge", "DogeAttention", "DogeRMSNorm", dynamic_mask=_mask_doge_dynamic),
+    _row("glm4_moe", "glm4_moe.modeling_glm4_moe", "Glm4MoeAttention", "Glm4MoeRMSNorm", skip=_skip_glm4_moe),
+    _row("laguna", "laguna.modeling_laguna", "LagunaAttention", "LagunaRMSNorm", sliding_window=_sw_attr,
+         output_gate=_gate_softplus_g_proj),
+    # RMSNorm after RoPE (HunYuan; the 091 order)
+    _row("hunyuan_v1_dense", "hunyuan_v1_dense.modeling_hunyuan_v1_dense", "HunYuanDenseV1Attention",
+         "HunYuanDenseV1RMSNorm", **_HUNYUAN),
+    _row("hunyuan_v1_moe", "hunyuan_v1_moe.modeling_hunyuan_v1_moe", "HunYuanMoEV1Attention",
+         "HunYuanMoEV1RMSNorm", **_HUNYUAN),
+    _row("hunyuan_vl_text", "hunyuan_vl.modeling_hunyuan_vl", "HunYuanVLDenseV1Attention", "HunYuanVLRMSNorm",
+         **_HUNYUAN),
+    _row("nanochat", "nanochat.modeling_nanochat", "NanoChatAttention", "NanoChatRMSNorm",
+         qk_norm_position="after_rope", norm_weight=False, rope=_rope_negated_sin),
+    _row("llama4_text", "llama4.modeling_llama4", "Llama4TextAttention", "Llama4TextL2Norm",
+         qk_norm_position="after_rope", norm_weight=False, rope_style="interleaved", q_norm="qk_norm",
+         k_norm="qk_norm", rope=_rope_complex_interleaved, skip=_skip_llama4),
+    # weight form 1 + w
+    _row("gemma3_text", "gemma3.modeling_gemma3", "Gemma3Attention", "Gemma3RMSNorm", norm_weight_offset=1.0,
+         sliding_window=_sw_attr),
+    _row("step3p5", "step3p7.modeling_step3p7", "Step3p7Attention", "Step3p7RMSNorm", norm_weight_offset=1.0,
+         sliding_window=_sw_attr, output_gate=_gate_sigmoid_g_proj_per_head),
+    # gated q (and 1 + w); the hybrids' linear-attention layers are not attention modules
+    _row("qwen3_next", "qwen3_next.modeling_qwen3_next", "Qwen3NextAttention", "Qwen3NextRMSNorm", **_QWEN3_NEXT),
+    _row("qwen3_5_text", "qwen3_5.modeling_qwen3_5", "Qwen3_5Attention", "Qwen3_5RMSNorm", **_QWEN3_NEXT),
+    _row("qwen3_5_moe_text", "qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeAttention", "Qwen3_5MoeRMSNorm",
+         **_QWEN3_NEXT),
+    _row("qwen4_exp_text", "qwen4_exp.modeling_qwen4_exp", "Qwen4ExpTextAttention", "Qwen4ExpTextRMSNorm",
+         prologue=_prologue_qwen4_exp, **_QWEN3_NEXT),
+    # RMSNorm over all heads' channels (before RoPE)
+    _row("olmo2", "olmo2.modeling_olmo2", "Olmo2Attention", "Olmo2RMSNorm", **_OLMO2),
+    _row("olmo3", "olmo3.modeling_olmo3", "Olmo3Attention", "Olmo3RMSNorm", sliding_window=_sw_attr, **_OLMO2),
+    _row("olmoe", "olmoe.modeling_olmoe", "OlmoeAttention", "OlmoeRMSNorm", sliding_window=_sw_config, **_OLMO2),
+    _row("flex_olmo", "flex_olmo.modeling_flex_olmo", "FlexOlmoAttention", "FlexOlmoRMSNorm", **_OLMO2),
+    _row("olmo_hybrid", "olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridAttention", "OlmoHybridRMSNorm",
+         rope=_rope_nope_if_none, **_OLMO2),
+    _row("minimax_m2", "minimax_m2.modeling_minimax_m2", "MiniMaxM2Attention", "MiniMaxM2RMSNorm", **_OLMO2),
+    # v norm (Gemma 3n / 4: weight w, unweighted v RMSNorm; KV-shared layers stay HF's)
+    _row("gemma3n_text", "gemma3n.modeling_gemma3n", "Gemma3nTextAttention", "Gemma3nRMSNorm", **_GEMMA_N),
+    _row("gemma4_text", "gemma4.modeling_gemma4", "Gemma4TextAttention", "Gemma4RMSNorm",
+         **dict(_GEMMA_N, skip=_skip_gemma4, k_eq_v="use_alternative_attention")),
 )
+
+# families with a QK norm the block does not compute (named in apply_to's error)
+UNSUPPORTED = {
+    "cohere": "its QK norm (use_qk_norm) is a LayerNorm (mean-centred, per head), not an RMSNorm",
+    "chameleon": "its QK norm is a LayerNorm (mean-centred, with bias), not an RMSNorm",
+    "persimmon": "its QK layernorm is a LayerNorm (mean-centred, with bias), not an RMSNorm",
+    "phi": "its QK layernorm is a LayerNorm (mean-centred, with bias), not an RMSNorm",
+    "stablelm": "its QK layernorm is a per-head LayerNorm (mean-centred), not an RMSNorm",
+}
 
 
 def _supported_names() -> str:
-    return ", ".join(f"{a.model_type} ({a.attention})" for a in SUPPORTED)
+    return ", ".join(sorted({a.model_type for a in SUPPORTED}))
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedSpec:
-    """Per fused module: the sizes and the block's options."""
+    """Per fused module: the sizes, the projection rows and the block's options."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     eps: float
-    q_norm: str
-    k_norm: str
-    qk_norm_position: str
-    norm_weight_offset: float
+    projs: tuple[str, ...]      # the HF projections fused, in row order
+    split: tuple[int, ...]      # their row counts
+    block_kwargs: tuple         # (name, value) pairs for gqa_qkv_rope_qk_norm beyond the sizes
+    k_eq_v: bool                # v is the raw k projection (no v_proj; Gemma 4)
+    hf_children: tuple          # the HF module's child names in order (its state-dict order)
 
     @property
-    def split(self) -> tuple[int, int, int]:
-        d = self.head_dim
-        return self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d
+    def kwargs(self) -> dict:
+        return dict(self.block_kwargs)
 
 
-_PROJ = ("q_proj", "k_proj", "v_proj")
 FUSED_NAME = "qkv_proj"
 
 
@@ -106,21 +326,50 @@ class _FusedAttention:
 
     Class attributes set per architecture by :func:`fused_class`: ``_fusedqkv_arch``,
     ``_fusedqkv_modeling`` (the HF modeling module: its ``eager_attention_forward`` and
-    ``ALL_ATTENTION_FUNCTIONS`` are looked up per call, as the original forward does).
+    ``ALL_ATTENTION_FUNCTIONS`` are looked up per call, as the original forward does),
+    ``_fusedqkv_update`` (the KV-cache call of this transformers version).
     Instance attribute: ``_fusedqkv`` (:class:`FusedSpec`)."""
 
     def _fusedqkv_qkv(self, hidden_states, position_embeddings):
+        """q, k, v as HF's attention takes them and the output gate (``None`` unless gated q)."""
         spec: FusedSpec = self._fusedqkv
-        cos, sin = position_embeddings
+        arch: Arch = self._fusedqkv_arch
+        cos, sin = arch.rope(self, hidden_states, position_embeddings)
         proj = self.qkv_proj
         w, b = proj.weight, proj.bias
+        if spec.k_eq_v:
+            # v = the k projection: the block's V rows are the K rows again (one parameter, the
+            # gradients of both uses summed by autograd)
+            q_rows, kv_rows = spec.split
+            w = torch.cat([w, w[q_rows:]])
+            b = torch.cat([b, b[q_rows:]]) if b is not None else None
+        if arch.norm_weight:
+            wq, wk = getattr(self, arch.q_norm).weight, getattr(self, arch.k_norm).weight
+        else:
+            wq = wk = None
         # under autocast the block casts its inputs as HF's Linear would (gqa_qkv_rope_qk_norm)
-        return gqa_qkv_rope_qk_norm(
-            hidden_states, w, getattr(self, spec.q_norm).weight, getattr(self, spec.k_norm).weight, cos, sin,
-            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
-            qk_norm_position=spec.qk_norm_position, qkv_bias=b, norm_weight_offset=spec.norm_weight_offset)
+        out = gqa_qkv_rope_qk_norm(hidden_states, w, wq, wk, cos, sin, num_heads=spec.num_heads,
+                                   num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, **spec.kwargs)
+        if arch.q_gate:
+            q, k, v, gate = out
+            return q, k, v, gate.reshape(*hidden_states.shape[:-1], -1)
+        q, k, v = out
+        return q, k, v, None
 
-    def _fusedqkv_attend(self, query, key, value, attention_mask, input_shape, kwargs):
+    def _fusedqkv_forward(self, hidden_states, position_embeddings, attention_mask, cache, kwargs,
+                          cache_position=None):
+        arch: Arch = self._fusedqkv_arch
+        if arch.prologue is not None:
+            position_embeddings, attention_mask = arch.prologue(self, hidden_states, position_embeddings,
+                                                                attention_mask, cache)
+        shared_kv_states = kwargs.pop("shared_kv_states", None) if arch.shared_kv is not None else None
+        query, key, value, gate = self._fusedqkv_qkv(hidden_states, position_embeddings)
+        if cache is not None:
+            key, value = self._fusedqkv_update(cache, key, value, kwargs, position_embeddings, cache_position)
+        if arch.shared_kv is not None and self.store_full_length_kv:
+            shared_kv_states[arch.shared_kv(self)] = key, value
+        if arch.dynamic_mask is not None:
+            attention_mask = arch.dynamic_mask(self, hidden_states, value, attention_mask)
         modeling = self._fusedqkv_modeling
         functions = modeling.ALL_ATTENTION_FUNCTIONS
         impl = self.config._attn_implementation
@@ -129,63 +378,75 @@ class _FusedAttention:
             interface = functions.get_interface(impl, eager)
         else:  # transformers 5.0
             interface = eager if impl == "eager" else functions[impl]
-        if self._fusedqkv_arch.passes_sliding_window:
-            kwargs["sliding_window"] = self.sliding_window
-        attn_output, attn_weights = interface(
-            self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        if arch.sliding_window is not None:
+            kwargs["sliding_window"] = arch.sliding_window(self)
+        dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
+        attn_output, attn_weights = interface(self, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=self.scaling, **kwargs)
+        attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        if gate is not None:
+            attn_output = attn_output * torch.sigmoid(gate)
+        if arch.output_gate is not None:
+            attn_output = arch.output_gate(self, attn_output, hidden_states)
+        return getattr(self, arch.out_proj)(attn_output), attn_weights
 
     def extra_repr(self) -> str:
         s: FusedSpec = self._fusedqkv
-        return (f"fusedqkv: qkv_proj + {s.qk_norm_position.replace('_', ' ')} RMSNorm (num_heads={s.num_heads}, "
-                f"num_kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, eps={s.eps}"
-                + (f", norm_weight_offset={s.norm_weight_offset}" if s.norm_weight_offset else "") + ")")
+        kw = s.kwargs
+        pos = kw.pop("qk_norm_position").replace("_", " ")
+        if not kw["norm_weight_offset"]:
+            del kw["norm_weight_offset"]
+        opts = "".join(f", {k}={v}" for k, v in kw.items())
+        return (f"fusedqkv: {FUSED_NAME} = [{' | '.join(s.projs)}] + RMSNorm {pos} (num_heads={s.num_heads}, "
+                f"num_kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, eps={s.eps}{opts})")
 
 
-# Three KV-cache conventions of transformers 5.x's attention forwards (the rest of the
-# forward is the same in all): picked per class from the original forward's signature.
+# The KV-cache conventions of transformers 5.x's attention forwards (the rest of the forward is
+# the same in all): picked per class from the original forward's signature. Each normalises the
+# arguments for _fusedqkv_forward and names the cache update.
+
+
+def _update_layer_idx(self, cache, key, value, kwargs, position_embeddings, cache_position):
+    return cache.update(key, value, self.layer_idx)
+
+
+def _update_with_cache_kwargs(self, cache, key, value, kwargs, position_embeddings, cache_position):
+    cos, sin = position_embeddings
+    return cache.update(key, value, self.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
+
+
+def _update_with_kwargs(self, cache, key, value, kwargs, position_embeddings, cache_position):
+    return cache.update(key, value, self.layer_idx, kwargs=kwargs)
 
 
 def _forward_past_key_values(self, hidden_states, position_embeddings=None, attention_mask=None,
                              past_key_values=None, **kwargs):
     # transformers 5.1 - 5.2x: cache.update(k, v, layer_idx)
-    query, key, value = self._fusedqkv_qkv(hidden_states, position_embeddings)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, self.layer_idx)
-    return self._fusedqkv_attend(query, key, value, attention_mask, hidden_states.shape[:-1], kwargs)
+    return self._fusedqkv_forward(hidden_states, position_embeddings, attention_mask, past_key_values, kwargs)
 
 
 def _forward_cache_position(self, hidden_states, position_embeddings=None, attention_mask=None,
                             past_key_values=None, cache_position=None, **kwargs):
     # transformers 5.0: cache.update(k, v, layer_idx, {sin, cos, cache_position})
-    query, key, value = self._fusedqkv_qkv(hidden_states, position_embeddings)
-    if past_key_values is not None:
-        cos, sin = position_embeddings
-        key, value = past_key_values.update(key, value, self.layer_idx,
-                                            {"sin": sin, "cos": cos, "cache_position": cache_position})
-    return self._fusedqkv_attend(query, key, value, attention_mask, hidden_states.shape[:-1], kwargs)
+    return self._fusedqkv_forward(hidden_states, position_embeddings, attention_mask, past_key_values, kwargs,
+                                  cache_position)
 
 
 def _forward_cache(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
     # newer 5.x: the argument is ``cache`` (``past_key_values`` deprecated), update(..., kwargs=)
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
-    query, key, value = self._fusedqkv_qkv(hidden_states, position_embeddings)
-    if cache is not None:
-        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-    return self._fusedqkv_attend(query, key, value, attention_mask, hidden_states.shape[:-1], kwargs)
+    return self._fusedqkv_forward(hidden_states, position_embeddings, attention_mask, cache, kwargs)
 
 
 def _cache_convention(cls):
     params = inspect.signature(cls.forward).parameters
     if "cache" in params:
-        return _forward_cache
+        return _forward_cache, _update_with_kwargs
     if "cache_position" in params:
-        return _forward_cache_position
+        return _forward_cache_position, _update_with_cache_kwargs
     if "past_key_values" in params:
-        return _forward_past_key_values
+        return _forward_past_key_values, _update_layer_idx
     raise UnsupportedModelError(
         f"fusedqkv.apply_to: {cls.__name__}.forward{inspect.signature(cls.forward)} has no KV-cache argument this "
         f"integration knows (past_key_values / cache); transformers {_tf_version()} is not supported")
@@ -194,16 +455,21 @@ def _cache_convention(cls):
 _FUSED_CLASSES: dict = {}
 
 
+def _arch_of(cls: type) -> Arch:
+    return next(a for a in SUPPORTED if a.attention == cls.__name__ and a.modeling == cls.__module__)
+
+
 def fused_class(cls: type) -> type:
     """The fused subclass of an HF attention class (one per class; it lives in this module
     under ``FusedQKV<Name>`` so that a pickled model finds it again)."""
     fused = _FUSED_CLASSES.get(cls)
     if fused is not None:
         return fused
-    arch = next(a for a in SUPPORTED if a.attention == cls.__name__ and a.modeling == cls.__module__)
+    arch = _arch_of(cls)
+    forward, update = _cache_convention(cls)
     name = "FusedQKV" + cls.__name__
     fused = type(name, (_FusedAttention, cls), {
-        "__module__": __name__, "__qualname__": name, "forward": _cache_convention(cls),
+        "__module__": __name__, "__qualname__": name, "forward": forward, "_fusedqkv_update": update,
         "_fusedqkv_arch": arch, "_fusedqkv_modeling": sys.modules[cls.__module__],
         "__doc__": f"{cls.__name__} with the fused QKV + RoPE + QK-norm input block (fusedqkv.apply_to).",
     })
@@ -226,7 +492,8 @@ def __getattr__(name: str):
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
     """``qkv_proj.weight``/``.bias`` -> HF's ``q_proj``/``k_proj``/``v_proj`` entries, in HF's
-    key order (the module's keys are the tail of ``state_dict`` when this runs)."""
+    key order (the module's keys are the tail of ``state_dict`` when this runs: its own
+    parameters and buffers, then its children's, which are put back in the HF module's order)."""
     fused_w, fused_b = prefix + FUSED_NAME + ".weight", prefix + FUSED_NAME + ".bias"
     if fused_w not in state_dict:
         return
@@ -236,25 +503,33 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
             break
         tail.append(key)
     tail.reverse()
-    items = [(key, state_dict.pop(key)) for key in tail]
-    sizes = module._fusedqkv.split
-    for key, value in items:
-        if key == fused_b:
-            continue
-        if key != fused_w:
+    items = dict((key, state_dict.pop(key)) for key in tail)
+    spec: FusedSpec = module._fusedqkv
+    children = {}  # child name -> [(key, value)]
+    for key, value in items.items():
+        child, _, rest = key[len(prefix):].partition(".")
+        if not rest or child not in module._modules:  # the module's own parameter or buffer
             state_dict[key] = value
-            continue
-        bias = dict(items).get(fused_b)
-        # copies: views of one storage would be taken for tied weights by save_pretrained
-        for name, w_part, b_part in zip(_PROJ, value.detach().split(sizes),
-                                        bias.detach().split(sizes) if bias is not None else (None,) * 3):
-            state_dict[f"{prefix}{name}.weight"] = w_part.clone()
-            if b_part is not None:
-                state_dict[f"{prefix}{name}.bias"] = b_part.clone()
+        elif child != FUSED_NAME:
+            children.setdefault(child, []).append((key, value))
+    bias = items.get(fused_b)
+    # copies: views of one storage would be taken for tied weights by save_pretrained
+    w_parts = items[fused_w].detach().split(spec.split)
+    b_parts = bias.detach().split(spec.split) if bias is not None else (None,) * len(spec.projs)
+    for name, w_part, b_part in zip(spec.projs, w_parts, b_parts):
+        children[name] = [(f"{prefix}{name}.weight", w_part.clone())]
+        if b_part is not None:
+            children[name].append((f"{prefix}{name}.bias", b_part.clone()))
+    for child in spec.hf_children:
+        for key, value in children.pop(child, ()):
+            state_dict[key] = value
+    for entries in children.values():  # children added after apply_to
+        for key, value in entries:
+            state_dict[key] = value
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None and (prefix + FUSED_NAME) in meta:
         version = meta.pop(prefix + FUSED_NAME)
-        for name in _PROJ:
+        for name in spec.projs:
             meta[prefix + name] = dict(version)
 
 
@@ -263,16 +538,16 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
     """HF's ``q_proj``/``k_proj``/``v_proj`` entries -> ``qkv_proj.weight``/``.bias`` (a part
     that is absent keeps the current value and is reported missing)."""
     proj = module._modules[FUSED_NAME]
-    sizes = module._fusedqkv.split
+    spec: FusedSpec = module._fusedqkv
     for suffix in ("weight", "bias"):
-        names = [f"{prefix}{p}.{suffix}" for p in _PROJ]
+        names = [f"{prefix}{p}.{suffix}" for p in spec.projs]
         if not any(n in state_dict for n in names):
             continue
         param = getattr(proj, suffix)
         if param is None:
             continue  # no bias here: torch reports the keys as unexpected
         parts, ok = [], True
-        current = param.detach().split(sizes)
+        current = param.detach().split(spec.split)
         for n, cur in zip(names, current):
             if n not in state_dict:
                 missing_keys.append(n)
@@ -314,34 +589,67 @@ def _norm_eps(norm: nn.Module) -> Optional[float]:
     return None
 
 
-def _check_norm(path: str, norm, arch: Arch, head_dim: int) -> float:
+def _is_liger(cls: type) -> bool:
+    return any(c.__name__ == "LigerRMSNorm" and c.__module__.startswith("liger_kernel") for c in cls.__mro__)
+
+
+def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offset: float) -> float:
+    """One RMSNorm module the block computes: its class (HF's or Liger-Kernel's), forward,
+    weight form and shape (``weight_shape=None``: no weight); returns its eps."""
     if not isinstance(norm, nn.Module):
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path} is missing (expected a {arch.norm_class})")
-    cls = type(norm).__name__
-    if cls not in (arch.norm_class, "LigerRMSNorm"):
+    cls = type(norm)
+    if cls.__name__ != arch.norm_class and not _is_liger(cls):
         raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path} is a {cls}; the fused block computes {arch.norm_class} "
+            f"fusedqkv.apply_to: {path} is a {cls.__name__}; the fused block computes {arch.norm_class} "
             f"(or Liger-Kernel's LigerRMSNorm) only")
     bound = norm.__dict__.get("forward")
-    if bound is not None and getattr(getattr(bound, "__func__", None), "__qualname__", "") != "LigerRMSNorm.forward":
+    if bound is not None:
+        func = getattr(bound, "__func__", None)
+        if not (func is not None and func.__qualname__.endswith(".forward")
+                and getattr(func, "__module__", "").startswith("liger_kernel")):
+            raise UnsupportedModelError(
+                f"fusedqkv.apply_to: {path}.forward was replaced by {getattr(bound, '__qualname__', bound)!r}; the "
+                f"fused block would not compute it")
+    liger_offset = getattr(norm, "offset", None)  # Liger's RMSNorm (and its patch of HF norms)
+    if liger_offset is not None and float(liger_offset) != offset:
         raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path}.forward was replaced by {getattr(bound, '__qualname__', bound)!r}; the fused "
-            f"block would not compute it")
-    offset = getattr(norm, "offset", None)  # Liger's RMSNorm (and its patch of HF norms)
-    if offset is not None and float(offset) != arch.norm_weight_offset:
-        raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path} scales by {offset} + weight; {arch.model_type} expects "
-            f"{arch.norm_weight_offset} + weight")
+            f"fusedqkv.apply_to: {path} scales by {liger_offset} + weight; {arch.model_type} expects "
+            f"{offset} + weight")
     w = getattr(norm, "weight", None)
-    if not isinstance(w, torch.Tensor) or tuple(w.shape) != (head_dim,):
+    if weight_shape is None:
+        if w is not None:
+            raise UnsupportedModelError(
+                f"fusedqkv.apply_to: {path} has a weight; {arch.model_type}'s norm here is unweighted")
+    elif not isinstance(w, torch.Tensor) or tuple(w.shape) != weight_shape:
         shape = tuple(w.shape) if isinstance(w, torch.Tensor) else None
         raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path}.weight has shape {shape}; the fused block needs a per-head norm, "
-            f"weight [head_dim] = [{head_dim}]")
+            f"fusedqkv.apply_to: {path}.weight has shape {shape}; the fused block needs "
+            + ("a per-head norm, weight [head_dim]" if len(weight_shape) == 1 and arch.norm_scope == "head"
+               else "a norm over all heads, weight [heads*head_dim]") + f" = {list(weight_shape)}")
     eps = _norm_eps(norm)
     if eps is None:
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path} has no variance_epsilon/eps")
     return eps
+
+
+def _check_linear(path: str, p, hidden: int) -> nn.Linear:
+    if type(p) is not nn.Linear:
+        raise UnsupportedModelError(
+            f"fusedqkv.apply_to: {path} is a {type(p).__name__}; only a plain torch.nn.Linear can be "
+            f"fused (apply fusedqkv before wrapping projections: LoRA, quantization, tensor parallel)")
+    w = p.weight
+    if type(w.data) is not torch.Tensor or w.is_meta:
+        raise UnsupportedModelError(
+            f"fusedqkv.apply_to: {path}.weight is a {type(w.data).__name__} on {w.device}; the fused "
+            f"block needs a materialised dense tensor")
+    if w.dtype not in _FLOAT_DTYPES:
+        raise UnsupportedModelError(f"fusedqkv.apply_to: {path}.weight has dtype {w.dtype}; expected "
+                                    f"float32, bfloat16 or float16")
+    if w.shape[1] != hidden:
+        raise UnsupportedModelError(f"fusedqkv.apply_to: {path}.weight has shape {tuple(w.shape)}; expected "
+                                    f"[rows, {hidden}] (hidden_size from the config)")
+    return p
 
 
 def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
@@ -352,36 +660,32 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
             f"fusedqkv.apply_to: {path}.forward was replaced by {getattr(f, '__qualname__', f)!r} (another patch or "
             f"an accelerate hook); the fused block would drop it")
     cfg = attn.config
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+    d = attn.head_dim
     what = f"{path} ({type(attn).__name__}, model_type {getattr(cfg, 'model_type', '?')!r})"
     if not (isinstance(d, int) and d % 2 == 0 and 0 < d <= _MAX_HEAD_DIM):
         raise UnsupportedModelError(f"fusedqkv.apply_to: {what}: head_dim={d}; the fused block needs an even "
                                     f"head_dim <= {_MAX_HEAD_DIM}")
-    if hq < 1 or hkv < 1 or hq % hkv:
-        raise UnsupportedModelError(f"fusedqkv.apply_to: {what}: num_attention_heads={hq} is not a multiple of "
-                                    f"num_key_value_heads={hkv}")
+    k_eq_v = bool(arch.k_eq_v and getattr(attn, arch.k_eq_v))
+    names = ("q_proj", "k_proj") if k_eq_v else ("q_proj", "k_proj", "v_proj")
     projs = []
-    for name, rows in zip(_PROJ, (hq * d, hkv * d, hkv * d)):
+    for name in names:
         p = attn._modules.get(name)
         if p is None:
             raise UnsupportedModelError(f"fusedqkv.apply_to: {path} has no {name}")
-        if type(p) is not nn.Linear:
-            raise UnsupportedModelError(
-                f"fusedqkv.apply_to: {path}.{name} is a {type(p).__name__}; only a plain torch.nn.Linear can be "
-                f"fused (apply fusedqkv before wrapping projections: LoRA, quantization, tensor parallel)")
-        w = p.weight
-        if type(w.data) is not torch.Tensor or w.is_meta:
-            raise UnsupportedModelError(
-                f"fusedqkv.apply_to: {path}.{name}.weight is a {type(w.data).__name__} on {w.device}; the fused "
-                f"block needs a materialised dense tensor")
-        if w.dtype not in _FLOAT_DTYPES:
-            raise UnsupportedModelError(f"fusedqkv.apply_to: {path}.{name}.weight has dtype {w.dtype}; expected "
-                                        f"float32, bfloat16 or float16")
-        if tuple(w.shape) != (rows, cfg.hidden_size):
-            raise UnsupportedModelError(
-                f"fusedqkv.apply_to: {path}.{name}.weight has shape {tuple(w.shape)}, expected "
-                f"[{rows}, {cfg.hidden_size}] from the config")
-        projs.append(p)
+        projs.append(_check_linear(f"{path}.{name}", p, cfg.hidden_size))
+    if k_eq_v and attn._modules.get("v_proj") is not None:
+        raise UnsupportedModelError(f"fusedqkv.apply_to: {path} has a v_proj although {arch.k_eq_v} is set")
+    q_rows, k_rows = projs[0].weight.shape[0], projs[1].weight.shape[0]
+    q_per_head = 2 * d if arch.q_gate else d
+    if q_rows % q_per_head or k_rows % d or any(p.weight.shape[0] != k_rows for p in projs[2:]):
+        raise UnsupportedModelError(
+            f"fusedqkv.apply_to: {what}: q/k/v_proj have {[p.weight.shape[0] for p in projs]} rows; expected "
+            f"multiples of {q_per_head} (q" + (": [q | gate] per head" if arch.q_gate else "")
+            + f") and {d} (k, v) with k and v equal")
+    hq, hkv = q_rows // q_per_head, k_rows // d
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise UnsupportedModelError(f"fusedqkv.apply_to: {what}: num_heads={hq} (q_proj rows) is not a multiple of "
+                                    f"num_kv_heads={hkv} (k_proj rows)")
     ws = [p.weight for p in projs]
     if len({(w.dtype, w.device, w.requires_grad) for w in ws}) != 1:
         raise UnsupportedModelError(
@@ -394,24 +698,44 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
                                   or (biases[0].dtype, biases[0].device) != (ws[0].dtype, ws[0].device)):
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: the q/k/v_proj biases differ in dtype, device or "
                                     f"requires_grad from each other, or in dtype/device from the weights")
-    eps_q = _check_norm(f"{path}.{arch.q_norm}", getattr(attn, arch.q_norm, None), arch, d)
-    eps_k = _check_norm(f"{path}.{arch.k_norm}", getattr(attn, arch.k_norm, None), arch, d)
+    if arch.norm_weight:
+        wq, wk = ((d,), (d,)) if arch.norm_scope == "head" else ((hq * d,), (hkv * d,))
+    else:
+        wq = wk = None
+    off = arch.norm_weight_offset
+    eps_q = _check_norm(f"{path}.{arch.q_norm}", getattr(attn, arch.q_norm, None), arch, wq, off)
+    eps_k = _check_norm(f"{path}.{arch.k_norm}", getattr(attn, arch.k_norm, None), arch, wk, off)
     if eps_q != eps_k:
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: the q and k norms have different eps "
                                     f"({eps_q}, {eps_k}); the fused block takes one")
+    if arch.v_norm is not None:
+        eps_v = _check_norm(f"{path}.{arch.v_norm}", getattr(attn, arch.v_norm, None), arch, None, 0.0)
+        if eps_v != eps_q:
+            raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: the v norm's eps {eps_v} differs from the q/k "
+                                        f"norms' {eps_q}; the fused block takes one")
+    if arch.model_type == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
+        raise UnsupportedModelError(f"fusedqkv.apply_to: {what}: clip_qkv={cfg.clip_qkv} clamps q/k/v between the "
+                                    f"norm and RoPE; the fused block does not")
     fused_class(type(attn))  # checks the forward's KV-cache convention
-    return FusedSpec(hq, hkv, d, eps_q, arch.q_norm, arch.k_norm, arch.qk_norm_position, arch.norm_weight_offset)
+    opts = [("qk_norm_position", arch.qk_norm_position), ("norm_weight_offset", off)]
+    # the new switches only where used, so that the families of the original block need nothing more
+    for key, value, default in (("q_gate", arch.q_gate, False), ("rope_style", arch.rope_style, "neox"),
+                                ("norm_scope", arch.norm_scope, "head"), ("v_norm", arch.v_norm is not None, False)):
+        if value != default:
+            opts.append((key, value))
+    split = tuple(p.weight.shape[0] for p in projs)
+    return FusedSpec(hq, hkv, d, eps_q, names, split, tuple(opts), k_eq_v, tuple(attn._modules))
 
 
 def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
     """Patch one validated attention module in place."""
-    projs = [attn._modules[name] for name in _PROJ]
+    projs = [attn._modules[name] for name in spec.projs]
     q = projs[0]
     ws = [p.weight for p in projs]
     biases = [p.bias for p in projs]
     has_bias = biases[0] is not None
     hidden = ws[0].shape[1]
-    # the fused projection, in q_proj's place; no init (its values are the three weights)
+    # the fused projection, in q_proj's place; no init (its values are the joined weights)
     with torch.no_grad():
         weight = torch.cat(ws, 0)
         bias = torch.cat(biases, 0) if has_bias else None
@@ -424,7 +748,7 @@ def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
     for name, m in attn._modules.items():
         if name == "q_proj":
             modules[FUSED_NAME] = proj
-        elif name not in ("k_proj", "v_proj"):
+        elif name not in spec.projs:
             modules[name] = m
     attn._modules.clear()
     attn._modules.update(modules)
@@ -446,12 +770,16 @@ def _supported_classes() -> dict:
 
 
 def apply_to(model: nn.Module) -> int:
-    """Fuse the attention input blocks (q/k/v projection + RoPE + per-head RMSNorm of q and
-    k) of a built ``transformers`` model in place; returns the number of attention layers
-    fused by this call (0 when called again on a fused model).
+    """Fuse the attention input blocks (q/k/v projection + RoPE + RMSNorm of q and k) of a
+    built ``transformers`` model in place; returns the number of attention layers fused by
+    this call (0 when called again on a fused model).
 
-    Call it before creating the optimizer (the three projection weights become one new
-    parameter, ``<attention>.qkv_proj.weight``) and before wrapping the model (DDP/FSDP,
+    Hybrid models (Qwen3-Next, Qwen3.5, OLMo-Hybrid...) have their attention layers fused and
+    their linear-attention layers left as they are; layers that have no block to fuse stay
+    HF's too (KV-shared layers of Gemma 3n / 4, Llama 4's NoPE layers without a QK norm).
+
+    Call it before creating the optimizer (the projection weights become one new parameter,
+    ``<attention>.qkv_proj.weight``) and before wrapping the model (DDP/FSDP,
     ``torch.compile``, PEFT). ``state_dict()`` keeps HF's keys and values; ``load_state_dict``
     takes HF state dicts. Raises :class:`UnsupportedModelError` (a ``ValueError``) naming the
     architecture, module or setting that cannot be fused, before changing anything.
@@ -464,24 +792,41 @@ def apply_to(model: nn.Module) -> int:
             f"not imported; pip install 'fusedqkv[transformers]')")
     classes = _supported_classes()
     fused_types = set(_FUSED_CLASSES.values())
-    todo, already = [], 0
+    todo, skipped, already = [], [], 0
     for path, m in model.named_modules():
         if type(m) in fused_types:
             already += 1
         elif type(m) in classes:
-            todo.append((path or type(model).__name__, m, classes[type(m)]))
+            arch = classes[type(m)]
+            path = path or type(model).__name__
+            reason = arch.skip(m) if arch.skip is not None else None
+            if reason is None:
+                todo.append((path, m, arch))
+            else:
+                skipped.append((path, arch, reason))
+    cfg = getattr(model, "config", None)
+    mt = getattr(cfg, "model_type", None)
+    name = f"{type(model).__name__}" + (f" (model_type {mt!r})" if mt else "")
     if not todo and not already:
-        cfg = getattr(model, "config", None)
-        mt = getattr(cfg, "model_type", None)
+        if skipped:
+            path, arch, reason = skipped[0]
+            raise UnsupportedModelError(f"fusedqkv.apply_to: {name}: no attention layer can be fused; "
+                                        f"{arch.model_type} {path}: {reason}")
+        types = {getattr(c, "model_type", None) for c in (cfg, getattr(cfg, "get_text_config", lambda: None)())}
+        why = next((UNSUPPORTED[t] for t in types if t in UNSUPPORTED), None)
         raise UnsupportedModelError(
-            f"fusedqkv.apply_to: unsupported architecture {type(model).__name__}"
-            + (f" (model_type {mt!r})" if mt else "")
-            + f": it has no attention module of a supported architecture: {_supported_names()}")
+            f"fusedqkv.apply_to: unsupported architecture {name}"
+            + (f": {why}" if why else "")
+            + f"; it has no attention module of a supported family: {_supported_names()}")
     # all checks first (nothing changes when one module cannot be fused), then the patch
     specs = [_validate(path, m, arch) for path, m, arch in todo]
     for (_, m, _), spec in zip(todo, specs):
         _fuse(m, spec)
+    oversized = [(p, r) for p, a, r in skipped if "above the block's" in r]
+    if oversized and todo:
+        warnings.warn(f"fusedqkv.apply_to: {len(oversized)} attention layers stay unfused: "
+                      f"{oversized[0][0]}: {oversized[0][1]}", stacklevel=2)
     return len(todo)
 
 
-__all__ = ["apply_to", "UnsupportedModelError", "SUPPORTED", "fused_class"]
+__all__ = ["apply_to", "UnsupportedModelError", "SUPPORTED", "UNSUPPORTED", "fused_class"]

@@ -1,0 +1,275 @@
+"""Tiny random Hugging Face models of every family in fusedqkv's SUPPORTED table (nothing
+downloaded): 2 decoder layers (hybrids: one of them attention), hidden 64, GQA 4:2 heads of 16
+(32 where a partial rotary width needs it), vocab 97. Each family names its model class (one
+with ``generate``) and how many attention layers apply_to fuses."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+VOCAB = 97
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, tie_word_embeddings=False)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+HYBRID = dict(linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4)
+QWEN_VIT = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                num_position_embeddings=16, deepstack_visual_indexes=[0])
+HUNYUAN_VIT = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2, out_hidden_size=64,
+                   patch_size=4, text_hidden_size=64)
+
+OMNI_AUDIO = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=32,
+                  output_dim=64, downsample_hidden_size=8, max_source_positions=16)
+STEP_VIT = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                patch_size=14, max_position_embeddings=4)
+
+
+def rope(partial=None, **extra):
+    p = {"rope_type": "default", "rope_theta": 10000.0, **extra}
+    if partial is not None:
+        p["partial_rotary_factor"] = partial
+    return p
+
+
+MROPE = rope(mrope_section=[4, 2, 2], mrope_interleaved=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str                    # the model_type of the SUPPORTED row
+    config: dict                 # the config's arguments beyond COMMON (None values drop a COMMON key)
+    n_fused: int = 2             # attention layers apply_to fuses
+    bias: bool = True            # the config has attention_bias
+    model: Optional[str] = None  # model class (default: AutoModelForCausalLM's)
+    config_class: Optional[str] = None  # when AutoConfig cannot build the text config by model_type
+    composite: Optional[tuple] = None   # (config class, its other sub-configs): the text config goes in text_config
+    min_version: str = "5.0"
+    no_compile: Optional[str] = None  # why torch.compile is not tested (an HF limitation)
+    post: Optional[Callable] = None  # (config) -> None, adjustments after construction
+
+    @property
+    def id(self):
+        return self.name
+
+
+FAMILIES = [
+    # Qwen3's recipe
+    Family("qwen3", dict(sliding_window=5, use_sliding_window=True,
+                         layer_types=["sliding_attention", "full_attention"])),
+    Family("qwen3_moe", dict(MOE, head_dim=None)),
+    Family("dots1", dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_experts=None,
+                         moe_intermediate_size=32, sliding_window=5,
+                         layer_types=["sliding_attention", "full_attention"])),
+    Family("mellum", dict(MOE, sliding_window=5, layer_types=["sliding_attention", "full_attention"])),
+    Family("apertus", dict()),
+    Family("hy_v3", dict(MOE, num_shared_experts=1, mlp_layer_types=["dense", "sparse"])),
+    Family("lfm2", dict(norm_eps=1e-5, head_dim=None, layer_types=["full_attention", "full_attention"]), bias=False),
+    Family("lfm2_moe", dict(MOE, norm_eps=1e-5, head_dim=None, num_dense_layers=1,
+                            layer_types=["full_attention", "full_attention"]), bias=False),
+    Family("exaone4", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), bias=False),
+    Family("exaone_moe", dict(MOE, num_shared_experts=1, first_k_dense_replace=1, sliding_window=5,
+                              layer_types=["sliding_attention", "full_attention"]), bias=False),
+    Family("kolibri1", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), bias=False,
+           min_version="5.24"),
+    Family("doge", dict(head_dim=None, keep_window_size=6),
+           no_compile="HF's DogeAttention itself fails in torch.compile's AOT backward (a view of its dynamic mask's "
+                      "gradient), fused or not"),
+    Family("hunyuan_v1_moe", dict(num_experts=2, moe_topk=1)),
+    Family("glm4_moe", dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_experts=None,
+                            use_qk_norm=True, rope_parameters=rope(0.5))),
+    Family("laguna", dict(MOE, shared_expert_intermediate_size=32, sliding_window=5, gating="per-head",
+                          layer_types=["sliding_attention", "full_attention"],
+                          rope_parameters={t: rope(0.5) for t in ("sliding_attention", "full_attention")})),
+    # mRoPE (sections merged into per-token cos/sin by the rotary embedding)
+    Family("qwen3_vl_text", dict(rope_parameters=MROPE), composite=("Qwen3VLConfig", dict(vision_config=QWEN_VIT)),
+           model="Qwen3VLForConditionalGeneration"),
+    Family("qwen3_vl_moe_text", dict(**MOE, rope_parameters=MROPE),
+           composite=("Qwen3VLMoeConfig", dict(vision_config=QWEN_VIT)), model="Qwen3VLMoeForConditionalGeneration"),
+    Family("qwen3_omni_moe_text", dict(**MOE, rope_parameters=MROPE),
+           composite=("Qwen3OmniMoeThinkerConfig", dict(vision_config=QWEN_VIT, audio_config=OMNI_AUDIO,
+                                                        vision_start_token_id=90)),
+           model="Qwen3OmniMoeThinkerForConditionalGeneration"),
+    # RMSNorm after RoPE
+    Family("hunyuan_v1_dense", dict()),
+    Family("hunyuan_vl_text", dict(rope_parameters=rope(mrope_section=[4, 2, 2])),
+           composite=("HunYuanVLConfig", dict(vision_config=HUNYUAN_VIT)), model="HunYuanVLForConditionalGeneration"),
+    Family("nanochat", dict()),
+    Family("llama4_text", dict(MOE, num_local_experts=2, num_experts_per_tok=1, num_experts=None,
+                               moe_intermediate_size=None, intermediate_size_mlp=96, no_rope_layers=[1, 0],
+                               attention_chunk_size=64, attn_temperature_tuning=True, rope_parameters=rope()),
+           n_fused=1),
+    # 1 + w
+    Family("gemma3_text", dict(query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=20.0,
+                               final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"])),
+    # ... and an output gate from g_proj
+    Family("step3p5", dict(MOE, num_experts=None, num_local_experts=4, n_routed_experts=4, share_expert_dim=32,
+                           sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                           mlp_layer_types=["dense", "sparse"]),
+           composite=("Step3p7Config", dict(vision_config=STEP_VIT)), model="Step3p7ForConditionalGeneration"),
+    # gated q
+    Family("qwen3_next", dict(**MOE, **HYBRID, head_dim=32, shared_expert_intermediate_size=32,
+                              layer_types=["linear_attention", "full_attention"], rope_parameters=rope(0.25)),
+           n_fused=1),
+    Family("qwen3_5_text", dict(**HYBRID, head_dim=32, layer_types=["linear_attention", "full_attention"],
+                                rope_parameters=rope(0.25, mrope_section=[2, 1, 1], mrope_interleaved=True)),
+           n_fused=1),
+    Family("qwen3_5_moe_text", dict(**MOE, **HYBRID, head_dim=32, shared_expert_intermediate_size=32,
+                                    layer_types=["linear_attention", "full_attention"],
+                                    rope_parameters=rope(0.25, mrope_section=[2, 1, 1], mrope_interleaved=True)),
+           n_fused=1),
+    # v norm; the last layer shares the KV of an earlier one and stays HF's
+    Family("gemma3n_text", dict(num_hidden_layers=3, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                                laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=1, sliding_window=5,
+                                layer_types=["sliding_attention", "full_attention", "full_attention"],
+                                activation_sparsity_pattern=[0.0, 0.0, 0.0])),
+    # ... and head_dim 16 / 32 on sliding / full layers, whose v is the k projection (attention_k_eq_v)
+    Family("gemma4_text", dict(num_hidden_layers=3, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                               num_kv_shared_layers=1, sliding_window=5, global_head_dim=32, attention_k_eq_v=True,
+                               num_global_key_value_heads=1,
+                               layer_types=["sliding_attention", "full_attention", "full_attention"])),
+    Family("qwen4_exp_text", dict(**MOE, **HYBRID, head_dim=32, shared_expert_intermediate_size=32, hc_count=2,
+                                  hc_lowrank=8, layer_types=["linear_attention", "qwen_sparse_attention"],
+                                  indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
+                                  indexer_compress_ratio=2, rope_parameters=rope(0.25, mrope_section=[1, 1, 0])),
+           n_fused=1),
+    # norm over all heads
+    Family("olmo2", dict(head_dim=None)),
+    Family("olmo3", dict(head_dim=None, sliding_window=5, layer_types=["sliding_attention", "full_attention"])),
+    Family("olmoe", dict(MOE, head_dim=None, moe_intermediate_size=None)),
+    Family("flex_olmo", dict(MOE, head_dim=None, moe_intermediate_size=None)),
+    Family("minimax_m2", dict(MOE, num_local_experts=4, num_experts=None, rope_parameters=rope(0.5)),
+           bias=False),
+    Family("olmo_hybrid", dict(**HYBRID, head_dim=None, layer_types=["linear_attention", "full_attention"]),
+           n_fused=1),
+]
+
+
+def config(fam: Family, bias=False, **over):
+    import transformers as tf
+
+    kw = dict(COMMON)
+    kw.update(fam.config)
+    kw.update(over)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if fam.bias:
+        kw["attention_bias"] = bias
+    if fam.composite is not None:
+        cls, others = fam.composite
+        kw.pop("tie_word_embeddings")
+        cfg = getattr(tf, cls)(text_config=kw, **others)
+    elif fam.config_class is not None:
+        cfg = getattr(tf, fam.config_class)(**kw)
+    else:
+        cfg = tf.AutoConfig.for_model(fam.name, **kw)
+    if fam.post is not None:
+        fam.post(cfg)
+    return cfg
+
+
+def model_class(fam: Family):
+    import transformers as tf
+
+    if fam.model is not None:
+        return getattr(tf, fam.model)
+    return tf.AutoModelForCausalLM._model_mapping[type(config(fam))]
+
+
+def build(fam: Family, bias=False, seed=0, attn="eager", dtype=torch.float32, **over):
+    """A tiny model; every norm weight and bias is randomised (HF inits norms to 1 or 0, which
+    would hide a wrong weight form)."""
+    cfg = config(fam, bias, **over)
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    m = model_class(fam)(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(p + 0.3 * torch.randn(p.shape, generator=g))
+    return m.to(dtype).eval()
+
+
+def batch(b=2, s=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (b, s), generator=g)
+
+
+
+# --------------------------------------------------------------------------- shared by the tests
+
+
+def version(v):
+    return tuple(int(x) for x in v.split(".")[:2])
+
+
+def _tf_version():
+    try:
+        import transformers
+    except ImportError:
+        return (0, 0)
+    return version(transformers.__version__)
+
+
+TF_VERSION = _tf_version()
+
+
+def params():
+    """pytest parameters, one per family; those newer than the installed transformers skip."""
+    import pytest
+
+    out = []
+    for fam in FAMILIES:
+        marks = []
+        if TF_VERSION < version(fam.min_version):
+            marks.append(pytest.mark.skip(reason=f"{fam.name} needs transformers >= {fam.min_version}"))
+        out.append(pytest.param(fam, id=fam.name, marks=marks))
+    return out
+
+
+def family(name):
+    return next(f for f in FAMILIES if f.name == name)
+
+
+def fused_modules(m):
+    return [mod for mod in m.modules() if hasattr(mod, "_fusedqkv")]
+
+
+def patched_pair(fam, bias=False, device="cpu", **kw):
+    """(patched, unpatched deep copy) of a tiny model of the family."""
+    import fusedqkv
+
+    ref = build(fam, bias, **kw).to(device)
+    m = copy.deepcopy(ref)
+    assert fusedqkv.apply_to(m) == fam.n_fused
+    assert len(fused_modules(m)) == fam.n_fused
+    return m, ref
+
+
+def check_grads(m, ref, tol, atol=1e-8):
+    """every gradient of the patched model against the unpatched one; the fused weight's (and
+    bias's) against the concatenation of HF's projection gradients."""
+    got = dict(m.named_parameters())
+    want = dict(ref.named_parameters())
+    projs = {name: mod._fusedqkv.projs for name, mod in m.named_modules() if hasattr(mod, "_fusedqkv")}
+    joined = 0
+    for name, p in got.items():
+        if ".qkv_proj." in name:
+            base, kind = name.split(".qkv_proj.")
+            parts = [want[f"{base}.{proj}.{kind}"] for proj in projs[base]]
+            joined += len(parts) - 1
+            g = torch.cat([w.grad for w in parts])
+        else:
+            g = want[name].grad
+        if g is None:  # a parameter that the loss does not reach (both models alike)
+            assert p.grad is None, name
+            continue
+        assert p.grad is not None, name
+        # atol: a router's gradient may be rounding noise (1e-12) in both models
+        err = float((p.grad - g).abs().max())
+        assert err <= tol * float(g.abs().max()) + atol, (name, err, float(g.abs().max()))
+    assert len(want) - len(got) == joined  # HF's projections became one parameter (weight, bias) per layer

@@ -1,0 +1,247 @@
+"""fusedqkv.apply_to on every family of the SUPPORTED table (issue 25), on the CPU, from tiny
+random configs (tests/_hf_families.py): one parametrised harness, each family against an
+unpatched deep copy in fp32 -- the number of layers fused, logits, loss and every gradient
+(the fused weight's against the concatenation of HF's projections'), HF state-dict keys and
+values, an HF state dict of other values loading into the patched model, generate() with the
+KV cache (left padding, sliding windows, hybrids' linear-attention caches) giving the same
+tokens, and torch.compile. Plus mRoPE with distinct sections, the per-family errors, and the
+table itself (one row per family, each row tested)."""
+
+import copy
+import pathlib
+import re
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers  # noqa: E402
+
+import _hf_families as H  # noqa: E402
+
+import fusedqkv  # noqa: E402
+from fusedqkv.integrations import transformers as fqt  # noqa: E402
+
+
+FAMILIES = H.params()
+COMPILE_BACKEND = "eager"
+TF_VERSION, _version = H.TF_VERSION, H.version
+fused_modules, patched_pair, check_grads = H.fused_modules, H.patched_pair, H.check_grads
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_family_fp32_outputs_gradients_and_state_dict(fam, monkeypatch):
+    bias = fam.bias
+    m, ref = patched_pair(fam, bias)
+    m.train()
+    ref.train()
+    calls = []
+    fused = fqt.gqa_qkv_rope_qk_norm
+    monkeypatch.setattr(fqt, "gqa_qkv_rope_qk_norm", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    ids = H.batch(2, 12)
+    out = m(input_ids=ids, labels=ids)
+    out_ref = ref(input_ids=ids, labels=ids)
+    assert len(calls) == fam.n_fused  # the fused block ran in each fused layer
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    out_ref.loss.backward()
+    check_grads(m, ref, 1e-4)
+
+    # state dict: HF's keys, order and values
+    sd, sd_ref = m.state_dict(), ref.state_dict()
+    assert list(sd) == list(sd_ref)
+    for k in sd_ref:
+        assert sd[k].dtype == sd_ref[k].dtype and torch.equal(sd[k], sd_ref[k]), k
+    # an HF state dict of other values loads into the patched model
+    other = H.build(fam, bias, seed=7)
+    result = m.load_state_dict(other.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(m(input_ids=ids).logits, other(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_family_generate_same_tokens(fam):
+    m, ref = patched_pair(fam, fam.bias, attn="sdpa")
+    ids = H.batch(2, 7, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0,
+              return_dict_in_generate=True, output_scores=True)
+    a = m.generate(ids, **kw)
+    b = ref.generate(ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for sa, sb in zip(a.scores, b.scores):  # every decode step (seq 1) agrees too
+        torch.testing.assert_close(sa, sb, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_family_torch_compile(fam):
+    """Each fused attention module compiled (dynamo through the family's forward and the
+    block; AOT autograd of the block's custom ops is test_hf_block_options'); the rest of the
+    model is HF's business."""
+    if fam.no_compile:
+        pytest.skip(fam.no_compile)
+    torch._dynamo.reset()
+    m, ref = patched_pair(fam, fam.bias, attn="sdpa")
+    m.train()
+    ref.train()
+    for mod in fused_modules(m):
+        mod.compile(backend=COMPILE_BACKEND)
+    ids = H.batch(2, 8)
+    out = m(input_ids=ids, labels=ids)
+    out.loss.backward()
+    out_ref = ref(input_ids=ids, labels=ids)
+    out_ref.loss.backward()
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
+    check_grads(m, ref, 1e-4)
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def test_every_row_has_a_family_test_and_exists():
+    import importlib
+
+    rows = {a.model_type: a for a in fqt.SUPPORTED}
+    assert len(rows) == len(fqt.SUPPORTED)  # one row per family
+    assert set(rows) == {f.name for f in H.FAMILIES}
+    for f in H.FAMILIES:
+        if TF_VERSION < _version(f.min_version):
+            continue
+        a = rows[f.name]
+        cls = getattr(importlib.import_module(a.modeling), a.attention)  # the row names a real class ...
+        assert f.name == H.config(f).get_text_config().model_type  # ... of this model_type
+        assert cls.__name__ == a.attention
+    # the README's coverage table names every family
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    table = readme[readme.index("| family (`model_type`)"):readme.index("Every family takes q/k/v biases")]
+    assert set(re.findall(r"`(\w+)`", table)) >= set(rows)
+
+
+# --------------------------------------------------------------------------- mRoPE
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_text", "hunyuan_vl_text"])
+def test_mrope_sections_merged_into_cos_sin(name):
+    """Multimodal RoPE: distinct temporal/height/width positions (an image's) give per-token
+    cos/sin that differ from the text positions'; the fused text model matches HF's with them,
+    outputs and gradients."""
+    fam = H.family(name)
+    m, ref = patched_pair(fam, True)
+    lm, lm_ref = m.model.language_model, ref.model.language_model
+    b, s = 2, 10
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(b, s, 64, generator=g)
+    axes = len(lm_ref.rotary_emb.mrope_section)
+    pos = torch.stack([torch.arange(s) * (i + 1) % 7 for i in range(axes)])[:, None, :].expand(axes, b, s)
+    text_pos = torch.arange(s)[None, None, :].expand(axes, b, s)
+    w = torch.randn(b, s, 64, generator=g)
+    outs = []
+    for model in (lm, lm_ref):
+        xi = x.clone().requires_grad_()
+        h = model(inputs_embeds=xi, position_ids=pos).last_hidden_state
+        (h * w).sum().backward()
+        outs.append((h.detach(), xi.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-6)
+    check_grads(m, ref, 1e-4)
+    with torch.no_grad():  # the sections matter: text positions give other outputs
+        assert not torch.allclose(lm(inputs_embeds=x, position_ids=text_pos).last_hidden_state, outs[0][0], atol=1e-3)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _tiny(model_type, model_cls=None, **kw):
+    base = dict(vocab_size=H.VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128)
+    cfg = transformers.AutoConfig.for_model(model_type, **base, **kw)
+    cls = getattr(transformers, model_cls) if model_cls else transformers.AutoModelForCausalLM._model_mapping[type(cfg)]
+    return cls(cfg)
+
+
+_CHAMELEON = dict(vq_config=dict(embed_dim=4, num_embeddings=8, base_channels=32, channel_multiplier=[1],
+                                 num_res_blocks=1, attn_resolutions=[], latent_channels=32, resolution=8),
+                  vocabulary_map={"<image>": 5, "IMGIMGBA": 6})
+
+
+@pytest.mark.parametrize("model_type, cls, kw, words", [
+    ("cohere", None, dict(use_qk_norm=True), r"'cohere'\): its QK norm \(use_qk_norm\) is a LayerNorm"),
+    ("chameleon", "ChameleonForConditionalGeneration", _CHAMELEON, r"'chameleon'\): its QK norm is a LayerNorm"),
+    ("persimmon", None, dict(qk_layernorm=True), r"'persimmon'\): its QK layernorm is a LayerNorm"),
+    ("phi", None, dict(qk_layernorm=True), r"'phi'\): its QK layernorm is a LayerNorm"),
+    ("stablelm", None, dict(qk_layernorm=True), r"'stablelm'\): its QK layernorm is a per-head LayerNorm"),
+], ids=lambda v: v if isinstance(v, str) and v.isidentifier() else None)
+def test_layernorm_qk_norm_families_are_named(model_type, cls, kw, words):
+    with pytest.raises(fqt.UnsupportedModelError, match=words):
+        fusedqkv.apply_to(_tiny(model_type, cls, **kw))
+
+
+def test_family_settings_without_a_block_are_named():
+    m = H.build(H.family("glm4_moe"), use_qk_norm=False, rope_parameters=H.rope(1.0))
+    with pytest.raises(fqt.UnsupportedModelError, match=r"'glm4_moe'\): no attention layer can be fused; .*"
+                                                         r"no QK norm \(use_qk_norm=False\)"):
+        fusedqkv.apply_to(m)
+    m = H.build(H.family("llama4_text"), use_qk_norm=False)
+    with pytest.raises(fqt.UnsupportedModelError, match=r"llama4_text .*no QK norm"):
+        fusedqkv.apply_to(m)
+    m = H.build(H.family("olmoe"), clip_qkv=4.0)
+    with pytest.raises(fqt.UnsupportedModelError, match=r"clip_qkv=4.0 clamps q/k/v"):
+        fusedqkv.apply_to(m)
+    assert not fused_modules(m)  # nothing changed
+
+
+def test_gemma4_global_layers_above_the_block_head_dim_stay_hf():
+    """Gemma 4's global layers (head_dim 512 in the released models) exceed the block's 256:
+    the sliding layers are fused, the global ones stay HF's, with a warning; outputs agree."""
+    fam = H.family("gemma4_text")
+    ref = H.build(fam, global_head_dim=264)
+    m = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match=r"1 attention layers stay unfused: model.layers.1.self_attn: head_dim=264"):
+        assert fusedqkv.apply_to(m) == 1
+    ids = H.batch(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(m(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fusedqkv.apply_to(m) == 0  # nothing left, no warning again
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "olmo2", "llama4_text", "nanochat", "gemma4_text", "exaone4"])
+def test_cpu_autocast_bf16_three_way(name):
+    """Under autocast the block runs in bf16 as HF's Linear layers do (one family per switch):
+    the patched model's loss and every gradient of the fp32 master weights are at most twice
+    as far from the fp32 values (relative, Frobenius) as the unpatched model's under autocast,
+    plus 1e-2."""
+    fam = H.family(name)
+    m, ref = patched_pair(fam, fam.bias)
+    exact = copy.deepcopy(ref)
+    for x in (m, ref, exact):
+        x.train()
+    ids = H.batch(2, 10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = m(input_ids=ids, labels=ids).loss
+        b = ref(input_ids=ids, labels=ids).loss
+    c = exact(input_ids=ids, labels=ids).loss
+    assert abs(a.item() - c.item()) <= 2 * abs(b.item() - c.item()) + 1e-2 * abs(c.item())
+    for x in (a, b, c):
+        x.backward()
+    ours, hf, ex = dict(m.named_parameters()), dict(ref.named_parameters()), dict(exact.named_parameters())
+    for name_, p in ours.items():
+        if ".qkv_proj." in name_:
+            base, kind = name_.split(".qkv_proj.")
+            parts = [f"{base}.{proj}.{kind}" for proj in m.get_submodule(base)._fusedqkv.projs]
+            g_hf, g_exact = (torch.cat([d[n].grad for n in parts]) for d in (hf, ex))
+        else:
+            g_hf, g_exact = hf[name_].grad, ex[name_].grad
+        if g_exact is None or not float(g_exact.norm()):
+            continue
+        assert p.grad.dtype == torch.float32
+        e_ours = float((p.grad - g_exact).norm() / g_exact.norm())
+        e_hf = float((g_hf - g_exact).norm() / g_exact.norm())
+        assert e_ours <= 2 * e_hf + 1e-2, (name_, e_ours, e_hf)
