@@ -26,10 +26,12 @@ HID, HQ, HKV, D = 1024, 16, 8, 128
 
 
 class Layer(nn.Module):
-    def __init__(self):
+    """The fused block, causal SDPA and o_proj with a residual (as ../shared/repro/cuda_graphs.py)."""
+
+    def __init__(self, hid=HID, hq=HQ, hkv=HKV, d=D):
         super().__init__()
-        self.block = fusedqkv.GQAQKVRoPEQKNorm(hidden_size=HID, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
-        self.o = nn.Linear(HQ * D, HID, bias=False)
+        self.block = fusedqkv.GQAQKVRoPEQKNorm(hidden_size=hid, num_heads=hq, num_kv_heads=hkv, head_dim=d)
+        self.o = nn.Linear(hq * d, hid, bias=False)
 
     def forward(self, x, cos, sin):
         q, k, v = self.block(x, cos, sin)
@@ -38,9 +40,9 @@ class Layer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self):
+    def __init__(self, n_layers=3, **sizes):
         super().__init__()
-        self.layers = nn.ModuleList(Layer() for _ in range(3))
+        self.layers = nn.ModuleList(Layer(**sizes) for _ in range(n_layers))
 
     def forward(self, x, cos, sin):
         for layer in self.layers:

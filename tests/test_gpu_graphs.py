@@ -12,6 +12,7 @@ from torch import nn
 
 import _oracle
 import fusedqkv
+from _scripts import load_benchmark
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 HID, HQ, HKV, D = 256, 4, 2, 64
@@ -22,27 +23,7 @@ def _rope(b, s, d, dt, offset=0):
     return ang.cos().expand(b, s, d).to("cuda", dt), ang.sin().expand(b, s, d).to("cuda", dt)
 
 
-class _Layer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = fusedqkv.GQAQKVRoPEQKNorm(hidden_size=HID, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
-        self.o = nn.Linear(HQ * D, HID, bias=False)
-
-    def forward(self, x, cos, sin):
-        q, k, v = self.block(x, cos, sin)
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return x + self.o(a.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
-
-
-class _Model(nn.Module):
-    def __init__(self, n=3):
-        super().__init__()
-        self.layers = nn.ModuleList(_Layer() for _ in range(n))
-
-    def forward(self, x, cos, sin):
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return x.float().pow(2).mean()
+_Model = load_benchmark("bench_graphs").Model  # the repro's model: block + SDPA + o_proj, 3 layers
 
 
 # zero_grad(set_to_none=True), PyTorch's default: under reduce-overhead, gradients accumulated into
@@ -63,7 +44,7 @@ def _train(model, step_fn, xs, cos, sin):
 
 def _model_and_data(b=2, s=128, steps=8):
     torch.manual_seed(0)
-    model = _Model().cuda().to(torch.bfloat16)
+    model = _Model(hid=HID, hq=HQ, hkv=HKV, d=D).cuda().to(torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(b, s, HID, generator=g).cuda().to(torch.bfloat16) for _ in range(steps)]
     return model, xs, *_rope(b, s, D, torch.bfloat16)
