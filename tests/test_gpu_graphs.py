@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import _oracle
 import fusedqkv
