@@ -306,13 +306,9 @@ class FusedSpec:
     eps: float
     projs: tuple[str, ...]      # the HF projections fused, in row order
     split: tuple[int, ...]      # their row counts
-    block_kwargs: tuple         # (name, value) pairs for gqa_qkv_rope_qk_norm beyond the sizes
+    block_kwargs: dict          # gqa_qkv_rope_qk_norm's keyword arguments beyond the sizes
     k_eq_v: bool                # v is the raw k projection (no v_proj; Gemma 4)
     hf_children: tuple          # the HF module's child names in order (its state-dict order)
-
-    @property
-    def kwargs(self) -> dict:
-        return dict(self.block_kwargs)
 
 
 FUSED_NAME = "qkv_proj"
@@ -340,7 +336,7 @@ class _FusedAttention:
         if spec.k_eq_v:
             # v = the k projection: the block's V rows are the K rows again (one parameter, the
             # gradients of both uses summed by autograd)
-            q_rows, kv_rows = spec.split
+            q_rows = spec.split[0]
             w = torch.cat([w, w[q_rows:]])
             b = torch.cat([b, b[q_rows:]]) if b is not None else None
         if arch.norm_weight:
@@ -349,7 +345,7 @@ class _FusedAttention:
             wq = wk = None
         # under autocast the block casts its inputs as HF's Linear would (gqa_qkv_rope_qk_norm)
         out = gqa_qkv_rope_qk_norm(hidden_states, w, wq, wk, cos, sin, num_heads=spec.num_heads,
-                                   num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, **spec.kwargs)
+                                   num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, **spec.block_kwargs)
         if arch.q_gate:
             q, k, v, gate = out
             return q, k, v, gate.reshape(*hidden_states.shape[:-1], -1)
@@ -392,7 +388,7 @@ class _FusedAttention:
 
     def extra_repr(self) -> str:
         s: FusedSpec = self._fusedqkv
-        kw = s.kwargs
+        kw = dict(s.block_kwargs)
         pos = kw.pop("qk_norm_position").replace("_", " ")
         if not kw["norm_weight_offset"]:
             del kw["norm_weight_offset"]
@@ -724,7 +720,7 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
         if value != default:
             opts.append((key, value))
     split = tuple(p.weight.shape[0] for p in projs)
-    return FusedSpec(hq, hkv, d, eps_q, names, split, tuple(opts), k_eq_v, tuple(attn._modules))
+    return FusedSpec(hq, hkv, d, eps_q, names, split, dict(opts), k_eq_v, tuple(attn._modules))
 
 
 def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
