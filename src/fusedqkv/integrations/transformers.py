@@ -407,8 +407,10 @@ def _update_layer_idx(self, cache, key, value, kwargs, position_embeddings, cach
 
 
 def _update_with_cache_kwargs(self, cache, key, value, kwargs, position_embeddings, cache_position):
-    cos, sin = position_embeddings
-    return cache.update(key, value, self.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
+    cache_kwargs = {"cache_position": cache_position}
+    if isinstance(position_embeddings, tuple):  # (cos, sin); Llama 4 passes a complex tensor
+        cache_kwargs["cos"], cache_kwargs["sin"] = position_embeddings
+    return cache.update(key, value, self.layer_idx, cache_kwargs)
 
 
 def _update_with_kwargs(self, cache, key, value, kwargs, position_embeddings, cache_position):
@@ -614,7 +616,8 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
             f"{offset} + weight")
     w = getattr(norm, "weight", None)
     if weight_shape is None:
-        if w is not None:
+        # Gemma 3n's scale-free norm of transformers 5.0 keeps a constant 1.0 buffer named weight
+        if w is not None and getattr(norm, "with_scale", True) is not False:
             raise UnsupportedModelError(
                 f"fusedqkv.apply_to: {path} has a weight; {arch.model_type}'s norm here is unweighted")
     elif not isinstance(w, torch.Tensor) or tuple(w.shape) != weight_shape:
@@ -712,6 +715,10 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
     if arch.model_type == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
         raise UnsupportedModelError(f"fusedqkv.apply_to: {what}: clip_qkv={cfg.clip_qkv} clamps q/k/v between the "
                                     f"norm and RoPE; the fused block does not")
+    if arch.shared_kv is not None and "shared_kv_states" not in inspect.signature(type(attn).forward).parameters:
+        raise UnsupportedModelError(
+            f"fusedqkv.apply_to: {what}: this transformers ({_tf_version()}) shares KV between layers through the "
+            f"cache; fusedqkv follows the shared_kv_states argument of newer releases (5.17 tested)")
     fused_class(type(attn))  # checks the forward's KV-cache convention
     opts = [("qk_norm_position", arch.qk_norm_position), ("norm_weight_offset", off)]
     # the new switches only where used, so that the families of the original block need nothing more
