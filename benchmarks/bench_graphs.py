@@ -67,7 +67,7 @@ def provider(kind, base, x0, cos, sin):
         loss = fn(x, cos, sin)
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=True)
         return loss
     return step
 

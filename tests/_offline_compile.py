@@ -61,6 +61,10 @@ HEAD_DIMS = (64, 128, 256, 80, 2)
 DTYPES = ("bf16", "fp16", "fp32")
 INT_MODES = ("plain", "div16", "ones", "i64")
 H200_SMS = 132
+# compile targets: Ampere, Hopper, datacenter Blackwell (sm_100a) and consumer Blackwell (sm_120a)
+TARGETS = (80, 90, 100, 120)
+# the Triton products (TMA + programmatic dependent launch) run on Hopper and datacenter Blackwell
+PRODUCT_TARGETS = (90, 100)
 
 
 def _p2(n: int) -> int:
@@ -194,7 +198,7 @@ def _stage_valid(r):
 
 
 STAGE_AXES = dict(
-    cc=(80, 90),
+    cc=TARGETS,
     mode=("091", "091_finish_outside", "train_after", "train_after_nocs", "train_before", "train_before_nocs"),
     layout=("all8", "all8_tma", "group16", "group16_tma", "group8"),
     d=HEAD_DIMS,
@@ -215,16 +219,18 @@ def _variant_stage_valid(r):
     return _stage_valid(r)
 
 
-# the variants: training modes only, their layouts (all_heads: blocks of 8 or 4 tokens, never grouped)
+# the variants: training modes only, their layouts (all_heads: blocks of 8 or 4 tokens, never grouped);
+# partial rotary alone and with interleaved pairs are the gate's and the combination's code (the same
+# constexprs), left out to keep the CPU time of the suite down
 VARIANT_STAGE_AXES = dict(
-    cc=(80, 90),
-    variant=tuple(n for n in VARIANTS if n != "plain"),
+    cc=TARGETS,
+    variant=("unweighted", "interleaved", "gate", "v_norm", "all_heads", "all_heads_combo"),
     mode=("train_after", "train_after_nocs", "train_before", "train_before_nocs"),
     layout=("all8", "all8_tma", "group16", "group8", "all4"),
     d=(128, 80),
     dtype=DTYPES,
     heads=((32, 8), (7, 7)),
-    ints=INT_MODES,
+    ints=("plain", "ones", "i64"),
 )
 
 
@@ -232,7 +238,7 @@ def stage_jobs() -> list:
     jobs = [_stage_job(**r) for r in pairwise(STAGE_AXES, _stage_valid, seed=1)]
     jobs += [_stage_job(**r) for r in pairwise(VARIANT_STAGE_AXES, _variant_stage_valid, seed=10)]
     # 091 as launched at few tokens, sm_80 (fp32 math and a cast) and sm_90 (bf16x2 pairs)
-    jobs += [_stage_job(cc, "091", "group8", 128, "bf16", (32, 8), "plain") for cc in (80, 90)]
+    jobs += [_stage_job(cc, "091", "group8", 128, "bf16", (32, 8), "plain") for cc in TARGETS]
     # 091 with fp32 norm weights beside bf16 activations (the weights' dtype is free)
     jobs.append(_stage_job(90, "091", "group8", 128, "bf16", (32, 8), "plain", norm_fp32=True))
     jobs.append(_stage_job(90, "train_after", "all8_tma", 128, "bf16", (32, 8), "div16", norm_fp32=True))
@@ -258,10 +264,10 @@ def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one
 
 
 def forward_jobs() -> list:
-    axes = dict(cc=(80, 90), d=HEAD_DIMS, dtype=DTYPES, group=(1, 2, 4, 8), nar=(True, False), ints=INT_MODES)
+    axes = dict(cc=TARGETS, d=HEAD_DIMS, dtype=DTYPES, group=(1, 2, 4, 8), nar=(True, False), ints=INT_MODES)
     jobs = [_fwd_job(**r) for r in pairwise(axes, seed=2)]
     jobs.append(_fwd_job(90, 128, "bf16", 8, True, "plain", norm_fp32=True))
-    variant_axes = dict(cc=(80, 90), variant=tuple(n for n in VARIANTS if n != "plain"), d=(128, 80, 64),
+    variant_axes = dict(cc=TARGETS, variant=tuple(n for n in VARIANTS if n != "plain"), d=(128, 80, 64),
                         dtype=DTYPES, group=(1, 4), nar=(True, False), ints=INT_MODES)
     jobs += [_fwd_job(**r) for r in pairwise(variant_axes, lambda r: variant_of(r["variant"], r["d"]) is not None,
                                              seed=6)]
@@ -277,7 +283,7 @@ def _finish_job(cc, d, dtype, ints, level="cubin", one=None):
 
 
 def finish_jobs() -> list:
-    axes = dict(cc=(80, 90), d=HEAD_DIMS, dtype=DTYPES, ints=INT_MODES)
+    axes = dict(cc=TARGETS, d=HEAD_DIMS, dtype=DTYPES, ints=INT_MODES)
     return [_finish_job(**r) for r in pairwise(axes, seed=3)]
 
 
@@ -290,7 +296,7 @@ def _finish_cols_job(cc, dtype, ints, level="cubin", one=None):
 
 
 def finish_cols_jobs() -> list:
-    axes = dict(cc=(80, 90), dtype=DTYPES, ints=INT_MODES)
+    axes = dict(cc=TARGETS, dtype=DTYPES, ints=INT_MODES)
     return [_finish_cols_job(**r) for r in pairwise(axes, seed=7)]
 
 
@@ -310,7 +316,7 @@ MATMUL_USES = {
 }
 
 
-def _matmul_job(use, dtype, finish, nprog, ints, fin_d=128, norm_fp32=False, level="cubin", one=None):
+def _matmul_job(use, dtype, finish, nprog, ints, fin_d=128, norm_fp32=False, level="cubin", one=None, cc=90):
     (br, bc, bk, warps, stages, per_sm), trans_a, trigger, wait_at_end = MATMUL_USES[use]
     finish = finish and use.endswith("dw")  # only dW runs the norm-weight finish
     nprog = {"one": 1, "sms": H200_SMS, "per_sm": per_sm * H200_SMS}[nprog]
@@ -323,15 +329,15 @@ def _matmul_job(use, dtype, finish, nprog, ints, fin_d=128, norm_fp32=False, lev
              "b_desc": f"tensordesc<{act}[{bk}, {bc}]>", "c_desc": f"tensordesc<{act}[{br}, {bc}]>",
              "fin_part_ptr": "*fp32" if finish else "*" + act,
              "fin_gwq_ptr": "*" + norm if finish else "*" + act, "fin_gwk_ptr": "*" + norm if finish else "*" + act}
-    label = (f"tma_matmul sm90 {use} {dtype} finish={finish} fin_d{fin_d} nprog={nprog} ints={ints}"
+    label = (f"tma_matmul sm{cc} {use} {dtype} finish={finish} fin_d{fin_d} nprog={nprog} ints={ints}"
              f"{'' if one is None else ' one=' + one}")
-    return dict(kernel="projection_grads.tma_matmul_kernel", cc=90, consts=consts, types=types, ints=ints, one=one,
+    return dict(kernel="projection_grads.tma_matmul_kernel", cc=cc, consts=consts, types=types, ints=ints, one=one,
                 options={"num_warps": warps, "num_stages": stages}, level=level, label=label)
 
 
 def matmul_jobs() -> list:
     axes = dict(use=tuple(MATMUL_USES), dtype=("bf16", "fp16"), finish=(True, False), nprog=("one", "sms", "per_sm"),
-                ints=INT_MODES)
+                ints=INT_MODES, cc=PRODUCT_TARGETS)
     jobs = [_matmul_job(**r) for r in pairwise(axes, seed=4)]
     jobs.append(_matmul_job("hybrid_dw", "bf16", True, "per_sm", "plain"))  # as 091 launches it
     jobs.append(_matmul_job("hybrid_dw", "bf16", True, "per_sm", "div16", fin_d=80, norm_fp32=True))
@@ -339,16 +345,16 @@ def matmul_jobs() -> list:
     return jobs
 
 
-def _flush_job(ints, level="cubin", one=None):
-    return dict(kernel="l2_flush.l2_flush_kernel", cc=90, consts=dict(BLOCK=4096), types={"buf_ptr": "*i32"},
+def _flush_job(ints, level="cubin", one=None, cc=90):
+    return dict(kernel="l2_flush.l2_flush_kernel", cc=cc, consts=dict(BLOCK=4096), types={"buf_ptr": "*i32"},
                 ints=ints, one=one, options={"num_warps": 4}, level=level,
-                label=f"l2_flush sm90 ints={ints}{'' if one is None else ' one=' + one}")
+                label=f"l2_flush sm{cc} ints={ints}{'' if one is None else ' one=' + one}")
 
 
 def full_jobs() -> list:
     """Every constexpr value (pairwise), each job compiled to a cubin."""
     return (stage_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs() + matmul_jobs()
-            + [_flush_job(m) for m in INT_MODES])
+            + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)])
 
 
 def one_at_a_time_jobs(kernel_args: dict) -> list:
@@ -359,7 +365,6 @@ def one_at_a_time_jobs(kernel_args: dict) -> list:
         _stage_job(90, "train_before", "all8_tma", 128, "fp16", (32, 8), "plain", level="ttir"),
         _stage_job(90, "train_before", "all8", 128, "bf16", (32, 8), "plain", level="ttir",
                    variant="all_heads_combo"),
-        _stage_job(90, "train_after", "group8", 128, "bf16", (32, 8), "plain", level="ttir", variant="gate"),
         _fwd_job(90, 128, "bf16", 4, True, "plain", level="ttir"),
         _fwd_job(90, 128, "bf16", 4, False, "plain", level="ttir", variant="all_heads_combo"),
         _finish_job(90, 128, "bf16", "plain", level="ttir"),

@@ -201,11 +201,12 @@ API_CASES = [
 ]
 
 
-def _api_run(v: Variant, position, cos_grad, backend, seed=0, hidden=24):
+def _api_run(v: Variant, position, cos_grad, backend, seed=0, hidden=24, bias=False):
     g = torch.Generator().manual_seed(seed)
     nq = 2 * HQ if v.q_gate else HQ
     x = torch.randn(B, S, hidden, generator=g, dtype=torch.float64)
     w = torch.randn((nq + 2 * HKV) * D, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5
+    b = torch.randn((nq + 2 * HKV) * D, generator=g, dtype=torch.float64) if bias else None
     ang = torch.randn(1, S, v.rotary(D), generator=g, dtype=torch.float64) * 3  # shared by the batch
     cos, sin = ang.cos(), ang.sin()
     ws = []
@@ -217,25 +218,27 @@ def _api_run(v: Variant, position, cos_grad, backend, seed=0, hidden=24):
     def go(dtype, fn):
         leaves = [t.to(dtype).requires_grad_() for t in [x, w] + ws]
         cs = [t.to(dtype).requires_grad_(cos_grad) for t in (cos, sin)]
+        lb = None if b is None else b.to(dtype).requires_grad_()
         wq, wk = leaves[2:] if ws else (None, None)
-        out = fn(leaves[0], leaves[1], wq, wk, *cs)
+        out = fn(leaves[0], leaves[1], wq, wk, *cs, lb)
         gg = torch.Generator().manual_seed(seed + 1)
         grads = [torch.randn(o.shape, generator=gg, dtype=torch.float64).to(dtype) for o in out]
-        wrt = leaves + (cs if cos_grad else [])
+        wrt = leaves + (cs if cos_grad else []) + ([lb] if bias else [])
         return [o.detach() for o in out] + list(torch.autograd.grad(out, wrt, grads))
 
-    ours = go(torch.float32, lambda *a: gqa_qkv_rope_qk_norm(*a, num_heads=HQ, num_kv_heads=HKV, eps=1e-6,
-                                                             qk_norm_position=position, backend=backend, **opts))
-    ref = go(torch.float64, lambda *a: reference_block(*a, HQ, HKV, 1e-6, position == "after_rope", **opts))
+    ours = go(torch.float32, lambda *a: gqa_qkv_rope_qk_norm(*a[:6], num_heads=HQ, num_kv_heads=HKV, eps=1e-6,
+                                                             qk_norm_position=position, backend=backend,
+                                                             qkv_bias=a[6], **opts))
+    ref = go(torch.float64, lambda *a: reference_block(*a[:6], HQ, HKV, 1e-6, position == "after_rope", a[6], **opts))
     return ours, ref
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name, position, cos_grad", API_CASES, ids=[c[0] for c in API_CASES])
 def test_training_api_matches_reference_fp32(name, position, cos_grad, backend):
-    """Outputs (q, k, v[, gate]) and every gradient (x, qkv_weight[, norm weights][, cos, sin])."""
+    """Outputs (q, k, v[, gate]) and every gradient (x, qkv_weight[, norm weights][, cos, sin][, bias])."""
     v = make_variant(name)
-    ours, ref = _api_run(v, position, cos_grad, backend, seed=len(name))
+    ours, ref = _api_run(v, position, cos_grad, backend, seed=len(name), bias=name == "everything")
     assert len(ours) == len(ref)
     for i, (a, r) in enumerate(zip(ours, ref)):
         assert a.dtype == torch.float32 and a.shape == r.shape, i
@@ -346,3 +349,15 @@ def test_the_plain_block_is_the_variant_free_path():
     assert plan.variant == Variant()
     assert Variant().constexprs(128) == dict(HALF=64, HALF_P2=64, PASS=0, PASS_P2=1, INTERLEAVED=False,
                                              NORM_WEIGHT=True, ALL_HEADS=False, Q_GATE=False, V_NORM=False)
+
+
+def test_bench_variants_script_smoke(tmp_path):
+    """benchmarks/bench_variants.py runs every variant end to end (CPU, the torch backend)."""
+    import json
+
+    from _scripts import load_benchmark
+
+    bench = load_benchmark("bench_variants")
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_variants.json").read_text())["rows"]
+    assert {r["variant"] for r in rows} == set(bench.VARIANTS)

@@ -45,6 +45,10 @@ class _Model(nn.Module):
         return x.float().pow(2).mean()
 
 
+# zero_grad(set_to_none=True), PyTorch's default: under reduce-overhead, gradients accumulated into
+# the previous step's .grad (set_to_none=False) read a backward graph's output after the next
+# replay overwrote it -- torch 2.11 refuses that for any model, a plain-PyTorch block included
+# (benchmarks/NOTES.md, session 10)
 def _train(model, step_fn, xs, cos, sin):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     losses = []
@@ -52,7 +56,7 @@ def _train(model, step_fn, xs, cos, sin):
         loss = step_fn(x, cos, sin)
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
     return losses
 
@@ -109,7 +113,7 @@ def test_reduce_overhead_on_a_patched_hf_qwen3():
             loss = fn(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=True)
             out.append(float(loss))
         return out
 
@@ -156,7 +160,13 @@ def _steps():
     return {"bwd091": bwd, "train": train, "plain": plain}, keep
 
 
+def _tensors(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
 def _same(outs, eager):
+    outs, eager = _tensors(outs), _tensors(eager)
+    assert len(outs) == len(eager)
     for o, e in zip(outs, eager):
         assert torch.equal(o, e)
 
@@ -166,20 +176,20 @@ def _same(outs, eager):
                                    ("train", "plain", "bwd091")])
 def test_several_graphs_any_capture_order_replayed_interleaved(order):
     steps, keep = _steps()
-    eager = {name: [t.clone() for t in step()] for name, step in steps.items()}
+    eager = {name: [t.clone() for t in _tensors(step())] for name, step in steps.items()}
     graphs = {name: _graph(steps[name]) for name in order}
     for name in ("train", "bwd091", "plain", "bwd091", "train"):
         graphs[name][0].replay()
     torch.cuda.synchronize()
     for name, (_, out) in graphs.items():
-        _same(out if isinstance(out, (tuple, list)) else [out], eager[name] if name != "plain" else eager[name])
+        _same(out, eager[name])
     del keep
 
 
 @cuda
 def test_graphs_sharing_a_pool_and_replay_after_allocations_and_clear():
     steps, keep = _steps()
-    eager = {name: [t.clone() for t in step()] for name, step in steps.items() if name != "plain"}
+    eager = {name: [t.clone() for t in _tensors(step())] for name, step in steps.items() if name != "plain"}
     g1, out1 = _graph(steps["bwd091"])
     g2, out2 = _graph(steps["train"], pool=g1.pool())
     junk = [torch.empty(1 << 20, device="cuda") for _ in range(8)]  # unrelated allocations in between

@@ -19,7 +19,7 @@ import _offline_compile as oc
 import pytest
 import torch
 
-from fusedqkv.ops import config, launch, projection
+from fusedqkv.ops import config, device, projection
 
 JOBS = oc.all_jobs()
 FAMILIES = sorted({j["label"].split()[0] for j in JOBS})
@@ -114,24 +114,39 @@ def test_exact_stage_uses_16bit_pairs_only_on_sm90(compiled):
         assert r["info"]["bf16x2"] is pairs, r
 
 
-def test_hybrid_dw_fits_its_programs_per_sm(compiled):
-    """The hybrid's dW tile leaves room for its programs per SM on sm_90 (228 KB of shared memory,
-    1 KB per block reserved)."""
+@pytest.mark.parametrize("cc", oc.PRODUCT_TARGETS)
+def test_hybrid_dw_fits_its_programs_per_sm(compiled, cc):
+    """The hybrid's dW tile leaves room for its programs per SM on sm_90 and sm_100 (228 KB of
+    shared memory per SM, 1 KB per block reserved)."""
     assert oc.HYBRID_DW == config.Config().hybrid_dw  # the job list follows the launcher
-    r = compiled[oc._matmul_job("hybrid_dw", "bf16", True, "per_sm", "plain")["label"]]
+    r = compiled[oc._matmul_job("hybrid_dw", "bf16", True, "per_sm", "plain", cc=cc)["label"]]
     assert r["ok"], r["error"]
     per_sm = config.Config().hybrid_dw[5]
     assert per_sm * (r["info"]["shared"] + 1024) <= 228 * 1024, r
 
 
+def test_blackwell_targets_compile_every_kernel(compiled):
+    """sm_100a and sm_120a get offline compiles of every kernel the launchers select there: the
+    stage, the forward stage, the finishes and the flush on both, the products on sm_100a."""
+    for cc, kernels in ((100, {"stage", "forward", "finish", "finish_cols", "tma_matmul", "l2_flush"}),
+                        (120, {"stage", "forward", "finish", "finish_cols", "l2_flush"})):
+        jobs = [j for j in JOBS if j["cc"] == cc]
+        assert {j["label"].split()[0] for j in jobs} == kernels, cc
+        bad = [compiled[j["label"]] for j in jobs if not compiled[j["label"]]["ok"]]
+        assert not bad, bad[:2]
+
+
 def test_sm90_or_newer_is_false_off_cuda():
-    assert launch.sm90_or_newer(torch.device("cpu")) is False
+    assert device.sm90_or_newer(torch.device("cpu")) is False
 
 
-@pytest.mark.parametrize("hopper", [False, True])
-def test_triton_products_only_on_sm90(hopper, monkeypatch):
-    """Without TMA and programmatic dependent launch (before sm_90) the products stay on cuBLAS."""
-    monkeypatch.setattr(projection, "sm90_or_newer", lambda device: hopper)
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0), (10, 0), (12, 0)])
+def test_triton_products_only_on_hopper_and_datacenter_blackwell(cc, monkeypatch):
+    """Without TMA and programmatic dependent launch (before sm_90), and on consumer Blackwell
+    (sm_120: ~99 KB of shared memory per block, less than the products' tiles take), the products
+    stay on cuBLAS."""
+    hopper = cc[0] in (9, 10)
+    monkeypatch.setattr(projection, "capability", lambda device: cc)
     cuda = torch.device("cuda", 0)
     M, nqkv, hidden = 128, 256, 64
     dqkv = torch.empty(M, nqkv, dtype=torch.bfloat16)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fusedqkv
-from fusedqkv.ops import backward_091, config, launch, validation
+from fusedqkv.ops import backward_091, config, internals, launch, validation
 
 from _oracle import make_inputs
 
@@ -104,28 +104,33 @@ def test_overlap_sweep_agrees_with_pairwise_check():
 
 def test_raw_enqueue_passes_the_template_with_addresses_filled():
     """The generated enqueue: constants as given, pointer slots from the address table, a
-    descriptor slot encoded once per address."""
+    descriptor slot encoded once per address, the kernel arguments spread or packed as the
+    launcher ABI wants them (test_fast_path_gate checks them against Triton's own launches)."""
     calls = []
 
-    class FakeDesc(launch._DescriptorSlot):
-        def encode(self, ptr):
-            calls.append(("encode", ptr))
-            self.encoded, self.ptr = f"map@{ptr}", ptr
-            return self.encoded
+    def encoder(desc, meta):
+        calls.append(("encode", desc.base.data_ptr(), meta))
+        return [f"map@{desc.base.data_ptr()}", *desc.shape, *desc.strides]
 
     like = torch.empty(4, 8)
-    d = FakeDesc(3, launch.Desc(launch.Ptr("x", 1, like), [2, 8]), {})
+    d = internals.DescriptorSlot(3, 1, launch._tensor_descriptor(like, [2, 8]), "meta", encoder)
     template = [None, 7, 2.5, None, 4, 8, 8, 1, None]
-    enqueue = launch._raw_enqueue(lambda *a: calls.append(a), (5, 1, 1), ("fn", 0, 1), template,
-                                  [(0, 0), (8, 2)], [d])
-    bound = launch.BoundLaunch(None, (5,), [], {})
-    bound._raw, bound._descs = enqueue, [d]
-    bound.launch(None, [100, 200, 300], 9)
-    bound.encode([101, 200, 301])  # the same address: not encoded again
-    bound.launch(None, [101, 200, 301], 9)
-    bound.encode([101, 201, 301])
-    assert calls == [("encode", 200), (5, 1, 1, 9, "fn", 0, 1, 100, 7, 2.5, "map@200", 4, 8, 8, 1, 300),
-                     (5, 1, 1, 9, "fn", 0, 1, 101, 7, 2.5, "map@200", 4, 8, 8, 1, 301), ("encode", 201)]
+    for pack, wrap in ((None, lambda *a: a), (list, lambda *a: ([*a],)), (tuple, lambda *a: (a,))):
+        calls.clear()
+        d.ptr = None
+        enqueue = internals.make_enqueue(lambda *a: calls.append(a), (5, 1, 1), ("fn", 0, 1), template,
+                                         [(0, 0), (8, 2)], [d], pack)
+        bound = launch.BoundLaunch(None, (5,), [], {})
+        bound._raw, bound._descs = enqueue, [d]
+        assert bound.bound
+        bound.launch(None, [100, 200, 300], 9)
+        bound.encode([101, 200, 301])  # the same address: not encoded again
+        bound.launch(None, [101, 200, 301], 9)
+        bound.encode([101, 201, 301])
+        head = (5, 1, 1, 9, "fn", 0, 1)
+        assert calls == [("encode", 200, "meta"), (*head, *wrap(100, 7, 2.5, "map@200", 4, 8, 8, 1, 300)),
+                         (*head, *wrap(101, 7, 2.5, "map@200", 4, 8, 8, 1, 301)), ("encode", 201, "meta")]
+        assert d.host.base.data_ptr() == 201 and d.host.shape == [4, 8]
 
 
 def test_plans_do_not_keep_the_building_calls_tensors_alive():

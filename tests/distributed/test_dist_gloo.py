@@ -27,7 +27,8 @@ pytestmark = [
 WORLD_SIZE = 2
 DEADLINE_S = 300  # a hung collective must fail the test, not the CI job
 CHECKS = ["ddp", "ddp_functional", "ddp_ac", "ddp_autocast", "fsdp", "fsdp_mp", "fsdp_functional_ac", "tp",
-          "tp_reference", "tp_layouts", "tp_state_dict", "tp_errors", "fsdp_compile", "tp_compile"]
+          "tp_kv_bias_offset", "tp_reference", "tp_layouts", "tp_layouts_kv_bias_offset", "tp_state_dict",
+          "tp_state_dict_kv_bias", "tp_errors", "fsdp_compile", "tp_compile", "tp_compile_kv_bias_offset"]
 
 
 def _spawn(tmp, world_size, opts):
@@ -70,7 +71,7 @@ def test_check(results, key):
 
 
 def test_loss_curves_are_twenty_steps(results):
-    for key in ("ddp", "fsdp", "tp", "fsdp_compile", "tp_compile"):
+    for key in ("ddp", "fsdp", "tp", "tp_kv_bias_offset", "fsdp_compile", "tp_compile"):
         r = results[key]
         assert len(r["losses"]) == len(r["single_losses"]) == H.STEPS
         assert r["decreased"], (key, r["single_losses"])
@@ -80,6 +81,26 @@ def test_compile_compiled_the_layer(results):
     # FSDP2's hooks are dynamo-disabled (graph breaks around them); the head-parallel layer is one graph
     assert results["fsdp_compile"]["compile"]["graphs"] >= 1
     assert results["tp_compile"]["compile"] == dict(graphs=1, graph_breaks=0, break_reasons=[])
+    assert results["tp_compile_kv_bias_offset"]["compile"] == {
+        "seq-sharded": dict(graphs=1, graph_breaks=0, break_reasons=[])}
+
+
+def test_compiled_equals_eager(results):
+    """The head-parallel block under torch.compile (the collectives traced) and its eager call
+    (one autograd Function, c10d's collectives) agree: outputs and every gradient (also
+    cos/sin's)."""
+    errs = {k: v for k, v in results["tp_compile_kv_bias_offset"]["errors"].items() if "compiled_vs_eager" in k}
+    assert len(errs) == 10 and max(errs.values()) <= 1e-6, errs  # q, k, v, input, cos, sin, 4 parameters
+
+
+def test_shared_kv_heads_bias_and_offset_were_checked(results):
+    """The checks of fewer KV heads than ranks, the bias and the offset compared what they claim."""
+    r = results["tp_kv_bias_offset"]
+    assert "grad:block.qkv_bias" in r["errors"] and "grad:trained:qkv_bias" in r["errors"]
+    assert r["errors"]["global_shape_not_canonical:qkv_weight"] == 0.0
+    lay = results["tp_layouts_kv_bias_offset"]["errors"]
+    for layout in ("replicated", "seq-sharded", "dtensor-input"):
+        assert f"{layout}:grad:qkv_bias" in lay and f"{layout}:input" in lay
 
 
 def test_bf16_checks_are_looser_than_fp32(results):
@@ -92,6 +113,11 @@ def test_bf16_checks_are_looser_than_fp32(results):
 @pytest.mark.skipif(os.environ.get("FUSEDQKV_TEST_4_PROCS") != "1",
                     reason="4 processes (~30 s on 2 cores): set FUSEDQKV_TEST_4_PROCS=1")
 def test_fsdp2_on_top_of_tp(tmp_path):
-    """4 processes, mesh 2 x 2: FSDP2 over dp on a head-parallel layer over tp."""
-    r = _spawn(tmp_path, 4, dict(only=["fsdp_tp"]))["fsdp_tp"]
-    assert r["ok"], r["errors"]
+    """4 processes: mesh 2 x 2, FSDP2 over dp on a head-parallel layer over tp (also with one KV
+    head, bias and offset); tp=4 with KV heads shared by 2 and 4 ranks, checkpoints moving
+    between tp=4, tp=2 and one process."""
+    res = _spawn(tmp_path, 4, dict(only=["fsdp_tp", "fsdp_tp_kv_bias_offset", "tp_kv_degrees"],
+                                   tmpdir=str(tmp_path)))
+    assert sorted(res) == ["fsdp_tp", "fsdp_tp_kv_bias_offset", "tp_kv_degrees"]
+    for r in res.values():
+        assert r["ok"], (r["check"], r["errors"])

@@ -55,12 +55,14 @@ def bf16_results(process_group):
 @pytest.fixture(scope="module")
 def fp32_results(process_group):
     res = H.run_checks("cuda", H.GPU, torch.float32, log=_log,
-                       only=["ddp", "fsdp", "tp", "tp_reference", "tp_layouts"])
+                       only=["ddp", "fsdp", "tp", "tp_kv_bias_offset", "tp_reference", "tp_layouts",
+                             "tp_layouts_kv_bias_offset"])
     return {r["key"]: r for r in res}
 
 
 BF16_CHECKS = ["ddp", "ddp_functional", "ddp_ac", "ddp_autocast", "fsdp", "fsdp_mp", "fsdp_functional_ac", "tp",
-               "tp_reference", "tp_layouts", "tp_state_dict", "tp_errors", "fsdp_compile", "tp_compile"]
+               "tp_kv_bias_offset", "tp_reference", "tp_layouts", "tp_layouts_kv_bias_offset", "tp_state_dict",
+               "tp_state_dict_kv_bias", "tp_errors", "fsdp_compile", "tp_compile", "tp_compile_kv_bias_offset"]
 
 
 def _assert_ok(r):
@@ -74,6 +76,7 @@ def test_bf16(bf16_results, key):
     _assert_ok(bf16_results[key])
 
 
-@pytest.mark.parametrize("key", ["ddp", "fsdp", "tp", "tp_reference", "tp_layouts"])
+@pytest.mark.parametrize("key", ["ddp", "fsdp", "tp", "tp_kv_bias_offset", "tp_reference", "tp_layouts",
+                                 "tp_layouts_kv_bias_offset"])
 def test_fp32(fp32_results, key):
     _assert_ok(fp32_results[key])

@@ -47,10 +47,47 @@ def test_local_shard_is_a_working_block():
         assert torch.equal(v_r, v.chunk(tp, dim=1)[r])
 
 
-@pytest.mark.parametrize("hq,hkv,tp", [(32, 8, 3), (32, 1, 2), (6, 3, 2)])
+@pytest.mark.parametrize("hq,hkv,d,tp", [(4, 1, 8, 2), (8, 2, 4, 4), (16, 2, 2, 8), (8, 1, 4, 8), (12, 3, 2, 6)])
+def test_fewer_kv_heads_than_ranks_stores_each_kv_head_in_pieces(hq, hkv, d, tp):
+    """Rank r stores its query heads and the (r % rep)-th of rep equal pieces of the rows [K_g |
+    V_g] of the KV head g = r // rep its query heads use; the pieces of the ranks sharing g, in
+    rank order, are those rows -- what the forward's all-gather gives -- and the TP row order
+    is a permutation (every row stored once)."""
+    hidden = 3
+    w = torch.randn((hq + 2 * hkv) * d, hidden)
+    q, k, v = w.split([hq * d, hkv * d, hkv * d])
+    rep = tp // hkv
+    assert fdist.kv_replicas(hkv, tp) == rep
+    perm = fdist.tp_row_order(hq, hkv, d, tp)
+    assert sorted(perm.tolist()) == list(range(w.shape[0]))
+    shards = fdist.to_tp_rows(w, hq, hkv, tp).chunk(tp)
+    q_rows = hq // tp * d
+    for r, shard in enumerate(shards):
+        g = r // rep
+        assert torch.equal(shard[:q_rows], q.chunk(tp)[r])
+        q_heads = range(r * hq // tp, (r + 1) * hq // tp)
+        assert {h // (hq // hkv) for h in q_heads} == {g}
+        gathered = torch.cat([s[q_rows:] for s in shards[g * rep:(g + 1) * rep]])
+        assert torch.equal(gathered, torch.cat([k.chunk(hkv)[g], v.chunk(hkv)[g]]))
+    assert torch.equal(fdist.to_canonical_rows(fdist.to_tp_rows(w, hq, hkv, tp), hq, hkv, tp), w)
+    b = torch.randn((hq + 2 * hkv) * d)  # 1-D (a bias) too
+    assert torch.equal(fdist.to_canonical_rows(fdist.to_tp_rows(b, hq, hkv, tp), hq, hkv, tp), b)
+
+
+def test_kv_pieces_need_2_head_dim_divisible_by_the_replicas():
+    with pytest.raises(ValueError, match=r"tp=8: head_dim=2 with num_kv_heads=1: .*divisible by tp/num_kv_heads=8"):
+        fdist.tp_row_order(8, 1, 2, 8)
+    with pytest.raises(ValueError, match=r"head_dim=3"):
+        fdist.require_tp_divisible(4, 1, 4, head_dim=3)
+    fdist.require_tp_divisible(4, 1, 4, head_dim=2)
+
+
+@pytest.mark.parametrize("hq,hkv,tp", [(32, 8, 3), (6, 3, 2), (2, 1, 4), (12, 4, 6), (8, 2, 16)])
 def test_not_divisible_is_a_clear_error(hq, hkv, tp):
-    with pytest.raises(ValueError, match=rf"tp={tp}.*num_heads={hq} and num_kv_heads={hkv}.*divisible"):
+    with pytest.raises(ValueError, match=rf"tp={tp}: num_heads={hq} and num_kv_heads={hkv}: .*divisible"):
         fdist.tp_row_order(hq, hkv, 4, tp)
+    with pytest.raises(ValueError, match=rf"tp={tp}: num_heads={hq} and num_kv_heads={hkv}"):
+        fdist.require_tp_divisible(hq, hkv, tp)
 
 
 def test_row_count_must_match_the_heads():
@@ -134,3 +171,13 @@ def test_autocast_with_bf16_inputs_and_fp32_weights():
     assert q.dtype == k.dtype == v.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):  # outside autocast the dtypes must agree
         block(x, cos, sin)
+
+
+@pytest.mark.parametrize("kw", [dict(q_gate=True), dict(norm_weight=False), dict(norm_scope="all_heads"),
+                                dict(v_norm=True), dict(rope_style="interleaved")])
+def test_the_block_variants_are_refused_not_sharded_wrongly(kw):
+    """Issue 25's variants change the rows and norms the head-parallel plan shards: a clear error."""
+    from fusedqkv import GQAQKVRoPEQKNorm
+
+    with pytest.raises(NotImplementedError, match="variants"):
+        fdist.HeadParallelQKV()._apply(GQAQKVRoPEQKNorm(16, 2, 1, 8, **kw), None)

@@ -98,6 +98,30 @@ def pair_cols(dh, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
+def load_pairs(row, i1, i2, sd, mask, INTERLEAVED: tl.constexpr):
+    """The two elements of the RoPE pairs at columns ``i1``/``i2`` (``[1, pairs]``; see
+    ``pair_cols``) of the rows ``row`` (``[rows, 1]`` pointers; column stride ``sd``), masked by
+    ``mask`` ``[rows, pairs]``, in their dtype. Interleaved pairs are adjacent: one contiguous
+    ``[rows, pairs, 2]`` load, split (two stride-2 loads would not vectorise)."""
+    if INTERLEAVED:
+        col = i1[:, :, None] + tl.arange(0, 2)[None, None, :]
+        return tl.split(tl.load(row[:, :, None] + col * sd, mask=mask[:, :, None], other=0.0))
+    else:
+        return tl.load(row + i1 * sd, mask=mask, other=0.0), tl.load(row + i2 * sd, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_pairs(row, i1, i2, sd, y1, y2, mask, INTERLEAVED: tl.constexpr):
+    """``load_pairs``' store: y1/y2 (fp32) rounded once to the destination's dtype."""
+    if INTERLEAVED:
+        col = i1[:, :, None] + tl.arange(0, 2)[None, None, :]
+        _store_cast(row[:, :, None] + col * sd, tl.join(y1, y2), mask[:, :, None])
+    else:
+        _store_cast(row + i1 * sd, y1, mask)
+        _store_cast(row + i2 * sd, y2, mask)
+
+
+@triton.jit
 def load_cos_sin_raw(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s, tmask, dh,
                      HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """cos/sin at the two elements of each RoPE pair of a block of tokens as [tokens, pairs]
@@ -107,10 +131,8 @@ def load_cos_sin_raw(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, s
     sbase = sin_ptr + b[:, None] * ssin_b + s[:, None] * ssin_s
     if INTERLEAVED:
         i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
-        c1 = tl.load(cbase + i1[None, :] * scos_d, mask=cmask, other=0.0)
-        c2 = tl.load(cbase + i2[None, :] * scos_d, mask=cmask, other=0.0)
-        s1 = tl.load(sbase + i1[None, :] * ssin_d, mask=cmask, other=0.0)
-        s2 = tl.load(sbase + i2[None, :] * ssin_d, mask=cmask, other=0.0)
+        c1, c2 = load_pairs(cbase, i1[None, :], i2[None, :], scos_d, cmask, INTERLEAVED)
+        s1, s2 = load_pairs(sbase, i1[None, :], i2[None, :], ssin_d, cmask, INTERLEAVED)
     else:
         c1 = tl.load(cbase + dh[None, :] * scos_d, mask=cmask, other=0.0)
         c2 = tl.load(cbase + (dh[None, :] + HALF) * scos_d, mask=cmask, other=0.0)
@@ -396,13 +418,15 @@ def _load_norm_w(w_ptr, sw, off, i1, i2, ip, dmask, pm, PASS: tl.constexpr):
 
 @triton.jit
 def _variant_front(g_row, x_row, sg_d, sx_d, i1, i2, ip, mask, pmask, c1, c2, s1, s2,
-                   NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr):
+                   NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr):
     """One head step of the training variants: the norm's input n and the gradient at the norm's
     output gn (pairs and pass-through; fp32), with the raw x and g pairs."""
-    g1 = tl.load(g_row + i1 * sg_d, mask=mask, other=0.0).to(tl.float32)
-    g2 = tl.load(g_row + i2 * sg_d, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_row + i1 * sx_d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + i2 * sx_d, mask=mask, other=0.0).to(tl.float32)
+    g1, g2 = load_pairs(g_row, i1, i2, sg_d, mask, INTERLEAVED)
+    x1, x2 = load_pairs(x_row, i1, i2, sx_d, mask, INTERLEAVED)
+    g1 = g1.to(tl.float32)
+    g2 = g2.to(tl.float32)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     if PASS > 0:
         gp = tl.load(g_row + ip * sg_d, mask=pmask, other=0.0).to(tl.float32)
         xp = tl.load(x_row + ip * sx_d, mask=pmask, other=0.0).to(tl.float32)
@@ -481,7 +505,7 @@ def _head_set_bwd_variants(
             pmask = hmask[:, None] & pm[None, :]
             n1, n2, np_, gn1, gn2, gnp, x1, x2, g1, g2 = _variant_front(
                 g_row + h0 * sg_h, x_row + h0 * sx_h, sg_d, sx_d, i1r, i2r, ipr, mask, pmask, c1, c2, s1, s2,
-                NORM_AFTER_ROPE, PASS)
+                NORM_AFTER_ROPE, PASS, INTERLEAVED)
             if NORM_WEIGHT:
                 v1, v2, vp = _load_norm_w(w_ptr, sw, h0 * D, i1, i2, ip, dmask, pm, PASS)
             else:
@@ -501,7 +525,7 @@ def _head_set_bwd_variants(
         pmask = hmask[:, None] & pm[None, :]
         n1, n2, np_, gn1, gn2, gnp, x1, x2, g1, g2 = _variant_front(
             g_row + h0 * sg_h, x_row + h0 * sx_h, sg_d, sx_d, i1r, i2r, ipr, mask, pmask, c1, c2, s1, s2,
-            NORM_AFTER_ROPE, PASS)
+            NORM_AFTER_ROPE, PASS, INTERLEAVED)
         if ALL_HEADS and NORM_WEIGHT:
             v1, v2, vp = _load_norm_w(w_ptr, sw, h0 * D, i1, i2, ip, dmask, pm, PASS)
         else:
@@ -534,8 +558,7 @@ def _head_set_bwd_variants(
             p1 = a1 * v1  # n * r * w
             p2 = a2 * v2
         ob = out_row + h0 * OHS
-        _store_cast(ob + i1r, dx1, mask)
-        _store_cast(ob + i2r, dx2, mask)
+        store_pairs(ob, i1r, i2r, 1, dx1, dx2, mask, INTERLEAVED)
         if PASS > 0:
             ap = np_ * r
             _store_cast(ob + ipr, gwp * r + grad_rstd * (c * np_), pmask)

@@ -33,7 +33,7 @@ Constexpr switches of the block's variants (all off: the plain per-head block ab
 import triton
 import triton.language as tl
 
-from .rope_qk_norm import _store_cast, load_cos_sin, pair_cols
+from .rope_qk_norm import _store_cast, load_cos_sin, load_pairs, pair_cols, store_pairs
 
 
 @triton.jit
@@ -43,11 +43,13 @@ def _rope_fwd_2d(x1, x2, c1, c2, s1, s2):
 
 
 @triton.jit
-def _head_in(xb, i1, i2, ip, mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr):
+def _head_in(xb, i1, i2, ip, mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr,
+             INTERLEAVED: tl.constexpr):
     """One head's pair tiles (and pass-through tile) as the norm sees them, fp32, and their sum of
     squares per token."""
-    x1 = tl.load(xb + i1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(xb + i2, mask=mask, other=0.0).to(tl.float32)
+    x1, x2 = load_pairs(xb, i1, i2, 1, mask, INTERLEAVED)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     if NORM_AFTER_ROPE:
         x1, x2 = _rope_fwd_2d(x1, x2, c1, c2, s1, s2)
     ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
@@ -61,7 +63,7 @@ def _head_in(xb, i1, i2, ip, mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE: tl.co
 
 @triton.jit
 def _head_out(ob, so_d, i1, i2, ip, x1, x2, xp, r, w1, w2, wp, mask, pmask, c1, c2, s1, s2,
-              NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr, NORM_WEIGHT: tl.constexpr):
+              NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr, NORM_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr):
     """x * r (* w), rotated when RoPE comes after the norm, stored (one rounding)."""
     if NORM_WEIGHT:
         y1 = x1 * r[:, None] * w1
@@ -71,8 +73,7 @@ def _head_out(ob, so_d, i1, i2, ip, x1, x2, xp, r, w1, w2, wp, mask, pmask, c1, 
         y2 = x2 * r[:, None]
     if not NORM_AFTER_ROPE:
         y1, y2 = _rope_fwd_2d(y1, y2, c1, c2, s1, s2)
-    _store_cast(ob + i1 * so_d, y1, mask)
-    _store_cast(ob + i2 * so_d, y2, mask)
+    store_pairs(ob, i1, i2, so_d, y1, y2, mask, INTERLEAVED)
     if PASS > 0:
         if NORM_WEIGHT:
             yp = xp * r[:, None] * wp
@@ -125,12 +126,12 @@ def _head_group_fwd(
         ss = tl.zeros_like(tmask.to(tl.float32))
         for h in range(0, H):
             _, _, _, ssh = _head_in(x_row + h * XHS, i1[None, :], i2[None, :], ip[None, :], cmask, pmask_t,
-                                    c1, c2, s1, s2, NORM_AFTER_ROPE, PASS)
+                                    c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, INTERLEAVED)
             ss += ssh
         r = 1.0 / tl.sqrt_rn(ss / (H * D) + eps)
         for h in range(0, H):
             x1, x2, xp, _ = _head_in(x_row + h * XHS, i1[None, :], i2[None, :], ip[None, :], cmask, pmask_t,
-                                     c1, c2, s1, s2, NORM_AFTER_ROPE, PASS)
+                                     c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, INTERLEAVED)
             if NORM_WEIGHT:  # this head's part of the [H*D] weights
                 v1, v2, vp = _load_w(w_ptr, sw, h * D, i1, i2, ip, dmask, pm, PASS)
             else:
@@ -138,7 +139,7 @@ def _head_group_fwd(
                 v2 = w2
                 vp = wp
             _head_out(ob_row + h * so_h, so_d, i1[None, :], i2[None, :], ip[None, :], x1, x2, xp, r, v1, v2, vp,
-                      cmask, pmask_t, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, NORM_WEIGHT)
+                      cmask, pmask_t, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, NORM_WEIGHT, INTERLEAVED)
             tl.store(r_ptr + b * sr_b + h * sr_h + s * sr_s, r, mask=tmask)
     else:
         for hh in range(0, GROUP):
@@ -149,10 +150,10 @@ def _head_group_fwd(
             mask = cmask & hvalid[:, None]
             pmask = pmask_t & hvalid[:, None]
             x1, x2, xp, ss = _head_in(x_row + h * XHS, i1[None, :], i2[None, :], ip[None, :], mask, pmask,
-                                      c1, c2, s1, s2, NORM_AFTER_ROPE, PASS)
+                                      c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, INTERLEAVED)
             r = 1.0 / tl.sqrt_rn(ss / D + eps)
             _head_out(ob_row + h * so_h, so_d, i1[None, :], i2[None, :], ip[None, :], x1, x2, xp, r, w1, w2, wp,
-                      mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, NORM_WEIGHT)
+                      mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, NORM_WEIGHT, INTERLEAVED)
             tl.store(r_ptr + b * sr_b + h * sr_h + s * sr_s, r, mask=tmask & hvalid)
 
 

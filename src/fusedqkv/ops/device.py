@@ -13,7 +13,11 @@ buffers from the caching allocator (the graph's private pool) and drops them whe
 so no fusedqkv allocation outlives a captured call's outputs (``torch.compile(mode=
 "reduce-overhead")`` checks exactly that), and a replay never depends on a buffer that a later
 ``clear()`` or a regrown buffer could free. Tickets taken during capture are zeroed by a
-captured memset.
+captured memset. Outside a capture, a kept buffer is created by a short-lived thread of our
+own: cudagraph trees route every allocation of the warming-up thread (or stream) into the
+graph's pool without capturing, and a kept buffer created there would stay live in that pool;
+from another thread it comes from the ordinary pool, and ``record_stream`` ties its reuse after
+``clear()`` to the work queued on the stream that used it.
 
 ``clear()`` drops every kept buffer and every plan (``fusedqkv.clear_caches()``); ``info()``
 says what is kept (``fusedqkv.cache_info()``). Plans that cached a view of a kept buffer compare
@@ -23,6 +27,7 @@ says what is kept (``fusedqkv.cache_info()``). Plans that cached a view of a kep
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Callable
 
 import torch
@@ -86,6 +91,32 @@ def capturing(device: torch.device) -> bool:
 # ------------------------------------------------------------------------------ per-stream buffers
 
 
+def _outside_graph_pools(device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()`` run on a thread of our own (see the module's docstring), its work complete, the
+    result's reuse tied to the calling thread's current stream."""
+    if device.type != "cuda":
+        return make()
+    box: dict = {}
+
+    def allocate():
+        try:
+            with torch.cuda.device(device):
+                box["t"] = make()
+                torch.cuda.current_stream().synchronize()  # the zero fill, before any use elsewhere
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            box["e"] = e
+
+    thread = threading.Thread(target=allocate, name="fusedqkv-allocate")
+    thread.start()
+    thread.join()
+    if "e" in box:
+        raise box["e"]
+    t = box["t"]
+    t.record_stream(torch.cuda.current_stream(device))
+    return t
+
+
+
 def tickets(device: torch.device, stream: int, n: int) -> torch.Tensor:
     """At least ``n`` zeroed int32 tickets for kernels on ``stream`` (kept per stream; fresh per
     call while capturing)."""
@@ -94,7 +125,8 @@ def tickets(device: torch.device, stream: int, n: int) -> torch.Tensor:
     key = ("tickets", device_index(device) if device.type == "cuda" else -1, stream)
     buf = _buffers.get(key)
     if buf is None or buf.numel() < n:
-        buf = _buffers[key] = torch.zeros(max(n, _TICKETS_MIN), dtype=torch.int32, device=device)
+        size = max(n, _TICKETS_MIN)
+        buf = _buffers[key] = _outside_graph_pools(device, lambda: torch.zeros(size, dtype=torch.int32, device=device))
     return buf
 
 
@@ -107,7 +139,7 @@ def workspace(kind: str, device: torch.device, stream: int, nbytes: int, keep_ma
     key = (kind, device_index(device) if device.type == "cuda" else -1, stream)
     buf = _buffers.get(key)
     if buf is None or buf.numel() < nbytes:
-        buf = _buffers[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        buf = _buffers[key] = _outside_graph_pools(device, lambda: torch.empty(nbytes, dtype=torch.uint8, device=device))
     return buf
 
 

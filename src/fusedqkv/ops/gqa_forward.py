@@ -27,6 +27,7 @@ from . import config
 from . import validation as V
 from .device import current_stream, sm_count
 from .launch import BoundLaunch, Ptr, Table, next_pow2 as _next_pow2
+from .variant import NORM_SCOPES, PLAIN, ROPE_STYLES, Variant, heads_of, pad_rotary, rotate  # noqa: F401
 
 try:  # Triton is a dependency on Linux only; the torch backend serves without it
     from ..kernels.rope_qk_norm_fwd import rope_qk_norm_fwd_kernel
@@ -34,46 +35,8 @@ except ImportError:  # pragma: no cover
     rope_qk_norm_fwd_kernel = None
 
 QK_NORM_POSITIONS = ("after_rope", "before_rope")
-ROPE_STYLES = ("neox", "interleaved")
-NORM_SCOPES = ("head", "all_heads")
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """The block's variant switches (issue 25); all off (``PLAIN``) is the plain block: per-head
-    weighted RMSNorm, NeoX RoPE over the whole head, no gate, v a view.
-
-    ``rot``: rotary dims per head (even), 0 for all of head_dim (partial rotary otherwise: the
-    trailing ``head_dim - rot`` dims pass RoPE unrotated, the norm covers all of them);
-    ``interleaved``: RoPE pairs ``(2i, 2i+1)`` instead of ``(i, i + rot/2)``; ``q_gate``: the Q
-    rows of the projection are per head ``[q | gate]``; ``norm_weight``: the q/k norms scale by
-    a weight; ``all_heads``: the q (k) norm is over all heads of a token; ``v_norm``: v is
-    RMS-normed per head without a weight."""
-
-    rot: int = 0
-    interleaved: bool = False
-    q_gate: bool = False
-    norm_weight: bool = True
-    all_heads: bool = False
-    v_norm: bool = False
-
-    def rotary(self, d: int) -> int:
-        return self.rot or d
-
-    def q_cols(self, d: int) -> int:
-        """Columns of one query head in a projection row ([q | gate] with q_gate)."""
-        return 2 * d if self.q_gate else d
-
-    def constexprs(self, d: int) -> dict:
-        """The kernels' constexprs of the variant (both stages)."""
-        half = self.rotary(d) // 2
-        n_pass = d - 2 * half
-        return dict(HALF=half, HALF_P2=_next_pow2(half), PASS=n_pass, PASS_P2=_next_pow2(n_pass),
-                    INTERLEAVED=self.interleaved, NORM_WEIGHT=self.norm_weight, ALL_HEADS=self.all_heads,
-                    Q_GATE=self.q_gate, V_NORM=self.v_norm)
-
-
-PLAIN = Variant()
 
 
 # ----------------------------------------------------------------------------- validation
@@ -289,44 +252,6 @@ def forward_torch(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope, variant:
     v = token_major(B, hkv, S, D, qkv.dtype, qkv.device) if variant.v_norm else None
     _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, v, hq, hkv, D, eps, norm_after_rope, variant)
     return q, k, rq, rk, v
-
-
-def rotate(t: torch.Tensor, rot: int, interleaved: bool) -> torch.Tensor:
-    """The rotation partner of every element of the leading ``rot`` dims (``rotate_half`` within
-    them, or ``rotate_pairs``), zero for the dims past them: RoPE is ``x*cos + rotate(x)*sin``
-    with cos 1 and sin 0 there. ``rotate`` is antisymmetric: its transpose is ``-rotate``."""
-    r = t[..., :rot]
-    if interleaved:
-        out = torch.stack((-r[..., 1::2], r[..., 0::2]), dim=-1).flatten(-2)
-    else:
-        h = rot // 2
-        out = torch.cat((-r[..., h:], r[..., :h]), dim=-1)
-    if rot < t.shape[-1]:
-        out = torch.cat((out, torch.zeros_like(t[..., rot:])), dim=-1)
-    return out
-
-
-def pad_rotary(c: torch.Tensor, d: int, fill: float) -> torch.Tensor:
-    """cos/sin ``[.., rot]`` widened to ``[.., d]`` with ``fill`` (cos 1, sin 0: the pass-through dims)."""
-    rot = c.shape[-1]
-    if rot == d:
-        return c
-    return torch.cat((c, torch.full((*c.shape[:-1], d - rot), fill, dtype=c.dtype, device=c.device)), dim=-1)
-
-
-def heads_of(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_gate: bool):
-    """Views ``[B, H, S, D]`` of the query, key, value (and gate, or None) heads of a projection
-    output ``[B, S, n]``."""
-    B, S, _ = qkv.shape
-    nq = 2 * hq if q_gate else hq
-    heads = qkv.view(B, S, nq + 2 * hkv, d)  # sizes, not -1: zero tokens are valid
-    if q_gate:
-        xq, gate = heads[:, :, 0:nq:2], heads[:, :, 1:nq:2]
-    else:
-        xq, gate = heads[:, :, :hq], None
-    xk, xv = heads[:, :, nq: nq + hkv], heads[:, :, nq + hkv:]
-    t = lambda x: None if x is None else x.transpose(1, 2)  # noqa: E731
-    return t(xq), t(xk), t(xv), t(gate)
 
 
 def _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, v, hq, hkv, D, eps, norm_after_rope, variant):

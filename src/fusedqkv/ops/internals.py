@@ -1,17 +1,506 @@
-"""Placeholder until the gate lands (branch h22g): the torch internals fusedqkv uses."""
+"""Every use of Triton's and PyTorch's internals, behind one version gate.
+
+fusedqkv's fast paths lean on things neither library documents: the compiled kernel's launcher
+(called directly by :class:`fusedqkv.ops.launch.BoundLaunch`, skipping ``JITFunction.run``),
+Triton's host TMA descriptor encoder, the raw current stream, dynamo's C++ ``TensorGuards`` (the
+plan caches' repeat check) and the grad-mode toggle. They live here and nowhere else, used only
+on the versions they are tested on (:data:`TRITON_SUPPORTED`, :data:`TORCH_SUPPORTED`: CI checks
+the raw launch against Triton's own launch path on every supported Triton, offline). Where one
+cannot be used -- a version outside the range, a launcher of unknown structure, a kernel the raw
+path does not cover -- fusedqkv takes the public path (the same results, more host time), warns
+once with a :class:`FastPathWarning` naming the reason, and records it in :func:`fast_path_info`.
+Under ``TRITON_INTERPRET=1`` the raw launch is off by design (reason ``"interpreter"``, no warning).
+
+The raw launch speaks two launcher ABIs, told apart by the structure of Triton's ``CudaLauncher``
+(the exact call it makes, checked in its source), not by version alone:
+
+* ``"module"`` (Triton 3.6): a C launcher compiled per kernel, called as ``launch(gridX, gridY,
+  gridZ, stream, function, cooperative, pdl, global_scratch, profile_scratch, packed_metadata,
+  launch_metadata, enter_hook, exit_hook, *kernel_args)``;
+* ``"shared"`` (Triton 3.7 to 3.9): the driver's one launcher, ``launch(gridX, gridY, gridZ,
+  stream, function, cooperative, pdl, packed_metadata, launch_metadata, enter_hook, exit_hook,
+  global_scratch, profile_scratch, arg_annotations, kernel_signature, kernel_args)``.
+
+In both, ``kernel_args`` holds every parameter in order (constexprs too: the launcher skips them),
+each host TMA descriptor expanded by Triton's ``make_tensordesc_arg`` into its encoded map, shape
+and strides; the launch metadata and hooks are Triton's (``knobs.runtime.launch_enter_hook`` and
+``launch_exit_hook``, read at each launch), or None while no hook is registered.
+``tests/test_fast_path_gate.py`` compares the raw call with Triton's own on every supported Triton.
+"""
 
 from __future__ import annotations
 
+import copy
+import inspect
+import re
+import warnings
+from typing import Callable, Optional, Sequence
+
 import torch
 
-try:
-    from torch._C._dynamo.guards import TensorGuards
-except ImportError:  # pragma: no cover
-    TensorGuards = None
+from .config import INTERPRET
 
-raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
-set_grad_enabled = torch._C._set_grad_enabled
+TRITON_SUPPORTED = ((3, 6), (3, 9))  # first and last minor version, both included
+TORCH_SUPPORTED = ((2, 11), (2, 15))
+
+MODULE_ABI = "module"  # Triton 3.6
+SHARED_ABI = "shared"  # Triton 3.7-3.9
+
+
+class FastPathWarning(RuntimeWarning):
+    """A fast path of fusedqkv is off in this process: it runs the public path instead (the same
+    results, more host time). The message names the reason; :func:`fast_path_info` lists them."""
+
+
+class Refused(Exception):
+    """A raw launch this Triton or this kernel does not allow (the message says why)."""
+
+
+# ------------------------------------------------------------------------------ the gate's state
+
+_FALLBACKS: dict = {}  # reason -> None, in the order they happened (each warned once)
+_BOUND = [0]  # launches bound to the raw path
+
+
+def fall_back(reason: str) -> None:
+    """Record that a fast path is off for ``reason``; the first time, warn (FastPathWarning)."""
+    if reason in _FALLBACKS:
+        return
+    _FALLBACKS[reason] = None
+    warnings.warn(f"fusedqkv: a fast path is off: {reason}. fusedqkv takes the public path instead (the same "
+                  f"results, more host time per call). Supported: Triton {_range_text(TRITON_SUPPORTED)}, torch "
+                  f"{_range_text(TORCH_SUPPORTED)}; see fusedqkv.ops.internals.fast_path_info()",
+                  FastPathWarning, stacklevel=3)
+
+
+def _range_text(rng) -> str:
+    return f"{rng[0][0]}.{rng[0][1]}-{rng[1][0]}.{rng[1][1]}"
+
+
+def _minor(version: str) -> Optional[tuple]:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _in_range(version: str, rng) -> bool:
+    v = _minor(version)
+    return v is not None and rng[0] <= v <= rng[1]
+
+
+def triton_version() -> Optional[str]:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def fast_path_info() -> dict:
-    return {}
+    """The state of fusedqkv's fast paths in this process: ``active`` (every one in use, so far),
+    ``reason`` (the first reason one is off; ``"interpreter"`` under ``TRITON_INTERPRET=1``),
+    ``abi`` (the launcher ABI the raw launch speaks, or None), ``triton``, ``torch`` (versions),
+    ``supported`` (the tested ranges), ``bound_launches`` (launches bound to the raw path) and
+    ``fallbacks`` (every reason recorded, each warned once)."""
+    abi, gate_reason = _triton_gate()
+    reasons = list(_FALLBACKS)
+    reason = gate_reason if gate_reason == "interpreter" else (reasons[0] if reasons else gate_reason)
+    return {"active": reason is None, "reason": reason, "abi": abi, "triton": triton_version(),
+            "torch": torch.__version__,
+            "supported": {"triton": _range_text(TRITON_SUPPORTED), "torch": _range_text(TORCH_SUPPORTED)},
+            "bound_launches": _BOUND[0], "fallbacks": reasons}
+
+
+# ------------------------------------------------------------------------------ torch internals
+
+_TORCH_PROBLEM = (None if _in_range(torch.__version__, TORCH_SUPPORTED) else
+                  f"torch {torch.__version__} is outside the supported range {_range_text(TORCH_SUPPORTED)}")
+
+
+def _torch_internal(what: str, get: Callable, public):
+    """``get()`` (a torch internal), or ``public`` where this torch is not supported or lacks it
+    (warned once, recorded)."""
+    if _TORCH_PROBLEM is not None:
+        fall_back(_TORCH_PROBLEM)
+        return public
+    try:
+        return get()
+    except Exception as e:  # noqa: BLE001 - missing or changed: named, not hidden
+        fall_back(f"torch {torch.__version__}: {what} is unavailable ({type(e).__name__}: {e})")
+        return public
+
+
+def _public_raw_stream(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def _public_set_grad_enabled(mode: bool) -> None:
+    torch.set_grad_enabled(mode)
+
+
+if torch.version.cuda is None and torch.version.hip is None:  # a CPU build: no stream to ask for
+    raw_stream = _public_raw_stream
+else:
+    raw_stream = _torch_internal("torch._C._cuda_getCurrentRawStream",
+                                 lambda: torch._C._cuda_getCurrentRawStream, _public_raw_stream)
+
+set_grad_enabled = _torch_internal("torch._C._set_grad_enabled", lambda: torch._C._set_grad_enabled,
+                                   _public_set_grad_enabled)
+
+
+def _tensor_guards_class():
+    from torch._C._dynamo.guards import TensorGuards
+
+    probe = torch.empty(2, 3)  # the constructor and check this module calls, tried once
+    g = TensorGuards(probe, dynamic_dims_sizes=[list(probe.shape)], dynamic_dims_strides=[list(probe.stride())])
+    if not (g.check(probe) and not g.check(torch.empty(3, 2))):
+        raise TypeError("TensorGuards.check does not tell a changed shape")
+    return TensorGuards
+
+
+TensorGuards = _torch_internal("dynamo's TensorGuards (torch._C._dynamo.guards)", _tensor_guards_class, None)
+
+
+def tensor_guards(tensors: Sequence[torch.Tensor]):
+    """dynamo's C++ guards of ``tensors`` (shapes, strides, dtypes, devices...: ``.check(*tensors)``),
+    or None where they are unavailable (recorded at import) or do not take these tensors (a kind
+    they do not guard: the caller's Python key serves)."""
+    if TensorGuards is None:
+        return None
+    try:
+        return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                            dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    except Exception:  # noqa: BLE001 - a tensor kind the guards do not take
+        return None
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether ``t`` surely has elements sharing memory: ``torch._debug_has_internal_overlap(t) == 1``
+    (MemOverlap::Yes: a non-empty tensor with a dimension of size > 1 and stride 0), without the
+    private function."""
+    return t.numel() > 0 and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+
+
+def raise_compile_limits(at_least: int = 64) -> None:
+    """torch.compile's recompile limits (``torch._dynamo.config``, named per torch version) to at
+    least ``at_least``: a benchmark compiles one function for many shapes."""
+    cfg = torch._dynamo.config
+    for attr in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, attr):
+            setattr(cfg, attr, max(getattr(cfg, attr), at_least))
+
+
+# ------------------------------------------------------------------------------ Triton internals
+
+# the launcher calls each ABI's CudaLauncher.__call__ makes, token by token
+_MODULE_CALL = ("gridX", "gridY", "gridZ", "stream", "function", "self.launch_cooperative_grid", "self.launch_pdl",
+                "global_scratch", "profile_scratch", "*args")
+_SHARED_CALL = ("gridX", "gridY", "gridZ", "stream", "function", "self.launch_cooperative_grid", "self.launch_pdl",
+                "kernel_metadata", "launch_metadata", "launch_enter_hook", "launch_exit_hook", "global_scratch",
+                "profile_scratch", "self.arg_annotations", "self.kernel_signature", r"(?:kernel_)?args")
+_MODULE_PARAMS = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
+_SHARED_PARAMS = ("self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+                  "launch_enter_hook", "launch_exit_hook", "args")
+# 3.6's per-kernel C launcher parses these leading arguments: grid, stream, function, cooperative,
+# pdl, the two scratch buffers, packed metadata, launch metadata and the two hooks
+_MODULE_BASE_FORMAT = "iiiKKppOOOOOO"
+
+
+def _call_pattern(tokens) -> re.Pattern:
+    parts = [t if t.startswith("(?:") else re.escape(t) for t in tokens]
+    return re.compile(r"self\.launch\(\s*" + r"\s*,\s*".join(parts) + r"\s*,?\s*\)")
+
+
+def _launcher_abi(nv) -> str:
+    """The ABI of the CUDA driver module ``nv``'s ``CudaLauncher``, from its structure."""
+    cls = getattr(nv, "CudaLauncher", None)
+    if cls is None:
+        raise Refused("triton.backends.nvidia.driver has no CudaLauncher")
+    try:
+        params = tuple(inspect.signature(cls.__call__).parameters)
+        source = inspect.getsource(cls.__call__)
+    except (OSError, TypeError, ValueError) as e:
+        raise Refused(f"CudaLauncher.__call__ cannot be inspected ({e})") from e
+    if params == _MODULE_PARAMS and _call_pattern(_MODULE_CALL).search(source):
+        if getattr(nv, "_BASE_ARGS_FORMAT", None) != _MODULE_BASE_FORMAT:
+            raise Refused("the per-kernel launcher's leading arguments changed "
+                          f"({getattr(nv, '_BASE_ARGS_FORMAT', None)!r}, expected {_MODULE_BASE_FORMAT!r})")
+        return MODULE_ABI
+    if params == _SHARED_PARAMS and _call_pattern(_SHARED_CALL).search(source):
+        return SHARED_ABI
+    raise Refused("Triton's CudaLauncher calls its launcher in a way fusedqkv does not know")
+
+
+_GATE: list = []  # [(abi, reason)] once decided
+
+
+def _triton_gate() -> tuple:
+    """(abi, None) where raw launches may be bound, else (None, reason)."""
+    if not _GATE:
+        _GATE.append(_decide_gate())
+    return _GATE[0]
+
+
+def _decide_gate() -> tuple:
+    if INTERPRET:
+        return None, "interpreter"
+    version = triton_version()
+    if version is None:
+        return None, "Triton cannot be imported"
+    if not _in_range(version, TRITON_SUPPORTED):
+        return None, f"Triton {version} is outside the supported range {_range_text(TRITON_SUPPORTED)}"
+    try:
+        from triton.backends.nvidia import driver as nv
+
+        return _launcher_abi(nv), None
+    except Refused as e:
+        return None, f"Triton {version}: {e}"
+    except Exception as e:  # noqa: BLE001 - the CUDA backend does not even import: named, not hidden
+        return None, f"Triton {version}'s CUDA backend cannot be inspected ({type(e).__name__}: {e})"
+
+
+def raw_launch_gate() -> Optional[str]:
+    """The launcher ABI raw launches speak here, or None (the reason recorded and warned once,
+    except under the interpreter)."""
+    abi, reason = _triton_gate()
+    if abi is None and reason != "interpreter":
+        fall_back(reason)
+    return abi
+
+
+def parameter_names(fn) -> list:
+    """A ``@triton.jit`` function's parameter names, in order."""
+    return list(fn.arg_names)
+
+
+class _Address:
+    """Stands in for a tensor where Triton's descriptor encoder wants one: its address."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class DescriptorSlot:
+    """A host TMA descriptor argument of a raw launch: position ``pos`` of the expanded argument
+    list, over entry ``index`` of the call's tensor table. Holds a copy of the building call's
+    ``TensorDescriptor`` (every field Triton's encoder reads) whose base is an address, so an
+    encode is Triton's own ``make_tensordesc_arg`` at a new address; :meth:`encode` runs only when
+    the address changes (``ptr`` is the last one encoded)."""
+
+    __slots__ = ("pos", "index", "meta", "host", "address", "encoder", "ptr", "encoded")
+
+    def __init__(self, pos: int, index: int, descriptor, meta, encoder: Callable):
+        self.pos, self.index, self.meta, self.encoder = pos, index, meta, encoder
+        self.address = _Address(descriptor.base.data_ptr())
+        self.host = copy.copy(descriptor)  # a dataclass: no validation, no reference to the tensor kept
+        self.host.base = self.address
+        self.ptr, self.encoded = None, None
+
+    def encode(self, ptr: int) -> list:
+        """The expanded argument (encoded map, shape, strides) at address ``ptr``."""
+        self.address.ptr = ptr
+        expanded = self.encoder(self.host, self.meta)
+        self.encoded, self.ptr = expanded[0], ptr
+        return expanded
+
+
+def make_enqueue(launcher, grid, head, template, ptr_slots, desc_slots, pack: Optional[type] = None, hooks=None):
+    """``enqueue(ptrs, stream)``: ``launcher(*grid, stream, *head, *args)`` -- or with ``pack``
+    (list or tuple) ``launcher(*grid, stream, *head, pack(args))`` -- where ``args`` is
+    ``template`` with the ``(position, table index)`` pointer slots filled from ``ptrs`` and the
+    descriptor slots' encoded maps (:meth:`DescriptorSlot.encode` has run). One generated
+    function: no per-call copy or loop over ~90 arguments.
+
+    ``hooks``: ``(position, runtime knobs, hook chain class, launch_metadata)``: entries
+    ``position`` to ``position + 2`` of ``head`` are the launch metadata and Triton's launch
+    enter and exit hooks, read from the knobs at each call as Triton's launch path does;
+    while both chains are empty (or None) the launcher gets None for all three, as it calls no
+    hook then and reads the metadata only in one (the check costs ~0.1 us, the metadata ~1 us)."""
+    ns = {"launcher": launcher}
+    items = []
+    by_pos = dict(ptr_slots)
+    descs = {d.pos: d for d in desc_slots}
+    for pos, value in enumerate(template):
+        if pos in by_pos:
+            items.append(f"p[{by_pos[pos]}]")
+        elif pos in descs:
+            name = f"d{pos}"
+            ns[name] = descs[pos]
+            items.append(f"{name}.encoded")
+        else:
+            name = f"c{pos}"
+            ns[name] = value
+            items.append(name)
+    for k, value in enumerate(grid):
+        ns[f"g{k}"] = value
+    ns["grid"] = tuple(grid)
+    for k, value in enumerate(head):
+        ns[f"h{k}"] = value
+    args = ", ".join(items)
+    if pack is list:
+        args = f"[{args}]"
+    elif pack is tuple:
+        args = f"({args},)" if items else "()"
+    elif pack is not None:
+        raise TypeError(f"pack: list, tuple or None, got {pack!r}")
+
+    def call(head_names):
+        return "launcher(" + ", ".join(["g0", "g1", "g2", "stream", *head_names] + ([args] if args else [])) + ")"
+
+    names = [f"h{k}" for k in range(len(head))]
+    if hooks is None:
+        body = f"    {call(names)}\n"
+    else:
+        at, ns["rt"], ns["Chain"], ns["metadata"] = hooks
+        quiet, loud = list(names), list(names)
+        quiet[at: at + 3] = ["None", "None", "None"]
+        loud[at: at + 3] = ["metadata(grid, stream)", "en", "ex"]
+        body = ("    en = rt.launch_enter_hook\n"
+                "    ex = rt.launch_exit_hook\n"
+                "    if (en is None or en.__class__ is Chain and not en.calls) and "
+                "(ex is None or ex.__class__ is Chain and not ex.calls):\n"
+                f"        {call(quiet)}\n"
+                "    else:\n"
+                f"        {call(loud)}\n")
+    src = "def enqueue(p, stream):\n" + body
+    exec(compile(src, "<fusedqkv raw launch>", "exec"), ns)  # noqa: S102 - our own template
+    return ns["enqueue"]
+
+
+def _descriptor_wrapper(run, n_desc: int):
+    """(launcher, per-descriptor metadata, encoder(desc, meta) -> expanded) from the wrapper
+    Triton puts around the launcher of a kernel with host descriptors."""
+    closure = inspect.getclosurevars(run.launch)
+    nonlocals = closure.nonlocals
+    if "launcher" not in nonlocals or "tensordesc_meta" not in nonlocals:
+        raise Refused("Triton's descriptor wrapper has an unknown structure")
+    launcher, metas = nonlocals["launcher"], nonlocals["tensordesc_meta"]
+    make = nonlocals.get("make_tensordesc_arg") or closure.globals.get("make_tensordesc_arg")
+    if make is None:
+        raise Refused("Triton's descriptor wrapper has no make_tensordesc_arg")
+    n_params = len(inspect.signature(make).parameters)
+    if n_params == 2:  # 3.6, 3.7: (arg, metadata)
+        encoder = make
+    elif n_params == 3:  # 3.8, 3.9: (arg, metadata, the launcher's leading arguments), the last unused on CUDA
+
+        def encoder(desc, meta, _make=make):
+            return _make(desc, meta, None)
+    else:
+        raise Refused(f"make_tensordesc_arg takes {n_params} arguments, expected 2 or 3")
+    if not metas or len(metas) != n_desc or any(m is None for m in metas):
+        raise Refused("a descriptor argument is not lowered to a TMA descriptor")
+    return launcher, list(metas), encoder
+
+
+def bind(compiled, grid, values: Sequence, ptr_slots: Sequence, desc_slots: Sequence):
+    """The raw launch of ``compiled`` (a kernel the JIT has just launched):
+    ``(enqueue, descriptor slots)`` (:func:`make_enqueue`), or None where this Triton or this
+    kernel does not allow it (the reason recorded and warned once).
+
+    ``values``: every kernel parameter's value in order (constexprs too); ``ptr_slots``:
+    ``(parameter position, table index)`` of the tensor arguments; ``desc_slots``: ``(parameter
+    position, table index, the building call's TensorDescriptor)`` of the host descriptors."""
+    abi = raw_launch_gate()
+    if abi is None:
+        return None
+    name = getattr(compiled, "name", None) or "a kernel"
+    try:
+        bound = _bind(abi, compiled, tuple(grid), values, ptr_slots, desc_slots)
+    except Refused as e:
+        fall_back(f"{name}: {e}")
+        return None
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError, AssertionError) as e:
+        fall_back(f"{name}: Triton {triton_version()}'s launcher does not have the structure fusedqkv binds to "
+                   f"({type(e).__name__}: {e})")
+        return None
+    _BOUND[0] += 1
+    return bound
+
+
+def _bind(abi, compiled, grid, values, ptr_slots, desc_slots):
+    from triton.backends.nvidia import driver as nv
+
+    if compiled is None:
+        raise Refused("the JIT returned no compiled kernel")
+    run = compiled.run
+    if type(run) is not nv.CudaLauncher:
+        raise Refused(f"its launcher is a {type(run).__name__}, not Triton's CudaLauncher")
+    if run.global_scratch_size or run.profile_scratch_size:
+        raise Refused("it needs scratch memory")
+    if getattr(run, "gsan_enabled", False):
+        raise Refused("GSan instrumentation adds launch arguments")
+    if compiled.function is None:
+        raise Refused("it has no loaded function")
+    if desc_slots:
+        launcher, metas, encoder = _descriptor_wrapper(run, len(desc_slots))
+    else:
+        launcher, metas, encoder = run.launch, [], None
+        if inspect.isfunction(launcher) and getattr(launcher, "__module__", "").startswith("triton"):
+            raise Refused("Triton wraps its launcher in an unknown way")
+    ptr_at = dict(ptr_slots)
+    desc_at = {pos: (index, d) for pos, index, d in desc_slots}
+    template, raw_ptrs, descs = [], [], []
+    for pos, value in enumerate(values):
+        if pos in ptr_at:
+            raw_ptrs.append((len(template), ptr_at[pos]))
+            template.append(None)
+        elif pos in desc_at:
+            index, d = desc_at[pos]
+            slot = DescriptorSlot(len(template), index, d, metas[len(descs)], encoder)
+            expanded = slot.encode(d.base.data_ptr())  # also the first encoding, at the building call's address
+            shape, strides = list(d.shape), list(d.strides)
+            if len(expanded) != 1 + len(shape) + len(strides) or list(expanded[1:]) != shape + strides:
+                raise Refused("make_tensordesc_arg expands a descriptor in an unknown way")
+            descs.append(slot)
+            template.append(None)
+            template.extend(expanded[1:])
+        else:
+            template.append(value)
+    src = getattr(compiled, "src", None)
+    if getattr(getattr(src, "fn", None), "launch_metadata", None) is not None:
+        raise Refused("it has a launch_metadata function (its hooks would want the call's arguments)")
+    from triton import knobs
+    from triton.knobs import HookChain
+
+    hooks_of = (knobs.runtime, HookChain, compiled.launch_metadata)
+    if abi == MODULE_ABI:
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+                None, None, None)
+        pack, hooks = None, (6, *hooks_of)
+    else:
+        if len(compiled.packed_metadata) != 3:  # parsed as (num_warps, num_ctas, shared memory)
+            raise Refused("the packed kernel metadata changed")
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, compiled.packed_metadata, None, None,
+                None, None, None, run.arg_annotations, run.kernel_signature)
+        pack = list if descs else tuple  # as Triton's descriptor wrapper / CudaLauncher pass them
+        hooks = (4, *hooks_of)
+    return make_enqueue(launcher, grid, head, template, raw_ptrs, descs, pack, hooks), descs
+
+
+# ------------------------------------------------------------------------------ torch.distributed (TP)
+
+
+def functional_collectives():
+    """torch's traceable collectives (``torch.ops._c10d_functional``: ``all_reduce``,
+    ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``wait_tensor``), which torch.compile
+    traces; the head-parallel block's backward uses them."""
+    return torch.ops._c10d_functional
+
+
+def dtensor_spec(t):
+    """A DTensor's spec (mesh, placements, global shape): the private ``_spec``."""
+    return t._spec
+
+
+def dtensor_from_spec(local: torch.Tensor, spec):
+    """A DTensor of ``local`` with a copy of ``spec`` and no autograd history: what DTensor's
+    ``to_local`` backward builds, without its per-call global-shape computation."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, copy.copy(spec), requires_grad=False)

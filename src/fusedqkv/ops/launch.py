@@ -17,13 +17,13 @@ same slots and templates, so the CPU tests exercise them).
 
 from __future__ import annotations
 
-import inspect
 import math
 import operator
 from typing import Optional, Sequence
 
 import torch
 
+from . import internals
 from .config import INTERPRET
 
 
@@ -123,74 +123,6 @@ def _tensor_descriptor(t: torch.Tensor, block):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
 
 
-class _Address:
-    """Stands in for a tensor where Triton's descriptor encoder wants one: its address."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-
-class _HostDescriptor:
-    """What Triton's descriptor encoder reads of a ``TensorDescriptor``, at a given address."""
-
-    __slots__ = ("base", "shape", "strides", "padding")
-
-    def __init__(self, ptr: int, shape, strides):
-        self.base, self.shape, self.strides, self.padding = _Address(ptr), shape, strides, "zero"
-
-
-class _DescriptorSlot:
-    """A descriptor argument of a raw launch: encoded again only when the address changes."""
-
-    __slots__ = ("pos", "index", "shape", "strides", "meta", "ptr", "encoded")
-
-    def __init__(self, pos: int, desc: Desc, meta: dict):
-        self.pos, self.index, self.meta = pos, desc.index, meta
-        self.shape, self.strides = desc.shape, desc.strides
-        self.ptr, self.encoded = None, None
-
-    def encode(self, ptr: int):
-        from triton.backends.nvidia.driver import make_tensordesc_arg
-
-        self.encoded = make_tensordesc_arg(_HostDescriptor(ptr, self.shape, self.strides), self.meta)[0]
-        self.ptr = ptr
-        return self.encoded
-
-
-def _raw_enqueue(launcher, grid, head, template, ptr_slots, desc_slots):
-    """``enqueue(ptrs, stream)``: the launcher called with the template's constants, the slots'
-    addresses and the descriptors' encoded maps (:meth:`BoundLaunch.encode` has run), as one
-    generated function (no per-call copy or loop over ~90 arguments)."""
-    ns = {"launcher": launcher}
-    items = []
-    by_pos = dict(ptr_slots)
-    descs = {d.pos: d for d in desc_slots}
-    for pos, value in enumerate(template):
-        if pos in by_pos:
-            items.append(f"p[{by_pos[pos]}]")
-        elif pos in descs:
-            name = f"d{pos}"
-            ns[name] = descs[pos]
-            items.append(f"{name}.encoded")
-        else:
-            name = f"c{pos}"
-            ns[name] = value
-            items.append(name)
-    for k, value in enumerate((*grid,)):
-        ns[f"g{k}"] = value
-    for k, value in enumerate(head):
-        ns[f"h{k}"] = value
-    heads = ", ".join(f"h{k}" for k in range(len(head)))
-    src = (f"def enqueue(p, stream):\n    launcher(g0, g1, g2, stream, {heads}, {', '.join(items)})\n")
-    exec(compile(src, "<fusedqkv bound launch>", "exec"), ns)  # noqa: S102 - our own template
-    return ns["enqueue"]
-
-
 class BoundLaunch:
     """``BoundLaunch(kernel, grid, args, constexprs)``: ``args`` are the kernel's runtime
     arguments in parameter order, tensors given as :class:`Ptr`/:class:`Desc` slots;
@@ -198,7 +130,8 @@ class BoundLaunch:
 
     ``launch(tensors, ptrs, stream)`` queues the kernel for a call whose tensor table is
     ``tensors`` (``ptrs`` their addresses, the same length, or None before the first launch
-    and under the interpreter)."""
+    and under the interpreter). After the first launch :attr:`bound` tells whether later ones
+    take the raw path (:mod:`fusedqkv.ops.internals` binds it, or says why not)."""
 
     def __init__(self, fn, grid: Sequence[int], args: Sequence, constexprs: dict):
         self.fn = fn
@@ -206,12 +139,12 @@ class BoundLaunch:
         self.args = list(args)
         self.constexprs = dict(constexprs)
         self._raw = None  # the generated enqueue, once compiled and bound
-        self._descs: list = []  # its descriptor slots
-        self.raw_disabled = INTERPRET
+        self._descs: list = []  # its descriptor slots (internals.DescriptorSlot)
+        self.raw_disabled = INTERPRET  # or once binding was refused (internals.fast_path_info says why)
 
     @property
     def bound(self) -> bool:
-        """Compiled and bound: later calls pass addresses only."""
+        """Whether launches given ``ptrs`` call the compiled kernel's launcher directly."""
         return self._raw is not None
 
     def _resolve(self, a, tensors):
@@ -237,45 +170,27 @@ class BoundLaunch:
                 self.encode(ptrs)
             raw(ptrs, stream)
             return
-        compiled = self.fn[self.grid](*(self._resolve(a, tensors) for a in self.args), **self.constexprs)
-        if not self.raw_disabled:
-            self._bind_raw(compiled)
+        resolved = [self._resolve(a, tensors) for a in self.args]
+        compiled = self.fn[self.grid](*resolved, **self.constexprs)
+        if raw is None and not self.raw_disabled:
+            self._bind_raw(compiled, resolved)
 
-    def _bind_raw(self, compiled) -> None:
-        """The compiled kernel's launcher and an argument template in its expanded form (each
-        descriptor as its encoded map, shape and strides), or nothing where this Triton's
-        internals differ from 3.6's (the JIT path then serves every call)."""
-        try:
-            run = compiled.run
-            if run.global_scratch_size or run.profile_scratch_size:
-                raise TypeError("the kernel needs scratch memory")
-            params = list(self.fn.arg_names)
-            full = self.args + [self.constexprs[n] for n in params[len(self.args):]]
-            has_desc = any(isinstance(a, Desc) for a in full)
-            if has_desc:
-                closure = inspect.getclosurevars(run.launch).nonlocals  # Triton's descriptor wrapper
-                launcher, metas = closure["launcher"], closure["tensordesc_meta"]
-            else:
-                launcher, metas = run.launch, None
-            template, ptr_slots, desc_slots, k = [], [], [], 0
-            for a in full:
-                if isinstance(a, Ptr):
-                    ptr_slots.append((len(template), a.index))
-                    template.append(None)
-                elif isinstance(a, Desc):
-                    meta = metas[k] if metas else None
-                    k += 1
-                    if meta is None:
-                        raise TypeError("a descriptor the kernel does not lower to TMA")
-                    desc_slots.append(_DescriptorSlot(len(template), a, meta))
-                    template.append(None)
-                    template.extend(a.shape)
-                    template.extend(a.strides)
-                else:
-                    template.append(a)
-            head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                    compiled.packed_metadata, None, None, None)
-            self._raw = _raw_enqueue(launcher, self.grid, head, template, ptr_slots, desc_slots)
-            self._descs = desc_slots
-        except (AttributeError, KeyError, TypeError, ImportError, IndexError):
+    def _bind_raw(self, compiled, resolved: Sequence) -> None:
+        """Bind later launches to the compiled kernel's launcher (``resolved``: this call's
+        arguments as the JIT took them); where :func:`internals.bind` refuses, every launch
+        goes through the JIT (it has warned, naming the reason)."""
+        params = internals.parameter_names(self.fn)
+        missing = [n for n in params[len(self.args):] if n not in self.constexprs]
+        if missing:  # a parameter left to its default: the template would not know its value
             self.raw_disabled = True
+            internals.fall_back(f"{getattr(compiled, 'name', None) or 'a kernel'}: parameters {missing} are not "
+                                "given (left to their defaults)")
+            return
+        values = self.args + [self.constexprs[n] for n in params[len(self.args):]]
+        ptr_slots = [(pos, a.index) for pos, a in enumerate(self.args) if isinstance(a, Ptr)]
+        desc_slots = [(pos, a.index, resolved[pos]) for pos, a in enumerate(self.args) if isinstance(a, Desc)]
+        bound = internals.bind(compiled, self.grid, values, ptr_slots, desc_slots)
+        if bound is None:
+            self.raw_disabled = True
+            return
+        self._raw, self._descs = bound

@@ -21,7 +21,7 @@ import torch
 
 from . import config as _config
 from . import device
-from .internals import TensorGuards
+from .internals import tensor_guards
 
 
 class Misaligned(Exception):
@@ -32,16 +32,6 @@ def _tensor_key(t) -> tuple:
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested:
         return (type(t), id(t))  # not a plannable tensor: the build's validation names it
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.layout, t.data_ptr() % 16 == 0)
-
-
-def _guards(tensors: Sequence[torch.Tensor]):
-    if TensorGuards is None:
-        return None
-    try:
-        return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                            dynamic_dims_strides=[list(t.stride()) for t in tensors])
-    except Exception:  # noqa: BLE001 - an unsupported tensor kind: the Python key serves
-        return None
 
 
 class PlanCache:
@@ -99,7 +89,7 @@ class PlanCache:
         # guards are shapes/strides/dtypes/devices: the fast path checks the config by identity,
         # the plan's run the alignment it was built for
         if remember:
-            self.recent.insert(0, (_guards(tensors), scalars, plan))
+            self.recent.insert(0, (tensor_guards(tensors), scalars, plan))
             del self.recent[self.n_recent:]
         return plan
 

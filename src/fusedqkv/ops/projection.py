@@ -22,7 +22,7 @@ import math
 import torch
 
 from .config import INTERPRET, Config
-from .device import current_stream, sm90_or_newer
+from .device import capability, current_stream
 from .launch import BoundLaunch, Desc, Ptr, Table, next_pow2 as _next_pow2
 
 try:  # Triton is a dependency on Linux only
@@ -93,12 +93,19 @@ def chain_balance(M: int, HIDDEN: int, sms: int, cfg: Config) -> float:
     return 1.0 if per_sm <= 1 else per_sm / math.ceil(per_sm)
 
 
+def products_target(device: torch.device) -> bool:
+    """A GPU the Triton products are built for: Hopper (sm_90) and datacenter Blackwell (sm_100,
+    sm_103), which have TMA, programmatic dependent launch and ~227 KB of shared memory per block.
+    Consumer Blackwell (sm_120: ~99 KB) and everything older keep cuBLAS."""
+    return capability(device)[0] in (9, 10)
+
+
 def triton_products_allowed(M: int, max_tokens: int, dtype: torch.dtype, device: torch.device, operands,
                             cfg: Config) -> bool:
-    """Few enough tokens, a 16-bit dtype, Hopper or newer (or the interpreter when the config
-    asks), operands TMA can address."""
+    """Few enough tokens, a 16-bit dtype, a :func:`products_target` GPU (or the interpreter when
+    the config asks), operands TMA can address."""
     return (0 < M <= max_tokens and dtype in (torch.bfloat16, torch.float16)
-            and ((device.type == "cuda" and sm90_or_newer(device))
+            and ((device.type == "cuda" and products_target(device))
                  or (INTERPRET and cfg.triton_products_in_interpreter))
             and all(_tma_ready(t) for t in operands))
 

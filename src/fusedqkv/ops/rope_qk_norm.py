@@ -25,7 +25,7 @@ from .config import INTERPRET
 from . import device as _device
 from .device import current_stream, sm90_or_newer, sm_count
 from .launch import BoundLaunch, Desc, Ptr, Table, next_pow2 as _next_pow2
-from .gqa_forward import PLAIN, Variant, heads_of, pad_rotary, rotate
+from .variant import PLAIN, Variant, heads_of, pad_rotary, rotate
 
 try:  # Triton is a dependency on Linux only; the torch backend serves without it
     from ..kernels.rope_qk_norm import (rope_qk_norm_bwd_finish_cols_kernel, rope_qk_norm_bwd_finish_kernel,

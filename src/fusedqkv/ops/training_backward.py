@@ -15,7 +15,7 @@ import torch
 
 from .cublaslt import plan_matmul
 from .device import current_stream
-from .gqa_forward import PLAIN, heads_of
+from .variant import PLAIN, heads_of
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
 from .rope_qk_norm import backward_torch, pick_backend, plan_backward_stage

@@ -13,6 +13,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from .internals import has_internal_overlap
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 
@@ -176,7 +178,7 @@ def require_out(out, specs: Sequence[tuple[str, Sequence[int], torch.dtype]], de
             raise ValueError(f"{oname}: expected dtype {str(dtype).replace('torch.', '')}, got {str(t.dtype).replace('torch.', '')}")
         if t.device != device:
             raise ValueError(f"{oname}: on device {t.device}, expected {device} like the inputs")
-        if not t.is_contiguous() and not t.is_meta and torch._debug_has_internal_overlap(t) == 1:
+        if not t.is_contiguous() and not t.is_meta and has_internal_overlap(t):
             raise ValueError(f"{oname}: has internally overlapping memory (a stride-0 or expanded view); "
                              "expected a tensor whose elements each have their own memory")
     # overlap: byte ranges compared as integers (host time matters: ~20 ranges, no allocation)

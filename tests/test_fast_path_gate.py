@@ -1,0 +1,222 @@
+"""The fast launch path is on, and exact, on every supported Triton; when it cannot be used the
+gate says why, once.
+
+:class:`fusedqkv.ops.launch.BoundLaunch` calls a compiled kernel's launcher directly through
+Triton internals (:mod:`fusedqkv.ops.internals`). On an unsupported or restructured Triton the
+gate turns the raw path off and every launch goes through the JIT: right results, more host
+time. So that such a Triton fails here instead of slowing users down, one release of every
+supported minor version (and the installed Triton) runs ``_fast_path_probe.py`` in a child
+process: kernels compiled offline for sm_90, launched once by Triton's own path and then raw,
+both launcher calls recorded and compared argument for argument; the probe fails where the gate
+is not active. The Tritons other than the installed one come from the package index
+(``pip download``; cached unpacked under ``$XDG_CACHE_HOME/fusedqkv`` or ``~/.cache/fusedqkv``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fusedqkv.ops import internals
+
+PINNED = ("3.6.0", "3.7.1", "3.8.0", "3.9.0")  # a release of each supported minor version
+SRC = Path(__file__).resolve().parents[1] / "src"
+PROBE = Path(__file__).with_name("_fast_path_probe.py")
+# unused by the probe, and a sixth of the unpacked size: Triton's profiling libraries
+SKIPPED_MEMBERS = ("triton/backends/nvidia/lib/cupti/",)
+
+
+def _installed() -> str | None:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _key(version: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in version.replace("+", ".").split("."))
+
+
+INSTALLED = _installed()
+VERSIONS = sorted(set(PINNED) | ({INSTALLED} if INSTALLED else set()), key=_key)
+
+
+def _cache() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "fusedqkv" / "tritons"
+
+
+def _download(version: str, wheels: Path) -> Path:
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    found = sorted(wheels.glob(f"triton-{version}-{tag}-*.whl"))
+    if found:
+        return found[0]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"triton=={version}",
+           "-d", str(wheels)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    found = sorted(wheels.glob(f"triton-{version}-{tag}-*.whl"))
+    if proc.returncode != 0 or not found:
+        pytest.fail(f"cannot download triton=={version} for this Python ({' '.join(cmd)}: exit {proc.returncode}):\n"
+                    f"{(proc.stdout + proc.stderr)[-2000:]}\nThis test checks the fast launch path on every "
+                    f"supported Triton and needs the package index (CI has the mirror), or the wheel in {wheels}.",
+                    pytrace=False)
+    return found[0]
+
+
+def _unpack(wheel: Path, dest: Path) -> None:
+    """The wheel unpacked at ``dest`` (atomically: a half-unpacked Triton is never used)."""
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=dest.name + ".part-"))
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            for info in z.infolist():
+                if info.filename.startswith(SKIPPED_MEMBERS):
+                    continue
+                path = z.extract(info, tmp)
+                mode = info.external_attr >> 16
+                if mode & 0o111:  # ptxas and friends stay executable
+                    os.chmod(path, (mode & 0o777) | 0o600)
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another run unpacked it meanwhile
+            if not (dest / "triton" / "__init__.py").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def triton_path(version: str) -> Path | None:
+    """A directory to put first on PYTHONPATH to import Triton ``version`` (None: the installed)."""
+    if version == INSTALLED:
+        return None
+    cache = _cache()
+    dest = cache / f"triton-{version}-cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}"
+    if not (dest / "triton" / "__init__.py").exists():
+        wheels = cache / "wheels"
+        wheels.mkdir(parents=True, exist_ok=True)
+        wheel = _download(version, wheels)
+        _unpack(wheel, dest)
+        wheel.unlink(missing_ok=True)  # the unpacked copy is the cache
+    return dest
+
+
+def run_probe(version: str) -> dict:
+    """The probe's result with Triton ``version`` importable."""
+    path = triton_path(version)
+    entries = [str(p) for p in (path, SRC) if p] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(entries))
+    try:
+        proc = subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        tail = f"{str(e.stdout)[-2000:]}\n{str(e.stderr)[-2000:]}"
+        return {"ok": False, "problems": [f"the probe ran past 600 s:\n{tail}"]}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"ok": False, "problems": [f"the probe exited {proc.returncode} without a result:\n"
+                                          f"{(proc.stdout + proc.stderr)[-4000:]}"]}
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def probes() -> dict:
+    """version -> the probe's result; each version fetched (when not cached) and probed side by side."""
+    with concurrent.futures.ThreadPoolExecutor(len(VERSIONS)) as pool:
+        futures = {v: pool.submit(run_probe, v) for v in VERSIONS}
+        return {v: f.result() for v, f in futures.items()}
+
+
+def test_every_supported_minor_version_is_checked():
+    (lo_major, lo_minor), (hi_major, hi_minor) = internals.TRITON_SUPPORTED
+    assert lo_major == hi_major
+    assert {v.rsplit(".", 1)[0] for v in PINNED} == {f"{lo_major}.{m}" for m in range(lo_minor, hi_minor + 1)}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_raw_launch_is_active_and_matches_tritons_own_launch(probes, version):
+    result = probes[version]
+    assert result["ok"], f"Triton {version}:\n" + "\n".join(result["problems"])
+    assert result["info"]["triton"] == version
+
+
+# ------------------------------------------------------------------------------ the gate itself
+
+
+@pytest.fixture
+def fresh_fallbacks():
+    saved = dict(internals._FALLBACKS)
+    internals._FALLBACKS.clear()
+    yield
+    internals._FALLBACKS.clear()
+    internals._FALLBACKS.update(saved)
+
+
+def test_interpreter_reports_inactive_without_warning(fresh_fallbacks):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", internals.FastPathWarning)
+        info = internals.fast_path_info()
+        assert internals.raw_launch_gate() is None
+    assert (info["active"], info["reason"], info["abi"]) == (False, "interpreter", None)
+    assert info["supported"] == {"triton": "3.6-3.9", "torch": "2.11-2.15"}
+
+
+def test_a_fallback_warns_once_naming_the_reason_and_is_recorded(fresh_fallbacks, monkeypatch):
+    monkeypatch.setattr(internals, "_GATE", [("shared", None)])  # as on a GPU with a supported Triton
+    assert internals.fast_path_info()["active"]
+    with pytest.warns(internals.FastPathWarning, match="a_kernel: it needs scratch memory") as caught:
+        internals.fall_back("a_kernel: it needs scratch memory")
+        internals.fall_back("a_kernel: it needs scratch memory")
+    assert len(caught) == 1
+    info = internals.fast_path_info()
+    assert not info["active"] and info["reason"] == "a_kernel: it needs scratch memory"
+    assert info["fallbacks"] == ["a_kernel: it needs scratch memory"]
+
+
+@pytest.mark.parametrize("version, rng, expected", [
+    ("3.6.0", internals.TRITON_SUPPORTED, True), ("3.9.1", internals.TRITON_SUPPORTED, True),
+    ("3.10.0", internals.TRITON_SUPPORTED, False), ("3.5.1", internals.TRITON_SUPPORTED, False),
+    ("2.11.0+cu128", internals.TORCH_SUPPORTED, True), ("2.16.0.dev20260101", internals.TORCH_SUPPORTED, False),
+    ("nightly", internals.TORCH_SUPPORTED, False)])
+def test_supported_version_ranges(version, rng, expected):
+    assert internals._in_range(version, rng) is expected
+
+
+def test_an_unknown_launcher_structure_is_refused():
+    """The ABI comes from the exact call CudaLauncher makes: another order is refused."""
+    import types
+
+    class CudaLauncher:
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, self.launch_pdl, self.launch_cooperative_grid,
+                        global_scratch, profile_scratch, *args)  # noqa: F821 - never run
+
+    with pytest.raises(internals.Refused, match="calls its launcher in a way"):
+        internals._launcher_abi(types.SimpleNamespace(CudaLauncher=CudaLauncher, _BASE_ARGS_FORMAT="iiiKKppOOOOOO"))
+
+
+def test_torch_internals_are_in_use():
+    """On a supported torch every torch internal is taken (none fell back at import)."""
+    import torch
+
+    assert internals._TORCH_PROBLEM is None
+    assert internals.TensorGuards is not None
+    assert internals.set_grad_enabled is torch._C._set_grad_enabled
+    t = torch.empty(3, 4)
+    g = internals.tensor_guards([t])
+    assert g.check(t) and not g.check(torch.empty(4, 3))
+    views = [t, t[:, ::2], t.t(), torch.empty(3, 1).expand(3, 4), torch.empty(1, 4).expand(1, 4),
+             torch.empty(4).as_strided((2, 3), (1, 1)), torch.empty(0, 1).expand(0, 4),
+             torch.empty(2, 1).expand(2, 4).t(), torch.empty(3, 1, 2).expand(3, 5, 2)[:, :, :1]]
+    assert [internals.has_internal_overlap(v) for v in views] == [torch._debug_has_internal_overlap(v) == 1
+                                                                   for v in views]
+    assert internals.has_internal_overlap(views[3])
