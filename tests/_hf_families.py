@@ -48,7 +48,7 @@ class Family:
     model: Optional[str] = None  # model class (default: AutoModelForCausalLM's)
     config_class: Optional[str] = None  # when AutoConfig cannot build the text config by model_type
     composite: Optional[tuple] = None   # (config class, its other sub-configs): the text config goes in text_config
-    min_version: str = "5.0"
+    min_version: str = "5.17"  # the oldest transformers the family is tested on
     no_compile: Optional[str] = None  # why torch.compile is not tested (an HF limitation)
     post: Optional[Callable] = None  # (config) -> None, adjustments after construction
 
@@ -60,52 +60,52 @@ class Family:
 FAMILIES = [
     # Qwen3's recipe
     Family("qwen3", dict(sliding_window=5, use_sliding_window=True,
-                         layer_types=["sliding_attention", "full_attention"])),
-    Family("qwen3_moe", dict(MOE, head_dim=None)),
+                         layer_types=["sliding_attention", "full_attention"]), min_version="5.0"),
+    Family("qwen3_moe", dict(MOE, head_dim=None), min_version="5.0"),
     Family("dots1", dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_experts=None,
                          moe_intermediate_size=32, sliding_window=5,
-                         layer_types=["sliding_attention", "full_attention"])),
+                         layer_types=["sliding_attention", "full_attention"]), min_version="5.0"),
     Family("mellum", dict(MOE, sliding_window=5, layer_types=["sliding_attention", "full_attention"])),
-    Family("apertus", dict()),
+    Family("apertus", dict(), min_version="5.0"),
     Family("hy_v3", dict(MOE, num_shared_experts=1, mlp_layer_types=["dense", "sparse"])),
-    Family("lfm2", dict(norm_eps=1e-5, head_dim=None, layer_types=["full_attention", "full_attention"]), bias=False),
+    Family("lfm2", dict(norm_eps=1e-5, head_dim=None, layer_types=["full_attention", "full_attention"]), bias=False, min_version="5.0"),
     Family("lfm2_moe", dict(MOE, norm_eps=1e-5, head_dim=None, num_dense_layers=1,
-                            layer_types=["full_attention", "full_attention"]), bias=False),
-    Family("exaone4", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), bias=False),
+                            layer_types=["full_attention", "full_attention"]), bias=False, min_version="5.0"),
+    Family("exaone4", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), bias=False, min_version="5.0"),
     Family("exaone_moe", dict(MOE, num_shared_experts=1, first_k_dense_replace=1, sliding_window=5,
                               layer_types=["sliding_attention", "full_attention"]), bias=False),
     Family("kolibri1", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), bias=False,
            min_version="5.24"),
     Family("doge", dict(head_dim=None, keep_window_size=6),
            no_compile="HF's DogeAttention itself fails in torch.compile's AOT backward (a view of its dynamic mask's "
-                      "gradient), fused or not"),
-    Family("hunyuan_v1_moe", dict(num_experts=2, moe_topk=1)),
+                      "gradient), fused or not", min_version="5.0"),
+    Family("hunyuan_v1_moe", dict(num_experts=2, moe_topk=1), min_version="5.0"),
     Family("glm4_moe", dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_experts=None,
-                            use_qk_norm=True, rope_parameters=rope(0.5))),
+                            use_qk_norm=True, rope_parameters=rope(0.5)), min_version="5.0"),
     Family("laguna", dict(MOE, shared_expert_intermediate_size=32, sliding_window=5, gating="per-head",
                           layer_types=["sliding_attention", "full_attention"],
                           rope_parameters={t: rope(0.5) for t in ("sliding_attention", "full_attention")})),
     # mRoPE (sections merged into per-token cos/sin by the rotary embedding)
     Family("qwen3_vl_text", dict(rope_parameters=MROPE), composite=("Qwen3VLConfig", dict(vision_config=QWEN_VIT)),
-           model="Qwen3VLForConditionalGeneration"),
+           model="Qwen3VLForConditionalGeneration", min_version="5.0"),
     Family("qwen3_vl_moe_text", dict(**MOE, rope_parameters=MROPE),
-           composite=("Qwen3VLMoeConfig", dict(vision_config=QWEN_VIT)), model="Qwen3VLMoeForConditionalGeneration"),
+           composite=("Qwen3VLMoeConfig", dict(vision_config=QWEN_VIT)), model="Qwen3VLMoeForConditionalGeneration", min_version="5.0"),
     Family("qwen3_omni_moe_text", dict(**MOE, rope_parameters=MROPE),
            composite=("Qwen3OmniMoeThinkerConfig", dict(vision_config=QWEN_VIT, audio_config=OMNI_AUDIO,
                                                         vision_start_token_id=90)),
-           model="Qwen3OmniMoeThinkerForConditionalGeneration"),
+           model="Qwen3OmniMoeThinkerForConditionalGeneration", min_version="5.0"),
     # RMSNorm after RoPE
-    Family("hunyuan_v1_dense", dict()),
+    Family("hunyuan_v1_dense", dict(), min_version="5.0"),
     Family("hunyuan_vl_text", dict(rope_parameters=rope(mrope_section=[4, 2, 2])),
            composite=("HunYuanVLConfig", dict(vision_config=HUNYUAN_VIT)), model="HunYuanVLForConditionalGeneration"),
-    Family("nanochat", dict()),
+    Family("nanochat", dict(), min_version="5.0"),
     Family("llama4_text", dict(MOE, num_local_experts=2, num_experts_per_tok=1, num_experts=None,
                                moe_intermediate_size=None, intermediate_size_mlp=96, no_rope_layers=[1, 0],
                                attention_chunk_size=64, attn_temperature_tuning=True, rope_parameters=rope()),
-           n_fused=1),
+           n_fused=1, min_version="5.0"),
     # 1 + w
     Family("gemma3_text", dict(query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=20.0,
-                               final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"])),
+                               final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"]), min_version="5.0"),
     # ... and an output gate from g_proj
     Family("step3p5", dict(MOE, num_experts=None, num_local_experts=4, n_routed_experts=4, share_expert_dim=32,
                            sliding_window=5, layer_types=["sliding_attention", "full_attention"],
@@ -114,7 +114,7 @@ FAMILIES = [
     # gated q
     Family("qwen3_next", dict(**MOE, **HYBRID, head_dim=32, shared_expert_intermediate_size=32,
                               layer_types=["linear_attention", "full_attention"], rope_parameters=rope(0.25)),
-           n_fused=1),
+           n_fused=1, min_version="5.0"),
     Family("qwen3_5_text", dict(**HYBRID, head_dim=32, layer_types=["linear_attention", "full_attention"],
                                 rope_parameters=rope(0.25, mrope_section=[2, 1, 1], mrope_interleaved=True)),
            n_fused=1),
@@ -138,12 +138,12 @@ FAMILIES = [
                                   indexer_compress_ratio=2, rope_parameters=rope(0.25, mrope_section=[1, 1, 0])),
            n_fused=1),
     # norm over all heads
-    Family("olmo2", dict(head_dim=None)),
-    Family("olmo3", dict(head_dim=None, sliding_window=5, layer_types=["sliding_attention", "full_attention"])),
-    Family("olmoe", dict(MOE, head_dim=None, moe_intermediate_size=None)),
-    Family("flex_olmo", dict(MOE, head_dim=None, moe_intermediate_size=None)),
+    Family("olmo2", dict(head_dim=None), min_version="5.0"),
+    Family("olmo3", dict(head_dim=None, sliding_window=5, layer_types=["sliding_attention", "full_attention"]), min_version="5.0"),
+    Family("olmoe", dict(MOE, head_dim=None, moe_intermediate_size=None), min_version="5.0"),
+    Family("flex_olmo", dict(MOE, head_dim=None, moe_intermediate_size=None), min_version="5.0"),
     Family("minimax_m2", dict(MOE, num_local_experts=4, num_experts=None, rope_parameters=rope(0.5)),
-           bias=False),
+           bias=False, min_version="5.0"),
     Family("olmo_hybrid", dict(**HYBRID, head_dim=None, layer_types=["linear_attention", "full_attention"]),
            n_fused=1),
 ]
@@ -232,7 +232,13 @@ def params():
 
 
 def family(name):
-    return next(f for f in FAMILIES if f.name == name)
+    """the family of that name; the test skips when the installed transformers is older"""
+    import pytest
+
+    fam = next(f for f in FAMILIES if f.name == name)
+    if TF_VERSION < version(fam.min_version):
+        pytest.skip(f"{name} needs transformers >= {fam.min_version}")
+    return fam
 
 
 def fused_modules(m):

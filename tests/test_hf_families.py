@@ -159,7 +159,7 @@ def test_mrope_sections_merged_into_cos_sin(name):
 
 def _tiny(model_type, model_cls=None, **kw):
     base = dict(vocab_size=H.VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128)
+                num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
     cfg = transformers.AutoConfig.for_model(model_type, **base, **kw)
     cls = getattr(transformers, model_cls) if model_cls else transformers.AutoModelForCausalLM._model_mapping[type(cfg)]
     return cls(cfg)

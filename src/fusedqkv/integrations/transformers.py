@@ -306,13 +306,9 @@ class FusedSpec:
     eps: float
     projs: tuple[str, ...]      # the HF projections fused, in row order
     split: tuple[int, ...]      # their row counts
-    block_kwargs: tuple         # (name, value) pairs for gqa_qkv_rope_qk_norm beyond the sizes
+    block_kwargs: dict          # gqa_qkv_rope_qk_norm's keyword arguments beyond the sizes
     k_eq_v: bool                # v is the raw k projection (no v_proj; Gemma 4)
     hf_children: tuple          # the HF module's child names in order (its state-dict order)
-
-    @property
-    def kwargs(self) -> dict:
-        return dict(self.block_kwargs)
 
 
 FUSED_NAME = "qkv_proj"
@@ -340,7 +336,7 @@ class _FusedAttention:
         if spec.k_eq_v:
             # v = the k projection: the block's V rows are the K rows again (one parameter, the
             # gradients of both uses summed by autograd)
-            q_rows, kv_rows = spec.split
+            q_rows = spec.split[0]
             w = torch.cat([w, w[q_rows:]])
             b = torch.cat([b, b[q_rows:]]) if b is not None else None
         if arch.norm_weight:
@@ -349,7 +345,7 @@ class _FusedAttention:
             wq = wk = None
         # under autocast the block casts its inputs as HF's Linear would (gqa_qkv_rope_qk_norm)
         out = gqa_qkv_rope_qk_norm(hidden_states, w, wq, wk, cos, sin, num_heads=spec.num_heads,
-                                   num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, **spec.kwargs)
+                                   num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, **spec.block_kwargs)
         if arch.q_gate:
             q, k, v, gate = out
             return q, k, v, gate.reshape(*hidden_states.shape[:-1], -1)
@@ -392,7 +388,7 @@ class _FusedAttention:
 
     def extra_repr(self) -> str:
         s: FusedSpec = self._fusedqkv
-        kw = s.kwargs
+        kw = dict(s.block_kwargs)
         pos = kw.pop("qk_norm_position").replace("_", " ")
         if not kw["norm_weight_offset"]:
             del kw["norm_weight_offset"]
@@ -411,8 +407,10 @@ def _update_layer_idx(self, cache, key, value, kwargs, position_embeddings, cach
 
 
 def _update_with_cache_kwargs(self, cache, key, value, kwargs, position_embeddings, cache_position):
-    cos, sin = position_embeddings
-    return cache.update(key, value, self.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
+    cache_kwargs = {"cache_position": cache_position}
+    if isinstance(position_embeddings, tuple):  # (cos, sin); Llama 4 passes a complex tensor
+        cache_kwargs["cos"], cache_kwargs["sin"] = position_embeddings
+    return cache.update(key, value, self.layer_idx, cache_kwargs)
 
 
 def _update_with_kwargs(self, cache, key, value, kwargs, position_embeddings, cache_position):
@@ -618,7 +616,8 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
             f"{offset} + weight")
     w = getattr(norm, "weight", None)
     if weight_shape is None:
-        if w is not None:
+        # Gemma 3n's scale-free norm of transformers 5.0 keeps a constant 1.0 buffer named weight
+        if w is not None and getattr(norm, "with_scale", True) is not False:
             raise UnsupportedModelError(
                 f"fusedqkv.apply_to: {path} has a weight; {arch.model_type}'s norm here is unweighted")
     elif not isinstance(w, torch.Tensor) or tuple(w.shape) != weight_shape:
@@ -716,6 +715,10 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
     if arch.model_type == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
         raise UnsupportedModelError(f"fusedqkv.apply_to: {what}: clip_qkv={cfg.clip_qkv} clamps q/k/v between the "
                                     f"norm and RoPE; the fused block does not")
+    if arch.shared_kv is not None and "shared_kv_states" not in inspect.signature(type(attn).forward).parameters:
+        raise UnsupportedModelError(
+            f"fusedqkv.apply_to: {what}: this transformers ({_tf_version()}) shares KV between layers through the "
+            f"cache; fusedqkv follows the shared_kv_states argument of newer releases (5.17 tested)")
     fused_class(type(attn))  # checks the forward's KV-cache convention
     opts = [("qk_norm_position", arch.qk_norm_position), ("norm_weight_offset", off)]
     # the new switches only where used, so that the families of the original block need nothing more
@@ -724,7 +727,7 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
         if value != default:
             opts.append((key, value))
     split = tuple(p.weight.shape[0] for p in projs)
-    return FusedSpec(hq, hkv, d, eps_q, names, split, tuple(opts), k_eq_v, tuple(attn._modules))
+    return FusedSpec(hq, hkv, d, eps_q, names, split, dict(opts), k_eq_v, tuple(attn._modules))
 
 
 def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
