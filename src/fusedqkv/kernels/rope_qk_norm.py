@@ -357,7 +357,9 @@ def _head_set_bwd(
                 p1r = x1r
                 p2r = x2r
             if RECOMPUTE_RSTD:
-                r = _rstd(n1, n2, eps, D)
+                # rows past the tokens: 0, not 1/sqrt(eps) -- inf for eps = 0, and 0 * inf = nan in the
+                # weight-gradient sums
+                r = tl.where(hmask[:, None], _rstd(n1, n2, eps, D), 0.0)
             if LP:
                 gn1, gn2, a1, a2 = _rms_norm_bwd(g1, g2, n1, n2, r, w1, w2, D, DT, False)
                 q1r = _to_lp(gn1, DT)
@@ -376,7 +378,7 @@ def _head_set_bwd(
             # RoPE after the norm: the rotated tensor is x * r * w
             gn1, gn2 = _rope_bwd(g1, g2, cf1, cf2, sf1, sf2, DT, EXACT)
             if RECOMPUTE_RSTD:
-                r = _rstd(x1, x2, eps, D)
+                r = tl.where(hmask[:, None], _rstd(x1, x2, eps, D), 0.0)  # (as above)
             dx1, dx2, a1, a2 = _rms_norm_bwd(gn1, gn2, x1, x2, r, w1, w2, D, DT, EXACT)
             p1 = a1 * w1  # x * r * w
             p2 = a2 * w2
