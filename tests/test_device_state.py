@@ -2,10 +2,14 @@
 the same per-stream buffers as a GPU): what is kept is listed, with its bytes, and clearing drops
 plans and buffers; the next call rebuilds them with the same result."""
 
+import pytest
 import torch
 
 import fusedqkv
 from fusedqkv.ops import config
+
+# the CPU tensors go through the Triton interpreter (on a GPU machine: tests/test_gpu_graphs.py)
+pytestmark = pytest.mark.skipif(not config.INTERPRET, reason="runs the Triton kernels on CPU tensors: TRITON_INTERPRET=1")
 
 from _oracle import make_inputs
 

@@ -245,3 +245,25 @@ def test_cpu_autocast_bf16_three_way(name):
         e_ours = float((p.grad - g_exact).norm() / g_exact.norm())
         e_hf = float((g_hf - g_exact).norm() / g_exact.norm())
         assert e_ours <= 2 * e_hf + 1e-2, (name_, e_ours, e_hf)
+
+
+def test_bf16_model_whose_rotary_stays_fp32():
+    """OLMo 2's rotary embedding returns fp32 cos/sin beside bf16 activations (HF rotates in fp32
+    and rounds after): the patched bf16 model runs, its loss within the bf16 three-way rule of the
+    fp32 model's, and the block's own gradients too."""
+    fam = next(f for f in H.FAMILIES if f.name == "olmo2")
+    exact = H.build(fam, fam.bias, attn="sdpa").train()
+    ref = copy.deepcopy(exact).to(torch.bfloat16)
+    m = copy.deepcopy(ref)
+    assert fusedqkv.apply_to(m) == fam.n_fused
+    ids = H.batch(2, 24)
+    losses = [x(input_ids=ids, labels=ids).loss for x in (m, ref, exact)]
+    a, b, c = (float(x) for x in losses)
+    assert abs(a - c) <= 2 * abs(b - c) + 1e-2 * abs(c), (a, b, c)
+    for x in losses:
+        x.backward()
+    base = "model.layers.0.self_attn"
+    for norm in ("q_norm", "k_norm"):
+        g, g_hf, g_exact = (d.get_parameter(f"{base}.{norm}.weight").grad.float() for d in (m, ref, exact))
+        e, e_hf = float((g - g_exact).norm() / g_exact.norm()), float((g_hf - g_exact).norm() / g_exact.norm())
+        assert e <= 2 * e_hf + 1e-2, (norm, e, e_hf)

@@ -331,6 +331,11 @@ class _FusedAttention:
         spec: FusedSpec = self._fusedqkv
         arch: Arch = self._fusedqkv_arch
         cos, sin = arch.rope(self, hidden_states, position_embeddings)
+        if cos.dtype != hidden_states.dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+            # some families' rotary embeddings stay fp32 beside bf16 activations (OLMo 2 rotates in
+            # fp32 and rounds after); the block computes in fp32 and rounds once, from cos/sin in the
+            # activation dtype (under autocast the block casts them itself)
+            cos, sin = cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
         proj = self.qkv_proj
         w, b = proj.weight, proj.bias
         if spec.k_eq_v:
