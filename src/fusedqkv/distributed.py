@@ -359,7 +359,7 @@ class _HeadParallelFunction(torch.autograd.Function):
         if x.dim() == 3 and sin.dim() == 3 and sin.shape[0] == 1 != x.shape[0]:
             sin = sin.expand(x.shape[0], -1, -1)
         hq, hkv = plan.num_heads, plan.num_kv_heads
-        q, k, qkv, _, _ = _fwd_impl(x, w, q_w, k_w, cos, sin, hq, hkv, eps, norm_after_rope, "auto", bias)
+        q, k, qkv, _, _, _ = _fwd_impl(x, w, q_w, k_w, cos, sin, hq, hkv, eps, norm_after_rope, "auto", bias)
         B, S, n_tot = qkv.shape
         v = qkv.view(B, S, hq + 2 * hkv, n_tot // (hq + 2 * hkv))[:, :, hq + hkv:].transpose(1, 2)
         ctx.save_for_backward(x, w, q_w, k_w, cos, sin, qkv)
