@@ -41,7 +41,7 @@ _TICKETS_MIN = 1024  # tickets are grown in steps of at least this many
 generation = 0  # bumped by clear(): cached views of kept buffers are stale after it
 _buffers: dict = {}  # (kind, device index, stream) -> tensor
 _plan_caches: dict = {}  # name -> PlanCache
-_handles: dict = {}  # (library, device index) -> (handle, destroy callable or None)
+_handles: dict = {}  # (library, device index) -> handle
 
 
 # ------------------------------------------------------------------------------ the device
@@ -143,12 +143,12 @@ def workspace(kind: str, device: torch.device, stream: int, nbytes: int, keep_ma
     return buf
 
 
-def handle(library: str, index: int, create: Callable[[], int], destroy: Callable[[int], None] = None) -> int:
+def handle(library: str, index: int, create: Callable[[], int]) -> int:
     """A library handle (cuBLASLt's) per device, created once."""
-    entry = _handles.get((library, index))
-    if entry is None:
-        entry = _handles[(library, index)] = (create(), destroy)
-    return entry[0]
+    h = _handles.get((library, index))
+    if h is None:
+        h = _handles[(library, index)] = create()
+    return h
 
 
 # ------------------------------------------------------------------------------ plan caches
