@@ -94,7 +94,7 @@ def pairwise(axes: dict, valid=lambda row: True, seed: int = 0, tries: int = 60)
             if g > gain:
                 best, gain = cand, g
         if gain <= 0:  # the sample missed: take a row holding some uncovered pair
-            (a, va), (b, vb) = next(iter(todo))
+            (a, va), (b, vb) = min(todo)  # not next(iter(todo)): a set's order follows the string hash seed
             best = next(r for r in every if r[a] == va and r[b] == vb)
         rows.append(best)
         todo -= pairs(best)
