@@ -220,11 +220,7 @@ def rope_qk_norm_forward(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope, v
         return forward_torch(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope, variant)
     B, S, n_tot = qkv.shape
     D = n_tot // ((2 * hq if variant.q_gate else hq) + 2 * hkv)
-    q = token_major(B, hq, S, D, qkv.dtype, qkv.device)
-    k = token_major(B, hkv, S, D, qkv.dtype, qkv.device)
-    rq = torch.empty((B, hq, S), dtype=torch.float32, device=qkv.device)
-    rk = torch.empty((B, hkv, S), dtype=torch.float32, device=qkv.device)
-    v = token_major(B, hkv, S, D, qkv.dtype, qkv.device) if variant.v_norm else None
+    q, k, rq, rk, v = forward_outputs(B, S, hq, hkv, D, qkv.dtype, qkv.device, variant.v_norm)
     table = Table()
     named = dict(qkv=qkv, q_norm_weight=wq, k_norm_weight=wk, cos=cos, sin=sin, q=q, k=k, rstd_q=rq, rstd_k=rk, v=v)
     slots = [None if t is None else table.add(name, t) for name, t in named.items()]
@@ -240,16 +236,21 @@ def token_major(B: int, H: int, S: int, D: int, dtype, device) -> torch.Tensor:
     return torch.empty((B, S, H, D), dtype=dtype, device=device).transpose(1, 2)
 
 
+def forward_outputs(B: int, S: int, hq: int, hkv: int, D: int, dtype, device, v_norm: bool) -> tuple:
+    """The forward stage's outputs, unfilled: q, k (token-major), rstd_q, rstd_k (fp32) and v
+    (token-major where the variant norms it, else None)."""
+    return (token_major(B, hq, S, D, dtype, device), token_major(B, hkv, S, D, dtype, device),
+            torch.empty((B, hq, S), dtype=torch.float32, device=device),
+            torch.empty((B, hkv, S), dtype=torch.float32, device=device),
+            token_major(B, hkv, S, D, dtype, device) if v_norm else None)
+
+
 def forward_torch(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope, variant: Variant = PLAIN):
     """The forward stage on the torch backend: (q, k, rstd_q, rstd_k, v) as the Triton stage
     returns them (fp32 math, one rounding); v None unless ``variant.v_norm``."""
     B, S, n_tot = qkv.shape
     D = n_tot // ((2 * hq if variant.q_gate else hq) + 2 * hkv)
-    q = token_major(B, hq, S, D, qkv.dtype, qkv.device)
-    k = token_major(B, hkv, S, D, qkv.dtype, qkv.device)
-    rq = torch.empty((B, hq, S), dtype=torch.float32, device=qkv.device)
-    rk = torch.empty((B, hkv, S), dtype=torch.float32, device=qkv.device)
-    v = token_major(B, hkv, S, D, qkv.dtype, qkv.device) if variant.v_norm else None
+    q, k, rq, rk, v = forward_outputs(B, S, hq, hkv, D, qkv.dtype, qkv.device, variant.v_norm)
     _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, v, hq, hkv, D, eps, norm_after_rope, variant)
     return q, k, rq, rk, v
 

@@ -15,7 +15,7 @@ from . import config as _config
 from . import validation as V
 from .cublaslt import lt_matmul
 from .device import current_stream
-from .gqa_forward import forward_torch, plan_forward_stage, token_major, validate_forward_inputs
+from .gqa_forward import forward_outputs, forward_torch, plan_forward_stage, validate_forward_inputs
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
 from .rope_qk_norm import pick_backend
@@ -33,8 +33,7 @@ class ForwardPlan:
         b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
         self.M, self.hidden, self.n_tot = b * s, sz["hidden"], sz["qkv"]
         self.qkv_shape = (b, s, self.n_tot)
-        self.q_shape, self.k_shape = (b, sz["num_heads"], s, d), (b, sz["num_kv_heads"], s, d)
-        self.rq_shape, self.rk_shape = self.q_shape[:3], self.k_shape[:3]
+        self.out_dims = (b, s, sz["num_heads"], sz["num_kv_heads"], d)  # forward_outputs' sizes
         self.cs_shape = (b, s, sz["rot"])
         self.device, self.dtype = sz["device"], sz["dtype"]
         self.variant = sz["variant"]
@@ -59,12 +58,8 @@ class ForwardPlan:
             q, k, rq, rk, v = forward_torch(qkv, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"],
                                             sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"], self.variant)
             return q, k, qkv, rq, rk, v
-        dev, dt = self.device, self.dtype
-        q = token_major(*self.q_shape, dt, dev)
-        k = token_major(*self.k_shape, dt, dev)
-        rq = torch.empty(self.rq_shape, dtype=torch.float32, device=dev)
-        rk = torch.empty(self.rk_shape, dtype=torch.float32, device=dev)
-        v = token_major(*self.k_shape, dt, dev) if self.variant.v_norm else None
+        dev = self.device
+        q, k, rq, rk, v = forward_outputs(*self.out_dims, self.dtype, dev, self.variant.v_norm)
         named = dict(qkv=qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, cos=cos, sin=sin, q=q, k=k,
                      rstd_q=rq, rstd_k=rk, v=v)
         if bound:
@@ -100,12 +95,9 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
         return ForwardPlan(cfg, sz, backend)
     b, s, d, rot = sz["batch"], sz["seq"], sz["head_dim"], sz["rot"]
     qkv = torch.empty((b, s, sz["qkv"]), dtype=sz["dtype"], device=device)
+    q, k, rq, rk, v = forward_outputs(b, s, num_heads, num_kv_heads, d, sz["dtype"], device, variant.v_norm)
     like = dict(qkv=qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, cos=cos.expand(b, s, rot),
-                sin=sin.expand(b, s, rot), q=token_major(b, num_heads, s, d, sz["dtype"], device),
-                k=token_major(b, num_kv_heads, s, d, sz["dtype"], device),
-                rstd_q=torch.empty((b, num_heads, s), dtype=torch.float32, device=device),
-                rstd_k=torch.empty((b, num_kv_heads, s), dtype=torch.float32, device=device),
-                v=token_major(b, num_kv_heads, s, d, sz["dtype"], device) if variant.v_norm else None)
+                sin=sin.expand(b, s, rot), q=q, k=k, rstd_q=rq, rstd_k=rk, v=v)
     table = Table()
     slots = [None if like[name] is None else table.add(name, like[name]) for name in STAGE_ENTRIES]
     launch = plan_forward_stage(*slots[:9], num_heads, num_kv_heads, sz["eps"], sz["norm_after_rope"], cfg, variant,
