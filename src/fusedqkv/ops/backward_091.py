@@ -161,22 +161,24 @@ class Backward091Plan:
         self._extra = None  # (stream, device generation, the stage's own table entries)
         self._kept = None  # (the stream's dQKV buffer, dQKV: a view of it)
 
-    def _workspace(self, stream: int) -> torch.Tensor:
+    def _workspace(self, stream: int, capturing: bool) -> torch.Tensor:
         """dQKV: where it is small, a view of the stream's kept buffer (calls on one stream never
         overlap on the GPU, so the next call's stage writes it only after this call's products
-        read it, whichever plan made either call); per call where it is large or while a CUDA
-        graph is being captured (:func:`fusedqkv.ops.device.workspace`)."""
-        buf = _device.workspace("dqkv", self.device, stream, self.dqkv_bytes, keep_max=_device.DQKV_KEPT_BYTES)
+        read it, whichever plan made either call); per call, and not remembered, where it is large
+        or while a CUDA graph is being captured (the plan must not keep a graph's memory alive)."""
+        if capturing or self.dqkv_bytes > _device.DQKV_KEPT_BYTES:
+            return torch.empty(self.dqkv_shape, dtype=self.dtype, device=self.device)
+        buf = _device.workspace("dqkv", self.device, stream, self.dqkv_bytes)
         kept = self._kept
         if kept is None or kept[0] is not buf:
             kept = self._kept = (buf, buf[:self.dqkv_bytes].view(self.dtype).view(self.dqkv_shape))
         return kept[1]
 
-    def _stage_inputs(self, stream: int) -> dict:
+    def _stage_inputs(self, stream: int, capturing: bool) -> dict:
         """The stage's own entries (tickets; partials where they don't fit in grad_hidden_states):
         kept per stream where the stage needs no per-call partials, fresh while capturing."""
         stage = self.stage
-        if stage.own_partials or _device.capturing(self.device):
+        if stage.own_partials or capturing:
             return stage.call_inputs(stream)
         cached = self._extra
         if cached is None or cached[0] != stream or cached[1] != _device.generation:
@@ -195,8 +197,9 @@ class Backward091Plan:
         outs = self._outputs(out)
         g_hidden, g_cos, g_sin, g_weight, g_qw, g_kw = outs
         stream = current_stream(self.device)
-        dqkv = self._workspace(stream) if self.is_cuda else torch.empty(self.dqkv_shape, dtype=self.dtype,
-                                                                         device=self.device)
+        capturing = _device.capturing(self.device)
+        dqkv = self._workspace(stream, capturing) if self.is_cuda else torch.empty(self.dqkv_shape, dtype=self.dtype,
+                                                                                    device=self.device)
         inputs = (gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin)
         in_ptrs = [t.data_ptr() for t in inputs]
         out_ptrs = [t.data_ptr() for t in outs]
@@ -215,7 +218,7 @@ class Backward091Plan:
                 if acc & 15:  # an address the kernels were not specialised for: its own plan
                     return _plan_for_alignment(self, args, out).run(args, out)
             self._checked = seen
-        extra = self._stage_inputs(stream)
+        extra = self._stage_inputs(stream, capturing)
         launches = self.launches
         if self._ready:
             addr = dict(zip(STAGE_INPUTS, in_ptrs))

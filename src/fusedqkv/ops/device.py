@@ -130,11 +130,11 @@ def tickets(device: torch.device, stream: int, n: int) -> torch.Tensor:
     return buf
 
 
-def workspace(kind: str, device: torch.device, stream: int, nbytes: int, keep_max: int = 1 << 62) -> torch.Tensor:
+def workspace(kind: str, device: torch.device, stream: int, nbytes: int) -> torch.Tensor:
     """A byte buffer of at least ``nbytes`` for work on ``stream``: the stream's kept buffer of this
-    ``kind`` (grown to the largest asked for) when ``nbytes <= keep_max`` and the stream is not
-    being captured; otherwise a fresh one that the caller holds for the call."""
-    if nbytes > keep_max or capturing(device):
+    ``kind`` (grown to the largest asked for), or while the stream is being captured a fresh one
+    that the caller holds for the call (and does not remember)."""
+    if capturing(device):
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     key = (kind, device_index(device) if device.type == "cuda" else -1, stream)
     buf = _buffers.get(key)
