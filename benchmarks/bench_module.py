@@ -35,6 +35,7 @@ import torch
 
 from fusedqkv import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm
 from fusedqkv.bench import timing
+from fusedqkv.ops.internals import raise_compile_limits
 
 CONFIGS = {
     "091_h4096_q32_kv8": dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm_position="after_rope"),
@@ -105,9 +106,7 @@ def main() -> int:
                     help="one dynamic-shape compile per configuration instead of one static compile per size")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    for name in ("recompile_limit", "cache_size_limit"):  # one static compile per size
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 64)
+    raise_compile_limits(64)  # one static compile per size
     dtype = torch.bfloat16
     torch.manual_seed(0)
     if args.smoke:

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..ops.internals import raise_compile_limits
 from . import problem, records, roofline, timing, trust
 
 CPU_QUICK_WORKLOADS = (2, 11, 8, 13)  # small ones: b1 s131, b1 s128, b1 s256, b2 s293
@@ -121,17 +122,10 @@ def _prep_eager(ctx, args, ref_out):
     return Call(ctx.reference, args)
 
 
-def _compile_limits():
-    cfg = torch._dynamo.config
-    for attr in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, attr):
-            setattr(cfg, attr, max(getattr(cfg, attr), 64))
-
-
 def _prep_compile(ctx, args, ref_out):
     fn = ctx.compiled.get("fn")
     if fn is None:
-        _compile_limits()
+        raise_compile_limits(64)
         fn = ctx.compiled["fn"] = torch.compile(ctx.reference)
     return Call(fn, args)
 
