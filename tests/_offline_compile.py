@@ -117,6 +117,7 @@ VARIANTS = {
     "interleaved": dict(interleaved=True),
     "partial_interleaved": dict(rot=4, interleaved=True),
     "gate": dict(q_gate=True, rot=4),
+    "gate_full": dict(q_gate=True),
     "v_norm": dict(v_norm=True),
     "all_heads": dict(all_heads=True),
     "all_heads_combo": dict(all_heads=True, norm_weight=False, q_gate=True, v_norm=True, interleaved=True, rot=2),
@@ -347,7 +348,7 @@ def matmul_jobs() -> list:
 
 # (BM, BK, warps, stages, GROUP_M, programs per SM) of the fused forward GEMM (ops/qkv_projection.tile_config)
 FUSED_GEMM_TILES = {128: (128, 64, 8, 4, 8, 1), 256: (64, 64, 8, 3, 8, 1), 64: (128, 64, 8, 4, 8, 1)}
-FUSED_GEMM_VARIANTS = ("plain", "unweighted", "partial", "interleaved", "partial_interleaved", "gate", "v_norm")
+FUSED_GEMM_VARIANTS = ("plain", "unweighted", "partial", "gate_full", "v_norm")
 
 
 def _fused_gemm_job(d, dtype, variant, nar, bias, ints, norm_fp32=False, level="cubin", one=None, cc=90,
@@ -359,11 +360,14 @@ def _fused_gemm_job(d, dtype, variant, nar, bias, ints, norm_fp32=False, level="
     act = _tt(dtype)
     norm = "fp32" if norm_fp32 else act
     assert supported_variant(d, var.rotary(d), var) is None
-    consts = dict(BM=bm, BK=bk, D=d, ROT=var.rotary(d), GROUP_M=group_m, NPROG=per_sm * H200_SMS,
-                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=var.norm_weight, INTERLEAVED=var.interleaved, Q_GATE=var.q_gate,
+    half, tail = var.rotary(d) // 2, d - var.rotary(d)
+    consts = dict(BM=bm, BK=bk, D=d, HALF=half, PASS=tail, GROUP_M=group_m, NPROG=per_sm * H200_SMS,
+                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=var.norm_weight, Q_GATE=var.q_gate,
                   V_NORM=var.v_norm, HAS_BIAS=bias, EPILOGUE=epilogue)
-    types = {"x_desc": f"tensordesc<{act}[{bm}, {bk}]>", "w_desc": f"tensordesc<{act}[{d}, {bk}]>",
-             "qkv_desc": f"tensordesc<{act}[{bm}, {d}]>", "q_ptr": "*" + act, "k_ptr": "*" + act, "v_ptr": "*" + act,
+    types = {"x_desc": f"tensordesc<{act}[{bm}, {bk}]>", "w_desc": f"tensordesc<{act}[{half}, {bk}]>",
+             "w3_desc": f"tensordesc<{act}[{tail or 16}, {bk}]>", "qkv_desc": f"tensordesc<{act}[{bm}, {half}]>",
+             "qkv3_desc": f"tensordesc<{act}[{bm}, {tail or 16}]>",
+             "q_ptr": "*" + act, "k_ptr": "*" + act, "v_ptr": "*" + act,
              "bias_ptr": "*" + act, "cos_ptr": "*" + act, "sin_ptr": "*" + act, "rq_ptr": "*fp32", "rk_ptr": "*fp32",
              "wq_ptr": "*" + (norm if var.norm_weight else act), "wk_ptr": "*" + (norm if var.norm_weight else act),
              "eps": "fp32"}

@@ -25,26 +25,30 @@ try:  # Triton is a dependency on Linux only
 except ImportError:  # pragma: no cover
     qkv_rope_norm_gemm_kernel = None
 
-HEAD_DIMS = (16, 32, 64, 128, 256)  # one head per tile column
-
-
 def tile_config(M: int, N: int, K: int, D: int, cfg: Config) -> tuple:
     """(BM, BK, warps, stages, GROUP_M, programs per SM) of the fused GEMM: one head per tile column."""
     if cfg.fused_gemm_tile is not None:
         return cfg.fused_gemm_tile
-    if D == 256:
+    if D > 128:
         return (64, 64, 8, 3, 8, 1)
     return (128, 64, 8, 4, 8, 1)
 
 
+def _p2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def supported_variant(D: int, rot: int, variant: Variant) -> Optional[str]:
     """None where the fused GEMM's epilogue can do this head shape and variant, else why not."""
-    if D not in HEAD_DIMS:
-        return f"head_dim {D} is no tile width ({HEAD_DIMS})"
+    half, tail = rot // 2, D - rot
     if variant.all_heads:
         return "a norm over all heads needs every head tile of a row"
-    if not variant.interleaved and (D % rot or (D // rot) & (D // rot - 1)):
-        return f"rotary width {rot} does not split head_dim {D} into a power of two of chunks"
+    if variant.interleaved:
+        return "interleaved RoPE pairs are not the accumulators' halves"
+    if not (_p2(half) and half >= 16 and half <= 128):
+        return f"half the rotary width ({half}) is no tile width (a power of two from 16 to 128)"
+    if tail and not (_p2(tail) and tail >= 16):
+        return f"the unrotated tail ({tail} of head_dim {D}) is no tile width (a power of two from 16)"
     return None
 
 
@@ -92,7 +96,7 @@ def plan_fused_forward(x: Ptr, w: Ptr, qkv: Ptr, q: Ptr, k: Ptr, v: Optional[Ptr
     N = w.like.shape[0]
     S = qkv.like.shape[1]
     bm, bk, num_warps, num_stages, group_m, per_sm = tile_config(M, N, K, D, cfg)
-    n_tiles = -(-M // bm) * -(-N // D)
+    n_tiles = -(-M // bm) * (N // D)
     sms = sm_count(x.like.device) if x.like.device.type == "cuda" else 4
     nprog = max(1, min(per_sm * sms, n_tiles))
 
@@ -101,6 +105,7 @@ def plan_fused_forward(x: Ptr, w: Ptr, qkv: Ptr, q: Ptr, k: Ptr, v: Optional[Ptr
         return (t, *t.like.stride()[:3])
 
     rot = cos.like.shape[-1]
+    half, tail = rot // 2, D - rot
     if wq is None:  # unweighted: placeholders never read
         wq = wk = cos
         w_strides = (0, 0)
@@ -108,16 +113,17 @@ def plan_fused_forward(x: Ptr, w: Ptr, qkv: Ptr, q: Ptr, k: Ptr, v: Optional[Ptr
         w_strides = (wq.like.stride(0), wk.like.stride(0))
     return BoundLaunch(
         qkv_rope_norm_gemm_kernel, (nprog,),
-        (Desc(x, [bm, bk], shape=[M, K], strides=list(xm.stride())), Desc(w, [D, bk]),
-         Desc(qkv, [bm, D], shape=[M, N], strides=[N, 1]),
+        (Desc(x, [bm, bk], shape=[M, K], strides=list(xm.stride())), Desc(w, [half, bk]),
+         Desc(w, [tail or 16, bk]), Desc(qkv, [bm, half], shape=[M, N], strides=[N, 1]),
+         Desc(qkv, [bm, tail or 16], shape=[M, N], strides=[N, 1]),
          *heads(q), *heads(k), *heads(v if v is not None else k),
          bias if bias is not None else cos,
          wq, w_strides[0], wk, w_strides[1],
          cos, *cos.like.stride(), sin, *sin.like.stride(),
          rq, *rq.like.stride(), rk, *rk.like.stride(),
          float(eps), M, N, K, S, hq, hkv),
-        dict(BM=bm, BK=bk, D=D, ROT=rot, GROUP_M=group_m, NPROG=nprog, NORM_AFTER_ROPE=bool(norm_after_rope),
-             NORM_WEIGHT=variant.norm_weight, INTERLEAVED=variant.interleaved, Q_GATE=variant.q_gate,
+        dict(BM=bm, BK=bk, D=D, HALF=half, PASS=tail, GROUP_M=group_m, NPROG=nprog,
+             NORM_AFTER_ROPE=bool(norm_after_rope), NORM_WEIGHT=variant.norm_weight, Q_GATE=variant.q_gate,
              V_NORM=variant.v_norm, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
              num_warps=num_warps, num_stages=num_stages),
     )
