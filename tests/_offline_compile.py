@@ -117,7 +117,6 @@ VARIANTS = {
     "interleaved": dict(interleaved=True),
     "partial_interleaved": dict(rot=4, interleaved=True),
     "gate": dict(q_gate=True, rot=4),
-    "gate_full": dict(q_gate=True),
     "v_norm": dict(v_norm=True),
     "all_heads": dict(all_heads=True),
     "all_heads_combo": dict(all_heads=True, norm_weight=False, q_gate=True, v_norm=True, interleaved=True, rot=2),
@@ -346,47 +345,6 @@ def matmul_jobs() -> list:
     return jobs
 
 
-# (BM, BK, warps, stages, GROUP_M, programs per SM) of the fused forward GEMM (ops/qkv_projection.tile_config)
-FUSED_GEMM_TILES = {128: (128, 64, 8, 4, 8, 1), 256: (64, 64, 8, 3, 8, 1), 64: (128, 64, 8, 4, 8, 1)}
-FUSED_GEMM_VARIANTS = ("plain", "unweighted", "partial", "gate_full", "v_norm")
-
-
-def _fused_gemm_job(d, dtype, variant, nar, bias, ints, norm_fp32=False, level="cubin", one=None, cc=90,
-                    epilogue=True):
-    from fusedqkv.ops.qkv_projection import supported_variant
-
-    var = variant_of(variant, d)
-    bm, bk, warps, stages, group_m, per_sm = FUSED_GEMM_TILES[d]
-    act = _tt(dtype)
-    norm = "fp32" if norm_fp32 else act
-    assert supported_variant(d, var.rotary(d), var) is None
-    half, tail = var.rotary(d) // 2, d - var.rotary(d)
-    consts = dict(BM=bm, BK=bk, D=d, HALF=half, PASS=tail, GROUP_M=group_m, NPROG=per_sm * H200_SMS,
-                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=var.norm_weight, Q_GATE=var.q_gate,
-                  V_NORM=var.v_norm, HAS_BIAS=bias, EPILOGUE=epilogue)
-    types = {"x_desc": f"tensordesc<{act}[{bm}, {bk}]>", "w_desc": f"tensordesc<{act}[{half}, {bk}]>",
-             "w3_desc": f"tensordesc<{act}[{tail or 16}, {bk}]>", "qkv_desc": f"tensordesc<{act}[{bm}, {half}]>",
-             "qkv3_desc": f"tensordesc<{act}[{bm}, {tail or 16}]>",
-             "q_ptr": "*" + act, "k_ptr": "*" + act, "v_ptr": "*" + act,
-             "bias_ptr": "*" + act, "cos_ptr": "*" + act, "sin_ptr": "*" + act, "rq_ptr": "*fp32", "rk_ptr": "*fp32",
-             "wq_ptr": "*" + (norm if var.norm_weight else act), "wk_ptr": "*" + (norm if var.norm_weight else act),
-             "eps": "fp32"}
-    label = (f"fused_gemm sm{cc} d{d} {dtype} {variant} nar={nar} bias={bias} ints={ints}"
-             f"{'' if epilogue else ' no-epilogue'}{'' if one is None else ' one=' + one}")
-    return dict(kernel="qkv_projection_fwd.qkv_rope_norm_gemm_kernel", cc=cc, consts=consts, types=types, ints=ints,
-                one=one, options={"num_warps": warps, "num_stages": stages}, level=level, label=label)
-
-
-def fused_gemm_jobs() -> list:
-    axes = dict(d=(128, 256, 64), dtype=("bf16", "fp16"), variant=FUSED_GEMM_VARIANTS, nar=(True, False),
-                bias=(False, True), ints=INT_MODES, cc=PRODUCT_TARGETS)
-    jobs = [_fused_gemm_job(**r) for r in pairwise(axes, lambda r: variant_of(r["variant"], r["d"]) is not None,
-                                                   seed=8)]
-    jobs.append(_fused_gemm_job(128, "bf16", "plain", True, False, "div16", norm_fp32=True))
-    jobs.append(_fused_gemm_job(128, "bf16", "plain", True, False, "div16", epilogue=False))
-    return jobs
-
-
 def _flush_job(ints, level="cubin", one=None, cc=90):
     return dict(kernel="l2_flush.l2_flush_kernel", cc=cc, consts=dict(BLOCK=4096), types={"buf_ptr": "*i32"},
                 ints=ints, one=one, options={"num_warps": 4}, level=level,
@@ -395,7 +353,7 @@ def _flush_job(ints, level="cubin", one=None, cc=90):
 
 def full_jobs() -> list:
     """Every constexpr value (pairwise), each job compiled to a cubin."""
-    return (stage_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs() + matmul_jobs() + fused_gemm_jobs()
+    return (stage_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs() + matmul_jobs()
             + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)])
 
 
@@ -413,7 +371,6 @@ def one_at_a_time_jobs(kernel_args: dict) -> list:
         _finish_cols_job(90, "bf16", "plain", level="ttir"),
         _matmul_job("chain_dw", "bf16", True, "sms", "plain", level="ttir"),
         _matmul_job("chain_dx", "bf16", False, "sms", "plain", level="ttir"),
-        _fused_gemm_job(128, "bf16", "plain", True, True, "plain", level="ttir"),
         _flush_job("plain", level="ttir"),
     ]
     jobs = []
@@ -437,7 +394,7 @@ def _kernel(path: str):
 
 # integer arguments that are sizes (token, head, row counts, matrix dims): below 2**31 on any GPU
 # (and TMA coordinates are 32-bit); the others are strides, which pass 2**31 elements on big tensors
-SIZE_ARGS = {"M", "S", "HQ", "HKV", "NQG", "R", "C", "K", "N", "fin_rows", "n_rows", "n", "NQ", "NK"}
+SIZE_ARGS = {"M", "S", "HQ", "HKV", "NQG", "R", "C", "K", "fin_rows", "n_rows", "n", "NQ", "NK"}
 
 
 def int_args(kernel) -> list:

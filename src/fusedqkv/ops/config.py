@@ -7,8 +7,7 @@ a changed setting can never run on a plan built under another. Tests change sett
 
 Environment variables (read at import; 0 turns a path off):
 ``FUSEDQKV_CHAIN_MAX_TOKENS`` (128), ``FUSEDQKV_HYBRID_MAX_TOKENS`` (2560),
-``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_STAGE_TMA`` (1), ``FUSEDQKV_CUBLASLT`` (1),
-``FUSEDQKV_FUSED_GEMM`` (auto / on / off).
+``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_STAGE_TMA`` (1), ``FUSEDQKV_CUBLASLT`` (1).
 Where the defaults come from: benchmarks/NOTES.md.
 """
 
@@ -55,13 +54,6 @@ class Config:
     forward_tile: Optional[tuple] = None
     # cuBLAS GEMMs as planned cuBLASLt calls (ops/cublaslt.py) instead of torch.mm
     cublaslt: bool = True
-    # the training forward as one GEMM with RoPE + RMSNorm in its epilogue (ops/qkv_projection.py):
-    # "auto" (from fused_gemm_min_tokens tokens, where the block allows it), "on" (wherever it
-    # allows it; also under the interpreter: tests), "off"; a forced tile (BM, BK, warps,
-    # stages, GROUP_M, programs per SM) for tests and sweeps
-    fused_gemm: str = "auto"
-    fused_gemm_min_tokens: int = 1 << 62
-    fused_gemm_tile: Optional[tuple] = None
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":
@@ -81,8 +73,7 @@ class Config:
                    hybrid_max_tokens=count("FUSEDQKV_HYBRID_MAX_TOKENS", cls.hybrid_max_tokens),
                    norm_finish_in_dw=flag("FUSEDQKV_NORM_FINISH_IN_DW", True),
                    stage_tma=flag("FUSEDQKV_STAGE_TMA", True),
-                   cublaslt=flag("FUSEDQKV_CUBLASLT", True),
-                   fused_gemm=env.get("FUSEDQKV_FUSED_GEMM", cls.fused_gemm))
+                   cublaslt=flag("FUSEDQKV_CUBLASLT", True))
 
 
 _current = Config.from_env()

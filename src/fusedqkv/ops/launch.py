@@ -40,17 +40,13 @@ class Ptr:
 
 class Desc:
     """A host TMA descriptor of entry ``index`` of the call's tensor table (a :class:`Ptr`'s),
-    over its whole shape, in boxes of ``block``; or over another view of its memory
-    (``shape``/``strides`` given: e.g. a token-major ``[B, H, S, D]`` tensor as ``[B*S, H*D]``)."""
+    over its whole shape, in boxes of ``block``."""
 
-    __slots__ = ("index", "shape", "strides", "block", "view")
+    __slots__ = ("index", "shape", "strides", "block")
 
-    def __init__(self, ptr: Ptr, block: Sequence[int], shape: Optional[Sequence[int]] = None,
-                 strides: Optional[Sequence[int]] = None):
+    def __init__(self, ptr: Ptr, block: Sequence[int]):
         self.index, self.block = ptr.index, list(block)
-        self.view = shape is not None
-        self.shape = list(ptr.like.shape if shape is None else shape)
-        self.strides = list(ptr.like.stride() if strides is None else strides)
+        self.shape, self.strides = list(ptr.like.shape), list(ptr.like.stride())
 
 
 def carve(base: torch.Tensor, byte_offset: int, shape: Sequence[int], dtype=torch.float32) -> torch.Tensor:
@@ -121,12 +117,9 @@ class Table:
         return out
 
 
-def _tensor_descriptor(t: torch.Tensor, block, shape=None, strides=None):
-    """A host TMA descriptor over ``t`` (or over its memory viewed as ``shape``/``strides``)."""
+def _tensor_descriptor(t: torch.Tensor, block):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if shape is not None:
-        t = t.as_strided(shape, strides)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
 
 
@@ -158,7 +151,7 @@ class BoundLaunch:
         if isinstance(a, Ptr):
             return tensors[a.index]
         if isinstance(a, Desc):
-            return _tensor_descriptor(tensors[a.index], a.block, *((a.shape, a.strides) if a.view else ()))
+            return _tensor_descriptor(tensors[a.index], a.block)
         return a
 
     def encode(self, ptrs: Sequence[int]) -> None:
