@@ -38,7 +38,7 @@ its recent load), the L2 flushed before each replay, median of --reps CUDA-event
 rows: --tokens (default 1x2048 and 4x2048). Criteria per row and mode: fusedqkv at least as fast
 as hf_compile, and at least 2x faster than hf_eager.
 
-Device (H200; ~2-3 minutes, most of it the six compiles):
+Device (H200; ~3 minutes estimated, most of it the six static compiles):
 
     PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/bench_families.py --out $OUT/families
 
@@ -196,13 +196,18 @@ TINY_SWITCHES = {"qwen3_5_text": dict(rope_parameters=dict(SHAPES["qwen3_5_text"
 # ------------------------------------------------------------------ building
 
 
-def build_config(shape: FamilyShape, smoke: bool):
-    import transformers
-
+def config_kwargs(shape: FamilyShape, smoke: bool) -> dict:
+    """The config's arguments: the checkpoint's sizes (--smoke: tiny ones) and the switches, one layer."""
     kw = dict(shape.switches, **(shape.tiny if smoke else shape.sizes), num_hidden_layers=1)
     if smoke:
         kw.update(TINY_SWITCHES.get(shape.family, {}))
-    return getattr(transformers, shape.config_class)(**kw)
+    return kw
+
+
+def build_config(shape: FamilyShape, smoke: bool):
+    import transformers
+
+    return getattr(transformers, shape.config_class)(**config_kwargs(shape, smoke))
 
 
 @dataclasses.dataclass
@@ -571,6 +576,7 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         del mods, compiled
+        torch._dynamo.reset()  # the family's compiled graphs, and the modules their guards hold
     checks_passed = all(f["bitwise_equal"] for f in forward_checks.values()) and all(
         all(r["checks"]["passed"].values()) for r in rows)
     verdicts = [r["criteria"][m][k] for r in rows for m in MODES for k in ("as_fast_as_compile", "eager_2x")]
@@ -580,7 +586,7 @@ def main(argv=None) -> int:
             "timing": ("wall clock, calls interleaved" if a.smoke else
                        f"CUDA graphs replayed interleaved, L2 flushed, median of {a.reps}")}
     shapes = {f: dict(checkpoint=SHAPES[f].checkpoint, config_class=SHAPES[f].config_class,
-                      **(SHAPES[f].tiny if a.smoke else SHAPES[f].sizes), **SHAPES[f].switches) for f in families}
+                      **config_kwargs(SHAPES[f], a.smoke)) for f in families}
     report = dict(meta=meta, shapes=shapes, hf_forward_checks=forward_checks, rows=rows, checks_passed=checks_passed,
                   passed=checks_passed and (a.smoke or all(v is True for v in verdicts)))
     path = os.path.join(a.out, "bench_families.json")
