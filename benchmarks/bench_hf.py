@@ -439,7 +439,8 @@ def main(argv=None):
     if args.compile_backend is None:
         args.compile_backend = "inductor" if device == "cuda" else "aot_eager"
     elif args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
-        p.error(f"--compile-backend: unknown {args.compile_backend!r}; e.g. {', '.join(torch._dynamo.list_backends())}")
+        p.error(f"--compile-backend: unknown {args.compile_backend!r} (torch._dynamo.list_backends(); e.g. inductor, "
+                f"aot_eager, eager)")
     cfg_kw = family_config(args.family, args.tiny, args.layers)
     if args.tiny:
         args.batch, args.seq = min(args.batch, 2), min(args.seq, 64)
