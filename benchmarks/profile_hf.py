@@ -678,6 +678,9 @@ def main(argv=None):
     else:
         cfg_kw["num_hidden_layers"] = args.layers
     stacks = bench_hf.select_stacks(args.stacks, device, p.error)
+    if any(s.startswith("compile(") for s in stacks):  # build_stack builds eager stacks only
+        p.error(f"--stacks: {[s for s in stacks if s.startswith('compile(')]} are bench_hf.py's; profile_hf.py "
+                f"profiles the eager stacks")
     os.makedirs(args.out, exist_ok=True)
 
     data = bench_hf.make_data(8, args.batch, args.seq, cfg_kw["vocab_size"], args.seed + 1)

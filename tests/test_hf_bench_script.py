@@ -53,3 +53,36 @@ def test_judge_applies_the_done_criteria():
     assert rows[0]["loss_ok"] is False and rows[0]["bf16_noise"] == pytest.approx(1e-3)
     text = bench.table(dict(results=res, criteria=rows, passed=False))
     assert "FAIL" in text.splitlines()[-1]
+
+
+def test_qwen3_5_tiny_run_with_the_compile_stacks(tmp_path, capsys):
+    """--family qwen3_5_text (issue 25): every layer full attention, the default stacks with
+    the two compile stacks (aot_eager on the CPU), both pairs judged on their losses."""
+    bench = load_bench()
+    rc = bench.main(["--tiny", "--family", "qwen3_5_text", "--device", "cpu", "--steps", "3", "--out", str(tmp_path)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    report = json.loads((tmp_path / "bench_hf.json").read_text())
+    assert rc == 0 and report["passed"]
+    cfg = report["config"]
+    assert cfg["family"] == "qwen3_5_text" and cfg["compile_backend"] == "aot_eager"
+    assert cfg["model_config"]["layer_types"] == ["full_attention"] * 2
+    assert list(report["results"]) == ["hf-fp32", "hf", "hf+fusedqkv", "compile(hf)", "compile(hf+fusedqkv)"]
+    for stack in ("hf+fusedqkv", "compile(hf+fusedqkv)"):
+        assert report["results"][stack]["layers_fused"] == 2 and len(report["results"][stack]["losses"]) == 3
+    assert [(r["base"], r["fused"]) for r in report["criteria"]] == [("hf", "hf+fusedqkv"),
+                                                                      ("compile(hf)", "compile(hf+fusedqkv)")]
+    assert all(r["loss_ok"] and r["speed_ok"] is None for r in report["criteria"])
+    assert "step time no slower" in last
+
+
+def test_qwen3_5_full_size_config():
+    """The device run's model: Qwen3.5-9B's attention and vocabulary, --layers layers of full attention."""
+    import transformers
+
+    bench = load_bench()
+    kw = bench.family_config("qwen3_5_text", tiny=False, layers=6)
+    cfg = transformers.Qwen3_5TextConfig(**kw)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
+        248320, 4096, 16, 4, 256)
+    assert cfg.layer_types == ["full_attention"] * 6 and cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    assert bench.family_config("qwen3", tiny=False, layers=4) == bench.QWEN3_06B  # qwen3 as before
