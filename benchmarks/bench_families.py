@@ -311,7 +311,10 @@ def make_row(shape: FamilyShape, mods: Modules, compiled: Callable, b: int, s: i
         return tuple(t for t in fused._fusedqkv_qkv(x, (cos, sin)) if t is not None)
 
     def with_backward(fwd, leaves):
-        return lambda: torch.autograd.grad(fwd(), leaves, dy)
+        def call():
+            out = fwd()
+            return torch.autograd.grad(out, leaves, [d.view(o.shape) for d, o in zip(dy, out)])
+        return call
 
     # the floor: the same GEMM shapes, nothing else
     x2d = x.detach().reshape(b * s, -1)
@@ -365,8 +368,10 @@ def run_fwd_bwd(call_fwd, leaves_params: dict, x, dy) -> dict:
     """Outputs and gradients by name (HF's q/k/v parameter gradients joined as the fused ones)."""
     out = call_fwd()
     out = [o for o in out if o is not None]
-    gs = torch.autograd.grad(out, [x, *flat(leaves_params)], dy)
-    res = {n: o.detach() for n, o in zip(OUTPUT_NAMES, out)}
+    # fusedqkv's gate is [..., heads, head_dim] (a view of the projection output), HF's [..., heads *
+    # head_dim]: the gradients in each output's shape, the outputs compared in HF's
+    gs = torch.autograd.grad(out, [x, *flat(leaves_params)], [d.view(o.shape) for d, o in zip(dy, out)])
+    res = {n: o.detach().reshape(d.shape) for n, o, d in zip(OUTPUT_NAMES, out, dy)}
     res["grad_x"] = gs[0]
     res.update({"grad_" + k: v for k, v in joined_grads(leaves_params, gs[1:]).items()})
     return res
@@ -450,6 +455,24 @@ def time_row(row: Row, providers, reps: int, warmup: int, flusher: Optional[timi
 # ------------------------------------------------------------------ the run
 
 
+def profile_row(row: Row, providers, calls: int = 5) -> dict:
+    """{"provider/mode": [{name, us per call}]}: each provider's GPU kernels over ``calls`` eager
+    calls (torch.profiler), largest first."""
+    out = {}
+    for prov in providers:
+        for mode, fn in zip(MODES, row.calls[prov]):
+            fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+            kernels = [dict(name=e.key, us=e.device_time_total / calls) for e in prof.key_averages()
+                       if e.device_time_total > 0]
+            out[f"{prov}/{mode}"] = sorted(kernels, key=lambda k: -k["us"])[:12]
+    return out
+
+
 def parse_tokens(spec: str, error) -> list:
     out = []
     for item in spec.split(","):
@@ -516,6 +539,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=30, help="timed replays per graph (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed replays per graph before timing")
     p.add_argument("--smoke", action="store_true", help="the script's logic on tiny CPU shapes (no timing value)")
+    p.add_argument("--profile", action="store_true",
+                   help="also the GPU kernels of each provider's calls (torch.profiler, eager calls, not graphs): "
+                        "where the time over the floor goes")
     a = p.parse_args(argv)
     families = [f.strip() for f in a.families.split(",") if f.strip()]
     unknown = [f for f in families if f not in SHAPES]
@@ -572,6 +598,10 @@ def main(argv=None) -> int:
             rows.append(dict(family=fam, checkpoint=shape.checkpoint, batch=b, seq=s, tokens=b * s, ms=ms,
                              summary={f"{p}/{m}": timing.summarize(v) for (p, m), v in samples.items()},
                              checks=checks, criteria=criteria(ms, judged=not a.smoke)))
+            if a.profile:
+                rows[-1]["kernels"] = profile_row(row, timed)
+                for key, ks in rows[-1]["kernels"].items():
+                    log(f"  {fam} {b}x{s} {key}: " + "; ".join(f"{k['us']:.0f}us {k['name'][:60]}" for k in ks[:8]))
             del row
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -327,7 +327,9 @@ class _FusedAttention:
     Instance attribute: ``_fusedqkv`` (:class:`FusedSpec`)."""
 
     def _fusedqkv_qkv(self, hidden_states, position_embeddings):
-        """q, k, v as HF's attention takes them and the output gate (``None`` unless gated q)."""
+        """q, k, v as HF's attention takes them and the output gate (``None`` unless gated q), the
+        gate as ``[..., heads, head_dim]``: a view of the projection output (HF's ``[..., heads *
+        head_dim]`` reshape of it is a copy, a full pass over a q-sized tensor)."""
         spec: FusedSpec = self._fusedqkv
         arch: Arch = self._fusedqkv_arch
         cos, sin = arch.rope(self, hidden_states, position_embeddings)
@@ -352,8 +354,7 @@ class _FusedAttention:
         out = gqa_qkv_rope_qk_norm(hidden_states, w, wq, wk, cos, sin, num_heads=spec.num_heads,
                                    num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, **spec.block_kwargs)
         if arch.q_gate:
-            q, k, v, gate = out
-            return q, k, v, gate.reshape(*hidden_states.shape[:-1], -1)
+            return out
         q, k, v = out
         return q, k, v, None
 
@@ -385,8 +386,8 @@ class _FusedAttention:
         attn_output, attn_weights = interface(self, query, key, value, attention_mask, dropout=dropout,
                                               scaling=self.scaling, **kwargs)
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
-        if gate is not None:
-            attn_output = attn_output * torch.sigmoid(gate)
+        if gate is not None:  # per head: the gate stays a view of the projection output
+            attn_output = (attn_output.view(gate.shape) * torch.sigmoid(gate)).view(attn_output.shape)
         if arch.output_gate is not None:
             attn_output = arch.output_gate(self, attn_output, hidden_states)
         return getattr(self, arch.out_proj)(attn_output), attn_weights
