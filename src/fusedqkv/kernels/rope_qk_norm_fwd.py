@@ -33,7 +33,7 @@ Constexpr switches of the block's variants (all off: the plain per-head block ab
 import triton
 import triton.language as tl
 
-from .rope_qk_norm import _store_cast, load_cos_sin, load_pairs, pair_cols, store_pairs
+from .rope_qk_norm import _load_norm_w, _store_cast, load_cos_sin, load_pairs, pair_cols, store_pairs
 
 
 @triton.jit
@@ -83,17 +83,6 @@ def _head_out(ob, so_d, i1, i2, ip, x1, x2, xp, r, w1, w2, wp, mask, pmask, c1, 
 
 
 @triton.jit
-def _load_w(w_ptr, sw, off, i1, i2, ip, dmask, pm, PASS: tl.constexpr):
-    w1 = tl.load(w_ptr + (off + i1) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + (off + i2) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    if PASS > 0:
-        wp = tl.load(w_ptr + (off + ip) * sw, mask=pm, other=0.0).to(tl.float32)[None, :]
-    else:
-        wp = w1
-    return w1, w2, wp
-
-
-@triton.jit
 def _head_group_fwd(
     x_ptr, s_x_t, col0, XHS,
     w_ptr, sw,
@@ -114,7 +103,7 @@ def _head_group_fwd(
     pm = dp < PASS
     pmask_t = tmask[:, None] & pm[None, :]
     if NORM_WEIGHT and not ALL_HEADS:
-        w1, w2, wp = _load_w(w_ptr, sw, 0, i1, i2, ip, dmask, pm, PASS)
+        w1, w2, wp = _load_norm_w(w_ptr, sw, 0, i1, i2, ip, dmask, pm, PASS)
     else:
         w1 = 1.0
         w2 = 1.0
@@ -133,7 +122,7 @@ def _head_group_fwd(
             x1, x2, xp, _ = _head_in(x_row + h * XHS, i1[None, :], i2[None, :], ip[None, :], cmask, pmask_t,
                                      c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, INTERLEAVED)
             if NORM_WEIGHT:  # this head's part of the [H*D] weights
-                v1, v2, vp = _load_w(w_ptr, sw, h * D, i1, i2, ip, dmask, pm, PASS)
+                v1, v2, vp = _load_norm_w(w_ptr, sw, h * D, i1, i2, ip, dmask, pm, PASS)
             else:
                 v1 = w1
                 v2 = w2
