@@ -11,7 +11,8 @@ from typing import Callable, Optional
 
 import torch
 
-VOCAB = 97
+from _hf_models import VOCAB, batch, perturb_norms_and_biases  # noqa: F401 (batch: the families' tests use H.batch)
+
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
               eos_token_id=2, tie_word_embeddings=False)
@@ -186,17 +187,8 @@ def build(fam: Family, bias=False, seed=0, attn="eager", dtype=torch.float32, **
     cfg._attn_implementation = attn
     torch.manual_seed(seed)
     m = model_class(fam)(cfg)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.copy_(p + 0.3 * torch.randn(p.shape, generator=g))
+    perturb_norms_and_biases(m, seed + 1)
     return m.to(dtype).eval()
-
-
-def batch(b=2, s=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (b, s), generator=g)
 
 
 

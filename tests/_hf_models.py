@@ -49,15 +49,19 @@ def build(arch, bias=False, seed=0, attn="eager", dtype=torch.float32, **over):
     cfg._attn_implementation = attn
     torch.manual_seed(seed)
     m = model_class(arch)(cfg)
-    g = torch.Generator().manual_seed(seed + 1)
+    perturb_norms_and_biases(m, seed + 1)
+    return m.to(dtype)
+
+
+def perturb_norms_and_biases(m, seed):
+    """Every norm weight and bias moved by 0.3 N(0, 1) (reproducible from ``seed``)."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.copy_(p + 0.3 * torch.randn(p.shape, generator=g))
-    return m.to(dtype)
 
 
 def batch(b=2, s=12, seed=0):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (b, s), generator=g)
-    return ids
+    return torch.randint(3, VOCAB, (b, s), generator=g)

@@ -86,9 +86,12 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, dist
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
-from .autograd import _bwd_impl, _fwd_impl, gqa_qkv_rope_qk_norm
+from .autograd import _position, gqa_qkv_rope_qk_norm
 from .module import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm, reference_block
 from .ops.internals import dtensor_from_spec, dtensor_spec, functional_collectives
+from .ops.training_backward import training_backward
+from .ops.training_forward import forward_plan, run_forward
+from .ops.variant import heads_of
 
 __all__ = ["HeadParallelQKV", "parallelize_block", "tp_plan", "HeadParallelGQAQKVRoPEQKNorm",
            "HeadParallelReferenceGQAQKVRoPEQKNorm", "tp_row_order", "to_tp_rows", "to_canonical_rows",
@@ -265,10 +268,10 @@ def _start_reduce_scatter_seq(g: torch.Tensor, plan: _HeadParallelPlan, pg) -> t
     return out, _reduce_scatter_single(out, src, group=pg, async_op=True)
 
 
-def _start_sum(items, plan: _HeadParallelPlan, pg):
-    """Sum small gradients (norm weights, cos/sin) over the TP group: one all-reduce per dtype
-    (in place for a single one with a ``pg``: the caller's own buffer). Returns a function that
-    waits and gives the sums, in ``items``' order."""
+def _sum(items, plan: _HeadParallelPlan, pg) -> list:
+    """Small gradients (norm weights, cos/sin) summed over the TP group, in ``items``' order: one
+    all-reduce per dtype (in place for a single one with a ``pg``: the caller's own buffer), all
+    started before the first is waited on."""
     by_dtype: dict = {}
     for i, t in enumerate(items):
         by_dtype.setdefault(t.dtype, []).append(i)
@@ -276,19 +279,15 @@ def _start_sum(items, plan: _HeadParallelPlan, pg):
     for idx in by_dtype.values():
         buf = torch.cat([items[i].reshape(-1) for i in idx]) if len(idx) > 1 else items[idx[0]].reshape(-1)
         pending.append((idx, _start_all_reduce(buf, plan, pg)))
-
-    def finish():
-        out = [None] * len(items)
-        for idx, p in pending:
-            buf = _wait(p)
-            off = 0
-            for i in idx:
-                n = items[i].numel()
-                out[i] = buf[off: off + n].view(items[i].shape)
-                off += n
-        return out
-
-    return finish
+    out = [None] * len(items)
+    for idx, p in pending:
+        buf = _wait(p)
+        off = 0
+        for i in idx:
+            n = items[i].numel()
+            out[i] = buf[off: off + n].view(items[i].shape)
+            off += n
+    return out
 
 
 def _gather_kv(shard: torch.Tensor, plan: _HeadParallelPlan, pg) -> torch.Tensor:
@@ -325,11 +324,6 @@ def _start_scatter_kv(grad: torch.Tensor, plan: _HeadParallelPlan, pg) -> tuple:
 # --------------------------------------------------------------------------- the eager call
 
 
-def _to_dtensor(local: torch.Tensor, spec) -> DTensor:
-    # the parameter's own spec: the gradient has the parameter's layout by construction
-    return dtensor_from_spec(local, spec)
-
-
 class _HeadParallelFunction(torch.autograd.Function):
     """The eager call of a head-parallel fused block: (hidden_states, qkv_weight, q_norm_weight,
     k_norm_weight, cos, sin, qkv_bias, meta) -> (q, k, v) of this rank's heads.
@@ -359,9 +353,9 @@ class _HeadParallelFunction(torch.autograd.Function):
         if x.dim() == 3 and sin.dim() == 3 and sin.shape[0] == 1 != x.shape[0]:
             sin = sin.expand(x.shape[0], -1, -1)
         hq, hkv = plan.num_heads, plan.num_kv_heads
-        q, k, qkv, _, _, _ = _fwd_impl(x, w, q_w, k_w, cos, sin, hq, hkv, eps, norm_after_rope, "auto", bias)
-        B, S, n_tot = qkv.shape
-        v = qkv.view(B, S, hq + 2 * hkv, n_tot // (hq + 2 * hkv))[:, :, hq + hkv:].transpose(1, 2)
+        plan_fwd = forward_plan(x, w, q_w, k_w, cos, sin, hq, hkv, eps, _position(norm_after_rope), "auto", bias)
+        q, k, qkv, _, _, _ = run_forward(plan_fwd, x, w, q_w, k_w, cos, sin, bias)
+        v = heads_of(qkv, hq, hkv, plan.head_dim, False)[2]
         ctx.save_for_backward(x, w, q_w, k_w, cos, sin, qkv)
         ctx.meta = meta
         ctx.specs = (dtensor_spec(qkv_weight), dtensor_spec(q_norm_weight), dtensor_spec(k_norm_weight),
@@ -375,7 +369,7 @@ class _HeadParallelFunction(torch.autograd.Function):
         plan, pg, eps, norm_after_rope, _ = ctx.meta
         need = ctx.needs_input_grad
         need_cs = bool(need[4] or need[5])
-        g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _bwd_impl(
+        g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = training_backward(
             grad_q, grad_k, grad_v, x, w, qkv, q_w, k_w, cos, sin, plan.num_heads, plan.num_kv_heads, eps,
             norm_after_rope, bool(need[0]), bool(need[1]), need_cs, "auto", bool(need[6]))
         # the big one first: the hidden-states gradient, summed over the ranks' heads
@@ -391,13 +385,14 @@ class _HeadParallelFunction(torch.autograd.Function):
             g_sin = g_sin if g_sin.shape[0] == ctx.cs_batch[1] else g_sin.sum(0, keepdim=True)
         names = [n for n, wanted in zip(("q", "k", "cos", "sin"), need[2:6]) if wanted]
         small = dict(zip(("q", "k", "cos", "sin"), (g_qw, g_kw, g_cos, g_sin)))
-        summed = dict(zip(names, _start_sum([small[n] for n in names], plan, pg)()))
+        summed = dict(zip(names, _sum([small[n] for n in names], plan, pg)))
+        # the parameters' own specs: each gradient has its parameter's layout by construction
         w_spec, q_spec, k_spec, b_spec = ctx.specs
-        out_qw = _to_dtensor(summed["q"].to(ctx.norm_dtypes[0]), q_spec) if need[2] else None
-        out_kw = _to_dtensor(summed["k"].to(ctx.norm_dtypes[1]), k_spec) if need[3] else None
+        out_qw = dtensor_from_spec(summed["q"].to(ctx.norm_dtypes[0]), q_spec) if need[2] else None
+        out_kw = dtensor_from_spec(summed["k"].to(ctx.norm_dtypes[1]), k_spec) if need[3] else None
         out_cs = [summed.get("cos"), summed.get("sin")]
-        return (_wait(g_x) if need[0] else None, _to_dtensor(_wait(g_w), w_spec) if need[1] else None,
-                out_qw, out_kw, *out_cs, _to_dtensor(_wait(g_b), b_spec) if need[6] else None, None)
+        return (_wait(g_x) if need[0] else None, dtensor_from_spec(_wait(g_w), w_spec) if need[1] else None,
+                out_qw, out_kw, *out_cs, dtensor_from_spec(_wait(g_b), b_spec) if need[6] else None, None)
 
 
 # --------------------------------------------------------------------------- the composed call
@@ -433,7 +428,7 @@ class _HeadParallelCollectives(torch.autograd.Function):
             g_x = None
         small = [g_qw, g_kw, g_cos, g_sin]
         where = [i for i, (g, wanted) in enumerate(zip(small, need[2:6])) if wanted and g is not None]
-        for i, s in zip(where, _start_sum([small[i] for i in where], plan, None)()):
+        for i, s in zip(where, _sum([small[i] for i in where], plan, None)):
             small[i] = s
         rows = [g_w, *g_b]
         if plan.kv_replicas > 1:
@@ -599,10 +594,10 @@ class HeadParallelQKV(ParallelStyle):
                 f"HeadParallelQKV: expected a fusedqkv.GQAQKVRoPEQKNorm or ReferenceGQAQKVRoPEQKNorm, got "
                 f"{base.__name__} (its forward is not known to the head-parallel plan)")
         plain = dict(q_gate=False, rope_style="neox", norm_scope="head", v_norm=False)
-        variant = {k: getattr(module, k, v) for k, v in plain.items() if getattr(module, k, v) != v}
-        if variant or module.q_norm_weight is None:  # (the plan shards plain heads: issue 25's variants not yet)
-            if module.q_norm_weight is None:
-                variant["norm_weight"] = False
+        variant = {k: v for k, v in module._variant_kwargs().items() if v != plain[k]}
+        if module.q_norm_weight is None:
+            variant["norm_weight"] = False
+        if variant:  # (the plan shards plain heads: issue 25's variants not yet)
             raise NotImplementedError(f"HeadParallelQKV: the block's variants {variant} are not head-parallel; "
                                       "expected a block with the default q_gate, rope_style, norm_scope, norm_weight "
                                       "and v_norm")
@@ -639,7 +634,6 @@ class HeadParallelQKV(ParallelStyle):
         rank = device_mesh.get_local_rank()
         module.tp_mesh = device_mesh
         module.tp_size = tp
-        module.tp_input_layout = self.input_layouts
         module.tp_use_local_output = self.use_local_output
         module.local_num_heads = hq // tp
         module.local_num_kv_heads = hkv // tp if rep == 1 else 1

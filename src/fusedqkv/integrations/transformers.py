@@ -156,10 +156,14 @@ def _skip_kv_shared(attn) -> Optional[str]:
     return None
 
 
+# the reason of a layer left unfused for its head size: apply_to warns about those layers
+_OVERSIZED = "is above the block's"
+
+
 def _skip_gemma4(attn) -> Optional[str]:
     reason = _skip_kv_shared(attn)
     if reason is None and isinstance(attn.head_dim, int) and attn.head_dim > _MAX_HEAD_DIM:
-        reason = f"head_dim={attn.head_dim} (global layer) is above the block's {_MAX_HEAD_DIM}"
+        reason = f"head_dim={attn.head_dim} (global layer) {_OVERSIZED} {_MAX_HEAD_DIM}"
     return reason
 
 
@@ -831,7 +835,7 @@ def apply_to(model: nn.Module) -> int:
     specs = [_validate(path, m, arch) for path, m, arch in todo]
     for (_, m, _), spec in zip(todo, specs):
         _fuse(m, spec)
-    oversized = [(p, r) for p, a, r in skipped if "above the block's" in r]
+    oversized = [(p, r) for p, a, r in skipped if _OVERSIZED in r]
     if oversized and todo:
         warnings.warn(f"fusedqkv.apply_to: {len(oversized)} attention layers stay unfused: "
                       f"{oversized[0][0]}: {oversized[0][1]}", stacklevel=2)
