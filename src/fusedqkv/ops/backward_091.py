@@ -26,7 +26,7 @@ from . import config as _config
 from . import device as _device
 from . import validation as V
 from .cublaslt import lt_matmul
-from .device import current_stream, device_index, sm_count
+from .device import current_stream, sm_count
 from .internals import set_grad_enabled
 from .launch import Table
 from .plan_cache import PlanCache, as_matrix, mm_into
@@ -154,7 +154,6 @@ class Backward091Plan:
         self.aligned = aligned
         self.dqkv_shape, self.dtype = dqkv_shape, dtype
         self.is_cuda = device.type == "cuda"
-        self.device_index = device_index(device) if self.is_cuda else 0
         self.dqkv_bytes = dqkv_shape[0] * dqkv_shape[1] * dtype.itemsize if dqkv_shape is not None else 0
         self._checked = None  # the addresses of the last call that passed the address checks
         self._ready = False  # every launch bound to its compiled kernel

@@ -135,12 +135,12 @@ class LtMatmul:
     """``d[M, N] = a[M, K] @ b[K, N]`` (row-major semantics, the strides given at plan time) on
     one device, one dtype; call with the three addresses and the raw stream."""
 
-    __slots__ = ("lib", "handle", "desc", "layouts", "algos", "ws_bytes", "scalars", "device", "index", "_keep",
+    __slots__ = ("lib", "handle", "desc", "layouts", "algos", "ws_bytes", "scalars", "device", "_keep",
                  "shape")
 
     def __init__(self, lib: _Lib, device: torch.device, index: int, dtype: torch.dtype, M: int, N: int, K: int,
                  a_strides, b_strides, d_strides):
-        self.lib, self.device, self.index, self.shape = lib, device, index, (M, N, K)
+        self.lib, self.device, self.shape = lib, device, (M, N, K)
         self.desc, self.layouts = None, []
         dt = _DTYPES[dtype]
         a_cm = _column_major((M, K), a_strides)
@@ -247,8 +247,7 @@ def plan_matmul(dtype: torch.dtype, device: torch.device, M: int, N: int, K: int
     lib = library()
     if lib is None:
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        return LtMatmul(lib, device, index, dtype, M, N, K, a_strides, b_strides, d_strides)
+        return LtMatmul(lib, device, _device.device_index(device), dtype, M, N, K, a_strides, b_strides, d_strides)
     except (LtError, OSError):  # no algorithm, or a library that refuses: torch.mm serves
         return None

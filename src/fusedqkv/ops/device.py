@@ -159,10 +159,6 @@ def register_plan_cache(name: str, cache) -> None:
     _plan_caches[name] = cache
 
 
-def plan_cache(name: str):
-    return _plan_caches[name]
-
-
 # ------------------------------------------------------------------------------ clear and info
 
 

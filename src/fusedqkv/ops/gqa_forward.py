@@ -17,7 +17,6 @@ Two backends with one semantics (fp32 math, one rounding to the input dtype):
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from typing import Optional
 

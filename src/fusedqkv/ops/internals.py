@@ -499,8 +499,6 @@ def dtensor_spec(t):
 def dtensor_from_spec(local: torch.Tensor, spec):
     """A DTensor of ``local`` with a copy of ``spec`` and no autograd history: what DTensor's
     ``to_local`` backward builds, without its per-call global-shape computation."""
-    import copy
-
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, copy.copy(spec), requires_grad=False)

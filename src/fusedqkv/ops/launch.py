@@ -88,9 +88,6 @@ class Table:
         self.derived.append((base.name, byte_offset, tuple(shape)))
         return self.slots[name]
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.slots
-
     def release(self) -> None:
         """Forget the building call's tensors (a plan must not keep a call's memory alive)."""
         for p in self.slots.values():

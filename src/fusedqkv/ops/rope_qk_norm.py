@@ -353,13 +353,8 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
     return StagePlan(launch, finish, n_tick, own_partials, nbytes, device)
 
 
-def _rotate_half(t: torch.Tensor) -> torch.Tensor:
-    h = t.shape[-1] // 2
-    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
-
-
 def _rope(x, cos, sin):
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + rotate(x, x.shape[-1], False) * sin
 
 
 def _rope_transpose(g, cos, sin, exact):
@@ -418,7 +413,7 @@ def backward_torch(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsi
             p = (x.float() * r.float().unsqueeze(-1) * w.float()).to(lp)
             q = g
         gc = (q * p).sum(dim=1) if gcos is not None else None
-        gs = (q * _rotate_half(p)).sum(dim=1) if gcos is not None else None
+        gs = (q * rotate(p, p.shape[-1], False)).sum(dim=1) if gcos is not None else None
         return dx, gc, gs, grad_w
 
     dxq, gcq, gsq, gwq32 = head_set(gq, xq, rq, wq)

@@ -36,10 +36,6 @@ class Variant:
     def rotary(self, d: int) -> int:
         return self.rot or d
 
-    def q_cols(self, d: int) -> int:
-        """Columns of one query head in a projection row ([q | gate] with q_gate)."""
-        return 2 * d if self.q_gate else d
-
     def constexprs(self, d: int) -> dict:
         """The kernels' constexprs of the variant (both stages)."""
         half = self.rotary(d) // 2
