@@ -121,8 +121,8 @@ def measure(engine, provider, tokens, cfg, device, mesh, reps, warmup, compile_b
     seq = tokens // BATCH
     b_local = BATCH // ws if data_parallel else BATCH
     hq, hkv, d = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
-    if engine == "tp2":  # this rank's heads (one KV head when there are fewer than ranks)
-        hq, hkv = hq // ws, hkv // ws if hkv % ws == 0 else 1
+    if engine == "tp2":  # this rank's heads, as parallelize_block set them
+        hq, hkv = block.local_num_heads, block.local_num_kv_heads
     g = torch.Generator(device=device).manual_seed(1 + rank)
     x = torch.randn(b_local, seq, cfg["hidden_size"], device=device, dtype=dtype, generator=g)
     if engine == "tp2":  # hidden_states is replicated over the TP group
@@ -221,17 +221,18 @@ def host_overhead(args) -> int:
     if args.num_kv_heads:
         cfg["num_kv_heads"] = args.num_kv_heads
     hq, hkv, d, hidden = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["hidden_size"]
-    local_kv = hkv // ws if hkv % ws == 0 else 1
     dtype = torch.bfloat16 if cuda else torch.float32
     b, s = 1, args.host_tokens or (512 if cuda else 64)
     torch.manual_seed(0)
     x = torch.randn(b, s, hidden, device=device, dtype=dtype)
     cos, sin = rope(b, s, d, device, dtype)
-    grads = [torch.randn(b, h, s, d, device=device, dtype=dtype) for h in (hq // ws, local_kv, local_kv)]
     kw = dict(device=device, dtype=dtype, qk_norm_position=cfg["qk_norm_position"])
-    plain = fusedqkv.GQAQKVRoPEQKNorm(hidden, hq // ws, local_kv, d, **kw)
+    tp = fdist.parallelize_block(fusedqkv.GQAQKVRoPEQKNorm(hidden, hq, hkv, d, **kw), mesh)
+    local_q, local_kv = tp.local_num_heads, tp.local_num_kv_heads  # this rank's heads
+    grads = [torch.randn(b, h, s, d, device=device, dtype=dtype) for h in (local_q, local_kv, local_kv)]
+    plain = fusedqkv.GQAQKVRoPEQKNorm(hidden, local_q, local_kv, d, **kw)
     blocks = {"plain (rank's heads)": (plain, x),
-              "tp": (fdist.parallelize_block(fusedqkv.GQAQKVRoPEQKNorm(hidden, hq, hkv, d, **kw), mesh), x),
+              "tp": (tp, x),
               "tp seq-sharded": (fdist.parallelize_block(fusedqkv.GQAQKVRoPEQKNorm(hidden, hq, hkv, d, **kw), mesh,
                                                          input_layouts=Shard(1)), x[:, : s // ws].contiguous())}
     if args.host_bias:

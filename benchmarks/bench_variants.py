@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
-import fusedqkv
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_module import time_cpu_interleaved  # noqa: E402
+
+import fusedqkv  # noqa: E402
 
 # name -> (API options, rotary fraction of head_dim, weighted norms)
 VARIANTS = {
@@ -56,19 +60,18 @@ def make_inputs(name, tokens, hidden, hq, hkv, d, dtype, device, seed=0):
     return (x, w, *ws, cos, sin), opts
 
 
-def block_calls(name, args, opts, hq, hkv, backend):
+def block_calls(args, opts, hq, hkv, backend):
+    """(forward, forward + backward) of the block on ``args``."""
     leaves = [t for t in args[:4] if t is not None]
 
     def fwd():
         return fusedqkv.gqa_qkv_rope_qk_norm(*args, num_heads=hq, num_kv_heads=hkv, backend=backend, **opts)
 
-    def bwd_setup():
-        return fwd()
-
-    def bwd(out):
+    def fwd_bwd():
+        out = fwd()
         return torch.autograd.grad(out, leaves, [torch.ones_like(o) for o in out])
 
-    return fwd, bwd_setup, bwd
+    return fwd, fwd_bwd
 
 
 def main(argv=None) -> int:
@@ -88,27 +91,21 @@ def main(argv=None) -> int:
         hidden, hq, hkv, d, token_list = 4096, 32, 8, 128, [int(t) for t in a.tokens.split(",")]
     rows = []
     for tokens in token_list:
-        fwds, bwds, setups = {}, {}, {}
+        fwds, fwd_bwds = {}, {}
         for name in names:
             args, opts = make_inputs(name, tokens, hidden, hq, hkv, d, dtype, device)
-            fwd, setup, bwd = block_calls(name, args, opts, hq, hkv, backend)
-            fwds[name], setups[name], bwds[name] = fwd, setup, bwd
-        if a.smoke:
-            times = {}
-            for name in names:  # the calls run; the wall clock is no GPU timing
-                t0 = time.perf_counter()
-                bwds[name](setups[name]())
-                times[name] = ([(time.perf_counter() - t0) * 1e3], [(time.perf_counter() - t0) * 1e3])
+            fwds[name], fwd_bwds[name] = block_calls(args, opts, hq, hkv, backend)
+        if a.smoke:  # the calls run, in the same order; the wall clock is no GPU timing
+            f_ms = time_cpu_interleaved(fwds, 1)
+            fb_ms = time_cpu_interleaved(fwd_bwds, 1)
         else:
             from fusedqkv.bench import timing
 
             flusher = timing.L2Flusher(device)
             with torch.no_grad():
-                f_ms = timing.time_cuda_events_interleaved({n: (lambda f=fwds[n]: f()) for n in names}, a.reps,
-                                                           flusher=flusher)
-            fb_ms = timing.time_cuda_events_interleaved({n: (lambda f=fwds[n], b=bwds[n]: b(f())) for n in names},
-                                                        a.reps, flusher=flusher)
-            times = {n: (f_ms[n], fb_ms[n]) for n in names}
+                f_ms = timing.time_cuda_events_interleaved(fwds, a.reps, flusher=flusher)
+            fb_ms = timing.time_cuda_events_interleaved(fwd_bwds, a.reps, flusher=flusher)
+        times = {n: (f_ms[n], fb_ms[n]) for n in names}
         base_f, base_fb = (statistics.median(t) for t in times[names[0]])
         for name in names:
             f, fb = (statistics.median(t) for t in times[name])

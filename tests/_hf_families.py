@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -47,15 +47,9 @@ class Family:
     n_fused: int = 2             # attention layers apply_to fuses
     bias: bool = True            # the config has attention_bias
     model: Optional[str] = None  # model class (default: AutoModelForCausalLM's)
-    config_class: Optional[str] = None  # when AutoConfig cannot build the text config by model_type
     composite: Optional[tuple] = None   # (config class, its other sub-configs): the text config goes in text_config
     min_version: str = "5.17"  # the oldest transformers the family is tested on
     no_compile: Optional[str] = None  # why torch.compile is not tested (an HF limitation)
-    post: Optional[Callable] = None  # (config) -> None, adjustments after construction
-
-    @property
-    def id(self):
-        return self.name
 
 
 FAMILIES = [
@@ -163,12 +157,8 @@ def config(fam: Family, bias=False, **over):
         cls, others = fam.composite
         kw.pop("tie_word_embeddings")
         cfg = getattr(tf, cls)(text_config=kw, **others)
-    elif fam.config_class is not None:
-        cfg = getattr(tf, fam.config_class)(**kw)
     else:
         cfg = tf.AutoConfig.for_model(fam.name, **kw)
-    if fam.post is not None:
-        fam.post(cfg)
     return cfg
 
 
@@ -248,21 +238,26 @@ def patched_pair(fam, bias=False, device="cpu", **kw):
     return m, ref
 
 
+def hf_grad(m, name, params):
+    """The gradient in ``params`` (another model's ``dict(named_parameters())``, HF's layout) of
+    the patched model ``m``'s parameter ``name``: a fused weight's (or bias's) is HF's
+    projections' gradients concatenated in the block's order."""
+    if ".qkv_proj." not in name:
+        return params[name].grad
+    base, kind = name.split(".qkv_proj.")
+    return torch.cat([params[f"{base}.{proj}.{kind}"].grad for proj in m.get_submodule(base)._fusedqkv.projs])
+
+
 def check_grads(m, ref, tol, atol=1e-8):
     """every gradient of the patched model against the unpatched one; the fused weight's (and
     bias's) against the concatenation of HF's projection gradients."""
     got = dict(m.named_parameters())
     want = dict(ref.named_parameters())
-    projs = {name: mod._fusedqkv.projs for name, mod in m.named_modules() if hasattr(mod, "_fusedqkv")}
     joined = 0
     for name, p in got.items():
         if ".qkv_proj." in name:
-            base, kind = name.split(".qkv_proj.")
-            parts = [want[f"{base}.{proj}.{kind}"] for proj in projs[base]]
-            joined += len(parts) - 1
-            g = torch.cat([w.grad for w in parts])
-        else:
-            g = want[name].grad
+            joined += len(m.get_submodule(name.split(".qkv_proj.")[0])._fusedqkv.projs) - 1
+        g = hf_grad(m, name, want)
         if g is None:  # a parameter that the loss does not reach (both models alike)
             assert p.grad is None, name
             continue

@@ -81,12 +81,7 @@ def test_gpu_family_bf16_three_way(fam):
         own = ".qkv_proj." in name or (prefix in fused_prefixes and "norm" in name.rsplit(".", 2)[1])
         if not own:
             continue
-        if ".qkv_proj." in name:
-            base, kind = name.split(".qkv_proj.")
-            parts = [f"{base}.{proj}.{kind}" for proj in m.get_submodule(base)._fusedqkv.projs]
-            g_hf, g_exact = (torch.cat([d[n].grad for n in parts]) for d in (hf, ex))
-        else:
-            g_hf, g_exact = hf[name].grad, ex[name].grad
+        g_hf, g_exact = H.hf_grad(m, name, hf), H.hf_grad(m, name, ex)
         if g_exact is None or not float(g_exact.norm()):
             continue
         e_ours = float((p.grad.float() - g_exact).norm() / g_exact.norm())

@@ -233,12 +233,7 @@ def test_cpu_autocast_bf16_three_way(name):
         x.backward()
     ours, hf, ex = dict(m.named_parameters()), dict(ref.named_parameters()), dict(exact.named_parameters())
     for name_, p in ours.items():
-        if ".qkv_proj." in name_:
-            base, kind = name_.split(".qkv_proj.")
-            parts = [f"{base}.{proj}.{kind}" for proj in m.get_submodule(base)._fusedqkv.projs]
-            g_hf, g_exact = (torch.cat([d[n].grad for n in parts]) for d in (hf, ex))
-        else:
-            g_hf, g_exact = hf[name_].grad, ex[name_].grad
+        g_hf, g_exact = H.hf_grad(m, name_, hf), H.hf_grad(m, name_, ex)
         if g_exact is None or not float(g_exact.norm()):
             continue
         assert p.grad.dtype == torch.float32

@@ -61,23 +61,39 @@ class _FusedLinearCE:  # LigerFusedLinearCrossEntropyFunction
         return loss, None, None, None
 
 
+def _stand_ins(monkeypatch):
+    """On the CPU, Liger's Triton Functions replaced by the torch stand-ins above."""
+    if torch.cuda.is_available():
+        return
+    for module, name, stand_in in (("rms_norm", "LigerRMSNormFunction", _RMSNorm),
+                                   ("swiglu", "LigerSiLUMulFunction", _SiLUMul),
+                                   ("swiglu", "LigerFusedMoEFunction", _FusedMoE),
+                                   ("geglu", "LigerGELUMulFunction", _GELUMul),
+                                   ("functional", "LigerFusedLinearCrossEntropyFunction", _FusedLinearCE)):
+        monkeypatch.setattr(sys.modules[f"liger_kernel.transformers.{module}"], name, stand_in)
+
+
+def _restore(saved: dict) -> None:
+    """Modules' attributes back to ``saved`` ({module name: dict(vars(module))}): Liger patches
+    transformers' modeling modules in place."""
+    for name, before in saved.items():
+        mod = sys.modules[name]
+        for k in list(vars(mod)):
+            if k not in before:
+                delattr(mod, k)
+        for k, v in before.items():
+            if vars(mod).get(k) is not v:
+                setattr(mod, k, v)
+
+
 @pytest.fixture
 def liger_env(monkeypatch):
     """Undo Liger's module-level patches of transformers after the test (they would change
     every Qwen3 model built later in the session); on the CPU, the stand-ins above."""
-    saved = dict(vars(modeling_qwen3))
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(sys.modules["liger_kernel.transformers.rms_norm"], "LigerRMSNormFunction", _RMSNorm)
-        monkeypatch.setattr(sys.modules["liger_kernel.transformers.swiglu"], "LigerSiLUMulFunction", _SiLUMul)
-        monkeypatch.setattr(sys.modules["liger_kernel.transformers.functional"],
-                            "LigerFusedLinearCrossEntropyFunction", _FusedLinearCE)
+    saved = {modeling_qwen3.__name__: dict(vars(modeling_qwen3))}
+    _stand_ins(monkeypatch)
     yield
-    for k in list(vars(modeling_qwen3)):
-        if k not in saved:
-            delattr(modeling_qwen3, k)
-    for k, v in saved.items():
-        if vars(modeling_qwen3).get(k) is not v:
-            setattr(modeling_qwen3, k, v)
+    _restore(saved)
 
 
 def _bound(module, name):
@@ -173,22 +189,9 @@ def liger_env_all(monkeypatch):
             pass
     saved = {name: dict(vars(mod)) for name, mod in list(sys.modules.items())
              if name.startswith("transformers.models.") and mod is not None}
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(sys.modules["liger_kernel.transformers.rms_norm"], "LigerRMSNormFunction", _RMSNorm)
-        monkeypatch.setattr(sys.modules["liger_kernel.transformers.swiglu"], "LigerSiLUMulFunction", _SiLUMul)
-        monkeypatch.setattr(sys.modules["liger_kernel.transformers.swiglu"], "LigerFusedMoEFunction", _FusedMoE)
-        monkeypatch.setattr(sys.modules["liger_kernel.transformers.geglu"], "LigerGELUMulFunction", _GELUMul)
-        monkeypatch.setattr(sys.modules["liger_kernel.transformers.functional"],
-                            "LigerFusedLinearCrossEntropyFunction", _FusedLinearCE)
+    _stand_ins(monkeypatch)
     yield
-    for name, before in saved.items():
-        mod = sys.modules[name]
-        for k in list(vars(mod)):
-            if k not in before:
-                delattr(mod, k)
-        for k, v in before.items():
-            if vars(mod).get(k) is not v:
-                setattr(mod, k, v)
+    _restore(saved)
 
 
 def _liger_families():

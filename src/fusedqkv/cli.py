@@ -109,12 +109,12 @@ def cmd_bench(a) -> int:
                               measure_ceilings=a.measure_ceilings, time_budget=a.time_budget,
                               progress=not a.quiet)
     try:
-        harness.plan_bench(cfg)  # every argument checked before --out or the store is touched
+        plan = harness.plan_bench(cfg)  # every argument checked before --out or the store is touched
     except harness.BenchError as e:
         raise CliError(str(e)) from None
     out = _writable_dir(a.out)
     try:
-        results = harness.run_bench(cfg)
+        results = harness.run_bench(cfg, plan)
     except harness.BenchError as e:
         raise CliError(str(e)) from None
     recs = harness.build_records(results)

@@ -430,9 +430,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_bench(cfg: BenchConfig) -> dict:
-    """Run the benchmark; returns the results (everything the records and the report need)."""
-    pl = plan_bench(cfg)
+def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
+    """Run the benchmark; returns the results (everything the records and the report need).
+    ``plan``: ``plan_bench(cfg)`` where the caller already has it."""
+    pl = plan or plan_bench(cfg)
     device, defn, impl_names, wls, cap = pl.device, pl.definition, pl.implementations, pl.workloads, pl.cap
     cpu = device.type == "cpu"
     primary_timer = pl.primary_timer

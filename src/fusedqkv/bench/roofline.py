@@ -177,10 +177,6 @@ def _times_ms(fn, device: torch.device, reps: int) -> list:
     return out
 
 
-def _best_ms(fn, device: torch.device, reps: int) -> float:
-    return min(_times_ms(fn, device, reps))
-
-
 def measure_ceilings(device, name: str, when: str = "start") -> Ceilings:
     """A bf16 matmul and a device copy, best of a few: achievable FLOP/s and bytes/s. The
     repetitions' summaries (their spread says how steady the bound is) and, on a CPU, how long

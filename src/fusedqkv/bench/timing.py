@@ -199,17 +199,6 @@ def time_kernel_span(fn: Callable[[], object], reps: int = 50, warmup: int = 5, 
     return [_span_ms(c) for c in profile_kernel_calls(fn, reps, warmup, flusher)]
 
 
-def time_cpu(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> list:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1000.0)
-    return out
-
-
 # ----------------------------------------------------------------------------- CPU runs: budget and host wait
 
 
