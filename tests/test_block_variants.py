@@ -348,7 +348,8 @@ def test_the_plain_block_is_the_variant_free_path():
     plan = fusedqkv.ops.training_forward.PLANS.last()
     assert plan.variant == Variant()
     assert Variant().constexprs(128) == dict(HALF=64, HALF_P2=64, PASS=0, PASS_P2=1, INTERLEAVED=False,
-                                             NORM_WEIGHT=True, ALL_HEADS=False, Q_GATE=False, V_NORM=False)
+                                             NORM_WEIGHT=True, Q_GATE=False, V_NORM=False)
+    assert Variant().head_tiles(32, 8) == dict(HQ_P2=0, HKV_P2=0)  # one compile for every head count
 
 
 def test_bench_variants_script_smoke(tmp_path):
@@ -382,3 +383,18 @@ def test_eps_zero_with_a_partial_token_block_gives_finite_gradients(name):
         assert all(bool(torch.isfinite(t).all()) for t in grads[backend]), backend
     for a, b in zip(grads["torch"], grads["triton"]):
         assert _rel(b, a) < 1e-4
+
+
+def test_all_heads_pipeline_stages_fit_shared_memory(monkeypatch):
+    """The all-heads backward's token loop keeps as many stages in flight as the device's shared
+    memory holds (the H200's 232,448 bytes: 5 stages of OLMo 3's heads failed to launch)."""
+    from fusedqkv.ops import rope_qk_norm as R
+
+    monkeypatch.setattr(R, "max_shared_bytes", lambda device: 232448)
+    cuda = torch.device("cuda")
+    v = Variant(all_heads=True)
+    assert R.all_heads_stages(32, 32, 128, v, 2, 4, cuda) == R.ALL_HEADS_STAGES == 3  # OLMo 3, bf16
+    assert R.all_heads_stages(32, 32, 128, v, 4, 4, cuda) == 2  # fp32 tiles twice the bytes
+    assert R.all_heads_stages(40, 40, 128, v, 2, 4, cuda) == 2  # 64-row tiles
+    assert R.all_heads_stages(128, 128, 256, v, 2, 4, cuda) == 1
+    assert R.all_heads_stages(32, 32, 128, Variant(all_heads=True, q_gate=True, v_norm=True), 4, 4, cuda) == 1

@@ -419,6 +419,21 @@ def _load_norm_w(w_ptr, sw, off, i1, i2, ip, dmask, pm, PASS: tl.constexpr):
 
 
 @triton.jit
+def load_norm_w_rows(w_ptr, sw, off, rmask, i1, i2, ip, dmask, pm, PASS: tl.constexpr):
+    """Norm-weight elements at each row's offset ``off`` ([rows]) + the pair columns (and
+    pass-through columns) as fp32 [rows, n] tiles (ALL_HEADS: a row is a head, ``off = h * D``)."""
+    base = w_ptr + off[:, None] * sw
+    m = rmask[:, None] & dmask[None, :]
+    w1 = tl.load(base + i1[None, :] * sw, mask=m, other=0.0).to(tl.float32)
+    w2 = tl.load(base + i2[None, :] * sw, mask=m, other=0.0).to(tl.float32)
+    if PASS > 0:
+        wp = tl.load(base + ip[None, :] * sw, mask=rmask[:, None] & pm[None, :], other=0.0).to(tl.float32)
+    else:
+        wp = w1  # (never used)
+    return w1, w2, wp
+
+
+@triton.jit
 def _variant_front(g_row, x_row, sg_d, sx_d, i1, i2, ip, mask, pmask, c1, c2, s1, s2,
                    NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr):
     """One head step of the training variants: the norm's input n and the gradient at the norm's
@@ -455,6 +470,40 @@ def _row_sum(a1, a2, ap, PASS: tl.constexpr):
 
 
 @triton.jit
+def _variant_back(n1, n2, np_, gw1, gw2, gwp, x1, x2, g1, g2, v1, v2, r, grad_rstd, c, c1, c2, s1, s2,
+                  NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr):
+    """The training variants' gradient at the norm's and RoPE's inputs from ``_variant_front``'s
+    tiles, ``gw = gn * w``, the rstd ``r``, its gradient ``grad_rstd`` and ``c = -r^3 / N``: the
+    dQKV pairs and pass-through, the normed n*r (pairs, pass-through), and the grad_cos/sin
+    factors (q, p: grad_cos += q*p, grad_sin += q*rotate(p))."""
+    # d/dn of n*r*w: g*w*r - r^3 * n * sum(g*w*n) / N
+    dn1 = gw1 * r + grad_rstd * (c * n1)
+    dn2 = gw2 * r + grad_rstd * (c * n2)
+    a1 = n1 * r
+    a2 = n2 * r
+    if PASS > 0:
+        ap = np_ * r
+        dxp = gwp * r + grad_rstd * (c * np_)
+    else:
+        ap = a1  # (never used)
+        dxp = a1
+    if NORM_AFTER_ROPE:
+        dx1, dx2 = _rope_bwd(dn1, dn2, c1, c2, s1, s2, tl.float32, False)
+        q1 = dn1  # the gradient at RoPE's output, and RoPE's input
+        q2 = dn2
+        p1 = x1
+        p2 = x2
+    else:
+        dx1 = dn1
+        dx2 = dn2
+        q1 = g1
+        q2 = g2
+        p1 = a1 * v1  # n * r * w
+        p2 = a2 * v2
+    return dx1, dx2, dxp, a1, a2, ap, q1, q2, p1, p2
+
+
+@triton.jit
 def _head_set_bwd_variants(
     g_ptr, sg_b, sg_h, sg_s, sg_d,
     x_ptr, sx_b, sx_h, sx_s, sx_d,
@@ -466,15 +515,13 @@ def _head_set_bwd_variants(
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
     GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr, HB: tl.constexpr, PF: tl.constexpr,
     PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-    ALL_HEADS: tl.constexpr,
 ):
-    """``_head_set_bwd`` for the block's variants, in the training mode only (fp32, one rounding;
-    x the raw projection output; rstd recomputed; no TMA): partial rotary (PASS trailing dims
-    unrotated), interleaved pairs, no norm weight, the norm over all heads of a token
-    (ALL_HEADS: HB == 1; a first pass over the heads sums n^2 and gn*w*n per token), and a head
-    stride ``OHS`` in dQKV (2D for gated queries). Writes this set's norm-weight gradient row
-    to ``wrow_ptr`` ([D]: summed over heads and tokens; ALL_HEADS: head h's [D] at h*D, summed
-    over tokens) and returns the grad_cos/sin accumulators (see ``_head_set_bwd``)."""
+    """``_head_set_bwd`` for the block's per-head variants, in the training mode only (fp32, one
+    rounding; x the raw projection output; rstd recomputed; no TMA): partial rotary (PASS
+    trailing dims unrotated), interleaved pairs, no norm weight, and a head stride ``OHS`` in
+    dQKV (2D for gated queries). Writes this set's norm-weight gradient row to ``wrow_ptr``
+    ([D], summed over heads and tokens) and returns the grad_cos/sin accumulators (see
+    ``_head_set_bwd``)."""
     dh = tl.arange(0, HALF_P2)
     dmask = dh < HALF
     i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
@@ -488,7 +535,7 @@ def _head_set_bwd_variants(
     x_row = x_ptr + b[:, None] * sx_b + s[:, None] * sx_s + hb[:, None] * sx_h
     out_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + col0 + hb[:, None] * OHS
     R: tl.constexpr = HB * BLOCK_T
-    if NORM_WEIGHT and not ALL_HEADS:
+    if NORM_WEIGHT:
         w1, w2, wp = _load_norm_w(w_ptr, sw, 0, i1, i2, ip, dmask, pm, PASS)
     else:
         w1 = 1.0
@@ -497,30 +544,6 @@ def _head_set_bwd_variants(
     wg1 = tl.zeros([R, HALF_P2], tl.float32)
     wg2 = tl.zeros([R, HALF_P2], tl.float32)
     wgp = tl.zeros([R, PASS_P2], tl.float32)
-    if ALL_HEADS:
-        # per token over every head of the set: sum of n^2 (rstd) and of gn*w*n (the rstd gradient)
-        ss = tl.zeros([R, 1], tl.float32)
-        gs = tl.zeros([R, 1], tl.float32)
-        for h0 in tl.range(H0, H1, HB, num_stages=PF):
-            hmask = rmask & (h0 + hb < H1)
-            mask = hmask[:, None] & dmask[None, :]
-            pmask = hmask[:, None] & pm[None, :]
-            n1, n2, np_, gn1, gn2, gnp, x1, x2, g1, g2 = _variant_front(
-                g_row + h0 * sg_h, x_row + h0 * sx_h, sg_d, sx_d, i1r, i2r, ipr, mask, pmask, c1, c2, s1, s2,
-                NORM_AFTER_ROPE, PASS, INTERLEAVED)
-            if NORM_WEIGHT:
-                v1, v2, vp = _load_norm_w(w_ptr, sw, h0 * D, i1, i2, ip, dmask, pm, PASS)
-            else:
-                v1 = w1
-                v2 = w2
-                vp = wp
-            ss += _row_sum(n1 * n1, n2 * n2, np_ * np_, PASS)
-            gs += _row_sum(gn1 * v1 * n1, gn2 * v2 * n2, gnp * vp * np_, PASS)
-        nd = (H1 - H0) * D
-        # (rows past the tokens: 0, not 1/sqrt(eps), which is inf for eps = 0 and 0 * inf = nan)
-        r = tl.where(rmask[:, None], 1.0 / tl.sqrt(ss / nd + eps), 0.0)
-        grad_rstd = gs
-        c = -(r * r * r) / nd
     for h0 in tl.range(H0, H1, HB, num_stages=PF):
         hmask = rmask & (h0 + hb < H1)
         mask = hmask[:, None] & dmask[None, :]
@@ -528,65 +551,135 @@ def _head_set_bwd_variants(
         n1, n2, np_, gn1, gn2, gnp, x1, x2, g1, g2 = _variant_front(
             g_row + h0 * sg_h, x_row + h0 * sx_h, sg_d, sx_d, i1r, i2r, ipr, mask, pmask, c1, c2, s1, s2,
             NORM_AFTER_ROPE, PASS, INTERLEAVED)
-        if ALL_HEADS and NORM_WEIGHT:
-            v1, v2, vp = _load_norm_w(w_ptr, sw, h0 * D, i1, i2, ip, dmask, pm, PASS)
-        else:
-            v1 = w1
-            v2 = w2
-            vp = wp
-        gw1 = gn1 * v1
-        gw2 = gn2 * v2
-        gwp = gnp * vp
-        if not ALL_HEADS:
-            r = tl.where(hmask[:, None], 1.0 / tl.sqrt(_row_sum(n1 * n1, n2 * n2, np_ * np_, PASS) / D + eps), 0.0)
-            grad_rstd = _row_sum(gw1 * n1, gw2 * n2, gwp * np_, PASS)
-            c = -(r * r * r) / D
-        # d/dn of n*r*w: g*w*r - r^3 * n * sum(g*w*n) / N
-        dn1 = gw1 * r + grad_rstd * (c * n1)
-        dn2 = gw2 * r + grad_rstd * (c * n2)
-        a1 = n1 * r
-        a2 = n2 * r
-        if NORM_AFTER_ROPE:
-            dx1, dx2 = _rope_bwd(dn1, dn2, c1, c2, s1, s2, tl.float32, False)
-            q1 = dn1  # the gradient at RoPE's output, and RoPE's input
-            q2 = dn2
-            p1 = x1
-            p2 = x2
-        else:
-            dx1 = dn1
-            dx2 = dn2
-            q1 = g1
-            q2 = g2
-            p1 = a1 * v1  # n * r * w
-            p2 = a2 * v2
+        gw1 = gn1 * w1
+        gw2 = gn2 * w2
+        gwp = gnp * wp
+        r = tl.where(hmask[:, None], 1.0 / tl.sqrt(_row_sum(n1 * n1, n2 * n2, np_ * np_, PASS) / D + eps), 0.0)
+        grad_rstd = _row_sum(gw1 * n1, gw2 * n2, gwp * np_, PASS)
+        dx1, dx2, dxp, a1, a2, ap, q1, q2, p1, p2 = _variant_back(
+            n1, n2, np_, gw1, gw2, gwp, x1, x2, g1, g2, w1, w2, r, grad_rstd, -(r * r * r) / D, c1, c2, s1, s2,
+            NORM_AFTER_ROPE, PASS)
         ob = out_row + h0 * OHS
         store_pairs(ob, i1r, i2r, 1, dx1, dx2, mask, INTERLEAVED)
         if PASS > 0:
-            ap = np_ * r
-            _store_cast(ob + ipr, gwp * r + grad_rstd * (c * np_), pmask)
+            _store_cast(ob + ipr, dxp, pmask)
         if NORM_WEIGHT:
-            if ALL_HEADS:  # this head's own weights: summed over tokens now
-                wb = wrow_ptr + h0 * D
-                tl.store(wb + i1, tl.sum(gn1 * a1, axis=0), mask=dmask)
-                tl.store(wb + i2, tl.sum(gn2 * a2, axis=0), mask=dmask)
-                if PASS > 0:
-                    tl.store(wb + ip, tl.sum(gnp * ap, axis=0), mask=pm)
-            else:
-                wg1 = tl.fma(gn1, a1, wg1)
-                wg2 = tl.fma(gn2, a2, wg2)
-                if PASS > 0:
-                    wgp = tl.fma(gnp, ap, wgp)
+            wg1 = tl.fma(gn1, a1, wg1)
+            wg2 = tl.fma(gn2, a2, wg2)
+            if PASS > 0:
+                wgp = tl.fma(gnp, ap, wgp)
         if GRAD_COS_SIN:
             cs1 += q1 * p1
             cs2 += q2 * p2
             sn1 += -(q1 * p2)
             sn2 += q2 * p1
-    if NORM_WEIGHT and not ALL_HEADS:
+    if NORM_WEIGHT:
         tl.store(wrow_ptr + i1, tl.sum(wg1, axis=0), mask=dmask)
         tl.store(wrow_ptr + i2, tl.sum(wg2, axis=0), mask=dmask)
         if PASS > 0:
             tl.store(wrow_ptr + ip, tl.sum(wgp, axis=0), mask=pm)
     return cs1, cs2, sn1, sn2
+
+
+@triton.jit
+def _all_heads_set_bwd(
+    g_ptr, sg_b, sg_h, sg_s, sg_d,
+    x_ptr, sx_b, sx_h, sx_s, sx_d,
+    w_ptr, sw,
+    dqkv_ptr, s_dqkv_t, col0, OHS,
+    tok, b, s, H, eps, c1, c2, s1, s2, wg1, wg2, wgp,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, H_P2: tl.constexpr,
+    NORM_AFTER_ROPE: tl.constexpr, GRAD_COS_SIN: tl.constexpr,
+    PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+):
+    """ALL_HEADS: one head set (query or key) of token ``tok``, every head in one [H_P2 rows,
+    pairs] tile, the norm's RMS over all H*D channels (read once). Adds g*n*r to the norm-weight
+    accumulators ``wg*`` (per head and column) and returns them with this set's grad_cos/sin
+    sums ([1, pairs] each; zeros without GRAD_COS_SIN)."""
+    h = tl.arange(0, H_P2)
+    hmask = h < H
+    dh = tl.arange(0, HALF_P2)
+    dmask = dh < HALF
+    i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
+    dp = tl.arange(0, PASS_P2)
+    ip = 2 * HALF + dp
+    pm = dp < PASS
+    i1r = i1[None, :]
+    i2r = i2[None, :]
+    ipr = ip[None, :]
+    mask = hmask[:, None] & dmask[None, :]
+    pmask = hmask[:, None] & pm[None, :]
+    n1, n2, np_, gn1, gn2, gnp, x1, x2, g1, g2 = _variant_front(
+        g_ptr + (b * sg_b + s * sg_s + h * sg_h)[:, None], x_ptr + (b * sx_b + s * sx_s + h * sx_h)[:, None],
+        sg_d, sx_d, i1r, i2r, ipr, mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, INTERLEAVED)
+    if NORM_WEIGHT:  # each row's head's part of the [H*D] weights
+        v1, v2, vp = load_norm_w_rows(w_ptr, sw, h * D, hmask, i1, i2, ip, dmask, pm, PASS)
+    else:
+        v1 = 1.0
+        v2 = 1.0
+        vp = 1.0
+    gw1 = gn1 * v1
+    gw2 = gn2 * v2
+    gwp = gnp * vp
+    nd = H * D
+    # the token's sums over every head: of n^2 (rstd) and of g*w*n (rstd's gradient)
+    r = 1.0 / tl.sqrt(tl.sum(_row_sum(n1 * n1, n2 * n2, np_ * np_, PASS)) / nd + eps)
+    grad_rstd = tl.sum(_row_sum(gw1 * n1, gw2 * n2, gwp * np_, PASS))
+    dx1, dx2, dxp, a1, a2, ap, q1, q2, p1, p2 = _variant_back(
+        n1, n2, np_, gw1, gw2, gwp, x1, x2, g1, g2, v1, v2, r, grad_rstd, -(r * r * r) / nd, c1, c2, s1, s2,
+        NORM_AFTER_ROPE, PASS)
+    ob = dqkv_ptr + tok * s_dqkv_t + col0 + (h * OHS)[:, None]
+    store_pairs(ob, i1r, i2r, 1, dx1, dx2, mask, INTERLEAVED)
+    if PASS > 0:
+        _store_cast(ob + ipr, dxp, pmask)
+    if NORM_WEIGHT:
+        wg1 = tl.fma(gn1, a1, wg1)
+        wg2 = tl.fma(gn2, a2, wg2)
+        if PASS > 0:
+            wgp = tl.fma(gnp, ap, wgp)
+    if GRAD_COS_SIN:
+        cs1 = tl.sum(q1 * p1, axis=0, keep_dims=True)
+        cs2 = tl.sum(q2 * p2, axis=0, keep_dims=True)
+        sn1 = tl.sum(-(q1 * p2), axis=0, keep_dims=True)
+        sn2 = tl.sum(q2 * p1, axis=0, keep_dims=True)
+    else:
+        cs1 = tl.zeros([1, HALF_P2], tl.float32)
+        cs2 = cs1
+        sn1 = cs1
+        sn2 = cs1
+    return wg1, wg2, wgp, cs1, cs2, sn1, sn2
+
+
+@triton.jit
+def _store_weight_rows(wrow_ptr, wg1, wg2, wgp, H, D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
+                       H_P2: tl.constexpr, PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """ALL_HEADS: a program's norm-weight sums [heads, columns] into its partial row (head h's
+    columns at h*D)."""
+    h = tl.arange(0, H_P2)[:, None]
+    dh = tl.arange(0, HALF_P2)
+    i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
+    m = (h < H) & (dh < HALF)[None, :]
+    tl.store(wrow_ptr + h * D + i1[None, :], wg1, mask=m)
+    tl.store(wrow_ptr + h * D + i2[None, :], wg2, mask=m)
+    if PASS > 0:
+        dp = tl.arange(0, PASS_P2)
+        tl.store(wrow_ptr + h * D + (2 * HALF + dp)[None, :], wgp, mask=(h < H) & (dp < PASS)[None, :])
+
+
+@triton.jit
+def _value_out(gv_ptrs, xv_ptrs, o_ptrs, vmask, rows_valid, eps, D: tl.constexpr, V_NORM: tl.constexpr):
+    """A tile of v's gradient into dQKV: a copy, or (V_NORM) the backward of v's unweighted
+    per-head RMSNorm (rows: heads; ``xv_ptrs`` the raw v, read only then)."""
+    v = tl.load(gv_ptrs, mask=vmask, other=0.0)
+    if V_NORM:
+        xv = tl.load(xv_ptrs, mask=vmask, other=0.0).to(tl.float32)
+        gvf = v.to(tl.float32)
+        rv = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1, keep_dims=True) / D + eps)
+        rv = tl.where(rows_valid[:, None], rv, 0.0)
+        grad_rv = tl.sum(gvf * xv, axis=1, keep_dims=True)
+        _store_cast(o_ptrs, gvf * rv + grad_rv * ((-(rv * rv * rv) / D) * xv), vmask)
+    else:
+        tl.store(o_ptrs, v.to(o_ptrs.dtype.element_ty), mask=vmask)  # same dtype: a copy
 
 
 @triton.jit
@@ -649,7 +742,7 @@ def rope_qk_norm_bwd_kernel(
     # rstd [B, H, S] (a trailing size-1 dim dropped by the launcher)
     rq_ptr, srq_b, srq_h, srq_s,
     rk_ptr, srk_b, srk_h, srk_s,
-    # norm weights [D] (ALL_HEADS: [H*D]; no NORM_WEIGHT: placeholders never read)
+    # norm weights [D] (no NORM_WEIGHT: placeholders never read)
     wq_ptr, swq, wk_ptr, swk,
     # cos / sin [B, S, D] ([B, S, rot] with partial rotary)
     cos_ptr, scos_b, scos_s, scos_d,
@@ -658,9 +751,8 @@ def rope_qk_norm_bwd_kernel(
     dqkv_ptr, s_dqkv_t,
     gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
     gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-    # norm-weight gradients [D], their fp32 partials [programs, 2, D] (ALL_HEADS: [programs,
-    # (Hq + Hkv) * D]) and super rows, tickets; GROUPED: grad_cos/sin partials [groups, 2, M, D]
-    # and norm-weight rows [programs, groups, D]
+    # norm-weight gradients [D], their fp32 partials [programs, 2, D] and super rows, tickets;
+    # GROUPED: grad_cos/sin partials [groups, 2, M, D] and norm-weight rows [programs, groups, D]
     gwq_ptr, sgwq, gwk_ptr, sgwk, wpart_ptr, wsup_ptr, tick_ptr, cs_ptr, wgrp_ptr,
     M, S, HQ, HKV, eps,
     # TMA: host descriptors of grad/saved q and k (else placeholders never read)
@@ -676,7 +768,7 @@ def rope_qk_norm_bwd_kernel(
     GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr, TMA: tl.constexpr,
     LP2: tl.constexpr,
     PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-    ALL_HEADS: tl.constexpr, Q_GATE: tl.constexpr, V_NORM: tl.constexpr,
+    Q_GATE: tl.constexpr, V_NORM: tl.constexpr,
 ):
     """Grid (token blocks, kinds). Program (pid, kind) takes a block of BLOCK_T tokens, and either every query
     and key head of it (grad_cos/grad_sin complete in the program: no partials), or -- GROUPED,
@@ -696,7 +788,7 @@ def rope_qk_norm_bwd_kernel(
     R: tl.constexpr = HB * BLOCK_T
     NG: tl.constexpr = NQG + NKG
     # the variants of the query/key heads (all off: _head_set_bwd, the 091 and plain training paths)
-    VARIANT: tl.constexpr = ((PASS > 0) or INTERLEAVED) or ((not NORM_WEIGHT) or (ALL_HEADS or Q_GATE))
+    VARIANT: tl.constexpr = ((PASS > 0) or INTERLEAVED) or ((not NORM_WEIGHT) or Q_GATE)
     # dQKV columns between two query heads ([q | gate] per head with Q_GATE)
     QOHS: tl.constexpr = 2 * D if Q_GATE else D
     rows = tl.arange(0, R)
@@ -737,7 +829,7 @@ def rope_qk_norm_bwd_kernel(
                         dqkv_ptr, s_dqkv_t, 0, QOHS, wgrp_ptr + (pid * NG + kind) * D, h0, tl.minimum(h0 + GSIZE, HQ), b, s, tok, rmask, hb,
                         c1, c2, s1, s2, eps, z, z, z, z,
                         D, HALF, HALF_P2, NORM_AFTER_ROPE, GRAD_COS_SIN, BLOCK_T, HB, PF,
-                        PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS,
+                        PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT,
                     )
                 else:
                     c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
@@ -756,7 +848,7 @@ def rope_qk_norm_bwd_kernel(
                         dqkv_ptr, s_dqkv_t, HQ * QOHS, D, wgrp_ptr + (pid * NG + kind) * D, h0,
                         tl.minimum(h0 + GSIZE, HKV), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
                         D, HALF, HALF_P2, NORM_AFTER_ROPE, GRAD_COS_SIN, BLOCK_T, HB, PF,
-                        PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS,
+                        PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT,
                     )
                 else:
                     c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
@@ -793,25 +885,21 @@ def rope_qk_norm_bwd_kernel(
                     _finish_norm_weight_levels(pid, n_prog, wpart_ptr, wsup_ptr, tick_ptr + n_prog,
                                                gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, SUPER)
         elif VARIANT:
-            # norm-weight partials [programs, 2 (query, key), D] fp32 (ALL_HEADS: [programs, (Hq + Hkv) * D])
-            if ALL_HEADS:
-                wrow_q = wpart_ptr + pid.to(tl.int64) * ((HQ + HKV) * D)
-                wrow_k = wrow_q + HQ * D
-            else:
-                wrow_q = wpart_ptr + pid * 2 * D
-                wrow_k = wrow_q + D
+            # norm-weight partials [programs, 2 (query, key), D] fp32
+            wrow_q = wpart_ptr + pid * 2 * D
+            wrow_k = wrow_q + D
             c_1, c_2, s_1, s_2 = _head_set_bwd_variants(
                 gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d, wq_ptr, swq,
                 dqkv_ptr, s_dqkv_t, 0, QOHS, wrow_q, 0, HQ, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
                 D, HALF, HALF_P2, NORM_AFTER_ROPE, GRAD_COS_SIN, BLOCK_T, HB, PF,
-                PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS,
+                PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT,
             )
             c_1, c_2, s_1, s_2 = _head_set_bwd_variants(
                 gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, wk_ptr, swk,
                 dqkv_ptr, s_dqkv_t, HQ * QOHS, D, wrow_k, 0, HKV, b, s, tok, rmask, hb, c1, c2, s1, s2, eps,
                 c_1, c_2, s_1, s_2,
                 D, HALF, HALF_P2, NORM_AFTER_ROPE, GRAD_COS_SIN, BLOCK_T, HB, PF,
-                PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS,
+                PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT,
             )
             if GRAD_COS_SIN:
                 _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
@@ -875,17 +963,8 @@ def rope_qk_norm_bwd_kernel(
         # type -- i64 once an argument is beyond 32 bits -- and scf.if joins same-named variables)
         for hv in range(0, HKV, HB):
             vmask = (rmask & (hv + hb < HKV))[:, None] & (dv < D)
-            v = tl.load(v_row + hv * sgv_h, mask=vmask, other=0.0)
-            if V_NORM:
-                xv = tl.load(xv_ptr + b[:, None] * sxk_b + s[:, None] * sxk_s + (hv + hb[:, None]) * sxk_h
-                             + dv * sxk_d, mask=vmask, other=0.0).to(tl.float32)
-                gvf = v.to(tl.float32)
-                rv = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1, keep_dims=True) / D + eps)
-                rv = tl.where((rmask & (hv + hb < HKV))[:, None], rv, 0.0)
-                grad_rv = tl.sum(gvf * xv, axis=1, keep_dims=True)
-                _store_cast(o_row + hv * D, gvf * rv + grad_rv * ((-(rv * rv * rv) / D) * xv), vmask)
-            else:
-                tl.store(o_row + hv * D, v.to(dqkv_ptr.dtype.element_ty), mask=vmask)  # same dtype: a copy
+            _value_out(v_row + hv * sgv_h, xv_ptr + b[:, None] * sxk_b + s[:, None] * sxk_s + (hv + hb[:, None]) * sxk_h
+                       + dv * sxk_d, o_row + hv * D, vmask, rmask & (hv + hb < HKV), eps, D, V_NORM)
         if Q_GATE:
             g_row = gg_ptr + b[:, None] * sgg_b + s[:, None] * sgg_s + hb[:, None] * sgg_h + dv * sgg_d
             og_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + D + hb[:, None] * (2 * D) + dv
@@ -893,6 +972,90 @@ def rope_qk_norm_bwd_kernel(
                 gmask = (rmask & (hg + hb < HQ))[:, None] & (dv < D)
                 gg = tl.load(g_row + hg * sgg_h, mask=gmask, other=0.0)
                 tl.store(og_row + hg * (2 * D), gg.to(dqkv_ptr.dtype.element_ty), mask=gmask)
+
+
+@triton.jit
+def rope_qk_norm_bwd_all_heads_kernel(
+    # grads of the block outputs [B, H, S, D]
+    gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d,
+    gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d,
+    gv_ptr, sgv_b, sgv_h, sgv_s, sgv_d,
+    # the raw projection outputs [B, H, S, D]
+    xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
+    xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
+    # norm weights [H*D] (no NORM_WEIGHT: placeholders never read)
+    wq_ptr, swq, wk_ptr, swk,
+    cos_ptr, scos_b, scos_s, scos_d,
+    sin_ptr, ssin_b, ssin_s, ssin_d,
+    # outputs: dQKV [M, (Hq + 2 Hkv) D] ((2 Hq + 2 Hkv) D with Q_GATE); grad_cos / grad_sin [B, S, rot]
+    dqkv_ptr, s_dqkv_t,
+    gcos_ptr, sgcos_b, sgcos_s, sgcos_d,
+    gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+    # the norm-weight partials [programs, (Hq + Hkv) * D] fp32
+    wpart_ptr,
+    M, S, HQ, HKV, eps,
+    # Q_GATE: the gate's gradient [B, Hq, S, D]; V_NORM: the raw v with the strides of k
+    gg_ptr, sgg_b, sgg_h, sgg_s, sgg_d, xv_ptr,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
+    HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, PF: tl.constexpr,
+    NORM_AFTER_ROPE: tl.constexpr, GRAD_COS_SIN: tl.constexpr,
+    PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+    Q_GATE: tl.constexpr, V_NORM: tl.constexpr,
+):
+    """The backward stage of ``norm_scope='all_heads'`` (the training mode: fp32, one rounding,
+    rstd recomputed). Persistent programs each take tokens pid, pid + programs, ...; per token
+    every query head in one tile, then every key head (a norm over all heads needs the whole
+    set: read once), then the value heads (and the gate's gradient). grad_cos/sin are complete
+    per token; the norm-weight gradients are summed per program in registers over its tokens
+    into one fp32 row, summed over programs by ``rope_qk_norm_bwd_finish_cols_kernel``."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    DT: tl.constexpr = gq_ptr.dtype.element_ty
+    QOHS: tl.constexpr = 2 * D if Q_GATE else D
+    dh = tl.arange(0, HALF_P2)
+    one = tl.full([1], 0, tl.int64)
+    aq1 = tl.zeros([HQ_P2, HALF_P2], tl.float32)
+    aq2 = tl.zeros([HQ_P2, HALF_P2], tl.float32)
+    aqp = tl.zeros([HQ_P2, PASS_P2], tl.float32)
+    ak1 = tl.zeros([HKV_P2, HALF_P2], tl.float32)
+    ak2 = tl.zeros([HKV_P2, HALF_P2], tl.float32)
+    akp = tl.zeros([HKV_P2, PASS_P2], tl.float32)
+    # the value tiles: every value head of the token [HKV_P2, D_P2] (gate: [HQ_P2, D_P2])
+    dv = tl.arange(0, D_P2)[None, :]
+    hv = tl.arange(0, HKV_P2)
+    vmask = (hv < HKV)[:, None] & (dv < D)
+    hg = tl.arange(0, HQ_P2)
+    gmask = (hg < HQ)[:, None] & (dv < D)
+    V_COL: tl.constexpr = 2 * D if Q_GATE else D  # (times HQ: the first value column)
+    for t in tl.range(pid, M, n_prog, num_stages=PF):
+        tok = tl.cast(t, tl.int64)  # (tl.cast: the interpreter's loop variable is a Python int)
+        b = tok // S
+        s = tok % S
+        c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
+                                      b + one, s + one, one == 0, dh, HALF, INTERLEAVED)
+        aq1, aq2, aqp, cq1, cq2, sq1, sq2 = _all_heads_set_bwd(
+            gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d, wq_ptr, swq,
+            dqkv_ptr, s_dqkv_t, 0, QOHS, tok, b, s, HQ, eps, c1, c2, s1, s2, aq1, aq2, aqp,
+            D, HALF, HALF_P2, HQ_P2, NORM_AFTER_ROPE, GRAD_COS_SIN, PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT)
+        ak1, ak2, akp, ck1, ck2, sk1, sk2 = _all_heads_set_bwd(
+            gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d, wk_ptr, swk,
+            dqkv_ptr, s_dqkv_t, HQ * QOHS, D, tok, b, s, HKV, eps, c1, c2, s1, s2, ak1, ak2, akp,
+            D, HALF, HALF_P2, HKV_P2, NORM_AFTER_ROPE, GRAD_COS_SIN, PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT)
+        if GRAD_COS_SIN:
+            _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                           cq1 + ck1, cq2 + ck2, sq1 + sk1, sq2 + sk2, tok, tok + 1, S, False,
+                           HALF, HALF_P2, DT, False, 1, 1, INTERLEAVED)
+        o_tok = dqkv_ptr + tok * s_dqkv_t
+        _value_out(gv_ptr + b * sgv_b + s * sgv_s + hv[:, None] * sgv_h + dv * sgv_d,
+                   xv_ptr + b * sxk_b + s * sxk_s + hv[:, None] * sxk_h + dv * sxk_d,
+                   o_tok + (HQ * V_COL + HKV * D) + hv[:, None] * D + dv, vmask, hv < HKV, eps, D, V_NORM)
+        if Q_GATE:
+            gg = tl.load(gg_ptr + b * sgg_b + s * sgg_s + hg[:, None] * sgg_h + dv * sgg_d, mask=gmask, other=0.0)
+            tl.store(o_tok + D + hg[:, None] * (2 * D) + dv, gg.to(dqkv_ptr.dtype.element_ty), mask=gmask)
+    if NORM_WEIGHT:
+        wrow = wpart_ptr + pid.to(tl.int64) * ((HQ + HKV) * D)
+        _store_weight_rows(wrow, aq1, aq2, aqp, HQ, D, HALF, HALF_P2, HQ_P2, PASS, PASS_P2, INTERLEAVED)
+        _store_weight_rows(wrow + HQ * D, ak1, ak2, akp, HKV, D, HALF, HALF_P2, HKV_P2, PASS, PASS_P2, INTERLEAVED)
 
 
 @triton.jit

@@ -22,8 +22,9 @@ Constexpr switches of the block's variants (all off: the plain per-head block ab
   ``(i, i + HALF)``; cos/sin are per element either way.
 - ``NORM_WEIGHT``: the norm scales by its weight (else an unweighted RMSNorm).
 - ``ALL_HEADS``: the RMS is over all heads of a token (``Hq*D`` channels of q, ``Hkv*D`` of k;
-  weights ``[H*D]``): one program per (token block, q or k) walks the heads twice (sum of
-  squares, then the outputs); rstd is stored for every head.
+  weights ``[H*D]``): one program per (token, q or k) holds every head of its token in one
+  ``[H_P2, pairs]`` tile (``HQ_P2``/``HKV_P2``: the head counts padded; BLOCK_T is 1), so q/k
+  are read once; rstd is stored for every head.
 - ``Q_GATE``: the Q rows of the projection are per head ``[q | gate]`` (2D columns); the
   gate is not touched here (the caller views it in ``qkv``).
 - ``V_NORM``: v is RMS-normed per head without a weight into ``v`` (groups after the key
@@ -33,7 +34,8 @@ Constexpr switches of the block's variants (all off: the plain per-head block ab
 import triton
 import triton.language as tl
 
-from .rope_qk_norm import _load_norm_w, _store_cast, load_cos_sin, load_pairs, pair_cols, store_pairs
+from .rope_qk_norm import (_load_norm_w, _store_cast, load_cos_sin, load_norm_w_rows, load_pairs, pair_cols,
+                           store_pairs)
 
 
 @triton.jit
@@ -92,17 +94,16 @@ def _head_group_fwd(
     h0, H,
     D: tl.constexpr, HALF: tl.constexpr, GROUP: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
     PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-    ALL_HEADS: tl.constexpr,
 ):
-    """Heads [h0, h0 + GROUP) of one head set (ALL_HEADS: all H of them, normed together).
-    ``XHS``: the columns between two heads of the set in a ``qkv`` row."""
+    """Heads [h0, h0 + GROUP) of one head set, each normed on its own. ``XHS``: the columns
+    between two heads of the set in a ``qkv`` row."""
     dmask = dh < HALF
     i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
     dp = tl.arange(0, PASS_P2)
     ip = 2 * HALF + dp
     pm = dp < PASS
     pmask_t = tmask[:, None] & pm[None, :]
-    if NORM_WEIGHT and not ALL_HEADS:
+    if NORM_WEIGHT:
         w1, w2, wp = _load_norm_w(w_ptr, sw, 0, i1, i2, ip, dmask, pm, PASS)
     else:
         w1 = 1.0
@@ -110,40 +111,66 @@ def _head_group_fwd(
         wp = 1.0
     x_row = x_ptr + tok64[:, None] * s_x_t + col0
     ob_row = o_ptr + b[:, None] * so_b + s[:, None] * so_s
-    if ALL_HEADS:
-        # the RMS over every head of the token: a pass for the sum of squares, one for the outputs
-        ss = tl.zeros_like(tmask.to(tl.float32))
-        for h in range(0, H):
-            _, _, _, ssh = _head_in(x_row + h * XHS, i1[None, :], i2[None, :], ip[None, :], cmask, pmask_t,
-                                    c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, INTERLEAVED)
-            ss += ssh
-        r = 1.0 / tl.sqrt_rn(ss / (H * D) + eps)
-        for h in range(0, H):
-            x1, x2, xp, _ = _head_in(x_row + h * XHS, i1[None, :], i2[None, :], ip[None, :], cmask, pmask_t,
-                                     c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, INTERLEAVED)
-            if NORM_WEIGHT:  # this head's part of the [H*D] weights
-                v1, v2, vp = _load_norm_w(w_ptr, sw, h * D, i1, i2, ip, dmask, pm, PASS)
-            else:
-                v1 = w1
-                v2 = w2
-                vp = wp
-            _head_out(ob_row + h * so_h, so_d, i1[None, :], i2[None, :], ip[None, :], x1, x2, xp, r, v1, v2, vp,
-                      cmask, pmask_t, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, NORM_WEIGHT, INTERLEAVED)
-            tl.store(r_ptr + b * sr_b + h * sr_h + s * sr_s, r, mask=tmask)
+    for hh in range(0, GROUP):
+        h = h0 + hh
+        # a per-token block, not a scalar compare broadcast into the mask: Triton 3.9's interpreter
+        # types a scalar compare by its operands (int32), and a splat of it is no valid mask
+        hvalid = tl.broadcast_to(h, tmask.shape) < H
+        mask = cmask & hvalid[:, None]
+        pmask = pmask_t & hvalid[:, None]
+        x1, x2, xp, ss = _head_in(x_row + h * XHS, i1[None, :], i2[None, :], ip[None, :], mask, pmask,
+                                  c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, INTERLEAVED)
+        r = 1.0 / tl.sqrt_rn(ss / D + eps)
+        _head_out(ob_row + h * so_h, so_d, i1[None, :], i2[None, :], ip[None, :], x1, x2, xp, r, w1, w2, wp,
+                  mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, NORM_WEIGHT, INTERLEAVED)
+        tl.store(r_ptr + b * sr_b + h * sr_h + s * sr_s, r, mask=tmask & hvalid)
+
+
+@triton.jit
+def _all_heads_fwd(
+    x_ptr, s_x_t, col0, XHS,
+    w_ptr, sw,
+    o_ptr, so_b, so_h, so_s, so_d,
+    r_ptr, sr_b, sr_h, sr_s,
+    cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
+    tok, S, H, eps,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, H_P2: tl.constexpr,
+    NORM_AFTER_ROPE: tl.constexpr, PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr,
+    NORM_WEIGHT: tl.constexpr,
+):
+    """ALL_HEADS: every head of token ``tok`` of one head set in one [H_P2 rows, pairs] tile,
+    normed by one RMS over all H*D channels: read once, written once."""
+    h = tl.arange(0, H_P2)
+    hmask = h < H
+    tok = tl.cast(tok, tl.int64)
+    b = tok // S
+    s = tok % S
+    dh = tl.arange(0, HALF_P2)
+    dmask = dh < HALF
+    i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
+    dp = tl.arange(0, PASS_P2)
+    ip = 2 * HALF + dp
+    pm = dp < PASS
+    mask = hmask[:, None] & dmask[None, :]
+    pmask = hmask[:, None] & pm[None, :]
+    # cos/sin: one [1, pairs] row for every head
+    one = tl.full([1], 0, tl.int64)
+    c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
+                                  b + one, s + one, one == 0, dh, HALF, INTERLEAVED)
+    x1, x2, xp, ss = _head_in(x_ptr + (tok * s_x_t + col0 + h * XHS)[:, None], i1[None, :], i2[None, :],
+                              ip[None, :], mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, INTERLEAVED)
+    r = 1.0 / tl.sqrt_rn(tl.sum(ss, axis=0) / (H * D) + eps)
+    if NORM_WEIGHT:  # each row's head's part of the [H*D] weights
+        w1, w2, wp = load_norm_w_rows(w_ptr, sw, h * D, hmask, i1, i2, ip, dmask, pm, PASS)
     else:
-        for hh in range(0, GROUP):
-            h = h0 + hh
-            # a per-token block, not a scalar compare broadcast into the mask: Triton 3.9's interpreter
-            # types a scalar compare by its operands (int32), and a splat of it is no valid mask
-            hvalid = tl.broadcast_to(h, tmask.shape) < H
-            mask = cmask & hvalid[:, None]
-            pmask = pmask_t & hvalid[:, None]
-            x1, x2, xp, ss = _head_in(x_row + h * XHS, i1[None, :], i2[None, :], ip[None, :], mask, pmask,
-                                      c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, INTERLEAVED)
-            r = 1.0 / tl.sqrt_rn(ss / D + eps)
-            _head_out(ob_row + h * so_h, so_d, i1[None, :], i2[None, :], ip[None, :], x1, x2, xp, r, w1, w2, wp,
-                      mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, NORM_WEIGHT, INTERLEAVED)
-            tl.store(r_ptr + b * sr_b + h * sr_h + s * sr_s, r, mask=tmask & hvalid)
+        w1 = 1.0
+        w2 = 1.0
+        wp = 1.0
+    rr = tl.full([H_P2], 0.0, tl.float32) + r
+    _head_out(o_ptr + (b * so_b + s * so_s + h * so_h)[:, None], so_d, i1[None, :], i2[None, :], ip[None, :],
+              x1, x2, xp, rr, w1, w2, wp, mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, NORM_WEIGHT,
+              INTERLEAVED)
+    tl.store(r_ptr + b * sr_b + h * sr_h + s * sr_s, rr, mask=hmask)
 
 
 @triton.jit
@@ -180,6 +207,7 @@ def rope_qk_norm_fwd_kernel(
     BLOCK_T: tl.constexpr, GROUP: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
     PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
     ALL_HEADS: tl.constexpr, Q_GATE: tl.constexpr, V_NORM: tl.constexpr, D_P2: tl.constexpr,
+    HQ_P2: tl.constexpr, HKV_P2: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -193,31 +221,39 @@ def rope_qk_norm_fwd_kernel(
     cmask = tmask[:, None] & dmask[None, :]
     # columns of a query head in a qkv row: [q | gate] with Q_GATE
     QHS: tl.constexpr = 2 * D if Q_GATE else D
-    if pid_g < NQG:
+    if ALL_HEADS:  # (NQG = 1: the query program, then the key program, then the value groups)
+        nkg = 1
+    else:
+        nkg = tl.cdiv(HKV, GROUP)
+    is_v = False
+    if V_NORM:
+        is_v = pid_g >= NQG + nkg
+    if is_v:
+        _v_group_fwd(qkv_ptr, s_qkv_t, HQ * QHS + HKV * D, v_ptr, sv_b, sv_h, sv_s, sv_d,
+                     tok64, b, s, tmask, eps, (pid_g - NQG - nkg) * GROUP, HKV, D, D_P2, GROUP)
+    elif ALL_HEADS:
+        if pid_g == 0:
+            _all_heads_fwd(qkv_ptr, s_qkv_t, 0, QHS, wq_ptr, swq, q_ptr, sq_b, sq_h, sq_s, sq_d,
+                           rq_ptr, srq_b, srq_h, srq_s, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s,
+                           ssin_d, pid_t, S, HQ, eps, D, HALF, HALF_P2, HQ_P2,
+                           NORM_AFTER_ROPE, PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT)
+        else:
+            _all_heads_fwd(qkv_ptr, s_qkv_t, HQ * QHS, D, wk_ptr, swk, k_ptr, sk_b, sk_h, sk_s, sk_d,
+                           rk_ptr, srk_b, srk_h, srk_s, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s,
+                           ssin_d, pid_t, S, HKV, eps, D, HALF, HALF_P2, HKV_P2,
+                           NORM_AFTER_ROPE, PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT)
+    else:
         c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
                                       b, s, tmask, dh, HALF, INTERLEAVED)
-        _head_group_fwd(qkv_ptr, s_qkv_t, 0, QHS, wq_ptr, swq,
-                        q_ptr, sq_b, sq_h, sq_s, sq_d, rq_ptr, srq_b, srq_h, srq_s,
-                        tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
-                        pid_g * GROUP, HQ, D, HALF, GROUP, NORM_AFTER_ROPE,
-                        PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS)
-    else:
-        if ALL_HEADS:
-            nkg = 1
+        if pid_g < NQG:
+            _head_group_fwd(qkv_ptr, s_qkv_t, 0, QHS, wq_ptr, swq,
+                            q_ptr, sq_b, sq_h, sq_s, sq_d, rq_ptr, srq_b, srq_h, srq_s,
+                            tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
+                            pid_g * GROUP, HQ, D, HALF, GROUP, NORM_AFTER_ROPE,
+                            PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT)
         else:
-            nkg = tl.cdiv(HKV, GROUP)
-        kg = pid_g - NQG
-        is_v = False
-        if V_NORM:
-            is_v = kg >= nkg
-        if is_v:
-            _v_group_fwd(qkv_ptr, s_qkv_t, HQ * QHS + HKV * D, v_ptr, sv_b, sv_h, sv_s, sv_d,
-                         tok64, b, s, tmask, eps, (kg - nkg) * GROUP, HKV, D, D_P2, GROUP)
-        else:
-            c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
-                                          b, s, tmask, dh, HALF, INTERLEAVED)
             _head_group_fwd(qkv_ptr, s_qkv_t, HQ * QHS, D, wk_ptr, swk,
                             k_ptr, sk_b, sk_h, sk_s, sk_d, rk_ptr, srk_b, srk_h, srk_s,
                             tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
-                            kg * GROUP, HKV, D, HALF, GROUP, NORM_AFTER_ROPE,
-                            PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT, ALL_HEADS)
+                            (pid_g - NQG) * GROUP, HKV, D, HALF, GROUP, NORM_AFTER_ROPE,
+                            PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT)

@@ -52,6 +52,9 @@ class Config:
     stage_tile: Optional[tuple] = None
     # the forward stage's tile (tokens per program, heads per program, warps): for tests
     forward_tile: Optional[tuple] = None
+    # the all-heads backward stage (warps, persistent programs per SM, pipeline stages of its
+    # token loop) instead of the launcher's choice: for tests and sweeps
+    all_heads_stage: Optional[tuple] = None
     # cuBLAS GEMMs as planned cuBLASLt calls (ops/cublaslt.py) instead of torch.mm
     cublaslt: bool = True
 

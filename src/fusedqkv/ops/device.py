@@ -78,6 +78,18 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device_index(device)) if device.type == "cuda" else 4
 
 
+@functools.cache
+def _max_shared(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+
+
+def max_shared_bytes(device: torch.device) -> int:
+    """Shared memory one program may use on a CUDA device (opt-in maximum; unbounded for the CPU
+    interpreter)."""
+    return _max_shared(device_index(device)) if device.type == "cuda" else 1 << 40
+
+
 def current_stream(device: torch.device) -> int:
     """The raw handle of the current stream (0 for the CPU)."""
     return internals.raw_stream(device_index(device)) if device.type == "cuda" else 0

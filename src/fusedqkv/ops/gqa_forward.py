@@ -26,7 +26,8 @@ from . import config
 from . import validation as V
 from .device import current_stream, sm_count
 from .launch import BoundLaunch, Ptr, Table, next_pow2 as _next_pow2
-from .variant import NORM_SCOPES, PLAIN, ROPE_STYLES, Variant, heads_of, pad_rotary, rotate  # noqa: F401
+from .variant import (NORM_SCOPES, PLAIN, ROPE_STYLES, Variant, all_heads_warps, heads_of, pad_rotary,  # noqa: F401
+                      rotate)
 
 try:  # Triton is a dependency on Linux only; the torch backend serves without it
     from ..kernels.rope_qk_norm_fwd import rope_qk_norm_fwd_kernel
@@ -188,8 +189,12 @@ def plan_forward_stage(qkv: Ptr, wq: Optional[Ptr], wk: Optional[Ptr], cos: Ptr,
     M = B * S
     block_t, group, num_warps = cfg.forward_tile or forward_launch_config(M, hq, hkv, D, qkv.like.device)
     s_t = qkv.like.stride(1)
-    # ALL_HEADS: one program per token block walks all query (key) heads
-    nqg, nkg = (1, 1) if variant.all_heads else (-(-hq // group), -(-hkv // group))
+    if variant.all_heads:  # one program per token and head set, all its heads in one tile
+        block_t = 1
+        num_warps = cfg.forward_tile[2] if cfg.forward_tile else all_heads_warps(hq, hkv, variant.rotary(D) // 2, 32)
+        nqg, nkg = 1, 1
+    else:
+        nqg, nkg = -(-hq // group), -(-hkv // group)
     nvg = -(-hkv // group) if variant.v_norm else 0
     if wq is None:  # unweighted: placeholders the kernel never reads
         wq = wk = cos
@@ -206,7 +211,8 @@ def plan_forward_stage(qkv: Ptr, wq: Optional[Ptr], wk: Optional[Ptr], cos: Ptr,
          rq, *rq.like.stride(), rk, *rk.like.stride(), v, *v.like.stride(),
          float(eps), M, S, hq, hkv, nqg),
         dict(D=D, BLOCK_T=block_t, GROUP=group, NORM_AFTER_ROPE=bool(norm_after_rope), D_P2=_next_pow2(D),
-             **variant.constexprs(D), num_warps=num_warps),
+             **variant.constexprs(D), ALL_HEADS=variant.all_heads, **variant.head_tiles(hq, hkv),
+             num_warps=num_warps),
     )
 
 

@@ -23,15 +23,16 @@ import torch
 from . import config
 from .config import INTERPRET
 from . import device as _device
-from .device import current_stream, sm90_or_newer, sm_count
+from .device import current_stream, max_shared_bytes, sm90_or_newer, sm_count
 from .launch import BoundLaunch, Desc, Ptr, Table, next_pow2 as _next_pow2
-from .variant import PLAIN, Variant, heads_of, pad_rotary, rotate
+from .variant import PLAIN, Variant, all_heads_warps, heads_of, pad_rotary, rotate
 
 try:  # Triton is a dependency on Linux only; the torch backend serves without it
-    from ..kernels.rope_qk_norm import (rope_qk_norm_bwd_finish_cols_kernel, rope_qk_norm_bwd_finish_kernel,
-                                        rope_qk_norm_bwd_kernel)
+    from ..kernels.rope_qk_norm import (rope_qk_norm_bwd_all_heads_kernel, rope_qk_norm_bwd_finish_cols_kernel,
+                                        rope_qk_norm_bwd_finish_kernel, rope_qk_norm_bwd_kernel)
 except ImportError:  # pragma: no cover
     rope_qk_norm_bwd_kernel = rope_qk_norm_bwd_finish_kernel = rope_qk_norm_bwd_finish_cols_kernel = None
+    rope_qk_norm_bwd_all_heads_kernel = None
 
 
 def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> tuple[int, int, int, int, int]:
@@ -276,7 +277,7 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
     ``variant``: the block's variants, training mode only (see :func:`rope_qk_norm_backward`;
     ``wq``..``gwk`` None without a norm weight, ``gg`` the gate's gradient with ``q_gate``, ``xv``
     the raw v with ``v_norm``). Those of the query/key heads run without TMA; ``all_heads`` in
-    blocks of every head (never grouped) with its norm-weight finish a second launch."""
+    persistent programs of every head of a token (``_plan_all_heads_stage``)."""
     B, HQ, S, D = gq.like.shape
     HKV = gk.like.shape[1]
     M = B * S
@@ -286,14 +287,13 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
         raise ValueError("the block's variants run in the training mode only: exact=False, saved_rotated=False, "
                          "rstd recomputed")
     # the variants that take the query/key heads through _head_set_bwd_variants
-    qk_variant = bool(variant.rot or variant.interleaved or not variant.norm_weight or variant.all_heads
-                      or variant.q_gate)
+    if variant.all_heads:
+        return _plan_all_heads_stage(table, gq, gk, gv, xq, xk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
+                                     norm_after_rope=norm_after_rope, eps=eps, cfg=cfg, variant=variant, gg=gg, xv=xv)
+    qk_variant = bool(variant.rot or variant.interleaved or not variant.norm_weight or variant.q_gate)
     block_t, hb, num_warps, prefetch, gsize = cfg.stage_tile or _launch_config(M, HQ, HKV, D, device)
     if cfg.stage_tile:
         num_warps = _warps_for(block_t * hb, D, 4)
-    if variant.all_heads:  # every head of a token block in one program, one head per step
-        gsize, hb = 0, 1
-        num_warps = _warps_for(block_t, D, 4)
     grouped = gsize > 0
     nqg, nkg = (-(-HQ // gsize), -(-HKV // gsize)) if grouped else (1, 1)
     # (the 4-token tiles of few tokens measured no faster through TMA: v10)
@@ -303,12 +303,12 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
     n_prog = B * -(-S // block_t) if tma else -(-M // block_t)
     n_sup = -(-n_prog // cfg.finish_super_rows)
     # no norm weight: no weight gradients; all heads: a finish over [programs, (Hq + Hkv) * D] rows
-    fused = cfg.fused_finish and not finish_outside and variant.norm_weight and not variant.all_heads
+    fused = cfg.fused_finish and not finish_outside and variant.norm_weight
     # The fused finish consumes the partials inside the kernel, so the dX output (written by the
     # GEMM after it) can hold them; the separate finish runs after the GEMMs and needs memory of
     # its own. (The grouped mode's grad_cos/sin partials and group rows are always consumed
     # inside the kernel.)
-    shapes = [(n_prog, (HQ + HKV) * D) if variant.all_heads else (n_prog, 2, D), (n_sup, 2, D)]
+    shapes = [(n_prog, 2, D), (n_sup, 2, D)]
     if grouped:
         shapes += [(nqg + nkg, 2, M, D) if grad_cos_sin else (1,), (n_prog, nqg + nkg, D)]
     offs, nbytes = _partial_layout(shapes)
@@ -344,13 +344,71 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
              **({"maxnreg": MAX_REGISTERS_GROUPED_8 if grouped and block_t == 8 else MAX_REGISTERS}
                 if num_warps == 4 and device.type == "cuda" and not qk_variant else {})),
     )
-    if not variant.norm_weight or fused:
-        finish = None
-    elif variant.all_heads:
-        finish = AllHeadsNormWeightFinish(w_part, n_prog, gwq, gwk, HQ * D, HKV * D)
-    else:
-        finish = NormWeightFinish(w_part, n_prog, gwq, gwk, D)
+    finish = None if not variant.norm_weight or fused else NormWeightFinish(w_part, n_prog, gwq, gwk, D)
     return StagePlan(launch, finish, n_tick, own_partials, nbytes, device)
+
+
+# the all-heads stage's persistent programs per SM and pipeline stages of their token loop (where
+# they fit: all_heads_stages), with 8 elements of a [heads, pairs] tile per thread (H200, OLMo 3's
+# 32 heads of 128: NOTES, session 12)
+ALL_HEADS_PROGRAMS_PER_SM = 1
+ALL_HEADS_STAGES = 3
+
+
+def all_heads_stages(hq: int, hkv: int, d: int, variant: Variant, act_bytes: int, cos_bytes: int,
+                     device: torch.device) -> int:
+    """Pipeline stages of the all-heads stage's token loop: ``ALL_HEADS_STAGES`` where they fit
+    in shared memory, fewer where not. Each stage in flight holds a token's loaded tiles there
+    (OLMo 3's 32 + 32 heads of 128 in bf16: ~42 KB; 5 stages asked 233,600 bytes of the H200's
+    232,448 at launch), beside ~32 KB of reduction scratch."""
+    p2 = _next_pow2
+    half, n_pass = variant.rotary(d) // 2, d - variant.rotary(d)
+    hq2, hkv2 = p2(hq), p2(hkv)
+    elems = (2 * (hq2 + hkv2) * (2 * p2(half) + (p2(n_pass) if n_pass else 0))  # g and x of q and k
+             + hkv2 * p2(d) * (2 if variant.v_norm else 1) + (hq2 * p2(d) if variant.q_gate else 0))
+    per_stage = elems * act_bytes + 4 * p2(half) * cos_bytes
+    fit = (max_shared_bytes(device) - 32 * 1024) // per_stage
+    return max(1, min(ALL_HEADS_STAGES, fit))
+
+
+def _plan_all_heads_stage(table: Table, gq, gk, gv, xq, xk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk, *,
+                          norm_after_rope: bool, eps, cfg: config.Config, variant: Variant, gg, xv) -> StagePlan:
+    """``plan_backward_stage`` for ``norm_scope='all_heads'``: persistent programs, each holding
+    every query (key) head of a token in one tile (``rope_qk_norm_bwd_all_heads_kernel``); the
+    norm-weight gradients from one fp32 row per program, summed per column by a second launch.
+    ``cfg.all_heads_stage`` (warps, programs per SM, pipeline stages) overrides the choice."""
+    B, HQ, S, D = gq.like.shape
+    HKV = gk.like.shape[1]
+    M = B * S
+    device = gq.like.device
+    half = variant.rotary(D) // 2
+    num_warps, per_sm, stages = cfg.all_heads_stage or (
+        all_heads_warps(HQ, HKV, half, 8), ALL_HEADS_PROGRAMS_PER_SM,
+        all_heads_stages(HQ, HKV, D, variant, gq.like.element_size(), cos.like.element_size(), device))
+    n_prog = max(1, min(M, per_sm * (sm_count(device) if device.type == "cuda" else 2)))
+    w_part = None
+    if variant.norm_weight:
+        w_part = table.add("partials", torch.empty(n_prog * (HQ + HKV) * D, dtype=torch.float32, device=device))
+    place = gq if w_part is None else w_part  # placeholders the kernel never reads
+    if not variant.norm_weight:
+        wq = wk = place
+    if gcos is None:
+        gcos = gsin = cos  # never written: the kernel is compiled without those stores
+    st = lambda p: p.like.stride()  # noqa: E731
+    launch = BoundLaunch(
+        rope_qk_norm_bwd_all_heads_kernel, (n_prog,),
+        (gq, *st(gq), gk, *st(gk), gv, *st(gv), xq, *st(xq), xk, *st(xk),
+         wq, st(wq)[0] if variant.norm_weight else 0, wk, st(wk)[0] if variant.norm_weight else 0,
+         cos, *st(cos), sin, *st(sin), dqkv, st(dqkv)[0], gcos, *st(gcos), gsin, *st(gsin),
+         place, M, S, HQ, HKV, float(eps), *variant_tensor_args(gv, xk, gg, xv)),
+        dict(D=D, D_P2=_next_pow2(D), PF=stages, NORM_AFTER_ROPE=norm_after_rope, GRAD_COS_SIN=gcos is not cos,
+             **variant.constexprs(D), **variant.head_tiles(HQ, HKV),
+             num_warps=num_warps),
+    )
+    finish = None
+    if variant.norm_weight:
+        finish = AllHeadsNormWeightFinish(w_part, n_prog, gwq, gwk, HQ * D, HKV * D)
+    return StagePlan(launch, finish, 0, variant.norm_weight, n_prog * (HQ + HKV) * D * 4, device)
 
 
 def _rope(x, cos, sin):

@@ -37,15 +37,31 @@ class Variant:
         return self.rot or d
 
     def constexprs(self, d: int) -> dict:
-        """The kernels' constexprs of the variant (both stages)."""
+        """The kernels' constexprs of the variant (both stages; ``all_heads`` picks a kernel or a
+        branch: see :meth:`head_tiles`)."""
         half = self.rotary(d) // 2
         n_pass = d - 2 * half
         return dict(HALF=half, HALF_P2=_next_pow2(half), PASS=n_pass, PASS_P2=_next_pow2(n_pass),
-                    INTERLEAVED=self.interleaved, NORM_WEIGHT=self.norm_weight, ALL_HEADS=self.all_heads,
-                    Q_GATE=self.q_gate, V_NORM=self.v_norm)
+                    INTERLEAVED=self.interleaved, NORM_WEIGHT=self.norm_weight, Q_GATE=self.q_gate,
+                    V_NORM=self.v_norm)
+
+
+    def head_tiles(self, hq: int, hkv: int) -> dict:
+        """HQ_P2/HKV_P2: the head counts padded to a power of two, the tile of a program that holds
+        every head of a token (``all_heads``; 0 otherwise, so the other variants compile once for
+        all head counts)."""
+        if not self.all_heads:
+            return dict(HQ_P2=0, HKV_P2=0)
+        return dict(HQ_P2=_next_pow2(hq), HKV_P2=_next_pow2(hkv))
 
 
 PLAIN = Variant()
+
+
+def all_heads_warps(hq: int, hkv: int, half: int, per_thread: int) -> int:
+    """Warps of a program that holds every head of a token (``all_heads``, both stages):
+    ``per_thread`` elements of its [heads, pairs] tiles per thread."""
+    return max(1, min(16, _next_pow2(max(hq, hkv)) * _next_pow2(half) // (32 * per_thread)))
 
 
 def rotate(t: torch.Tensor, rot: int, interleaved: bool) -> torch.Tensor:
