@@ -32,6 +32,7 @@ import bench_module as BM  # noqa: E402  (CONFIGS, rope_cos_sin, time_cpu_interl
 
 from fusedqkv import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm  # noqa: E402
 from fusedqkv.bench import timing  # noqa: E402
+from fusedqkv.ops.internals import raise_compile_limits  # noqa: E402
 
 ROWS = [(c, b, s) for c in BM.CONFIGS for b, s in ((1, 512), (1, 2048), (2, 4096))] + [
     ("091_h4096_q32_kv8", 1, 32768)]
@@ -89,6 +90,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     gpu = not a.smoke
+    raise_compile_limits(64)  # a static compile per row (a module instance each)
     device = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
     configs = BM.CONFIGS if gpu else BM.SMOKE_CONFIGS
