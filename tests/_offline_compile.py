@@ -30,8 +30,12 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   config's forward_tile), either norm position.
 * the block's variants (issue 25; ``ops/gqa_forward.Variant``, ``VARIANTS`` here): in both stages,
   training modes only, their constexprs (HALF/PASS of partial rotary at half or a quarter of head_dim,
-  INTERLEAVED, NORM_WEIGHT, ALL_HEADS, Q_GATE, V_NORM) pairwise with the other axes; the query/key
-  variants without TMA and without the register cap, ALL_HEADS never grouped (blocks of 8 or 4 tokens).
+  INTERLEAVED, NORM_WEIGHT, Q_GATE, V_NORM) pairwise with the other axes; the query/key variants
+  without TMA and without the register cap. The forward's ALL_HEADS programs hold one token's heads
+  (BLOCK_T 1, HQ_P2/HKV_P2 the padded head counts, the launcher's warps).
+* ``rope_qk_norm_bwd_all_heads_kernel`` (``_plan_all_heads_stage``, ``norm_scope='all_heads'``): the
+  all-heads variants (weighted, partial rotary, unweighted with gate, v_norm and interleaved pairs)
+  over head counts, either norm position, with and without grad_cos/sin, 1 or 3 loop stages.
 * ``rope_qk_norm_bwd_finish_kernel`` (``NormWeightFinish``): BLOCK_R 32, 4 warps;
   ``rope_qk_norm_bwd_finish_cols_kernel`` (``AllHeadsNormWeightFinish``): BLOCK_R 16, BLOCK_C 128.
 * ``tma_matmul_kernel`` (``ops/projection``, sm_90 only): the chain's dX and dW and the
@@ -119,6 +123,7 @@ VARIANTS = {
     "gate": dict(q_gate=True, rot=4),
     "v_norm": dict(v_norm=True),
     "all_heads": dict(all_heads=True),
+    "all_heads_partial": dict(all_heads=True, rot=4),
     "all_heads_combo": dict(all_heads=True, norm_weight=False, q_gate=True, v_norm=True, interleaved=True, rot=2),
 }
 
@@ -149,10 +154,10 @@ def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="
     exact = mode.startswith("091")
     nar = mode in ("091", "091_finish_outside", "train_after", "train_after_nocs")
     gcs = exact or not mode.endswith("_nocs")
-    fused = mode != "091_finish_outside" and var.norm_weight and not var.all_heads
+    fused = mode != "091_finish_outside" and var.norm_weight
     hq, hkv = heads
     block_t, gsize, tma = {"all8": (8, 0, False), "all8_tma": (8, 0, True), "group16": (8, 16, False),
-                           "group16_tma": (8, 16, True), "group8": (4, 8, False), "all4": (4, 0, False)}[layout]
+                           "group16_tma": (8, 16, True), "group8": (4, 8, False)}[layout]
     grouped = gsize > 0
     num_warps = max(1, min(16, block_t * _p2(d // 2) // 128))
     act = _tt(dtype)
@@ -212,21 +217,18 @@ def _variant_stage_valid(r):
     v = variant_of(r["variant"], r["d"])
     if v is None:
         return False
-    if v.all_heads != (r["layout"] in ("all8", "all4")):  # all heads: never grouped; all4 only for it
-        return r["layout"] == "all8" and not v.all_heads
     if r["layout"].endswith("_tma") and _qk_variant(v):
         return False
     return _stage_valid(r)
 
 
-# the variants: training modes only, their layouts (all_heads: blocks of 8 or 4 tokens, never grouped);
-# partial rotary alone and with interleaved pairs are the gate's and the combination's code (the same
-# constexprs), left out to keep the CPU time of the suite down
+# the per-head variants: training modes only, their layouts; partial rotary alone and with interleaved
+# pairs are the gate's code (the same constexprs), left out to keep the CPU time of the suite down
 VARIANT_STAGE_AXES = dict(
     cc=TARGETS,
-    variant=("unweighted", "interleaved", "gate", "v_norm", "all_heads", "all_heads_combo"),
+    variant=("unweighted", "interleaved", "gate", "v_norm"),
     mode=("train_after", "train_after_nocs", "train_before", "train_before_nocs"),
-    layout=("all8", "all8_tma", "group16", "group8", "all4"),
+    layout=("all8", "all8_tma", "group16", "group8"),
     d=(128, 80),
     dtype=DTYPES,
     heads=((32, 8), (7, 7)),
@@ -247,20 +249,25 @@ def stage_jobs() -> list:
     return jobs
 
 
-def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one=None, variant="plain"):
+def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one=None, variant="plain", heads=(32, 8)):
+    from fusedqkv.ops.variant import all_heads_warps
+
     var = variant_of(variant, d)
     act = _tt(dtype)
     norm = "fp32" if norm_fp32 else act
-    consts = dict(D=d, BLOCK_T=max(1, min(32, 1024 // _p2(d // 2))), GROUP=group, NORM_AFTER_ROPE=nar, D_P2=_p2(d),
-                  **var.constexprs(d))
+    block_t = 1 if var.all_heads else max(1, min(32, 1024 // _p2(d // 2)))
+    consts = dict(D=d, BLOCK_T=block_t, GROUP=group, NORM_AFTER_ROPE=nar, D_P2=_p2(d), **var.constexprs(d),
+                  ALL_HEADS=var.all_heads, **var.head_tiles(*heads))
+    warps = all_heads_warps(*heads, var.rotary(d) // 2, 32) if var.all_heads else (8 if group == 8 else 4)
     types = {n: "*" + act for n in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr")}
     types.update({n: "*" + norm if var.norm_weight else "*" + act for n in ("wq_ptr", "wk_ptr")})
     types.update({n: "*fp32" for n in ("rq_ptr", "rk_ptr")})
     types["eps"] = "fp32"
     label = (f"forward sm{cc} d{d} {dtype} group{group} nar={nar} ints={ints}"
-             f"{'' if variant == 'plain' else ' variant=' + variant}{'' if one is None else ' one=' + one}")
+             f"{'' if variant == 'plain' else ' variant=' + variant}"
+             f"{f' hq{heads[0]}/hkv{heads[1]}' if var.all_heads else ''}{'' if one is None else ' one=' + one}")
     return dict(kernel="rope_qk_norm_fwd.rope_qk_norm_fwd_kernel", cc=cc, consts=consts, types=types, ints=ints,
-                one=one, options={"num_warps": 8 if group == 8 else 4}, level=level, label=label)
+                one=one, options={"num_warps": warps}, level=level, label=label)
 
 
 def forward_jobs() -> list:
@@ -268,10 +275,38 @@ def forward_jobs() -> list:
     jobs = [_fwd_job(**r) for r in pairwise(axes, seed=2)]
     jobs.append(_fwd_job(90, 128, "bf16", 8, True, "plain", norm_fp32=True))
     variant_axes = dict(cc=TARGETS, variant=tuple(n for n in VARIANTS if n != "plain"), d=(128, 80, 64),
-                        dtype=DTYPES, group=(1, 4), nar=(True, False), ints=INT_MODES)
+                        dtype=DTYPES, group=(1, 4), nar=(True, False), ints=INT_MODES, heads=((32, 8), (32, 32)))
     jobs += [_fwd_job(**r) for r in pairwise(variant_axes, lambda r: variant_of(r["variant"], r["d"]) is not None,
                                              seed=6)]
     return jobs
+
+
+def _stage_all_heads_job(cc, variant, d, dtype, heads, nar, gcs, stages, ints, level="cubin", one=None):
+    """One compile of ``rope_qk_norm_bwd_all_heads_kernel`` as ``_plan_all_heads_stage`` launches it."""
+    from fusedqkv.ops.variant import all_heads_warps
+
+    var = variant_of(variant, d)
+    hq, hkv = heads
+    act = _tt(dtype)
+    consts = dict(D=d, D_P2=_p2(d), PF=stages, NORM_AFTER_ROPE=nar, GRAD_COS_SIN=gcs, **var.constexprs(d),
+                  **var.head_tiles(hq, hkv))
+    types = {n: "*" + act for n in ("gq_ptr", "gk_ptr", "gv_ptr", "xq_ptr", "xk_ptr", "cos_ptr", "sin_ptr",
+                                    "dqkv_ptr", "gcos_ptr", "gsin_ptr", "gg_ptr", "xv_ptr", "wq_ptr", "wk_ptr")}
+    types["wpart_ptr"] = "*fp32" if var.norm_weight else "*" + act  # unweighted: gq stands in
+    types["eps"] = "fp32"
+    label = (f"stage_all_heads sm{cc} {variant} d{d} {dtype} hq{hq}/hkv{hkv} nar={nar} gcs={gcs} stages={stages} "
+             f"ints={ints}{'' if one is None else ' one=' + one}")
+    return dict(kernel="rope_qk_norm.rope_qk_norm_bwd_all_heads_kernel", cc=cc, consts=consts, types=types, ints=ints,
+                one=one, options={"num_warps": all_heads_warps(hq, hkv, var.rotary(d) // 2, 8)}, level=level,
+                label=label)
+
+
+def stage_all_heads_jobs() -> list:
+    axes = dict(cc=TARGETS, variant=("all_heads", "all_heads_partial", "all_heads_combo"), d=(128, 80),
+                dtype=DTYPES, heads=((32, 32), (7, 3)), nar=(True, False), gcs=(True, False), stages=(1, 3),
+                ints=INT_MODES)
+    return [_stage_all_heads_job(**r) for r in pairwise(axes, lambda r: variant_of(r["variant"], r["d"]) is not None,
+                                                        seed=11)]
 
 
 def _finish_job(cc, d, dtype, ints, level="cubin", one=None):
@@ -353,7 +388,7 @@ def _flush_job(ints, level="cubin", one=None, cc=90):
 
 def full_jobs() -> list:
     """Every constexpr value (pairwise), each job compiled to a cubin."""
-    return (stage_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs() + matmul_jobs()
+    return (stage_jobs() + stage_all_heads_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs() + matmul_jobs()
             + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)])
 
 
@@ -363,8 +398,7 @@ def one_at_a_time_jobs(kernel_args: dict) -> list:
     bases = [
         _stage_job(90, "091", "group8", 128, "bf16", (32, 8), "plain", level="ttir"),
         _stage_job(90, "train_before", "all8_tma", 128, "fp16", (32, 8), "plain", level="ttir"),
-        _stage_job(90, "train_before", "all8", 128, "bf16", (32, 8), "plain", level="ttir",
-                   variant="all_heads_combo"),
+        _stage_all_heads_job(90, "all_heads_combo", 128, "bf16", (32, 8), False, True, 3, "plain", level="ttir"),
         _fwd_job(90, 128, "bf16", 4, True, "plain", level="ttir"),
         _fwd_job(90, 128, "bf16", 4, False, "plain", level="ttir", variant="all_heads_combo"),
         _finish_job(90, 128, "bf16", "plain", level="ttir"),
