@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 import torch
 
@@ -24,6 +25,9 @@ from fusedqkv.ops import config
 from fusedqkv.ops.gqa_forward import rope_qk_norm_forward
 from fusedqkv.ops.rope_qk_norm import rope_qk_norm_backward
 from fusedqkv.ops.variant import Variant, heads_of
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_families as BF  # noqa: E402
 
 ALL_HEADS = Variant(all_heads=True)
 FWD_WARPS = (1, 2, 4)
@@ -54,17 +58,8 @@ def hf_stage(qkv, wq, wk, cos, sin, h, d, eps):
 
 
 def graph_of(fn):
-    """``fn`` captured in a CUDA graph (warmed on a side stream first); returns its replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    """``fn`` captured in a CUDA graph (``bench_families.capture_graph``); returns its replay."""
+    return BF.capture_graph(fn)[0].replay
 
 
 def run_shape(B, S, h, d, reps, eps=1e-6):

@@ -98,6 +98,17 @@ def pair_cols(dh, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
+def pair_layout(HALF: tl.constexpr, HALF_P2: tl.constexpr, PASS: tl.constexpr, PASS_P2: tl.constexpr,
+                INTERLEAVED: tl.constexpr):
+    """A head's columns as the variants' tiles see them: pair indices ``dh`` and their mask, the
+    pairs' two columns ``i1``/``i2`` (``pair_cols``), the pass-through columns ``ip`` and their mask."""
+    dh = tl.arange(0, HALF_P2)
+    i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
+    dp = tl.arange(0, PASS_P2)
+    return dh, dh < HALF, i1, i2, 2 * HALF + dp, dp < PASS
+
+
+@triton.jit
 def load_pairs(row, i1, i2, sd, mask, INTERLEAVED: tl.constexpr):
     """The two elements of the RoPE pairs at columns ``i1``/``i2`` (``[1, pairs]``; see
     ``pair_cols``) of the rows ``row`` (``[rows, 1]`` pointers; column stride ``sd``), masked by
@@ -522,12 +533,7 @@ def _head_set_bwd_variants(
     dQKV (2D for gated queries). Writes this set's norm-weight gradient row to ``wrow_ptr``
     ([D], summed over heads and tokens) and returns the grad_cos/sin accumulators (see
     ``_head_set_bwd``)."""
-    dh = tl.arange(0, HALF_P2)
-    dmask = dh < HALF
-    i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
-    dp = tl.arange(0, PASS_P2)
-    ip = 2 * HALF + dp
-    pm = dp < PASS
+    dh, dmask, i1, i2, ip, pm = pair_layout(HALF, HALF_P2, PASS, PASS_P2, INTERLEAVED)
     i1r = i1[None, :]
     i2r = i2[None, :]
     ipr = ip[None, :]
@@ -598,12 +604,7 @@ def _all_heads_set_bwd(
     sums ([1, pairs] each; zeros without GRAD_COS_SIN)."""
     h = tl.arange(0, H_P2)
     hmask = h < H
-    dh = tl.arange(0, HALF_P2)
-    dmask = dh < HALF
-    i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
-    dp = tl.arange(0, PASS_P2)
-    ip = 2 * HALF + dp
-    pm = dp < PASS
+    dh, dmask, i1, i2, ip, pm = pair_layout(HALF, HALF_P2, PASS, PASS_P2, INTERLEAVED)
     i1r = i1[None, :]
     i2r = i2[None, :]
     ipr = ip[None, :]

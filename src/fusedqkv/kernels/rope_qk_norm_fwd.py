@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .rope_qk_norm import (_load_norm_w, _store_cast, load_cos_sin, load_norm_w_rows, load_pairs, pair_cols,
-                           store_pairs)
+                           pair_layout, store_pairs)
 
 
 @triton.jit
@@ -145,12 +145,7 @@ def _all_heads_fwd(
     tok = tl.cast(tok, tl.int64)
     b = tok // S
     s = tok % S
-    dh = tl.arange(0, HALF_P2)
-    dmask = dh < HALF
-    i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
-    dp = tl.arange(0, PASS_P2)
-    ip = 2 * HALF + dp
-    pm = dp < PASS
+    dh, dmask, i1, i2, ip, pm = pair_layout(HALF, HALF_P2, PASS, PASS_P2, INTERLEAVED)
     mask = hmask[:, None] & dmask[None, :]
     pmask = hmask[:, None] & pm[None, :]
     # cos/sin: one [1, pairs] row for every head
