@@ -302,7 +302,7 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
     # TMA: blocks of one sequence each (a box never spans two)
     n_prog = B * -(-S // block_t) if tma else -(-M // block_t)
     n_sup = -(-n_prog // cfg.finish_super_rows)
-    # no norm weight: no weight gradients; all heads: a finish over [programs, (Hq + Hkv) * D] rows
+    # (no norm weight: no weight gradients)
     fused = cfg.fused_finish and not finish_outside and variant.norm_weight
     # The fused finish consumes the partials inside the kernel, so the dX output (written by the
     # GEMM after it) can hold them; the separate finish runs after the GEMMs and needs memory of
@@ -392,7 +392,8 @@ def _plan_all_heads_stage(table: Table, gq, gk, gv, xq, xk, wq, wk, cos, sin, dq
     place = gq if w_part is None else w_part  # placeholders the kernel never reads
     if not variant.norm_weight:
         wq = wk = place
-    if gcos is None:
+    grad_cos_sin = gcos is not None
+    if not grad_cos_sin:
         gcos = gsin = cos  # never written: the kernel is compiled without those stores
     st = lambda p: p.like.stride()  # noqa: E731
     launch = BoundLaunch(
@@ -401,9 +402,8 @@ def _plan_all_heads_stage(table: Table, gq, gk, gv, xq, xk, wq, wk, cos, sin, dq
          wq, st(wq)[0] if variant.norm_weight else 0, wk, st(wk)[0] if variant.norm_weight else 0,
          cos, *st(cos), sin, *st(sin), dqkv, st(dqkv)[0], gcos, *st(gcos), gsin, *st(gsin),
          place, M, S, HQ, HKV, float(eps), *variant_tensor_args(gv, xk, gg, xv)),
-        dict(D=D, D_P2=_next_pow2(D), PF=stages, NORM_AFTER_ROPE=norm_after_rope, GRAD_COS_SIN=gcos is not cos,
-             **variant.constexprs(D), **variant.head_tiles(HQ, HKV),
-             num_warps=num_warps),
+        dict(D=D, D_P2=_next_pow2(D), PF=stages, NORM_AFTER_ROPE=norm_after_rope, GRAD_COS_SIN=grad_cos_sin,
+             **variant.constexprs(D), **variant.head_tiles(HQ, HKV), num_warps=num_warps),
     )
     finish = None
     if variant.norm_weight:

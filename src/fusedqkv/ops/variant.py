@@ -45,7 +45,6 @@ class Variant:
                     INTERLEAVED=self.interleaved, NORM_WEIGHT=self.norm_weight, Q_GATE=self.q_gate,
                     V_NORM=self.v_norm)
 
-
     def head_tiles(self, hq: int, hkv: int) -> dict:
         """HQ_P2/HKV_P2: the head counts padded to a power of two, the tile of a program that holds
         every head of a token (``all_heads``; 0 otherwise, so the other variants compile once for
