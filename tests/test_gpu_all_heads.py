@@ -1,7 +1,7 @@
 """The all-heads stages (``norm_scope='all_heads'``: one program holds every head of a token) at
 the head counts of released models and past them, on the GPU: each launches within the device's
-shared memory (their pipeline stages are sized by ``all_heads_stages``) and matches the torch
-backend. Skipped without a CUDA GPU (the CPU tests are in test_block_variants.py)."""
+shared memory (their pipeline stages are sized by ``all_heads_stages``), matches the torch
+backend and repeats bitwise. Skipped without a CUDA GPU (the CPU tests: test_block_variants.py)."""
 
 import pytest
 import torch
@@ -46,15 +46,17 @@ def test_all_heads_stages_launch_and_match_torch(hq, hkv, d, dtype, switches):
     gq, gk, gv = (torch.randn(t.shape, device=dev, generator=g).to(dtype) for t in (xq, xk, xk))
     gg = torch.randn(xq.shape, device=dev, generator=g).to(dtype) if v.q_gate else None
     got = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "triton again"):
         dqkv = torch.empty(B * S, qkv.shape[-1], device=dev, dtype=dtype)
         gw = torch.empty_like(wq), torch.empty_like(wk)
         gcs = torch.empty_like(cos), torch.empty_like(sin)
         rope_qk_norm_backward(gq, gk, gv, xq, xk, None, None, wq, wk, cos, sin, dqkv=dqkv, grad_cos=gcs[0],
                               grad_sin=gcs[1], grad_q_norm_weight=gw[0], grad_k_norm_weight=gw[1], exact=False,
-                              norm_after_rope=False, saved_rotated=False, backend=backend, eps=1e-6, variant=v,
-                              grad_gate=gg, saved_v=xv if v.v_norm else None)
+                              norm_after_rope=False, saved_rotated=False, backend=backend.split()[0], eps=1e-6,
+                              variant=v, grad_gate=gg, saved_v=xv if v.v_norm else None)
         got[backend] = (dqkv, *gcs, *gw)
+    for a, b in zip(got["triton"], got["triton again"]):  # bitwise repeatable: no atomics in any sum
+        assert torch.equal(a, b)
     for i, (a, b) in enumerate(zip(got["torch"], got["triton"])):
         scale = a.float().abs().max().clamp_min(1e-6)
         assert float((b.float() - a.float()).abs().max() / scale) < (1e-5 if dtype == torch.float32 else 2e-2), i
