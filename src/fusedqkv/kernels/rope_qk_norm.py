@@ -30,13 +30,16 @@ Kernels (the forward lives in rope_qk_norm_fwd.py):
   as it was. ``HALF`` is the number of RoPE pairs per head (``rot/2``; ``D/2`` without partial
   rotary) and ``PASS = D - 2*HALF`` trailing dims pass RoPE unrotated (``PASS_P2`` their tile
   width); ``INTERLEAVED``: pairs ``(2i, 2i+1)`` (else NeoX ``(i, i + HALF)``); ``NORM_WEIGHT``:
-  the norm scales by a weight (else unweighted: no weight gradients); ``ALL_HEADS``: the norm's
-  RMS is over all heads of a token (weights ``[H*D]``; a first pass over the heads sums n^2 and
-  g*w*n per token; never GROUPED; the weight gradients per head and program, finished by
-  ``rope_qk_norm_bwd_finish_cols_kernel``); ``Q_GATE``: each query head is ``[q | gate]`` in
-  dQKV (the gate's gradient copied by the value program); ``V_NORM``: v is an unweighted
-  per-head RMSNorm of the raw v (its backward in the value program). The query/key variants
-  run in ``_head_set_bwd_variants`` (fp32, no TMA).
+  the norm scales by a weight (else unweighted: no weight gradients); ``Q_GATE``: each query
+  head is ``[q | gate]`` in dQKV (the gate's gradient copied by the value program);
+  ``V_NORM``: v is an unweighted per-head RMSNorm of the raw v (its backward in the value
+  program). The query/key variants run in ``_head_set_bwd_variants`` (fp32, no TMA).
+
+* ``rope_qk_norm_bwd_all_heads_kernel`` -- the norm over all heads of a token (OLMo 2/3's,
+  ``norm_scope='all_heads'``; weights ``[H*D]``), with the same variant switches. Persistent
+  programs take one token at a time and hold each head set of it in one ``[heads, pairs]``
+  tile (the RMS needs all of them: read once); the norm-weight sums stay in registers over a
+  program's tokens, one fp32 row per program, finished by ``rope_qk_norm_bwd_finish_cols_kernel``.
 
 * The norm-weight finish sums the partial rows in a fixed order (deterministic; no
   atomics in any sum). With ``FUSED_FINISH`` the last programs to finish do it inside the
