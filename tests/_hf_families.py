@@ -213,6 +213,40 @@ def params():
     return out
 
 
+# the fields of a SUPPORTED row that name things (the module, classes, attributes): two families
+# whose rows differ only there run the fused attention's same code
+_NAMING = ("model_type", "modeling", "attention", "norm_class", "q_norm", "k_norm", "out_proj")
+
+
+def _partial_rotary(fam: Family) -> bool:
+    rp = fam.config.get("rope_parameters") or {}
+    per_type = [v for v in rp.values() if isinstance(v, dict)]  # per layer type (Laguna)
+    return any("partial_rotary_factor" in p for p in [rp, *per_type])
+
+
+def recipe(fam: Family) -> tuple:
+    """What the fused attention of the family runs: its SUPPORTED row less the names (the hooks by
+    identity; v_norm and k_eq_v as present or not), and the tiny config's switches of the block
+    (q/k/v biases, partial rotary). Families of one recipe trace the same fused forward."""
+    import dataclasses
+
+    from fusedqkv.integrations import transformers as fqt
+
+    row = next(a for a in fqt.SUPPORTED if a.model_type == fam.name)
+    key = tuple((f.name, getattr(row, f.name) is not None if f.name in ("v_norm", "k_eq_v") else getattr(row, f.name))
+                for f in dataclasses.fields(row) if f.name not in _NAMING)
+    return key + (("bias", fam.bias), ("partial_rotary", _partial_rotary(fam)))
+
+
+def recipe_params():
+    """pytest parameters, one family per recipe: the first of its recipe that the installed
+    transformers has (else the first, which skips)."""
+    groups: dict = {}
+    for p in params():
+        groups.setdefault(recipe(p.values[0]), []).append(p)
+    return [next((p for p in ps if not p.marks), ps[0]) for ps in groups.values()]
+
+
 def family(name):
     """the family of that name; the test skips when the installed transformers is older"""
     import pytest

@@ -1,6 +1,9 @@
 """Offline GPU compiles of every fusedqkv Triton kernel, without a GPU (used by test_gpu_targets).
 
-Triton compiles a kernel for an explicit ``GPUTarget`` (sm_80, sm_90) with no device present.
+Triton compiles a kernel for an explicit ``GPUTarget`` with no device present: sm_80 (Ampere: no
+TMA, fp32 math), sm_90 (Hopper: TMA, 16-bit pairs, the Triton products), sm_100a (datacenter
+Blackwell: as sm_90, products included) and sm_120a (consumer Blackwell: the stage's TMA and
+16-bit pairs, no products).
 This module lists the compile jobs -- the constexpr combinations the launchers can select, and
 the kernels with their integer arguments specialised as the JIT specialises them -- and runs
 them in parallel processes. Run it as a script in a process *without* ``TRITON_INTERPRET=1``
@@ -21,24 +24,26 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   dW runs the finish (then an fp32 placeholder for the tickets when not grouped); the training
   API runs not EXACT, either norm position, the raw projection output saved, rstd recomputed,
   grad_cos/sin only when cos/sin require grad, the fused finish. Layouts (``_launch_config``):
-  8-token blocks with every head (4 warps at head_dim 128; TMA descriptors on sm_90 where the
+  8-token blocks with every head (4 warps at head_dim 128; TMA descriptors from sm_90 on where the
   tensors allow it), 8-token blocks in groups of 16 heads, 4-token blocks in groups of 8 heads;
-  NQG/NKG = heads / group size rounded up; LP2 on sm_90; maxnreg 128 (96 for the grouped
+  NQG/NKG = heads / group size rounded up; LP2 from sm_90 on; maxnreg 128 (96 for the grouped
   8-token blocks) where num_warps == 4.
 * ``rope_qk_norm_fwd_kernel`` (``ops/gqa_forward``): BLOCK_T = min(32, 1024 // HALF_P2), GROUP
   4/2/1 with 4 warps (the launcher's choices), GROUP 8 with 8 warps (reachable through the
   config's forward_tile), either norm position.
 * the block's variants (issue 25; ``ops/gqa_forward.Variant``, ``VARIANTS`` here): in both stages,
   training modes only, their constexprs (HALF/PASS of partial rotary at half or a quarter of head_dim,
-  INTERLEAVED, NORM_WEIGHT, Q_GATE, V_NORM) pairwise with the other axes; the query/key variants
-  without TMA and without the register cap. The forward's ALL_HEADS programs hold one token's heads
-  (BLOCK_T 1, HQ_P2/HKV_P2 the padded head counts, the launcher's warps).
+  INTERLEAVED, NORM_WEIGHT, Q_GATE, V_NORM) pairwise with the other axes, as four per-head variants
+  (``VARIANT_STAGE_AXES``: partial rotary alone and with interleaved pairs are the gate's
+  constexprs); the query/key variants without TMA and without the register cap. The forward's
+  ALL_HEADS programs hold one token's heads (BLOCK_T 1, HQ_P2/HKV_P2 the padded head counts, the
+  launcher's warps).
 * ``rope_qk_norm_bwd_all_heads_kernel`` (``_plan_all_heads_stage``, ``norm_scope='all_heads'``): the
   all-heads variants (weighted, partial rotary, unweighted with gate, v_norm and interleaved pairs)
   over head counts, either norm position, with and without grad_cos/sin, 1 or 3 loop stages.
 * ``rope_qk_norm_bwd_finish_kernel`` (``NormWeightFinish``): BLOCK_R 32, 4 warps;
   ``rope_qk_norm_bwd_finish_cols_kernel`` (``AllHeadsNormWeightFinish``): BLOCK_R 16, BLOCK_C 128.
-* ``tma_matmul_kernel`` (``ops/projection``, sm_90 only): the chain's dX and dW and the
+* ``tma_matmul_kernel`` (``ops/projection``, sm_90 and sm_100a only): the chain's dX and dW and the
   hybrid's dW configurations, with and without the norm-weight finish, NPROG from 1 up.
 * ``l2_flush_kernel`` (the benchmark harness).
 
@@ -46,9 +51,15 @@ Head dims: 64, 128, 256, 80 (HALF not a power of two: padded tiles, no TMA) and 
 smallest the validation accepts). Dtypes: bf16, fp16, fp32 activations; fp32 norm weights
 beside 16-bit activations.
 
-The constexpr axes of each kernel are covered pairwise (every pair of values of any two axes in
-at least one job), each job compiled to a cubin; on top, each kernel's base configurations are
-compiled to Triton IR with every integer argument, one at a time, the constant 1.
+The constexpr axes of each kernel, the compile target among them, are covered pairwise (every pair
+of values of any two axes that the launchers can select together in at least one job: each target
+with every value of every other axis, TMA layouts and products on the targets that have them), each
+job compiled to a cubin. The covers are greedy (each row the best of 400 sampled rows), each with a
+seed picked for few rows: at or within a few rows of the lower bound, the largest product of two
+axes' sizes (the plain stage's mode x layout: 36 rows for 30 pairs). Beside them, the
+configurations named in the job lists (as 091 launches them, fp32 norm weights). On top, each
+kernel's base configurations are compiled to Triton IR with every integer argument, one at a time,
+the constant 1.
 """
 
 from __future__ import annotations
@@ -78,30 +89,31 @@ def _p2(n: int) -> int:
 # ------------------------------------------------------------------------------ pairwise cover
 
 
-def pairwise(axes: dict, valid=lambda row: True, seed: int = 0, tries: int = 60) -> list:
+def pairwise(axes: dict, valid=lambda row: True, seed: int = 0, tries: int = 400) -> list:
     """Rows (dicts axis -> value) such that every pair of values of any two axes that some valid
-    row holds appears in at least one row (greedy; deterministic for a seed)."""
+    row holds appears in at least one row (greedy: each row the best of ``tries`` sampled valid
+    rows; deterministic for a seed)."""
     names = list(axes)
     rng = random.Random(seed)
     every = [dict(zip(names, vals)) for vals in itertools.product(*(axes[n] for n in names))]
     every = [r for r in every if valid(r)]
-
-    def pairs(row):
-        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
-
-    todo = set().union(*(pairs(r) for r in every)) if every else set()
+    ids: dict = {}  # pair -> a small int: the rows' pair sets as sets of ints
+    rows_pairs = [{ids.setdefault(((a, r[a]), (b, r[b])), len(ids)) for a, b in itertools.combinations(names, 2)}
+                  for r in every]
+    todo = set(ids.values())
     rows = []
     while todo:
-        best, gain = None, -1
-        for cand in rng.sample(every, min(tries, len(every))):
-            g = len(pairs(cand) & todo)
+        best, gain = None, 0
+        for i in rng.sample(range(len(every)), min(tries, len(every))):
+            g = len(rows_pairs[i] & todo)
             if g > gain:
-                best, gain = cand, g
-        if gain <= 0:  # the sample missed: take a row holding some uncovered pair
-            (a, va), (b, vb) = min(todo)  # not next(iter(todo)): a set's order follows the string hash seed
-            best = next(r for r in every if r[a] == va and r[b] == vb)
-        rows.append(best)
-        todo -= pairs(best)
+                best, gain = i, g
+        if best is None:  # the sample missed: take a row holding some uncovered pair
+            # the smallest uncovered pair, not next(iter(todo)): a set's order may follow the string hash seed
+            (a, va), (b, vb) = min(p for p, i in ids.items() if i in todo)
+            best = next(i for i, r in enumerate(every) if r[a] == va and r[b] == vb)
+        rows.append(every[best])
+        todo -= rows_pairs[best]
     return rows
 
 
@@ -208,7 +220,9 @@ STAGE_AXES = dict(
     layout=("all8", "all8_tma", "group16", "group16_tma", "group8"),
     d=HEAD_DIMS,
     dtype=DTYPES,
-    heads=((1, 1), (32, 8), (24, 24), (7, 7)),
+    # NQG/NKG: 1/1 at any layout, 2/1 and 4/1 (GQA), 2/2 and 3/3 (MHA) in groups of 16 and of 8 heads
+    # (hq = hkv = 7 gave the constexprs of (1, 1) at every layout)
+    heads=((1, 1), (32, 8), (24, 24)),
     ints=INT_MODES,
 )
 
@@ -236,9 +250,12 @@ VARIANT_STAGE_AXES = dict(
 )
 
 
+ALL_HEADS_VARIANTS = ("all_heads", "all_heads_partial", "all_heads_combo")
+
+
 def stage_jobs() -> list:
-    jobs = [_stage_job(**r) for r in pairwise(STAGE_AXES, _stage_valid, seed=1)]
-    jobs += [_stage_job(**r) for r in pairwise(VARIANT_STAGE_AXES, _variant_stage_valid, seed=10)]
+    jobs = [_stage_job(**r) for r in pairwise(STAGE_AXES, _stage_valid, seed=27)]
+    jobs += [_stage_job(**r) for r in pairwise(VARIANT_STAGE_AXES, _variant_stage_valid, seed=2)]
     # 091 as launched at few tokens, sm_80 (fp32 math and a cast) and sm_90 (bf16x2 pairs)
     jobs += [_stage_job(cc, "091", "group8", 128, "bf16", (32, 8), "plain") for cc in TARGETS]
     # 091 with fp32 norm weights beside bf16 activations (the weights' dtype is free)
@@ -274,10 +291,12 @@ def forward_jobs() -> list:
     axes = dict(cc=TARGETS, d=HEAD_DIMS, dtype=DTYPES, group=(1, 2, 4, 8), nar=(True, False), ints=INT_MODES)
     jobs = [_fwd_job(**r) for r in pairwise(axes, seed=2)]
     jobs.append(_fwd_job(90, 128, "bf16", 8, True, "plain", norm_fp32=True))
-    variant_axes = dict(cc=TARGETS, variant=tuple(n for n in VARIANTS if n != "plain"), d=(128, 80, 64),
+    # the per-head variants of the stage's cover (partial rotary alone and with interleaved pairs: the
+    # gate's constexprs, PASS > 0 with and without INTERLEAVED) and the all-heads ones at two head sets
+    variant_axes = dict(cc=TARGETS, variant=VARIANT_STAGE_AXES["variant"] + ALL_HEADS_VARIANTS, d=(128, 80, 64),
                         dtype=DTYPES, group=(1, 4), nar=(True, False), ints=INT_MODES, heads=((32, 8), (32, 32)))
     jobs += [_fwd_job(**r) for r in pairwise(variant_axes, lambda r: variant_of(r["variant"], r["d"]) is not None,
-                                             seed=6)]
+                                             seed=7)]
     return jobs
 
 
@@ -302,7 +321,7 @@ def _stage_all_heads_job(cc, variant, d, dtype, heads, nar, gcs, stages, ints, l
 
 
 def stage_all_heads_jobs() -> list:
-    axes = dict(cc=TARGETS, variant=("all_heads", "all_heads_partial", "all_heads_combo"), d=(128, 80),
+    axes = dict(cc=TARGETS, variant=ALL_HEADS_VARIANTS, d=(128, 80),
                 dtype=DTYPES, heads=((32, 32), (7, 3)), nar=(True, False), gcs=(True, False), stages=(1, 3),
                 ints=INT_MODES)
     return [_stage_all_heads_job(**r) for r in pairwise(axes, lambda r: variant_of(r["variant"], r["d"]) is not None,
@@ -319,7 +338,7 @@ def _finish_job(cc, d, dtype, ints, level="cubin", one=None):
 
 def finish_jobs() -> list:
     axes = dict(cc=TARGETS, d=HEAD_DIMS, dtype=DTYPES, ints=INT_MODES)
-    return [_finish_job(**r) for r in pairwise(axes, seed=3)]
+    return [_finish_job(**r) for r in pairwise(axes, seed=0)]
 
 
 def _finish_cols_job(cc, dtype, ints, level="cubin", one=None):
@@ -332,7 +351,7 @@ def _finish_cols_job(cc, dtype, ints, level="cubin", one=None):
 
 def finish_cols_jobs() -> list:
     axes = dict(cc=TARGETS, dtype=DTYPES, ints=INT_MODES)
-    return [_finish_cols_job(**r) for r in pairwise(axes, seed=7)]
+    return [_finish_cols_job(**r) for r in pairwise(axes, seed=0)]
 
 
 # (tile rows, cols, K step, warps, stages, programs per SM) as in ops/projection
@@ -373,7 +392,7 @@ def _matmul_job(use, dtype, finish, nprog, ints, fin_d=128, norm_fp32=False, lev
 def matmul_jobs() -> list:
     axes = dict(use=tuple(MATMUL_USES), dtype=("bf16", "fp16"), finish=(True, False), nprog=("one", "sms", "per_sm"),
                 ints=INT_MODES, cc=PRODUCT_TARGETS)
-    jobs = [_matmul_job(**r) for r in pairwise(axes, seed=4)]
+    jobs = [_matmul_job(**r) for r in pairwise(axes, seed=2)]
     jobs += [_matmul_job("hybrid_dw", "bf16", True, "per_sm", "plain", cc=cc) for cc in PRODUCT_TARGETS]  # as 091 launches it
     jobs.append(_matmul_job("hybrid_dw", "bf16", True, "per_sm", "div16", fin_d=80, norm_fp32=True))
     jobs.append(_matmul_job("chain_dw", "fp16", True, "sms", "plain", fin_d=256))

@@ -64,9 +64,23 @@ STAGE_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("finish,config_name", [("fused", "auto"), ("fused_small_runs", "auto"), ("kernel", "auto")]
-                         + [("fused", c) for c in STAGE_CONFIGS] + [("fused_small_runs", "grouped_2heads")])
-@pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
+def _shape_id(s):
+    return "b{}_h{}_kv{}_s{}_d{}".format(*s)
+
+
+KERNEL_CASES = [("fused", "auto"), ("fused_small_runs", "auto"), ("kernel", "auto")] + \
+    [("fused", c) for c in STAGE_CONFIGS] + [("fused_small_runs", "grouped_2heads")]
+# 90 tokens: the launcher's own choice (8-token blocks with every head, 12 programs) with each finish,
+# and the forced layouts that give more programs than the default SUPER rows (32: the fused finish
+# over several super rows) or blocks of every head: 2-token blocks in groups (45 programs) and
+# 4-token blocks. 1-token blocks (90 programs) added no path: they run on the other shapes, with
+# both finishes (super rows of 2 programs there).
+LONG_SHAPE_CASES = [c for c in KERNEL_CASES if c[1] != "grouped_2heads"]
+
+
+@pytest.mark.parametrize("shape,finish,config_name", [
+    pytest.param(shape, finish, config_name, id=f"{_shape_id(shape)}-{finish}-{config_name}")
+    for shape in INTERP_SHAPES for finish, config_name in (LONG_SHAPE_CASES if shape[3] == 90 else KERNEL_CASES)])
 def test_triton_kernel_bit_equals_cpu_path(shape, finish, config_name):
     # the stage kernel, then torch.mm (the Triton products: below)
     changes = dict(fused_finish=finish != "kernel")
@@ -104,9 +118,16 @@ def _last_plan():
     return backward_091.PLANS.last()
 
 
-@pytest.mark.parametrize("finish", ["finish_in_dw", "finish_in_stage"])
-@pytest.mark.parametrize("products", ["pdl_chain", "hybrid"])
-@pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "b{}_h{}_kv{}_s{}_d{}".format(*s))
+# pairwise: every shape with both products and both finishes, and each product with each finish
+# (on every other shape)
+PRODUCT_CASES = [
+    pytest.param(shape, products, finish, id=f"{_shape_id(shape)}-{products}-{finish}")
+    for i, shape in enumerate(INTERP_SHAPES)
+    for products, finish in ((("pdl_chain", "finish_in_dw"), ("hybrid", "finish_in_stage")) if i % 2 == 0
+                             else (("pdl_chain", "finish_in_stage"), ("hybrid", "finish_in_dw")))]
+
+
+@pytest.mark.parametrize("shape,products,finish", PRODUCT_CASES)
 def test_triton_products_match_cpu_path(shape, products, finish):
     """The stage, then the products as the persistent TMA kernels: both chained behind the stage
     (pdl_chain), or dW only with dX on torch.mm (hybrid); the norm-weight finish run by the dW

@@ -3,11 +3,11 @@ Hopper-only features (TMA descriptors, programmatic dependent launch, 16-bit pai
 only where the device has them. No GPU needed: Triton compiles for an explicit target offline.
 
 The offline compiles (``_offline_compile.py``) cover every constexpr value the launchers can
-select (pairwise over each kernel's axes, sm_80 and sm_90) and every kernel with its integer
-arguments specialised the way the JIT specialises them -- an argument equal to 1 becomes a
-compile-time constant, so a kernel that calls a tensor method on it (``M.to(tl.int64)``) fails
-to compile on the GPU for one token while the CPU interpreter, which never specialises, runs it
-fine."""
+select (pairwise over each kernel's axes, the target one of them: sm_80, sm_90, sm_100a, sm_120a)
+and every kernel with its integer arguments specialised the way the JIT specialises them -- an
+argument equal to 1 becomes a compile-time constant, so a kernel that calls a tensor method on it
+(``M.to(tl.int64)``) fails to compile on the GPU for one token while the CPU interpreter, which
+never specialises, runs it fine."""
 
 import json
 import os
@@ -47,7 +47,7 @@ def _failures(compiled, family, level):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_constexpr_combination_compiles_to_cubin(compiled, family):
-    """Pairwise over the kernel's constexpr axes, sm_80 and sm_90, each job with its integer
+    """Pairwise over the kernel's constexpr axes and the targets, each job with its integer
     arguments plain, multiples of 16, all the constant 1, or 64-bit strides."""
     jobs, missing, bad = _failures(compiled, family, "cubin")
     assert jobs

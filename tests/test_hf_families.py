@@ -4,8 +4,10 @@ unpatched deep copy in fp32 -- the number of layers fused, logits, loss and ever
 (the fused weight's against the concatenation of HF's projections'), HF state-dict keys and
 values, an HF state dict of other values loading into the patched model, generate() with the
 KV cache (left padding, sliding windows, hybrids' linear-attention caches) giving the same
-tokens, and torch.compile. Plus mRoPE with distinct sections, the per-family errors, and the
-table itself (one row per family, each row tested)."""
+tokens; and torch.compile once per recipe (``H.recipe``: families whose SUPPORTED rows differ only
+in names, with the same biases and rotary width, trace the same fused forward). Plus mRoPE with
+distinct sections, the per-family errors, and the table itself (one row per family, each row
+tested)."""
 
 import copy
 import pathlib
@@ -79,11 +81,12 @@ def test_family_generate_same_tokens(fam):
         torch.testing.assert_close(sa, sb, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("fam", H.recipe_params())
 def test_family_torch_compile(fam):
     """Each fused attention module compiled (dynamo through the family's forward and the
     block; AOT autograd of the block's custom ops is test_hf_block_options'); the rest of the
-    model is HF's business."""
+    model is HF's business. One family per recipe: the others of it run the same fused forward
+    (their outputs, gradients and generate are tested above, each)."""
     if fam.no_compile:
         pytest.skip(fam.no_compile)
     torch._dynamo.reset()

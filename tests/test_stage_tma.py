@@ -43,10 +43,16 @@ def _run(args, exact, backend="triton"):
 CONFIGS = {"all_heads": (8, 1, 0, 3, 0), "groups": (8, 1, 0, 3, 2)}
 
 
-@pytest.mark.parametrize("config_name", list(CONFIGS), ids=list(CONFIGS))
-@pytest.mark.parametrize("exact,dtype", [(True, torch.bfloat16), (False, torch.bfloat16), (False, torch.float32)],
-                         ids=["exact_bf16", "accurate_bf16", "accurate_fp32"])
-@pytest.mark.parametrize("shape", [(3, 4, 2, 13, 64), (2, 4, 1, 9, 128)], ids=lambda s: "B{}_Hq{}_Hkv{}_S{}_D{}".format(*s))
+SHAPES = [(3, 4, 2, 13, 64), (2, 4, 1, 9, 128)]
+MODES = {"exact_bf16": (True, torch.bfloat16), "accurate_bf16": (False, torch.bfloat16),
+         "accurate_fp32": (False, torch.float32)}
+# pairwise: every mode with both layouts, and each shape with every mode and both layouts
+CASES = [pytest.param(SHAPES[(i + j) % 2], *MODES[mode], config_name,
+                      id="B{}_Hq{}_Hkv{}_S{}_D{}".format(*SHAPES[(i + j) % 2]) + f"-{mode}-{config_name}")
+         for i, mode in enumerate(MODES) for j, config_name in enumerate(CONFIGS)]
+
+
+@pytest.mark.parametrize("shape,exact,dtype,config_name", CASES)
 def test_tma_tiles_equal_per_thread_loads(config_name, exact, dtype, shape):
     B, HQ, HKV, S, D = shape
     args = _inputs(B, HQ, HKV, S, D, dtype)
