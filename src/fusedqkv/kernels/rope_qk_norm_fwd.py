@@ -216,39 +216,43 @@ def rope_qk_norm_fwd_kernel(
     cmask = tmask[:, None] & dmask[None, :]
     # columns of a query head in a qkv row: [q | gate] with Q_GATE
     QHS: tl.constexpr = 2 * D if Q_GATE else D
-    if ALL_HEADS:  # (NQG = 1: the query program, then the key program, then the value groups)
-        nkg = 1
-    else:
-        nkg = tl.cdiv(HKV, GROUP)
-    is_v = False
-    if V_NORM:
-        is_v = pid_g >= NQG + nkg
-    if is_v:
-        _v_group_fwd(qkv_ptr, s_qkv_t, HQ * QHS + HKV * D, v_ptr, sv_b, sv_h, sv_s, sv_d,
-                     tok64, b, s, tmask, eps, (pid_g - NQG - nkg) * GROUP, HKV, D, D_P2, GROUP)
-    elif ALL_HEADS:
-        if pid_g == 0:
+    # (the plain path's branches as measured: cos/sin loaded inside each, after the value check)
+    if pid_g < NQG:
+        if ALL_HEADS:  # (NQG = 1: the query program, then the key program, then the value groups)
             _all_heads_fwd(qkv_ptr, s_qkv_t, 0, QHS, wq_ptr, swq, q_ptr, sq_b, sq_h, sq_s, sq_d,
                            rq_ptr, srq_b, srq_h, srq_s, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s,
                            ssin_d, pid_t, S, HQ, eps, D, HALF, HALF_P2, HQ_P2,
                            NORM_AFTER_ROPE, PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT)
         else:
-            _all_heads_fwd(qkv_ptr, s_qkv_t, HQ * QHS, D, wk_ptr, swk, k_ptr, sk_b, sk_h, sk_s, sk_d,
-                           rk_ptr, srk_b, srk_h, srk_s, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s,
-                           ssin_d, pid_t, S, HKV, eps, D, HALF, HALF_P2, HKV_P2,
-                           NORM_AFTER_ROPE, PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT)
-    else:
-        c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
-                                      b, s, tmask, dh, HALF, INTERLEAVED)
-        if pid_g < NQG:
+            c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
+                                          b, s, tmask, dh, HALF, INTERLEAVED)
             _head_group_fwd(qkv_ptr, s_qkv_t, 0, QHS, wq_ptr, swq,
                             q_ptr, sq_b, sq_h, sq_s, sq_d, rq_ptr, srq_b, srq_h, srq_s,
                             tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
                             pid_g * GROUP, HQ, D, HALF, GROUP, NORM_AFTER_ROPE,
                             PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT)
+    else:
+        if ALL_HEADS:
+            nkg = 1
         else:
+            nkg = tl.cdiv(HKV, GROUP)
+        kg = pid_g - NQG
+        is_v = False
+        if V_NORM:
+            is_v = kg >= nkg
+        if is_v:
+            _v_group_fwd(qkv_ptr, s_qkv_t, HQ * QHS + HKV * D, v_ptr, sv_b, sv_h, sv_s, sv_d,
+                         tok64, b, s, tmask, eps, (kg - nkg) * GROUP, HKV, D, D_P2, GROUP)
+        elif ALL_HEADS:
+            _all_heads_fwd(qkv_ptr, s_qkv_t, HQ * QHS, D, wk_ptr, swk, k_ptr, sk_b, sk_h, sk_s, sk_d,
+                           rk_ptr, srk_b, srk_h, srk_s, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s,
+                           ssin_d, pid_t, S, HKV, eps, D, HALF, HALF_P2, HKV_P2,
+                           NORM_AFTER_ROPE, PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT)
+        else:
+            c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
+                                          b, s, tmask, dh, HALF, INTERLEAVED)
             _head_group_fwd(qkv_ptr, s_qkv_t, HQ * QHS, D, wk_ptr, swk,
                             k_ptr, sk_b, sk_h, sk_s, sk_d, rk_ptr, srk_b, srk_h, srk_s,
                             tok64, b, s, tmask, dh, cmask, c1, c2, s1, s2, eps,
-                            (pid_g - NQG) * GROUP, HKV, D, HALF, GROUP, NORM_AFTER_ROPE,
+                            kg * GROUP, HKV, D, HALF, GROUP, NORM_AFTER_ROPE,
                             PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT)
