@@ -437,6 +437,16 @@ def capture_graph(fn):
     return graph, out
 
 
+def time_graphs_interleaved(fns: dict, reps: int, warmup: int = 3,
+                            flusher: Optional[timing.L2Flusher] = None) -> dict:
+    """{name: [ms per call]}: each callable captured as a CUDA graph (outputs kept alive until
+    the timing ends), the graphs replayed call by call in a rotated order, the L2 flushed before
+    each (``timing.time_cuda_events_interleaved``)."""
+    graphs = {n: capture_graph(fn) for n, fn in fns.items()}
+    return timing.time_cuda_events_interleaved({n: g.replay for n, (g, _) in graphs.items()}, reps=reps,
+                                               warmup=warmup, flusher=flusher)
+
+
 def time_row(row: Row, providers, reps: int, warmup: int, flusher: Optional[timing.L2Flusher]) -> dict:
     """{(provider, mode): [ms per call]}: the graphs (CPU: the calls) interleaved call by call in a
     rotated order. No ``flusher``: the CPU smoke run (wall clock, no graphs)."""
@@ -445,10 +455,7 @@ def time_row(row: Row, providers, reps: int, warmup: int, flusher: Optional[timi
     if flusher is None:
         ms = time_cpu_interleaved({n: fns[k] for n, k in names.items()}, reps)
         return {names[n]: v for n, v in ms.items()}
-    graphs = {n: capture_graph(fns[k]) for n, k in names.items()}  # (graph, outputs): outputs stay alive
-    ms = timing.time_cuda_events_interleaved({n: g.replay for n, (g, _) in graphs.items()}, reps=reps,
-                                             warmup=warmup, flusher=flusher)
-    del graphs
+    ms = time_graphs_interleaved({n: fns[k] for n, k in names.items()}, reps, warmup, flusher)
     return {names[n]: v for n, v in ms.items()}
 
 

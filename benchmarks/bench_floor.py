@@ -27,11 +27,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_families as BF  # noqa: E402  (capture_graph)
+import bench_families as BF  # noqa: E402  (time_graphs_interleaved)
 import bench_module as BM  # noqa: E402  (CONFIGS, rope_cos_sin, time_cpu_interleaved)
 
 from fusedqkv import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm  # noqa: E402
-from fusedqkv.bench import timing  # noqa: E402
 from fusedqkv.ops.internals import raise_compile_limits  # noqa: E402
 
 ROWS = [(c, b, s) for c in BM.CONFIGS for b, s in ((1, 512), (1, 2048), (2, 4096))] + [
@@ -76,9 +75,7 @@ def time_row(calls: dict, reps: int, gpu: bool) -> dict:
     if not gpu:
         ms = BM.time_cpu_interleaved({n: calls[k] for n, k in names.items()}, reps)
     else:
-        graphs = {n: BF.capture_graph(calls[k]) for n, k in names.items()}
-        ms = timing.time_cuda_events_interleaved({n: gr.replay for n, (gr, _) in graphs.items()}, reps=reps)
-        del graphs
+        ms = BF.time_graphs_interleaved({n: calls[k] for n, k in names.items()}, reps)
     return {n: statistics.median(v) for n, v in ms.items()}
 
 

@@ -20,12 +20,11 @@ import sys
 
 import torch
 
-from fusedqkv.bench import timing
 from fusedqkv.ops import training_forward as P
 from fusedqkv.ops.gqa_forward import rope_qk_norm_forward
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_families as BF  # noqa: E402  (capture_graph)
+import bench_families as BF  # noqa: E402  (time_graphs_interleaved)
 
 CONFIGS = {  # name: (hidden, hq, hkv, D, norm position)
     "091_h4096_q32_kv8": (4096, 32, 8, 128, "after_rope"),
@@ -92,11 +91,10 @@ def main() -> int:
     for name, shape in CONFIGS.items():
         for M in (int(t) for t in a.tokens.split(",")):
             calls, keep = providers(*shape, M, dev)
-            graphs = {n: BF.capture_graph(fn) for n, fn in calls.items()}
-            ms = timing.time_cuda_events_interleaved({n: gr.replay for n, (gr, _) in graphs.items()}, reps=a.reps)
+            ms = BF.time_graphs_interleaved(calls, a.reps)
             med = {n: statistics.median(v) for n, v in ms.items()}
             rows.append(dict(config=name, tokens=M, ms=med, over_floor={n: v / med["floor"] for n, v in med.items()}))
-            del graphs, calls, keep
+            del calls, keep
             torch.cuda.empty_cache()
             print(f"{name} {M}: " + ", ".join(f"{n} {v:.3f}" for n, v in rows[-1]["over_floor"].items()), flush=True)
     os.makedirs(a.out, exist_ok=True)

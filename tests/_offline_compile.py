@@ -157,7 +157,7 @@ def variant_of(name: str, d: int):
 
 def _qk_variant(v) -> bool:
     """The variants that take the query/key heads through the variant path (no TMA, no register cap)."""
-    return bool(v.rot or v.interleaved or not v.norm_weight or v.all_heads or v.q_gate)
+    return bool(v.rot or v.interleaved or not v.norm_weight or v.q_gate)
 
 
 def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="cubin", one=None, variant="plain"):
@@ -266,7 +266,8 @@ def stage_jobs() -> list:
     return jobs
 
 
-def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one=None, variant="plain", heads=(32, 8)):
+def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one=None, variant="plain",
+             heads=(32, 8)):
     from fusedqkv.ops.variant import all_heads_warps
 
     var = variant_of(variant, d)

@@ -156,6 +156,16 @@ def load_cos_sin_raw(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, s
 
 
 @triton.jit
+def load_cos_sin_token(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s, dh,
+                       HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """``load_cos_sin`` of one token (``b``, ``s`` scalars): fp32 [1, pairs] rows, which broadcast
+    over a tile of that token's heads."""
+    one = tl.full([1], 0, tl.int64)
+    return load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b + one, s + one,
+                        one == 0, dh, HALF, INTERLEAVED)
+
+
+@triton.jit
 def load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s, tmask, dh,
                  HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """cos/sin of the RoPE pairs of a block of tokens as fp32 [tokens, pairs] tiles."""
@@ -518,6 +528,21 @@ def _variant_back(n1, n2, np_, gw1, gw2, gwp, x1, x2, g1, g2, v1, v2, r, grad_rs
 
 
 @triton.jit
+def _variant_store(ob, i1r, i2r, ipr, dx1, dx2, dxp, mask, pmask, gn1, gn2, gnp, a1, a2, ap, wg1, wg2, wgp,
+                   PASS: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr):
+    """``_variant_back``'s dQKV tiles stored at ``ob``; the norm-weight accumulators plus g*n*r."""
+    store_pairs(ob, i1r, i2r, 1, dx1, dx2, mask, INTERLEAVED)
+    if PASS > 0:
+        _store_cast(ob + ipr, dxp, pmask)
+    if NORM_WEIGHT:
+        wg1 = tl.fma(gn1, a1, wg1)
+        wg2 = tl.fma(gn2, a2, wg2)
+        if PASS > 0:
+            wgp = tl.fma(gnp, ap, wgp)
+    return wg1, wg2, wgp
+
+
+@triton.jit
 def _head_set_bwd_variants(
     g_ptr, sg_b, sg_h, sg_s, sg_d,
     x_ptr, sx_b, sx_h, sx_s, sx_d,
@@ -568,15 +593,8 @@ def _head_set_bwd_variants(
         dx1, dx2, dxp, a1, a2, ap, q1, q2, p1, p2 = _variant_back(
             n1, n2, np_, gw1, gw2, gwp, x1, x2, g1, g2, w1, w2, r, grad_rstd, -(r * r * r) / D, c1, c2, s1, s2,
             NORM_AFTER_ROPE, PASS)
-        ob = out_row + h0 * OHS
-        store_pairs(ob, i1r, i2r, 1, dx1, dx2, mask, INTERLEAVED)
-        if PASS > 0:
-            _store_cast(ob + ipr, dxp, pmask)
-        if NORM_WEIGHT:
-            wg1 = tl.fma(gn1, a1, wg1)
-            wg2 = tl.fma(gn2, a2, wg2)
-            if PASS > 0:
-                wgp = tl.fma(gnp, ap, wgp)
+        wg1, wg2, wgp = _variant_store(out_row + h0 * OHS, i1r, i2r, ipr, dx1, dx2, dxp, mask, pmask, gn1, gn2, gnp,
+                                       a1, a2, ap, wg1, wg2, wgp, PASS, INTERLEAVED, NORM_WEIGHT)
         if GRAD_COS_SIN:
             cs1 += q1 * p1
             cs2 += q2 * p2
@@ -632,15 +650,9 @@ def _all_heads_set_bwd(
     dx1, dx2, dxp, a1, a2, ap, q1, q2, p1, p2 = _variant_back(
         n1, n2, np_, gw1, gw2, gwp, x1, x2, g1, g2, v1, v2, r, grad_rstd, -(r * r * r) / nd, c1, c2, s1, s2,
         NORM_AFTER_ROPE, PASS)
-    ob = dqkv_ptr + tok * s_dqkv_t + col0 + (h * OHS)[:, None]
-    store_pairs(ob, i1r, i2r, 1, dx1, dx2, mask, INTERLEAVED)
-    if PASS > 0:
-        _store_cast(ob + ipr, dxp, pmask)
-    if NORM_WEIGHT:
-        wg1 = tl.fma(gn1, a1, wg1)
-        wg2 = tl.fma(gn2, a2, wg2)
-        if PASS > 0:
-            wgp = tl.fma(gnp, ap, wgp)
+    wg1, wg2, wgp = _variant_store(dqkv_ptr + tok * s_dqkv_t + col0 + (h * OHS)[:, None], i1r, i2r, ipr, dx1, dx2,
+                                   dxp, mask, pmask, gn1, gn2, gnp, a1, a2, ap, wg1, wg2, wgp, PASS, INTERLEAVED,
+                                   NORM_WEIGHT)
     if GRAD_COS_SIN:
         cs1 = tl.sum(q1 * p1, axis=0, keep_dims=True)
         cs2 = tl.sum(q2 * p2, axis=0, keep_dims=True)
@@ -660,14 +672,12 @@ def _store_weight_rows(wrow_ptr, wg1, wg2, wgp, H, D: tl.constexpr, HALF: tl.con
     """ALL_HEADS: a program's norm-weight sums [heads, columns] into its partial row (head h's
     columns at h*D)."""
     h = tl.arange(0, H_P2)[:, None]
-    dh = tl.arange(0, HALF_P2)
-    i1, i2 = pair_cols(dh, HALF, INTERLEAVED)
-    m = (h < H) & (dh < HALF)[None, :]
+    _, dmask, i1, i2, ip, pm = pair_layout(HALF, HALF_P2, PASS, PASS_P2, INTERLEAVED)
+    m = (h < H) & dmask[None, :]
     tl.store(wrow_ptr + h * D + i1[None, :], wg1, mask=m)
     tl.store(wrow_ptr + h * D + i2[None, :], wg2, mask=m)
     if PASS > 0:
-        dp = tl.arange(0, PASS_P2)
-        tl.store(wrow_ptr + h * D + (2 * HALF + dp)[None, :], wgp, mask=(h < H) & (dp < PASS)[None, :])
+        tl.store(wrow_ptr + h * D + ip[None, :], wgp, mask=(h < H) & pm[None, :])
 
 
 @triton.jit
@@ -1017,7 +1027,6 @@ def rope_qk_norm_bwd_all_heads_kernel(
     DT: tl.constexpr = gq_ptr.dtype.element_ty
     QOHS: tl.constexpr = 2 * D if Q_GATE else D
     dh = tl.arange(0, HALF_P2)
-    one = tl.full([1], 0, tl.int64)
     aq1 = tl.zeros([HQ_P2, HALF_P2], tl.float32)
     aq2 = tl.zeros([HQ_P2, HALF_P2], tl.float32)
     aqp = tl.zeros([HQ_P2, PASS_P2], tl.float32)
@@ -1030,13 +1039,12 @@ def rope_qk_norm_bwd_all_heads_kernel(
     vmask = (hv < HKV)[:, None] & (dv < D)
     hg = tl.arange(0, HQ_P2)
     gmask = (hg < HQ)[:, None] & (dv < D)
-    V_COL: tl.constexpr = 2 * D if Q_GATE else D  # (times HQ: the first value column)
     for t in tl.range(pid, M, n_prog, num_stages=PF):
         tok = tl.cast(t, tl.int64)  # (tl.cast: the interpreter's loop variable is a Python int)
         b = tok // S
         s = tok % S
-        c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
-                                      b + one, s + one, one == 0, dh, HALF, INTERLEAVED)
+        c1, c2, s1, s2 = load_cos_sin_token(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
+                                            b, s, dh, HALF, INTERLEAVED)
         aq1, aq2, aqp, cq1, cq2, sq1, sq2 = _all_heads_set_bwd(
             gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d, wq_ptr, swq,
             dqkv_ptr, s_dqkv_t, 0, QOHS, tok, b, s, HQ, eps, c1, c2, s1, s2, aq1, aq2, aqp,
@@ -1052,7 +1060,7 @@ def rope_qk_norm_bwd_all_heads_kernel(
         o_tok = dqkv_ptr + tok * s_dqkv_t
         _value_out(gv_ptr + b * sgv_b + s * sgv_s + hv[:, None] * sgv_h + dv * sgv_d,
                    xv_ptr + b * sxk_b + s * sxk_s + hv[:, None] * sxk_h + dv * sxk_d,
-                   o_tok + (HQ * V_COL + HKV * D) + hv[:, None] * D + dv, vmask, hv < HKV, eps, D, V_NORM)
+                   o_tok + (HQ * QOHS + HKV * D) + hv[:, None] * D + dv, vmask, hv < HKV, eps, D, V_NORM)
         if Q_GATE:
             gg = tl.load(gg_ptr + b * sgg_b + s * sgg_s + hg[:, None] * sgg_h + dv * sgg_d, mask=gmask, other=0.0)
             tl.store(o_tok + D + hg[:, None] * (2 * D) + dv, gg.to(dqkv_ptr.dtype.element_ty), mask=gmask)

@@ -34,8 +34,8 @@ Constexpr switches of the block's variants (all off: the plain per-head block ab
 import triton
 import triton.language as tl
 
-from .rope_qk_norm import (_load_norm_w, _store_cast, load_cos_sin, load_norm_w_rows, load_pairs, pair_cols,
-                           pair_layout, store_pairs)
+from .rope_qk_norm import (_load_norm_w, _store_cast, load_cos_sin, load_cos_sin_token, load_norm_w_rows, load_pairs,
+                           pair_cols, pair_layout, store_pairs)
 
 
 @triton.jit
@@ -148,10 +148,8 @@ def _all_heads_fwd(
     dh, dmask, i1, i2, ip, pm = pair_layout(HALF, HALF_P2, PASS, PASS_P2, INTERLEAVED)
     mask = hmask[:, None] & dmask[None, :]
     pmask = hmask[:, None] & pm[None, :]
-    # cos/sin: one [1, pairs] row for every head
-    one = tl.full([1], 0, tl.int64)
-    c1, c2, s1, s2 = load_cos_sin(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d,
-                                  b + one, s + one, one == 0, dh, HALF, INTERLEAVED)
+    c1, c2, s1, s2 = load_cos_sin_token(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, b, s, dh,
+                                        HALF, INTERLEAVED)
     x1, x2, xp, ss = _head_in(x_ptr + (tok * s_x_t + col0 + h * XHS)[:, None], i1[None, :], i2[None, :],
                               ip[None, :], mask, pmask, c1, c2, s1, s2, NORM_AFTER_ROPE, PASS, INTERLEAVED)
     r = 1.0 / tl.sqrt_rn(tl.sum(ss, axis=0) / (H * D) + eps)
@@ -216,7 +214,8 @@ def rope_qk_norm_fwd_kernel(
     cmask = tmask[:, None] & dmask[None, :]
     # columns of a query head in a qkv row: [q | gate] with Q_GATE
     QHS: tl.constexpr = 2 * D if Q_GATE else D
-    # (the plain path's branches as measured: cos/sin loaded inside each, after the value check)
+    # cos/sin loaded inside each branch, after the value check: hoisted above the branches, the plain
+    # path compiled to other code and ran 0.4-1.3% slower (NOTES, session 12)
     if pid_g < NQG:
         if ALL_HEADS:  # (NQG = 1: the query program, then the key program, then the value groups)
             _all_heads_fwd(qkv_ptr, s_qkv_t, 0, QHS, wq_ptr, swq, q_ptr, sq_b, sq_h, sq_s, sq_d,

@@ -361,12 +361,12 @@ def all_heads_stages(hq: int, hkv: int, d: int, variant: Variant, act_bytes: int
     in shared memory, fewer where not. Each stage in flight holds a token's loaded tiles there
     (OLMo 3's 32 + 32 heads of 128 in bf16: ~42 KB; 5 stages asked 233,600 bytes of the H200's
     232,448 at launch), beside ~32 KB of reduction scratch."""
-    p2 = _next_pow2
-    half, n_pass = variant.rotary(d) // 2, d - variant.rotary(d)
-    hq2, hkv2 = p2(hq), p2(hkv)
-    elems = (2 * (hq2 + hkv2) * (2 * p2(half) + (p2(n_pass) if n_pass else 0))  # g and x of q and k
-             + hkv2 * p2(d) * (2 if variant.v_norm else 1) + (hq2 * p2(d) if variant.q_gate else 0))
-    per_stage = elems * act_bytes + 4 * p2(half) * cos_bytes
+    cx, tiles = variant.constexprs(d), variant.head_tiles(hq, hkv)
+    hq2, hkv2, d2 = tiles["HQ_P2"], tiles["HKV_P2"], _next_pow2(d)
+    head = 2 * cx["HALF_P2"] + (cx["PASS_P2"] if cx["PASS"] else 0)  # a head's pair and pass-through columns
+    elems = (2 * (hq2 + hkv2) * head  # g and x of q and k
+             + hkv2 * d2 * (2 if variant.v_norm else 1) + (hq2 * d2 if variant.q_gate else 0))
+    per_stage = elems * act_bytes + 4 * cx["HALF_P2"] * cos_bytes
     fit = (max_shared_bytes(device) - 32 * 1024) // per_stage
     return max(1, min(ALL_HEADS_STAGES, fit))
 
