@@ -1,0 +1,170 @@
+"""The training forward as one Hopper launch (issue 24): the Gluon GEMM with RoPE + RMSNorm in its
+epilogue (``kernels/qkv_rope_norm_gemm_sm90.py``) against the cuBLAS GEMM floor and today's
+forward (planned cuBLASLt GEMM + the Triton forward stage).
+
+Checks first, on every row and both norm positions, weighted and not, plus ragged token counts:
+the fused kernel's qkv against cuBLAS's (relative error), its q/k against the torch stage run on
+the fused qkv (mismatches beyond one bf16 rounding), rstd (relative), and two launches bitwise equal.
+Then every provider captured as a CUDA graph (inputs and outputs kept alive), replayed call by call
+in a rotating order with the L2 flushed before each; median of --reps; ratios to the floor.
+
+    PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/gluon_forward_probe.py --out $OUT/gluon
+
+Writes --out/gluon_forward_probe.json; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_families as BF  # noqa: E402
+import bench_module as BMOD  # noqa: E402
+
+from fusedqkv.bench import timing  # noqa: E402
+from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch  # noqa: E402
+from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward  # noqa: E402
+from fusedqkv.ops.training_forward import forward_plan, run_forward  # noqa: E402
+
+ROWS = [(c, b, s) for c in BMOD.CONFIGS for b, s in ((1, 512), (1, 2048), (2, 4096))] + [
+    ("091_h4096_q32_kv8", 1, 32768)]
+CHECKS = [(c, b, s, nw) for c in BMOD.CONFIGS for (b, s) in ((1, 512), (2, 1000), (1, 77)) for nw in (True, False)]
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make(cfg, b, s, device, dtype=torch.bfloat16, weighted=True, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed + b * s)
+    h, hq, hkv, d = cfg["hidden_size"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    n = (hq + 2 * hkv) * d
+    x = torch.randn(b, s, h, generator=g).to(device, dtype)
+    w = (torch.randn(n, h, generator=g) / h ** 0.5).to(device, dtype)
+    wq = (1 + 0.2 * torch.randn(d, generator=g)).to(device, dtype) if weighted else None
+    wk = (1 + 0.2 * torch.randn(d, generator=g)).to(device, dtype) if weighted else None
+    cos, sin = BMOD.rope_cos_sin(b, s, d, dtype, device)
+    return x, w, wq, wk, cos, sin
+
+
+def fused_fn(cfg, args, fuse=True, **tile):
+    x, w, wq, wk, cos, sin = args
+    b, s, h = x.shape
+    hq, hkv, d = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    M, N = b * s, w.shape[0]
+    k = FusedGemmForward(M, N, h, s, hq, hkv, d, 1e-6, cfg["qk_norm_position"] == "after_rope", wq is not None,
+                         x.dtype, x.device, fuse=fuse, **tile)
+
+    def call():
+        qkv = torch.empty(b, s, N, dtype=x.dtype, device=x.device)
+        q, kk, rq, rk, _ = forward_outputs(b, s, hq, hkv, d, x.dtype, x.device, False)
+        k.run(x.view(M, h), w, qkv.view(M, N), q.transpose(1, 2).reshape(M, hq * d),
+              kk.transpose(1, 2).reshape(M, hkv * d), wq, wk, rq, rk, cos, sin)
+        return q, kk, qkv, rq, rk
+    return call
+
+
+def today_fn(cfg, args):
+    x, w, wq, wk, cos, sin = args
+    plan = forward_plan(x, w, wq, wk, cos, sin, cfg["num_heads"], cfg["num_kv_heads"], 1e-6,
+                        cfg["qk_norm_position"], "triton")
+    return lambda: run_forward(plan, x, w, wq, wk, cos, sin)
+
+
+def floor_fn(args):
+    x, w = args[0], args[1]
+    x2 = x.view(-1, x.shape[-1])
+    return lambda: torch.mm(x2, w.t())
+
+
+def ulps_over_one(a, ref):
+    """Elements of ``a`` further from ``ref`` than one bf16 rounding (relative 2**-7 of |ref|, or
+    2**-7 absolute near zero)."""
+    diff = (a.float() - ref.float()).abs()
+    tol = torch.clamp(ref.float().abs(), min=1.0) * 2 ** -7
+    return int((diff > tol).sum())
+
+
+def check(cfg_name, b, s, weighted, device):
+    cfg = BMOD.CONFIGS[cfg_name]
+    args = make(cfg, b, s, device, weighted=weighted)
+    x, w, wq, wk, cos, sin = args
+    call = fused_fn(cfg, args)
+    q, k, qkv, rq, rk = call()
+    q2, k2, qkv2, rq2, rk2 = call()
+    torch.cuda.synchronize()
+    ref_qkv = torch.mm(x.view(-1, x.shape[-1]), w.t()).view_as(qkv)
+    rel = float((qkv.float() - ref_qkv.float()).norm() / ref_qkv.float().norm())
+    tq, tk, trq, trk, _ = forward_torch(qkv, wq, wk, cos, sin, cfg["num_heads"], cfg["num_kv_heads"], 1e-6,
+                                        cfg["qk_norm_position"] == "after_rope")
+    out = dict(row=f"{cfg_name} {b}x{s} {'w' if weighted else 'unweighted'}", qkv_rel=rel,
+               q_bad=ulps_over_one(q, tq), k_bad=ulps_over_one(k, tk),
+               q_maxdiff=float((q.float() - tq.float()).abs().max()),
+               rstd_rel=float(max(((rq - trq).abs() / trq).max(), ((rk - trk).abs() / trk).max())),
+               repeat_equal=bool(torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(qkv, qkv2)
+                                 and torch.equal(rq, rq2) and torch.equal(rk, rk2)),
+               finite=bool(torch.isfinite(q).all() and torch.isfinite(k).all()))
+    out["ok"] = (rel < 2e-3 and out["q_bad"] == 0 and out["k_bad"] == 0 and out["rstd_rel"] < 1e-4
+                 and out["repeat_equal"] and out["finite"])
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out_gluon")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rows", default=None, help="comma-separated row indices")
+    ap.add_argument("--skip-checks", action="store_true")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    device = torch.device("cuda")
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, checks=[], rows=[])
+    import triton
+    result["triton"] = triton.__version__
+    if not a.skip_checks:
+        for c in CHECKS:
+            try:
+                r = check(*c, device)
+            except Exception:  # noqa: BLE001
+                r = dict(row=str(c), ok=False, error=traceback.format_exc()[-2000:])
+            log(json.dumps(r))
+            result["checks"].append(r)
+    flusher = timing.L2Flusher(device)
+    rows = ROWS if a.rows is None else [ROWS[int(i)] for i in a.rows.split(",")]
+    for cfg_name, b, s in rows:
+        cfg = BMOD.CONFIGS[cfg_name]
+        args = make(cfg, b, s, device)
+        fns = dict(floor=floor_fn(args), today=today_fn(args=args, cfg=cfg),
+                   gluon_gemm=fused_fn(cfg, args, fuse=False), gluon_fused=fused_fn(cfg, args),
+                   rc64=fused_fn(cfg, args, RC=64), rc16=fused_fn(cfg, args, RC=16))
+        try:
+            ms = BF.time_graphs_interleaved(fns, a.reps, flusher=flusher)
+        except Exception:  # noqa: BLE001
+            log(traceback.format_exc())
+            continue
+        med = {n: statistics.median(v) for n, v in ms.items()}
+        row = dict(row=f"{cfg_name} {b}x{s}", ms=med, over_floor={n: med[n] / med["floor"] for n in med})
+        log(json.dumps(row))
+        result["rows"].append(row)
+        with open(os.path.join(a.out, "gluon_forward_probe.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    print("checks:", sum(c["ok"] for c in result["checks"]), "/", len(result["checks"]), "ok")
+    for c in result["checks"]:
+        if not c["ok"]:
+            print("  FAIL", json.dumps(c)[:600])
+    names = ["today", "gluon_gemm", "gluon_fused", "rc64", "rc16"]
+    print(f"{'row':34s} {'floor ms':>9s} " + " ".join(f"{n:>15s}" for n in names))
+    for r in result["rows"]:
+        print(f"{r['row']:34s} {r['ms']['floor']:9.4f} " + " ".join(f"{r['over_floor'][n]:15.3f}" for n in names))
+
+
+if __name__ == "__main__":
+    main()
