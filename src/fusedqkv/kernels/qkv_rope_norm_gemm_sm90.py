@@ -161,7 +161,7 @@ def _norm_weight_halves(wq_ptr, swq, wk_ptr, swk, is_q, HALF: gl.constexpr, RC: 
 def _norm_rope_chunks(buf1, buf2, cs, w1, w2, r_ptr, sr_b, sr_h, sr_s, h,
                       cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M, S,
                       BM: gl.constexpr, D: gl.constexpr, RC: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr,
-                      NORM_WEIGHT: gl.constexpr, EPI: gl.constexpr):
+                      NORM_WEIGHT: gl.constexpr):
     """One query or key head of tokens [off_m, off_m + BM), its halves in ``buf1``/``buf2`` (the
     projection rounded to its dtype): RMS-normed and rotated (fp32) in place, ``RC`` rows at a time
     (the whole [BM, D] tile's temporaries would not fit the registers), each chunk's cos/sin
