@@ -5,7 +5,8 @@ forward (planned cuBLASLt GEMM + the Triton forward stage).
 Checks first, on every row and both norm positions, weighted and not, plus ragged token counts:
 the fused kernel's qkv against cuBLAS's (relative error), its q/k against the torch stage run on
 the fused qkv (mismatches beyond one bf16 rounding), rstd (relative), and two launches bitwise equal.
-Then every provider captured as a CUDA graph (inputs and outputs kept alive), replayed call by call
+Then every provider (``today``: the plan with the kernel off; ``gluon_gemm``: the kernel without
+its epilogue's norm, qkv only; ``gluon_fused``: the kernel) captured as a CUDA graph (inputs and outputs kept alive), replayed call by call
 in a rotating order with the L2 flushed before each; median of --reps; ratios to the floor.
 
     PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/gluon_forward_probe.py --out $OUT/gluon
@@ -30,6 +31,7 @@ import bench_families as BF  # noqa: E402
 import bench_module as BMOD  # noqa: E402
 
 from fusedqkv.bench import timing  # noqa: E402
+from fusedqkv.ops import config  # noqa: E402
 from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch  # noqa: E402
 from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward  # noqa: E402
 from fusedqkv.ops.training_forward import forward_plan, run_forward  # noqa: E402
@@ -73,9 +75,11 @@ def fused_fn(cfg, args, fuse=True, **tile):
 
 
 def today_fn(cfg, args):
+    """The forward before this kernel: cuBLASLt + the forward stage."""
     x, w, wq, wk, cos, sin = args
-    plan = forward_plan(x, w, wq, wk, cos, sin, cfg["num_heads"], cfg["num_kv_heads"], 1e-6,
-                        cfg["qk_norm_position"], "triton")
+    with config.override(fused_forward="off"):
+        plan = forward_plan(x, w, wq, wk, cos, sin, cfg["num_heads"], cfg["num_kv_heads"], 1e-6,
+                            cfg["qk_norm_position"], "triton")
     return lambda: run_forward(plan, x, w, wq, wk, cos, sin)
 
 
@@ -143,8 +147,7 @@ def main(argv=None):
         cfg = BMOD.CONFIGS[cfg_name]
         args = make(cfg, b, s, device)
         fns = dict(floor=floor_fn(args), today=today_fn(args=args, cfg=cfg),
-                   gluon_gemm=fused_fn(cfg, args, fuse=False), gluon_fused=fused_fn(cfg, args),
-                   rc64=fused_fn(cfg, args, RC=64), rc16=fused_fn(cfg, args, RC=16))
+                   gluon_gemm=fused_fn(cfg, args, fuse=False), gluon_fused=fused_fn(cfg, args))
         try:
             ms = BF.time_graphs_interleaved(fns, a.reps, flusher=flusher)
         except Exception:  # noqa: BLE001
@@ -160,7 +163,7 @@ def main(argv=None):
     for c in result["checks"]:
         if not c["ok"]:
             print("  FAIL", json.dumps(c)[:600])
-    names = ["today", "gluon_gemm", "gluon_fused", "rc64", "rc16"]
+    names = ["today", "gluon_gemm", "gluon_fused"]
     print(f"{'row':34s} {'floor ms':>9s} " + " ".join(f"{n:>15s}" for n in names))
     for r in result["rows"]:
         print(f"{r['row']:34s} {r['ms']['floor']:9.4f} " + " ".join(f"{r['over_floor'][n]:15.3f}" for n in names))

@@ -157,3 +157,44 @@ def test_training_block_plans_hit_on_repeat():
     q, k, v = block(x, ang.cos(), ang.sin())
     (q.sum() + k.sum() + v.sum()).backward()
     assert builds() == before
+
+
+def test_the_fused_forward_rule_reasons_and_setting():
+    """The one-launch Hopper forward (ops/qkv_rope_norm_gemm.py): the cases it refuses, the tile
+    count behind ``auto``, its setting's parsing, and its gate (Gluon has no interpreter). Its GPU
+    behaviour: test_gpu_fused_forward.py."""
+    from fusedqkv.ops.qkv_rope_norm_gemm import consumer_rounds, fused_gemm_unsupported
+    from fusedqkv.ops.variant import Variant
+
+    x = torch.empty(4, 256, dtype=torch.bfloat16)
+    w = torch.empty(768, 256, dtype=torch.bfloat16)
+    plain = Variant()
+    assert fused_gemm_unsupported(x, w, 128, 128, plain, None, (9, 0)) is None
+    assert "sm_90" in fused_gemm_unsupported(x, w, 128, 128, plain, None, (10, 0))
+    assert "head_dim" in fused_gemm_unsupported(x, w, 64, 64, plain, None, (9, 0))
+    assert "partial" in fused_gemm_unsupported(x, w, 128, 64, plain, None, (9, 0))
+    for switches in (dict(q_gate=True), dict(interleaved=True), dict(all_heads=True), dict(v_norm=True)):
+        assert "variant" in fused_gemm_unsupported(x, w, 128, 128, Variant(**switches), None, (9, 0))
+    assert "bias" in fused_gemm_unsupported(x, w, 128, 128, plain, torch.empty(768), (9, 0))
+    assert "dtype" in fused_gemm_unsupported(x.float(), w.float(), 128, 128, plain, None, (9, 0))
+    # 8192 tokens of 48 heads: 64 x 48 tiles over 2 x 132 consumers
+    assert consumer_rounds(8192, 48 * 128, 128, 132) == pytest.approx(3072 / 264)
+    assert consumer_rounds(1, 48 * 128, 128, 132) == pytest.approx(48 / 264)
+    assert config.Config.from_env({"FUSEDQKV_FUSED_FORWARD": "off"}).fused_forward == "off"
+    with pytest.raises(ValueError, match="FUSEDQKV_FUSED_FORWARD: expected one of auto, on, off"):
+        config.Config.from_env({"FUSEDQKV_FUSED_FORWARD": "yes"})
+    if config.INTERPRET:
+        assert internals.gluon_gate() == "interpreter"
+
+
+def test_a_cpu_forward_plan_never_takes_the_fused_forward():
+    from fusedqkv.ops.training_forward import forward_plan
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 8, 64, generator=g)
+    w = torch.randn((4 + 2 * 2) * 16, 64, generator=g)
+    wq, wk = torch.ones(16), torch.ones(16)
+    cos, sin = torch.ones(1, 8, 16), torch.zeros(1, 8, 16)
+    with config.override(fused_forward="on"):
+        plan = forward_plan(x, w, wq, wk, cos, sin, 4, 2, 1e-6, "before_rope", None)
+    assert plan.fused is None

@@ -7,7 +7,8 @@ a changed setting can never run on a plan built under another. Tests change sett
 
 Environment variables (read at import; 0 turns a path off):
 ``FUSEDQKV_CHAIN_MAX_TOKENS`` (128), ``FUSEDQKV_HYBRID_MAX_TOKENS`` (2560),
-``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_STAGE_TMA`` (1), ``FUSEDQKV_CUBLASLT`` (1).
+``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_STAGE_TMA`` (1), ``FUSEDQKV_CUBLASLT`` (1);
+``FUSEDQKV_FUSED_FORWARD`` (auto, on or off).
 Where the defaults come from: benchmarks/NOTES.md.
 """
 
@@ -57,6 +58,12 @@ class Config:
     all_heads_stage: Optional[tuple] = None
     # cuBLAS GEMMs as planned cuBLASLt calls (ops/cublaslt.py) instead of torch.mm
     cublaslt: bool = True
+    # the training forward as one Hopper launch (ops/qkv_rope_norm_gemm.py: the GEMM with RoPE + RMSNorm
+    # in its epilogue): "auto" where each of its consumer warpgroups gets at least
+    # fused_forward_min_rounds tiles (below, cuBLAS + the stage is faster: NOTES, session 13), "on"
+    # wherever it can run, "off" never
+    fused_forward: str = "auto"
+    fused_forward_min_rounds: float = 8.0
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":
@@ -76,7 +83,15 @@ class Config:
                    hybrid_max_tokens=count("FUSEDQKV_HYBRID_MAX_TOKENS", cls.hybrid_max_tokens),
                    norm_finish_in_dw=flag("FUSEDQKV_NORM_FINISH_IN_DW", True),
                    stage_tma=flag("FUSEDQKV_STAGE_TMA", True),
-                   cublaslt=flag("FUSEDQKV_CUBLASLT", True))
+                   cublaslt=flag("FUSEDQKV_CUBLASLT", True),
+                   fused_forward=_choice(env, "FUSEDQKV_FUSED_FORWARD", ("auto", "on", "off"), "auto"))
+
+
+def _choice(env, name: str, choices: tuple, default: str) -> str:
+    raw = env.get(name, default)
+    if raw not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {raw!r}")
+    return raw
 
 
 _current = Config.from_env()

@@ -62,15 +62,15 @@ _FALLBACKS: dict = {}  # reason -> None, in the order they happened (each warned
 _BOUND = [0]  # launches bound to the raw path
 
 
-def fall_back(reason: str) -> None:
+def fall_back(reason: str, instead: str = "the public path instead (the same results, more host time per call)",
+              supported: str = "") -> None:
     """Record that a fast path is off for ``reason``; the first time, warn (FastPathWarning)."""
     if reason in _FALLBACKS:
         return
     _FALLBACKS[reason] = None
-    warnings.warn(f"fusedqkv: a fast path is off: {reason}. fusedqkv takes the public path instead (the same "
-                  f"results, more host time per call). Supported: Triton {_range_text(TRITON_SUPPORTED)}, torch "
-                  f"{_range_text(TORCH_SUPPORTED)}; see cache_info()['fast_path']",
-                  FastPathWarning, stacklevel=3)
+    supported = supported or f"Triton {_range_text(TRITON_SUPPORTED)}, torch {_range_text(TORCH_SUPPORTED)}"
+    warnings.warn(f"fusedqkv: a fast path is off: {reason}. fusedqkv takes {instead}. Supported: {supported}; "
+                  f"see cache_info()['fast_path']", FastPathWarning, stacklevel=3)
 
 
 def _range_text(rng) -> str:
@@ -265,6 +265,31 @@ def raw_launch_gate() -> Optional[str]:
     if abi is None and reason != "interpreter":
         fall_back(reason)
     return abi
+
+
+# ------------------------------------------------------------------------------ Gluon
+
+# Triton's Gluon dialect (``triton.experimental.gluon``) is experimental: its API changes between
+# minor versions. The Hopper forward GEMM (kernels/qkv_rope_norm_gemm_sm90.py) is written against and
+# measured on these versions only.
+GLUON_SUPPORTED = ((3, 6), (3, 6))
+
+
+def gluon_gate() -> Optional[str]:
+    """None where the Gluon kernels may run, else the reason (not warned here: the caller warns
+    only where a plan would have taken them)."""
+    if INTERPRET:
+        return "interpreter"  # Gluon kernels have no interpreter
+    version = triton_version()
+    if version is None:
+        return "Triton cannot be imported"
+    if not _in_range(version, GLUON_SUPPORTED):
+        return f"the Gluon forward GEMM is tested on Triton {_range_text(GLUON_SUPPORTED)}, not {version}"
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - named, not hidden
+        return f"Triton {version}'s Gluon cannot be imported ({type(e).__name__}: {e})"
+    return None
 
 
 def parameter_names(fn) -> list:

@@ -1,9 +1,12 @@
 """Launcher of the Hopper forward GEMM with RoPE + RMSNorm in its epilogue
 (:mod:`fusedqkv.kernels.qkv_rope_norm_gemm_sm90`, Gluon).
 
-``fused_gemm_unsupported`` says why a call cannot take it (None when it can); ``FusedGemmForward``
-holds the launch of one plan: its tile config, layouts and grid decided once; per call only the
-tensor descriptors (they carry the addresses) are made.
+``plan_fused_forward`` decides at plan time whether the training forward takes it (the variant,
+the device, Triton's Gluon gate, and the shape: where each consumer warpgroup gets fewer than
+``config.fused_forward_min_rounds`` tiles, cuBLAS + the forward stage is faster -- NOTES, session
+13); ``fused_gemm_unsupported`` says why a call cannot take it. ``FusedGemmForward`` holds the
+launch of one plan: tile config, layouts and grid decided once; per call only the tensor
+descriptors (they carry the addresses) are made, through Gluon's public launch.
 """
 
 from __future__ import annotations
@@ -34,6 +37,40 @@ def fused_gemm_unsupported(x, w, head_dim: int, rot: int, variant, bias, device_
     if x.shape[-1] % 8:
         return "hidden size not a multiple of 8 (TMA rows of 16 bytes)"
     return None
+
+
+def consumer_rounds(M: int, N: int, D: int, sms: int, BM: int = TILE["BM"]) -> float:
+    """Tiles per consumer warpgroup: the output tiles over two consumers per SM."""
+    return (-(-M // BM) * (N // D)) / (2 * sms)
+
+
+def plan_fused_forward(sz: dict, x, w, bias, cfg) -> "FusedGemmForward | None":
+    """The fused forward of a plan, or None (cuBLAS + the stage). ``sz``: the validated sizes."""
+    from . import internals
+    from .plan_cache import as_matrix
+    device = sz["device"]
+    if cfg.fused_forward == "off" or device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if fused_gemm_unsupported(x, w, sz["head_dim"], sz["rot"], sz["variant"], bias, capability):
+        return None
+    M, N, D = sz["batch"] * sz["seq"], sz["qkv"], sz["head_dim"]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if cfg.fused_forward == "auto" and consumer_rounds(M, N, D, sms) < cfg.fused_forward_min_rounds:
+        return None
+    x2d = as_matrix(x, M, sz["hidden"])
+    if (x2d is None or x2d.stride(1) != 1 or (x2d.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16
+            or w.stride(1) != 1 or (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16):
+        return None  # TMA needs 16-byte aligned rows
+    reason = internals.gluon_gate()
+    if reason is not None:
+        if reason != "interpreter":
+            internals.fall_back(reason, instead="cuBLAS + the forward stage for the training forward (up to ~6% "
+                                "slower at large token counts)",
+                                supported=f"Triton {internals._range_text(internals.GLUON_SUPPORTED)} for Gluon")
+        return None
+    return FusedGemmForward(M, N, sz["hidden"], sz["seq"], sz["num_heads"], sz["num_kv_heads"], D, sz["eps"],
+                            sz["norm_after_rope"], sz["variant"].norm_weight, x.dtype, device)
 
 
 def _gl_dtype(dtype):

@@ -18,6 +18,7 @@ from .device import current_stream
 from .gqa_forward import forward_outputs, forward_torch, plan_forward_stage, validate_forward_inputs
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
+from .qkv_rope_norm_gemm import plan_fused_forward
 from .rope_qk_norm import pick_backend
 
 # the stage's table entries, by name (the norm weights only when the norms have them, v only when normed)
@@ -27,9 +28,10 @@ STAGE_ENTRIES = ("qkv", "q_norm_weight", "k_norm_weight", "cos", "sin", "q", "k"
 class ForwardPlan:
     """The training block's forward of one input signature."""
 
-    def __init__(self, cfg, sz, backend, launch=None, table=None, aligned=True, lt_qkv=None):
+    def __init__(self, cfg, sz, backend, launch=None, table=None, aligned=True, lt_qkv=None, fused=None):
         self.cfg, self.sz, self.backend, self.launch, self.table, self.aligned = cfg, sz, backend, launch, table, aligned
         self.lt_qkv = lt_qkv  # qkv = x W^T as a planned cuBLASLt call (no bias, aligned plans), or None
+        self.fused = fused  # the whole forward as one Hopper launch (ops/qkv_rope_norm_gemm.py), or None
         b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
         self.M, self.hidden, self.n_tot = b * s, sz["hidden"], sz["qkv"]
         self.qkv_shape = (b, s, self.n_tot)
@@ -42,6 +44,8 @@ class ForwardPlan:
         """(q, k, qkv, rstd_q, rstd_k, v); cos/sin ``[batch, seq, rot]`` (expanded); v None unless
         the variant norms it."""
         sz = self.sz
+        if self.fused is not None:
+            return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
         lt, launch = self.lt_qkv, self.launch
         bound = launch is not None and launch.bound
         if lt is not None and bound:
@@ -70,6 +74,19 @@ class ForwardPlan:
             launch.launch(None, self.table.addresses(addr), current_stream(dev))
         else:
             launch.launch(self.table.tensors(named), None, current_stream(dev))
+        return q, k, qkv, rq, rk, v
+
+
+    def _run_fused(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin):
+        if (hidden_states.data_ptr() | qkv_weight.data_ptr()) & 15:
+            raise Misaligned
+        b, s, hq, hkv, d = self.out_dims
+        qkv = torch.empty(self.qkv_shape, dtype=self.dtype, device=self.device)
+        q, k, rq, rk, v = forward_outputs(*self.out_dims, self.dtype, self.device, False)
+        # token-major q/k are [tokens, heads * head_dim] matrices in memory
+        self.fused.run(hidden_states.view(self.M, self.hidden), qkv_weight, qkv.view(self.M, self.n_tot),
+                       q.transpose(1, 2).view(self.M, hq * d), k.transpose(1, 2).view(self.M, hkv * d), q_norm_weight,
+                       k_norm_weight, rq, rk, cos, sin)
         return q, k, qkv, rq, rk, v
 
 
@@ -107,7 +124,8 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     lt_qkv = None
     if qkv_bias is None and aligned and hidden_states.data_ptr() % 16 == 0 and qkv_weight.data_ptr() % 16 == 0:
         lt_qkv = lt_matmul(as_matrix(hidden_states, M, sz["hidden"]), qkv_weight.t(), qkv.view(M, sz["qkv"]), cfg)
-    return ForwardPlan(cfg, sz, backend, launch, table, aligned, lt_qkv)
+    fused = plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg)
+    return ForwardPlan(cfg, sz, backend, launch, table, aligned, lt_qkv, fused)
 
 
 PLANS = PlanCache("training_forward", build_forward)

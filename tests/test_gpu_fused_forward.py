@@ -1,0 +1,131 @@
+"""The training forward as one Hopper launch (the Gluon GEMM with RoPE + RMSNorm in its epilogue,
+``ops/qkv_rope_norm_gemm.py``), on an sm_90 GPU with a Triton its gate accepts: q/k/rstd match the
+torch stage run on the kernel's own qkv within one rounding, qkv matches cuBLAS's product, launches
+repeat bitwise and replay inside a CUDA graph, the block's gradients match the cuBLAS + stage path,
+and the plan takes the kernel only where it is supported and (``auto``) where the shape pays.
+Skipped elsewhere (the CPU tests of the plan's rule: test_plan.py)."""
+
+import pytest
+import torch
+
+from fusedqkv import GQAQKVRoPEQKNorm
+from fusedqkv.ops import config, internals
+from fusedqkv.ops.gqa_forward import forward_torch
+from fusedqkv.ops.qkv_rope_norm_gemm import consumer_rounds
+from fusedqkv.ops.training_forward import forward_plan, run_forward
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
+                            or internals.gluon_gate() is not None, reason="needs an sm_90 GPU and Gluon's Triton")
+
+CASES = [  # (hidden, hq, hkv, batch, seq, position, weighted, dtype)
+    (4096, 32, 8, 1, 512, "after_rope", True, torch.bfloat16),
+    (4096, 32, 8, 2, 1000, "before_rope", True, torch.bfloat16),  # a ragged last tile row
+    (2048, 16, 4, 1, 77, "before_rope", False, torch.bfloat16),  # unweighted, less than a tile
+    (1024, 8, 2, 3, 129, "after_rope", True, torch.float16),
+]
+
+
+def _inputs(hidden, hq, hkv, b, s, weighted, dtype, seed=0):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed + b * s)
+    d = 128
+    x = torch.randn(b, s, hidden, device=dev, generator=g).to(dtype)
+    w = (torch.randn((hq + 2 * hkv) * d, hidden, device=dev, generator=g) / hidden ** 0.5).to(dtype)
+    wq = (1 + 0.2 * torch.randn(d, device=dev, generator=g)).to(dtype) if weighted else None
+    wk = (1 + 0.2 * torch.randn(d, device=dev, generator=g)).to(dtype) if weighted else None
+    ang = torch.rand(b, s, d // 2, device=dev, generator=g) * 6.3
+    cos = torch.cat((ang.cos(), ang.cos()), -1).to(dtype)
+    sin = torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+    return x, w, wq, wk, cos, sin
+
+
+def _beyond_one_rounding(a, ref, dtype):
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    return int(((a.float() - ref.float()).abs() > torch.clamp(ref.float().abs(), min=1.0) * ulp).sum())
+
+
+@hopper
+@pytest.mark.parametrize("hidden,hq,hkv,b,s,position,weighted,dtype", CASES)
+def test_fused_forward_matches_the_stage_on_its_qkv(hidden, hq, hkv, b, s, position, weighted, dtype):
+    x, w, wq, wk, cos, sin = _inputs(hidden, hq, hkv, b, s, weighted, dtype)
+    with config.override(fused_forward="on"):
+        plan = forward_plan(x, w, wq, wk, cos, sin, hq, hkv, 1e-6, position, "triton")
+        assert plan.fused is not None
+        q, k, qkv, rq, rk, v = run_forward(plan, x, w, wq, wk, cos, sin)
+        again = run_forward(plan, x, w, wq, wk, cos, sin)
+    assert v is None
+    for a, b_ in zip((q, k, qkv, rq, rk), again):  # bitwise repeatable
+        assert torch.equal(a, b_)
+    ref = torch.mm(x.view(b * s, hidden).float(), w.float().t()).view_as(qkv)
+    assert float((qkv.float() - ref).norm() / ref.norm()) < 3e-3
+    tq, tk, trq, trk, _ = forward_torch(qkv, wq, wk, cos, sin, hq, hkv, 1e-6, position == "after_rope")
+    assert _beyond_one_rounding(q, tq, dtype) == 0
+    assert _beyond_one_rounding(k, tk, dtype) == 0
+    torch.testing.assert_close(rq, trq, rtol=1e-5, atol=0)
+    torch.testing.assert_close(rk, trk, rtol=1e-5, atol=0)
+
+
+@hopper
+def test_fused_forward_replays_in_a_cuda_graph():
+    x, w, wq, wk, cos, sin = _inputs(4096, 32, 8, 1, 640, True, torch.bfloat16, seed=3)
+    with config.override(fused_forward="on"):
+        plan = forward_plan(x, w, wq, wk, cos, sin, 32, 8, 1e-6, "after_rope", "triton")
+        eager = run_forward(plan, x, w, wq, wk, cos, sin)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run_forward(plan, x, w, wq, wk, cos, sin)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run_forward(plan, x, w, wq, wk, cos, sin)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager[:5], captured[:5]):
+        assert torch.equal(a, b)
+
+
+@hopper
+@pytest.mark.parametrize("position", ["after_rope", "before_rope"])
+def test_block_gradients_with_the_fused_forward_match_cublas_and_the_stage(position):
+    torch.manual_seed(0)
+    block = GQAQKVRoPEQKNorm(hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128, qk_norm_position=position,
+                             device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        block.q_norm_weight.normal_(1.0, 0.2)
+        block.k_norm_weight.normal_(1.0, 0.2)
+    b, s = 2, 768
+    x = torch.randn(b, s, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    _, _, _, _, cos, sin = _inputs(2048, 16, 4, b, s, True, torch.bfloat16)
+    dy = [torch.randn(b, h, s, 128, device="cuda", dtype=torch.bfloat16) for h in (16, 4, 4)]
+    leaves = [x, *block.parameters()]
+    got = {}
+    for mode in ("off", "on"):
+        with config.override(fused_forward=mode):
+            out = block(x, cos, sin)
+            got[mode] = (*out, *torch.autograd.grad(out, leaves, dy))
+    for a, b_ in zip(got["off"], got["on"]):  # two GEMMs' accumulation orders, one rounding apart
+        rel = float((a.float() - b_.float()).norm() / b_.float().norm().clamp_min(1e-30))
+        assert rel < 1e-2, rel
+
+
+@hopper
+def test_auto_takes_the_fused_forward_only_where_it_pays_and_is_supported():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    big = _inputs(4096, 32, 8, 2, 4096, True, torch.bfloat16)  # 11.6 tiles per consumer on 132 SMs
+    small = _inputs(4096, 32, 8, 1, 2048, True, torch.bfloat16)
+    assert consumer_rounds(8192, 48 * 128, 128, sms) >= config.current().fused_forward_min_rounds
+    assert consumer_rounds(2048, 48 * 128, 128, sms) < config.current().fused_forward_min_rounds
+    with config.override(fused_forward="auto"):
+        assert forward_plan(*big[:6], 32, 8, 1e-6, "after_rope", "triton").fused is not None
+        assert forward_plan(*small[:6], 32, 8, 1e-6, "after_rope", "triton").fused is None
+    with config.override(fused_forward="off"):
+        assert forward_plan(*big[:6], 32, 8, 1e-6, "after_rope", "triton").fused is None
+    x, w, wq, wk, cos, sin = big
+    with config.override(fused_forward="on"):  # variants it does not cover keep cuBLAS + the stage
+        bias = torch.zeros(w.shape[0], device="cuda", dtype=w.dtype)
+        assert forward_plan(x, w, wq, wk, cos, sin, 32, 8, 1e-6, "after_rope", "triton", bias).fused is None
+        half = cos[..., :64].contiguous(), sin[..., :64].contiguous()
+        assert forward_plan(x, w, wq, wk, *half, 32, 8, 1e-6, "after_rope", "triton").fused is None
+        assert forward_plan(x, w, wq, wk, cos, sin, 32, 8, 1e-6, "after_rope", "triton",
+                            rope_style="interleaved").fused is None
