@@ -31,6 +31,11 @@ GPU (the device session)::
 
     PYTHONPATH=src FUSEDQKV_SOL_EXECBENCH=shared/sol-execbench python3 benchmarks/gpu_fuzz.py --cases 200 --out $OUT/fuzz
 
+and the one-launch Hopper forward at every size (``auto`` takes it only for large token counts)::
+
+    PYTHONPATH=src python3 benchmarks/gpu_fuzz.py --api train --variant plain --head-dims 128 \
+        --fused-forward on --cases 120 --out $OUT/fuzz_fused
+
 CPU (Triton's interpreter, small sizes; what tests/test_gpu_fuzz.py runs)::
 
     PYTHONPATH=src python3 benchmarks/gpu_fuzz.py --device cpu --backend triton --cases 6 \\
@@ -60,9 +65,10 @@ DTYPE_NAMES = ["bf16", "bf16", "fp16", "fp32"]
 # ----------------------------------------------------------------------------------- cases
 
 
-def draw_case(seed: int, index: int, caps: dict, api=None) -> dict:
+def draw_case(seed: int, index: int, caps: dict, api=None, plain=False) -> dict:
     """Case ``index`` of seed ``seed`` under the size caps (deterministic); ``api`` forces the entry
-    point (the sizes stay those of the case)."""
+    point (the sizes stay those of the case); ``plain`` the block's plain variant (per-head weighted
+    or unweighted norms, NeoX RoPE over the whole head: what the one-launch forward covers)."""
     rng = random.Random(f"fusedqkv-fuzz:{seed}:{index}")
     max_tokens = caps["max_tokens"]
     r = rng.random()
@@ -96,6 +102,8 @@ def draw_case(seed: int, index: int, caps: dict, api=None) -> dict:
     opt_train.update(q_gate=rng.random() < 0.2, rope_style="interleaved" if rng.random() < 0.2 else "neox",
                      rot_div=rng.choice([1, 1, 1, 2, 4]), norm_weight=rng.random() >= 0.15,
                      norm_scope="all_heads" if rng.random() < 0.15 else "head", v_norm=rng.random() < 0.2)
+    if plain:
+        opt_train.update(q_gate=False, rope_style="neox", rot_div=1, norm_scope="head", v_norm=False)
     case["api"] = api or case["api"]
     case.update(opt_091 if case["api"] == "091" else opt_train)
     return case
@@ -296,10 +304,11 @@ def _rotary_width(d: int, rot_div: int) -> int:
     return max(2, rot - rot % 2)
 
 
-def check_train(case, device, backend) -> dict:
+def check_train(case, device, backend, fused_forward="auto") -> dict:
     import torch
 
     import fusedqkv
+    from fusedqkv.ops import config
 
     b, s, hq, hkv, d, h = (case[k] for k in ("batch", "seq", "num_heads", "num_kv_heads", "head_dim", "hidden"))
     dt = _dtype(case["dtype"])
@@ -349,7 +358,8 @@ def check_train(case, device, backend) -> dict:
         gr = torch.autograd.grad(outs, wrt, go)
         return [o.detach() for o in outs] + list(gr)
 
-    ours = run("ours")
+    with config.override(fused_forward=fused_forward):
+        ours = run("ours")
     _sync(device)
     eager = run("eager")
     ref = run("eager", torch.float64)
@@ -392,6 +402,10 @@ def _replay_command(case, args) -> str:
         parts += ["--backend", args.backend]
     if args.api:
         parts += ["--api", args.api]
+    if args.variant != "any":
+        parts += ["--variant", args.variant]
+    if args.fused_forward != "auto":
+        parts += ["--fused-forward", args.fused_forward]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -412,6 +426,11 @@ def parse_args(argv=None):
     ap.add_argument("--max-heads", type=int, default=48)
     ap.add_argument("--head-dims", default="64,128,256")
     ap.add_argument("--api", choices=["091", "train"], default=None, help="every case on this entry point")
+    ap.add_argument("--variant", choices=["any", "plain"], default="any",
+                    help="plain: every train case the block's plain variant (what the one-launch forward covers)")
+    ap.add_argument("--fused-forward", choices=["auto", "on", "off"], default="auto",
+                    help="the training forward's one-launch Hopper kernel (config.fused_forward): on takes it for "
+                         "every case it supports, whatever the size")
     ap.add_argument("--workers", type=int, default=None,
                     help="processes sharing the device (default: 8 on CUDA, 1 on the CPU): the run is bound by "
                          "Triton's compiles of new specialisations, one CPU core each")
@@ -447,9 +466,9 @@ def main(argv=None) -> int:
     if args.case_json:
         cases = [json.loads(args.case_json)]
     elif args.case is not None:
-        cases = [draw_case(args.seed, args.case, caps, args.api)]
+        cases = [draw_case(args.seed, args.case, caps, args.api, args.variant == "plain")]
     else:
-        cases = [draw_case(args.seed, i, caps, args.api) for i in range(args.cases)]
+        cases = [draw_case(args.seed, i, caps, args.api, args.variant == "plain") for i in range(args.cases)]
     pack = _pack_dir(args.problem_dir)
     if pack is None and any(c["api"] == "091" for c in cases):
         print("gpu_fuzz: the SOL-ExecBench 091 pack (definition.json) was not found: give --problem-dir or "
@@ -476,7 +495,7 @@ def main(argv=None) -> int:
         rec = dict(case=case)
         try:
             res = check_091(case, device, args.backend, pack) if case["api"] == "091" else check_train(
-                case, device, args.backend)
+                case, device, args.backend, args.fused_forward)
             _sync(device)
             rec.update(res)
         except Exception as e:  # noqa: BLE001 - a crash is a finding
@@ -494,7 +513,8 @@ def main(argv=None) -> int:
             print("  FAILING CASE:", json.dumps(case, sort_keys=True))
             print("  replay:", _replay_command(case, args))
             print("  replay (json):", "python3 benchmarks/gpu_fuzz.py --case-json", shlex.quote(json.dumps(case)),
-                  "--device", args.device, *(["--backend", args.backend] if args.backend else []))
+                  "--device", args.device, *(["--backend", args.backend] if args.backend else []),
+                  "--fused-forward", args.fused_forward)
             if "crash" in rec:
                 print("  crash:", rec["crash"])
                 print("  " + rec["traceback"].replace("\n", "\n  "))

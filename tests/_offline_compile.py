@@ -7,7 +7,8 @@ Blackwell: as sm_90, products included) and sm_120a (consumer Blackwell: the sta
 This module lists the compile jobs -- the constexpr combinations the launchers can select, and
 the kernels with their integer arguments specialised as the JIT specialises them -- and runs
 them in parallel processes. Run it as a script in a process *without* ``TRITON_INTERPRET=1``
-(the kernels' GPU code paths are chosen at import). Prints one JSON line per job.
+(the kernels' GPU code paths are chosen at import). Prints one JSON line per job. A job that names a
+Triton (``"triton"``) runs only with ``--triton VERSION``, that Triton imported.
 
 How the JIT specialises a launch's arguments (triton 3.6, ``native_specialize_impl``): an
 integer equal to 1 becomes a compile-time constant (signature ``"constexpr"``, value 1) -- the
@@ -46,6 +47,14 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
 * ``tma_matmul_kernel`` (``ops/projection``, sm_90 and sm_100a only): the chain's dX and dW and the
   hybrid's dW configurations, with and without the norm-weight finish, NPROG from 1 up.
 * ``l2_flush_kernel`` (the benchmark harness).
+* ``qkv_rope_norm_gemm_sm90_kernel`` (Gluon, ``ops/qkv_rope_norm_gemm``; sm_90 only: wgmma, setmaxnreg):
+  the launcher's tile (``TILE``, maxnreg ``MAXNREG``), head_dim 128, bf16/fp16, either norm position,
+  weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
+  beside them the plain GEMM (FUSE off), one token of one query and one key head, 16-row norm chunks
+  with fp32 norm weights, a 4-stage ring. A Gluon kernel compiles from a ``GluonASTSource``; its
+  descriptors' types (the shared layout included) are the launcher's, mangled as the JIT does. Its
+  jobs name the Triton they compile under (``GEMM_TRITON``: ``--triton``, a child process of its own):
+  Triton 3.9 removed the TMA copy names the kernel calls.
 
 Head dims: 64, 128, 256, 80 (HALF not a power of two: padded tiles, no TMA) and 2 (the
 smallest the validation accepts). Dtypes: bf16, fp16, fp32 activations; fp32 norm weights
@@ -406,10 +415,84 @@ def _flush_job(ints, level="cubin", one=None, cc=90):
                 label=f"l2_flush sm{cc} ints={ints}{'' if one is None else ' one=' + one}")
 
 
+# the Gluon forward GEMM (ops/qkv_rope_norm_gemm): sm_90 only (wgmma, setmaxnreg), head_dim 128. Its jobs
+# compile under GEMM_TRITON, in a child process of their own (test_gpu_targets): Gluon's API moves between
+# releases, and the kernel calls tma.async_copy_global_to_shared / async_copy_shared_to_global, which
+# Triton 3.8 renamed async_load / async_store (keeping the old names as aliases) and 3.9 removed.
+GEMM_TRITON = "3.6.0"  # the Triton the kernel was validated with on the GPU
+GEMM_KERNEL = "qkv_rope_norm_gemm_sm90.qkv_rope_norm_gemm_sm90_kernel"
+# the JIT's specialisations of the integer arguments, by group (each job's ``int_spec``)
+GEMM_INT_AXES = dict(
+    # the norm weights', rstd's position and cos/sin's column strides: 1 (a constexpr) for contiguous tensors
+    units=("one", "plain"),
+    # rstd's batch/head and cos/sin's batch/position strides, and M, K, S, HQ, HKV (N = heads * 128: "D")
+    ints=("plain", "div16"),
+)
+GEMM_UNITS = ("swq", "swk", "srq_s", "srk_s", "scos_d", "ssin_d")
+GEMM_INTS = ("srq_b", "srq_h", "srk_b", "srk_h", "scos_b", "scos_s", "ssin_b", "ssin_s", "M", "K", "S", "HQ", "HKV")
+# one token of one query and one key head: M = S = HQ = HKV = 1, and so rstd's head strides (S)
+GEMM_ONE_TOKEN = ("M", "S", "HQ", "HKV", "srq_h", "srk_h")
+
+
+def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=False, level="cubin", one=None,
+              **tile):
+    """One compile of ``qkv_rope_norm_gemm_sm90_kernel`` as ``FusedGemmForward`` launches it (``tile``:
+    overrides of the launcher's ``TILE``)."""
+    from fusedqkv.ops.qkv_rope_norm_gemm import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, TILE
+
+    t = dict(TILE, **tile)
+    consts = dict(BM=t["BM"], BN=128, BK=t["BK"], GROUP_M=t["GROUP_M"], STAGES=t["STAGES"], FUSE=fuse,
+                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS)
+    act = _tt(dtype)
+    norm = "*fp32" if norm_fp32 and nw else "*" + act  # unweighted: q stands in
+    types = dict(wq_ptr=norm, wk_ptr=norm, rq_ptr="*fp32", rk_ptr="*fp32", cos_ptr="*" + act, sin_ptr="*" + act)
+    spec = {n: {"one": "1", "plain": "i32"}[units] for n in GEMM_UNITS}
+    spec.update({n: {"plain": "i32", "div16": "D"}[ints] for n in GEMM_INTS}, N="D")
+    if one_token:
+        spec.update({n: "1" for n in GEMM_ONE_TOKEN})
+    tiles = " ".join(f"{k}{t[k]}" for k in TILE)
+    label = (f"gemm_sm90 sm90 {dtype}{'/normfp32' if norm_fp32 else ''} fuse={fuse} nar={nar} nw={nw} {tiles} "
+             f"units={units} ints={ints}{' one_token' if one_token else ''}{'' if one is None else ' one=' + one}")
+    return dict(kernel=GEMM_KERNEL, cc=90, consts=consts, types=types, ints=ints, int_spec=spec,
+                int_axes=dict(units=units, ints=ints), one_token=one_token, desc_types="_gemm_desc_types",
+                dtype=dtype, options={"num_warps": 4, "maxnreg": MAXNREG}, level=level, label=label, one=one,
+                triton=GEMM_TRITON)
+
+
+def _gemm_desc_types(job) -> dict:
+    """The descriptors' types as the JIT mangles the launcher's (made in the compiling process: the
+    layouts spelt by the Triton in use)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from fusedqkv.ops.qkv_rope_norm_gemm import layouts
+
+    c = job["consts"]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[job["dtype"]]
+    x_l, w_l, o_l = layouts(dtype, c["BM"], c["BN"], c["BK"])
+    t = torch.empty(256, 256, dtype=dtype)
+    half = [c["BM"], c["BN"] // 2]
+    descs = dict(x_desc=([c["BM"], c["BK"]], x_l), w_desc=([c["BN"], c["BK"]], w_l), qkv_desc=(half, o_l),
+                 q_desc=(half, o_l), k_desc=(half, o_l))
+    return {n: mangle_type(TensorDescriptor.from_tensor(t, block, layout)) for n, (block, layout) in descs.items()}
+
+
+def gemm_jobs() -> list:
+    axes = dict(dtype=("bf16", "fp16"), nar=(True, False), nw=(True, False), **GEMM_INT_AXES)
+    jobs = [_gemm_job(fuse=True, **r) for r in pairwise(axes, seed=0)]  # 6 rows: the lower bound
+    jobs.append(_gemm_job("bf16", False, True, True, "one", "div16"))  # the plain GEMM (benchmarks)
+    jobs.append(_gemm_job("bf16", True, False, True, "one", "plain", one_token=True))
+    jobs.append(_gemm_job("bf16", True, True, True, "plain", "div16", norm_fp32=True, RC=16))  # a smaller chunk
+    jobs.append(_gemm_job("fp16", True, False, False, "one", "plain", STAGES=4))  # a shallower ring
+    return jobs
+
+
 def full_jobs() -> list:
     """Every constexpr value (pairwise), each job compiled to a cubin."""
     return (stage_jobs() + stage_all_heads_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs() + matmul_jobs()
-            + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)])
+            + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)] + gemm_jobs())
 
 
 def one_at_a_time_jobs(kernel_args: dict) -> list:
@@ -426,6 +509,7 @@ def one_at_a_time_jobs(kernel_args: dict) -> list:
         _matmul_job("chain_dw", "bf16", True, "sms", "plain", level="ttir"),
         _matmul_job("chain_dx", "bf16", False, "sms", "plain", level="ttir"),
         _flush_job("plain", level="ttir"),
+        _gemm_job("bf16", True, True, True, "plain", "plain", level="ttir"),
     ]
     jobs = []
     for base in bases:
@@ -478,27 +562,36 @@ def compile_job(job: dict) -> dict:
         names = list(kernel.arg_names)
         ints = set(int_args(kernel))
         consts = dict(job["consts"])
+        types = dict(job["types"])
+        if job.get("desc_types"):  # Gluon descriptors: their type spells the shared layout
+            types.update(globals()[job["desc_types"]](job))
         sig, attrs = {}, {}
         for i, n in enumerate(names):
             if n in consts:
                 sig[n] = "constexpr"
             elif n in ints:
-                if job["ints"] == "ones" or job.get("one") == n:
+                # per argument ("1", "D": i32 divisible by 16, "i32", "i64"), else the job's mode
+                spec = job.get("int_spec", {}).get(n) or {"ones": "1", "div16": "D"}.get(job["ints"]) or (
+                    "i64" if job["ints"] == "i64" and n not in SIZE_ARGS else "i32")
+                if job.get("one") == n:
+                    spec = "1"
+                if spec == "1":
                     sig[n] = "constexpr"
                     consts[n] = 1
-                elif job["ints"] == "i64" and n not in SIZE_ARGS:
-                    sig[n] = "i64"
                 else:
-                    sig[n] = "i32"
-                    if job["ints"] == "div16":
+                    sig[n] = "i64" if spec == "i64" else "i32"
+                    if spec == "D":
                         attrs[(i,)] = [["tt.divisibility", 16]]
             else:
-                sig[n] = job["types"].get(n) or job.get("default_ptr") or ("fp32" if n == "eps" else None)
+                sig[n] = types.get(n) or job.get("default_ptr") or ("fp32" if n == "eps" else None)
                 assert sig[n], f"no type for {n}"
                 if sig[n].startswith("*"):  # the JIT marks 16-byte aligned tensors
                     attrs[(i,)] = [["tt.divisibility", 16]]
-        src = triton.compiler.ASTSource(fn=kernel, signature=sig,
-                                        constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+        source = triton.compiler.ASTSource
+        if getattr(kernel, "is_gluon", lambda: False)():  # Gluon: its own front end (Language.GLUON)
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        src = source(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                     attrs=attrs)
         target = GPUTarget("cuda", job["cc"], 32)
         if job["level"] == "ttir":
             _to_ttir(src, target, job["options"])
@@ -537,7 +630,8 @@ def _to_ttir(src, target, options):
         return
     stages: dict = {}
     backend.add_stages(stages, opts, src.language)
-    stages["ttir"](module, {"hash": "offline", "target": target, **opts.__dict__})
+    first = "ttir" if "ttir" in stages else next(iter(stages))  # Gluon: its own passes to TritonGPU IR
+    stages[first](module, {"hash": "offline", "target": target, **opts.__dict__})
 
 
 def all_jobs() -> list:
@@ -578,11 +672,20 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true")
     # e.g. OFFLINE_COMPILE_RAISE=1 TRITON_INTERPRET=0 PYTHONPATH=src python tests/_offline_compile.py \
     #          --processes 1 --only "stage sm90 091 group8 d128 bf16 hq32/hkv8 ints=ones"
+    ap.add_argument("--triton", default=None,
+                    help="run the jobs pinned to this Triton version (it must be the one imported); "
+                         "without it, the jobs pinned to none")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("run without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    jobs = [j for j in all_jobs() if a.only in j["label"]]
+    if a.triton:
+        import triton
+
+        if triton.__version__ != a.triton:
+            print(f"--triton {a.triton} but Triton {triton.__version__} is imported", file=sys.stderr)
+            return 2
+    jobs = [j for j in all_jobs() if a.only in j["label"] and j.get("triton") == a.triton]
     if a.list:
         for j in jobs:
             print(j["level"], j["label"])

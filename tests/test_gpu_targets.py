@@ -7,35 +7,63 @@ select (pairwise over each kernel's axes, the target one of them: sm_80, sm_90, 
 and every kernel with its integer arguments specialised the way the JIT specialises them -- an
 argument equal to 1 becomes a compile-time constant, so a kernel that calls a tensor method on it
 (``M.to(tl.int64)``) fails to compile on the GPU for one token while the CPU interpreter, which
-never specialises, runs it fine."""
+never specialises, runs it fine.
+
+The Gluon forward GEMM (sm_90 only) compiles under the Triton it was validated with
+(``_offline_compile.GEMM_TRITON``, fetched and cached like test_fast_path_gate's Tritons), in a child
+process of its own: Triton 3.9 removed the TMA copy names it calls."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import _offline_compile as oc
 import pytest
 import torch
+from _tritons import triton_path
 
 from fusedqkv.ops import config, device, projection
 
 JOBS = oc.all_jobs()
 FAMILIES = sorted({j["label"].split()[0] for j in JOBS})
+SCRIPT = Path(__file__).with_name("_offline_compile.py")
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _offline(args, triton_dir=None):
+    """The script's results and the child process; ``triton_dir`` first on its PYTHONPATH."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    if triton_dir:
+        rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join([str(triton_dir), str(SRC), *rest])
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=1800)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], proc
 
 
 @pytest.fixture(scope="module")
 def compiled():
     """label -> result of every offline compile, run once in child processes: the test session
     runs Triton's interpreter (TRITON_INTERPRET=1), under which the kernels take their emulated
-    16-bit rounding instead of the GPU code paths."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    script = Path(__file__).with_name("_offline_compile.py")
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1800)
+    16-bit rounding instead of the GPU code paths. The jobs pinned to a Triton run in a child of
+    their own with that Triton; where it cannot be had, its jobs fail with the reason."""
+    results, proc = _offline([])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["label"]: r for r in results}
+    out = {r["label"]: r for r in results}
+    for version in sorted({j["triton"] for j in JOBS if j.get("triton")}):
+        try:
+            results, proc = _offline(["--triton", version], triton_path(version))
+            problem = "" if proc.returncode == 0 else f"exit {proc.returncode}:\n{proc.stderr[-4000:]}"
+        except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - reported with the pinned jobs
+            results, problem = [], f"no Triton {version}: {e}"
+        out.update({r["label"]: r for r in results})
+        for j in JOBS:
+            if j.get("triton") == version and j["label"] not in out:
+                out[j["label"]] = dict(label=j["label"], ok=False, info={},
+                                       error=f"Triton {version} child: {problem or 'no result'}")
+    return out
 
 
 def _failures(compiled, family, level):
@@ -75,8 +103,15 @@ def test_job_list_covers_every_value_and_int_argument():
         for v in values:
             assert any(_stage_value(j, axis, v) for j in stage), (axis, v)
     for fam in FAMILIES:
+        if fam == "gemm_sm90":  # its own integer axes: the JIT's specialisations, by group of arguments
+            continue
         modes = {j["ints"] for j in full if j["label"].split()[0] == fam}
         assert modes == set(oc.INT_MODES), (fam, modes)
+    gemm = [j for j in full if j["label"].startswith("gemm_sm90 ")]
+    for axis, values in oc.GEMM_INT_AXES.items():
+        assert {j["int_axes"][axis] for j in gemm} == set(values), axis
+    assert any(j["one_token"] for j in gemm)
+    assert set(oc.GEMM_UNITS + oc.GEMM_INTS + ("N",)) == set(oc.int_args(oc._kernel(oc.GEMM_KERNEL)))
     for kernel in {j["kernel"] for j in JOBS if j["level"] == "ttir"}:
         ones = {j["one"] for j in JOBS if j["level"] == "ttir" and j["kernel"] == kernel}
         assert ones == set(oc.int_args(oc._kernel(kernel))), kernel
@@ -125,6 +160,17 @@ def test_hybrid_dw_fits_its_programs_per_sm(compiled, cc):
     assert per_sm * (r["info"]["shared"] + 1024) <= 228 * 1024, r
 
 
+def test_gemm_sm90_fits_shared_memory(compiled):
+    """The Gluon GEMM's ring at the launcher's depth (5 stages of x and W tiles, 32 KB each) and its
+    four epilogue buffers fit one block's 227 KB of shared memory on sm_90 (a launch past it fails)."""
+    gemm = [j for j in JOBS if j["label"].startswith("gemm_sm90 ") and j["level"] == "cubin"]
+    assert {j["consts"]["STAGES"] for j in gemm} >= {5, 4}
+    for j in gemm:
+        r = compiled[j["label"]]
+        assert r["ok"], r["error"]
+        assert r["info"]["shared"] <= 227 * 1024, r
+
+
 def test_blackwell_targets_compile_every_kernel(compiled):
     """sm_100a and sm_120a get offline compiles of every kernel the launchers select there: the
     stage, the forward stage, the finishes and the flush on both, the products on sm_100a."""
@@ -165,8 +211,17 @@ def test_triton_products_only_on_hopper_and_datacenter_blackwell(cc, monkeypatch
 
 
 def test_job_list_follows_the_launchers(monkeypatch):
-    """The offline job list holds the launchers' configurations: the products' tile configs, and
-    the stage's (tokens per block, heads per group, warps) at every token count on an H200."""
+    """The offline job list holds the launchers' configurations: the products' tile configs, the
+    stage's (tokens per block, heads per group, warps) at every token count on an H200, and the
+    Gluon GEMM's constexprs and options."""
+    from fusedqkv.ops import qkv_rope_norm_gemm as gemm
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    for nar, nw, fuse in ((True, True, True), (False, False, True), (True, True, False)):
+        fwd = gemm.FusedGemmForward(4096, 6144, 4096, 4096, 32, 8, 128, 1e-6, nar, nw, torch.bfloat16, "cuda",
+                                    fuse=fuse)
+        job = oc._gemm_job("bf16", fuse, nar, nw, "one", "div16")
+        assert job["consts"] == fwd.constexprs and job["options"] == {"num_warps": 4, "maxnreg": gemm.MAXNREG}
     cfg = config.Config()
     for name in ("CHAIN_DX", "CHAIN_DW", "CHAIN_DX_ABOVE_128", "CHAIN_DW_ABOVE_128", "HYBRID_DW"):
         assert getattr(oc, name) == getattr(cfg, name.lower()), name
