@@ -121,12 +121,39 @@ def check(cfg_name, b, s, weighted, device):
     return out
 
 
+def host_rows(rows, device, result, out):
+    import host_costs as HC
+
+    for cfg_name, b, s in rows:
+        cfg = BMOD.CONFIGS[cfg_name]
+        x, w, wq, wk, cos, sin = make(cfg, b, s, device)
+        fns = {}
+        for mode in ("off", "on"):
+            with config.override(fused_forward=mode):
+                plan = forward_plan(x, w, wq, wk, cos, sin, cfg["num_heads"], cfg["num_kv_heads"], 1e-6,
+                                    cfg["qk_norm_position"], "triton")
+            assert (plan.fused is not None) == (mode == "on")
+            fns[mode] = (lambda p: lambda: run_forward(p, x, w, wq, wk, cos, sin))(plan)
+        us = HC.interleaved_host_us(fns, n=50)
+        row = dict(row=f"{cfg_name} {b}x{s}", host_us=us)
+        log(json.dumps(row))
+        result["rows"].append(row)
+    with open(os.path.join(out, "gluon_forward_host.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{'row':34s} {'stage path us':>14s} {'fused us':>9s}")
+    for r in result["rows"]:
+        print(f"{r['row']:34s} {r['host_us']['off']:14.1f} {r['host_us']['on']:9.1f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out_gluon")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rows", default=None, help="comma-separated row indices")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--host", action="store_true",
+                    help="only the host time per planned forward call (us, the GPU kept busy behind a sleep), the "
+                         "kernel's plan against cuBLASLt + the stage, interleaved")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     device = torch.device("cuda")
@@ -141,8 +168,10 @@ def main(argv=None):
                 r = dict(row=str(c), ok=False, error=traceback.format_exc()[-2000:])
             log(json.dumps(r))
             result["checks"].append(r)
-    flusher = timing.L2Flusher(device)
     rows = ROWS if a.rows is None else [ROWS[int(i)] for i in a.rows.split(",")]
+    if a.host:
+        return host_rows(rows, device, result, a.out)
+    flusher = timing.L2Flusher(device)
     for cfg_name, b, s in rows:
         cfg = BMOD.CONFIGS[cfg_name]
         args = make(cfg, b, s, device)
