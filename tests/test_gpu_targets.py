@@ -214,8 +214,10 @@ def test_job_list_follows_the_launchers(monkeypatch):
     """The offline job list holds the launchers' configurations: the products' tile configs, the
     stage's (tokens per block, heads per group, warps) at every token count on an H200, and the
     Gluon GEMM's constexprs and options."""
+    from fusedqkv.ops import internals
     from fusedqkv.ops import qkv_rope_norm_gemm as gemm
 
+    assert internals._in_range(oc.GEMM_TRITON, internals.GLUON_SUPPORTED)  # compiled where the plan runs it
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     for nar, nw, fuse in ((True, True, True), (False, False, True), (True, True, False)):
         fwd = gemm.FusedGemmForward(4096, 6144, 4096, 4096, 32, 8, 128, 1e-6, nar, nw, torch.bfloat16, "cuda",

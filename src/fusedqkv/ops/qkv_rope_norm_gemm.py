@@ -44,8 +44,10 @@ def consumer_rounds(M: int, N: int, D: int, sms: int, BM: int = TILE["BM"]) -> f
     return (-(-M // BM) * (N // D)) / (2 * sms)
 
 
-def plan_fused_forward(sz: dict, x, w, bias, cfg) -> "FusedGemmForward | None":
-    """The fused forward of a plan, or None (cuBLAS + the stage). ``sz``: the validated sizes."""
+def plan_fused_forward(sz: dict, x, w, bias, cfg, small=()) -> "FusedGemmForward | None":
+    """The fused forward of a plan, or None (cuBLAS + the stage). ``sz``: the validated sizes;
+    ``small``: cos, sin and the norm weights (None where absent), which must have unit last strides
+    (other strides compile to epilogues that spill: tests/_offline_compile.py's gemm_sm90 jobs)."""
     from . import internals
     from .plan_cache import as_matrix
     device = sz["device"]
@@ -57,6 +59,8 @@ def plan_fused_forward(sz: dict, x, w, bias, cfg) -> "FusedGemmForward | None":
     M, N, D = sz["batch"] * sz["seq"], sz["qkv"], sz["head_dim"]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if cfg.fused_forward == "auto" and consumer_rounds(M, N, D, sms) < cfg.fused_forward_min_rounds:
+        return None
+    if any(t is not None and t.stride(-1) != 1 for t in small):
         return None
     x2d = as_matrix(x, M, sz["hidden"])
     if (x2d is None or x2d.stride(1) != 1 or (x2d.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16

@@ -124,7 +124,7 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     lt_qkv = None
     if qkv_bias is None and aligned and hidden_states.data_ptr() % 16 == 0 and qkv_weight.data_ptr() % 16 == 0:
         lt_qkv = lt_matmul(as_matrix(hidden_states, M, sz["hidden"]), qkv_weight.t(), qkv.view(M, sz["qkv"]), cfg)
-    fused = plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg)
+    fused = plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg, (cos, sin, q_norm_weight, k_norm_weight))
     return ForwardPlan(cfg, sz, backend, launch, table, aligned, lt_qkv, fused)
 
 
