@@ -697,16 +697,10 @@ def _value_out(gv_ptrs, xv_ptrs, o_ptrs, vmask, rows_valid, eps, D: tl.constexpr
 
 
 @triton.jit
-def _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
-                   c1, c2, s1, s2, tok0, t_end, S, ADD_STORED: tl.constexpr,
-                   HALF: tl.constexpr, HALF_P2: tl.constexpr, DT: tl.constexpr, EXACT: tl.constexpr,
-                   HB: tl.constexpr, BLOCK_T: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """grad_cos/grad_sin of tokens [tok0, tok0 + BLOCK_T) from per-row sums: each summed over
-    the rows of its token and rounded; with ADD_STORED, added to the (rounded) values this
-    program stored there before and rounded again."""
-    t = tok0 + tl.arange(0, BLOCK_T)[:, None]
-    d = tl.arange(0, HALF_P2)[None, :]
-    m = (t < t_end) & (d < HALF)
+def _cos_sin_grad_pointers(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d, t, d, S,
+                           HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """grad_cos/grad_sin addresses of both elements of RoPE pair ``d`` of token ``t``: (cos first,
+    cos second, sin first, sin second)."""
     tb = (t // S).to(tl.int64)
     ts = t % S
     if INTERLEAVED:
@@ -719,6 +713,22 @@ def _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin
         p_c2 = p_c1 + HALF * sgcos_d
         p_s1 = gsin_ptr + tb * sgsin_b + ts * sgsin_s + d * sgsin_d
         p_s2 = p_s1 + HALF * sgsin_d
+    return p_c1, p_c2, p_s1, p_s2
+
+
+@triton.jit
+def _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                   c1, c2, s1, s2, tok0, t_end, S, ADD_STORED: tl.constexpr,
+                   HALF: tl.constexpr, HALF_P2: tl.constexpr, DT: tl.constexpr, EXACT: tl.constexpr,
+                   HB: tl.constexpr, BLOCK_T: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """grad_cos/grad_sin of tokens [tok0, tok0 + BLOCK_T) from per-row sums: each summed over
+    the rows of its token and rounded; with ADD_STORED, added to the (rounded) values this
+    program stored there before and rounded again."""
+    t = tok0 + tl.arange(0, BLOCK_T)[:, None]
+    d = tl.arange(0, HALF_P2)[None, :]
+    m = (t < t_end) & (d < HALF)
+    p_c1, p_c2, p_s1, p_s2 = _cos_sin_grad_pointers(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s,
+                                                    sgsin_d, t, d, S, HALF, INTERLEAVED)
     v_c1 = _rnd(_token_sum(c1, HB, BLOCK_T, HALF_P2), DT, EXACT)
     v_c2 = _rnd(_token_sum(c2, HB, BLOCK_T, HALF_P2), DT, EXACT)
     v_s1 = _rnd(_token_sum(s1, HB, BLOCK_T, HALF_P2), DT, EXACT)
@@ -1143,18 +1153,8 @@ def _finish_block_cos_sin(cs_ptr, gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr,
         kc2 += tl.load(base + g * gstride + HALF, mask=m, other=0.0, cache_modifier=".cg")
         ks1 += tl.load(base + g * gstride + sstride, mask=m, other=0.0, cache_modifier=".cg")
         ks2 += tl.load(base + g * gstride + sstride + HALF, mask=m, other=0.0, cache_modifier=".cg")
-    tb = (t // S).to(tl.int64)
-    ts = t % S
-    if INTERLEAVED:
-        pc = gcos_ptr + tb * sgcos_b + ts * sgcos_s + (2 * d) * sgcos_d
-        ps = gsin_ptr + tb * sgsin_b + ts * sgsin_s + (2 * d) * sgsin_d
-        pc2 = pc + sgcos_d
-        ps2 = ps + sgsin_d
-    else:
-        pc = gcos_ptr + tb * sgcos_b + ts * sgcos_s + d * sgcos_d
-        ps = gsin_ptr + tb * sgsin_b + ts * sgsin_s + d * sgsin_d
-        pc2 = pc + HALF * sgcos_d
-        ps2 = ps + HALF * sgsin_d
+    pc, pc2, ps, ps2 = _cos_sin_grad_pointers(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
+                                              t, d, S, HALF, INTERLEAVED)
     _store_cast(pc, _rnd(_rnd(qc1, DT, EXACT) + _rnd(kc1, DT, EXACT), DT, EXACT), m)
     _store_cast(pc2, _rnd(_rnd(qc2, DT, EXACT) + _rnd(kc2, DT, EXACT), DT, EXACT), m)
     _store_cast(ps, _rnd(_rnd(qs1, DT, EXACT) + _rnd(ks1, DT, EXACT), DT, EXACT), m)
