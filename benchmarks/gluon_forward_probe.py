@@ -175,7 +175,7 @@ def main(argv=None):
     for cfg_name, b, s in rows:
         cfg = BMOD.CONFIGS[cfg_name]
         args = make(cfg, b, s, device)
-        fns = dict(floor=floor_fn(args), today=today_fn(args=args, cfg=cfg),
+        fns = dict(floor=floor_fn(args), today=today_fn(cfg, args),
                    gluon_gemm=fused_fn(cfg, args, fuse=False), gluon_fused=fused_fn(cfg, args))
         try:
             ms = BF.time_graphs_interleaved(fns, a.reps, flusher=flusher)

@@ -275,9 +275,17 @@ def raw_launch_gate() -> Optional[str]:
 GLUON_SUPPORTED = ((3, 6), (3, 6))
 
 
-def gluon_gate() -> Optional[str]:
-    """None where the Gluon kernels may run, else the reason (not warned here: the caller warns
-    only where a plan would have taken them)."""
+def gluon_gate(instead: Optional[str] = None) -> Optional[str]:
+    """None where the Gluon kernels may run, else the reason. With ``instead`` (what runs in their
+    place), a reason other than the interpreter is recorded and warned once: callers pass it only
+    where a plan would have taken them."""
+    reason = _gluon_reason()
+    if reason is not None and instead is not None and reason != "interpreter":
+        fall_back(reason, instead=instead, supported=f"Triton {_range_text(GLUON_SUPPORTED)} for Gluon")
+    return reason
+
+
+def _gluon_reason() -> Optional[str]:
     if INTERPRET:
         return "interpreter"  # Gluon kernels have no interpreter
     version = triton_version()

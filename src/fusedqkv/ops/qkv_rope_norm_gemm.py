@@ -11,6 +11,8 @@ descriptors (they carry the addresses) are made, through Gluon's public launch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 TILE = dict(BM=128, BK=64, GROUP_M=8, STAGES=5, RC=32)
@@ -47,7 +49,7 @@ def consumer_rounds(M: int, N: int, D: int, sms: int, BM: int = TILE["BM"]) -> f
 def plan_fused_forward(sz: dict, x, w, bias, cfg, small=()) -> "FusedGemmForward | None":
     """The fused forward of a plan, or None (cuBLAS + the stage). ``sz``: the validated sizes;
     ``small``: cos, sin and the norm weights (None where absent), which must have unit last strides
-    (other strides compile to epilogues that spill: tests/_offline_compile.py's gemm_sm90 jobs)."""
+    (the epilogue spills with other strides: offline ptxas, NOTES session 13)."""
     from . import internals
     from .plan_cache import as_matrix
     device = sz["device"]
@@ -66,15 +68,11 @@ def plan_fused_forward(sz: dict, x, w, bias, cfg, small=()) -> "FusedGemmForward
     if (x2d is None or x2d.stride(1) != 1 or (x2d.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16
             or w.stride(1) != 1 or (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16):
         return None  # TMA needs 16-byte aligned rows
-    reason = internals.gluon_gate()
-    if reason is not None:
-        if reason != "interpreter":
-            internals.fall_back(reason, instead="cuBLAS + the forward stage for the training forward (up to ~6% "
-                                "slower at large token counts)",
-                                supported=f"Triton {internals._range_text(internals.GLUON_SUPPORTED)} for Gluon")
+    if internals.gluon_gate(instead="cuBLAS + the forward stage for the training forward (up to ~6% slower at "
+                            "large token counts)") is not None:
         return None
     return FusedGemmForward(M, N, sz["hidden"], sz["seq"], sz["num_heads"], sz["num_kv_heads"], D, sz["eps"],
-                            sz["norm_after_rope"], sz["variant"].norm_weight, x.dtype, device)
+                            sz["norm_after_rope"], sz["variant"].norm_weight, x.dtype, device, sms=sms)
 
 
 def _gl_dtype(dtype):
@@ -94,16 +92,18 @@ class FusedGemmForward:
     """The fused forward of one plan: ``run(x2d, w, qkv2d, q2d, k2d, wq, wk, rq, rk, cos, sin)``."""
 
     def __init__(self, M: int, N: int, K: int, S: int, hq: int, hkv: int, D: int, eps: float,
-                 norm_after_rope: bool, norm_weight: bool, dtype, device, fuse: bool = True, **tile):
+                 norm_after_rope: bool, norm_weight: bool, dtype, device, fuse: bool = True, sms: int | None = None,
+                 **tile):
         from ..kernels.qkv_rope_norm_gemm_sm90 import qkv_rope_norm_gemm_sm90_kernel
         self.kernel = qkv_rope_norm_gemm_sm90_kernel
         self.M, self.N, self.K, self.S, self.hq, self.hkv, self.D, self.eps = M, N, K, S, hq, hkv, D, float(eps)
         self.tile = dict(TILE, **tile)
         BM, BK = self.tile["BM"], self.tile["BK"]
         self.x_l, self.w_l, self.o_l = layouts(dtype, BM, D, BK)
-        n_tiles = -(-M // BM) * (N // D)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.grid = (max(1, min(sms, -(-n_tiles // 2))), )  # two consumers per program
+        if sms is None:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # one program per SM, fewer where there are fewer than two tiles (two consumers) per SM
+        self.grid = (max(1, min(sms, math.ceil(consumer_rounds(M, N, D, 1, BM)))), )
         self.constexprs = dict(BM=BM, BN=D, BK=BK, GROUP_M=self.tile["GROUP_M"], STAGES=self.tile["STAGES"],
                                FUSE=fuse, NORM_AFTER_ROPE=norm_after_rope, NORM_WEIGHT=norm_weight, RC=self.tile["RC"],
                                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)

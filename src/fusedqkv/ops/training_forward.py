@@ -80,7 +80,7 @@ class ForwardPlan:
     def _run_fused(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin):
         if (hidden_states.data_ptr() | qkv_weight.data_ptr()) & 15:
             raise Misaligned
-        b, s, hq, hkv, d = self.out_dims
+        _, _, hq, hkv, d = self.out_dims
         qkv = torch.empty(self.qkv_shape, dtype=self.dtype, device=self.device)
         q, k, rq, rk, v = forward_outputs(*self.out_dims, self.dtype, self.device, False)
         # token-major q/k are [tokens, heads * head_dim] matrices in memory
@@ -110,6 +110,9 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     M = sz["batch"] * sz["seq"]
     if backend == "torch" or M == 0:
         return ForwardPlan(cfg, sz, backend)
+    fused = plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg, (cos, sin, q_norm_weight, k_norm_weight))
+    if fused is not None:  # one launch: no GEMM or stage of its own to plan
+        return ForwardPlan(cfg, sz, backend, fused=fused)
     b, s, d, rot = sz["batch"], sz["seq"], sz["head_dim"], sz["rot"]
     qkv = torch.empty((b, s, sz["qkv"]), dtype=sz["dtype"], device=device)
     q, k, rq, rk, v = forward_outputs(b, s, num_heads, num_kv_heads, d, sz["dtype"], device, variant.v_norm)
@@ -124,8 +127,7 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     lt_qkv = None
     if qkv_bias is None and aligned and hidden_states.data_ptr() % 16 == 0 and qkv_weight.data_ptr() % 16 == 0:
         lt_qkv = lt_matmul(as_matrix(hidden_states, M, sz["hidden"]), qkv_weight.t(), qkv.view(M, sz["qkv"]), cfg)
-    fused = plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg, (cos, sin, q_norm_weight, k_norm_weight))
-    return ForwardPlan(cfg, sz, backend, launch, table, aligned, lt_qkv, fused)
+    return ForwardPlan(cfg, sz, backend, launch, table, aligned, lt_qkv)
 
 
 PLANS = PlanCache("training_forward", build_forward)
