@@ -5,9 +5,11 @@ forward (planned cuBLASLt GEMM + the Triton forward stage).
 Checks first, on every row and both norm positions, weighted and not, plus ragged token counts:
 the fused kernel's qkv against cuBLAS's (relative error), its q/k against the torch stage run on
 the fused qkv (mismatches beyond one bf16 rounding), rstd (relative), and two launches bitwise equal.
-Then every provider (``today``: the plan with the kernel off; ``gluon_gemm``: the kernel without
-its epilogue's norm, qkv only; ``gluon_fused``: the kernel) captured as a CUDA graph (inputs and outputs kept alive), replayed call by call
+Then every provider captured as a CUDA graph (inputs and outputs kept alive), replayed call by call
 in a rotating order with the L2 flushed before each; median of --reps; ratios to the floor.
+Providers: ``today`` (the plan with the kernel off), ``gluon_gemm`` (the kernel without its
+epilogue's norm, qkv only), ``gluon_fused`` (the kernel), ``gluon_fused_loop`` (the kernel with its
+norm epilogue as one loop, ``EPILOGUE_LOOP``).
 
     PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/gluon_forward_probe.py --out $OUT/gluon
 
@@ -176,7 +178,8 @@ def main(argv=None):
         cfg = BMOD.CONFIGS[cfg_name]
         args = make(cfg, b, s, device)
         fns = dict(floor=floor_fn(args), today=today_fn(cfg, args),
-                   gluon_gemm=fused_fn(cfg, args, fuse=False), gluon_fused=fused_fn(cfg, args))
+                   gluon_gemm=fused_fn(cfg, args, fuse=False), gluon_fused=fused_fn(cfg, args),
+                   gluon_fused_loop=fused_fn(cfg, args, EPILOGUE_LOOP=True))
         try:
             ms = BF.time_graphs_interleaved(fns, a.reps, flusher=flusher)
         except Exception:  # noqa: BLE001
@@ -192,7 +195,7 @@ def main(argv=None):
     for c in result["checks"]:
         if not c["ok"]:
             print("  FAIL", json.dumps(c)[:600])
-    names = ["today", "gluon_gemm", "gluon_fused"]
+    names = ["today", "gluon_gemm", "gluon_fused", "gluon_fused_loop"]
     print(f"{'row':34s} {'floor ms':>9s} " + " ".join(f"{n:>15s}" for n in names))
     for r in result["rows"]:
         print(f"{r['row']:34s} {r['ms']['floor']:9.4f} " + " ".join(f"{r['over_floor'][n]:15.3f}" for n in names))

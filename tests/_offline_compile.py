@@ -443,7 +443,8 @@ def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=Fals
 
     t = dict(TILE, **tile)
     consts = dict(BM=t["BM"], BN=128, BK=t["BK"], GROUP_M=t["GROUP_M"], STAGES=t["STAGES"], FUSE=fuse,
-                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], CONSUMER_REGS=CONSUMER_REGS,
+                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], EPILOGUE_LOOP=t["EPILOGUE_LOOP"],
+                  CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS)
     act = _tt(dtype)
     norm = "*fp32" if norm_fp32 and nw else "*" + act  # unweighted: q stands in
@@ -487,6 +488,8 @@ def gemm_jobs() -> list:
     jobs.append(_gemm_job("bf16", True, False, True, "one", "plain", one_token=True))
     jobs.append(_gemm_job("bf16", True, True, True, "one", "div16", norm_fp32=True, RC=16))  # a smaller chunk
     jobs.append(_gemm_job("fp16", True, False, False, "one", "plain", STAGES=4))  # a shallower ring
+    for nar, nw, dtype, ints in ((True, True, "bf16", "div16"), (False, False, "fp16", "plain")):  # the epilogue loop
+        jobs.append(_gemm_job(dtype, True, nar, nw, "one", ints, EPILOGUE_LOOP=True))
     return jobs
 
 

@@ -10,8 +10,8 @@ import torch
 
 from fusedqkv import GQAQKVRoPEQKNorm
 from fusedqkv.ops import config, internals
-from fusedqkv.ops.gqa_forward import forward_torch
-from fusedqkv.ops.qkv_rope_norm_gemm import consumer_rounds
+from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch
+from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward, consumer_rounds
 from fusedqkv.ops.training_forward import forward_plan, run_forward
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
@@ -63,6 +63,32 @@ def test_fused_forward_matches_the_stage_on_its_qkv(hidden, hq, hkv, b, s, posit
     assert _beyond_one_rounding(k, tk, dtype) == 0
     torch.testing.assert_close(rq, trq, rtol=1e-5, atol=0)
     torch.testing.assert_close(rk, trk, rtol=1e-5, atol=0)
+
+
+@hopper
+@pytest.mark.parametrize("hidden,hq,hkv,b,s,position,weighted,dtype", CASES)
+def test_epilogue_loop_equals_the_unrolled_epilogue(hidden, hq, hkv, b, s, position, weighted, dtype):
+    """The norm epilogue as one loop (``EPILOGUE_LOOP``) does the unrolled epilogue's arithmetic in the
+    same order: every output bitwise equal, with cos/sin halves that differ (per-element RoPE)."""
+    x, w, wq, wk, _, _ = _inputs(hidden, hq, hkv, b, s, weighted, dtype)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    cos, sin = (torch.rand(b, s, 128, device="cuda", generator=g).mul(2).sub(1).to(dtype) for _ in range(2))
+    M, N = b * s, w.shape[0]
+    outs = []
+    for loop in (False, True):
+        fwd = FusedGemmForward(M, N, hidden, s, hq, hkv, 128, 1e-6, position == "after_rope", weighted, dtype,
+                               x.device, EPILOGUE_LOOP=loop)
+        qkv = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+        q, k, rq, rk, _ = forward_outputs(b, s, hq, hkv, 128, dtype, x.device, False)
+        for t in (q, k, rq, rk):  # every element written
+            t.fill_(float("nan"))
+        fwd.run(x.view(M, hidden), w, qkv, q.transpose(1, 2).view(M, hq * 128), k.transpose(1, 2).view(M, hkv * 128),
+                wq, wk, rq, rk, cos, sin)
+        outs.append((q, k, qkv, rq, rk))
+    torch.cuda.synchronize()
+    for a, b_ in zip(*outs):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b_)
 
 
 @hopper

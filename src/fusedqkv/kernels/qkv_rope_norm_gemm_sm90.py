@@ -123,8 +123,8 @@ def _chunk_layout(RC, HALF):
 
 
 @gluon.jit
-def _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, c: gl.constexpr, M, S,
-                   live, RC: gl.constexpr, HALF: gl.constexpr):
+def _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, c, M, S, live,
+                   RC: gl.constexpr, HALF: gl.constexpr):
     """cos/sin of rows [off_m + c*RC, +RC), both halves, as loaded (converted where used, so a
     prefetched chunk holds 16-bit pairs), and the rows' batch and position; nothing is read unless
     ``live``."""
@@ -158,47 +158,85 @@ def _norm_weight_halves(wq_ptr, swq, wk_ptr, swk, is_q, HALF: gl.constexpr, RC: 
 
 
 @gluon.jit
+def _norm_rope_chunk(part1, part2, cs, w1, w2, eps, D: gl.constexpr, layout: gl.constexpr,
+                     NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr):
+    """One chunk of a head's halves in shared memory (the projection rounded to its dtype), its
+    cos/sin ``cs``: RMS-normed and rotated in fp32, written back in place; returns its rstd."""
+    c1 = cs[0].to(gl.float32)
+    c2 = cs[1].to(gl.float32)
+    s1 = cs[2].to(gl.float32)
+    s2 = cs[3].to(gl.float32)
+    x1 = part1.load(layout).to(gl.float32)
+    x2 = part2.load(layout).to(gl.float32)
+    if NORM_AFTER_ROPE:
+        x1, x2 = _rope(x1, x2, c1, c2, s1, s2)
+    ss = gl.sum(x1 * x1, axis=1) + gl.sum(x2 * x2, axis=1)
+    r = 1.0 / gl.sqrt_rn(ss / D + eps)
+    r2 = gl.expand_dims(r, 1)
+    if NORM_WEIGHT:
+        y1 = x1 * r2 * w1
+        y2 = x2 * r2 * w2
+    else:
+        y1 = x1 * r2
+        y2 = x2 * r2
+    if not NORM_AFTER_ROPE:
+        y1, y2 = _rope(y1, y2, c1, c2, s1, s2)
+    part1.store(y1.to(part1.dtype))
+    part2.store(y2.to(part2.dtype))
+    return r
+
+
+@gluon.jit
 def _norm_rope_chunks(buf1, buf2, cs, w1, w2, r_ptr, sr_b, sr_h, sr_s, h,
                       cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M, S,
                       BM: gl.constexpr, D: gl.constexpr, RC: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr,
                       NORM_WEIGHT: gl.constexpr):
-    """One query or key head of tokens [off_m, off_m + BM), its halves in ``buf1``/``buf2`` (the
-    projection rounded to its dtype): RMS-normed and rotated (fp32) in place, ``RC`` rows at a time
-    (the whole [BM, D] tile's temporaries would not fit the registers), each chunk's cos/sin
-    loaded while the chunk before is computed (``cs``: the first chunk's); its rstd stored."""
+    """One query or key head of tokens [off_m, off_m + BM), its halves in ``buf1``/``buf2``: RMS-normed
+    and rotated in place, ``RC`` rows at a time (the whole [BM, D] tile's temporaries would not fit
+    the registers), each chunk's cos/sin loaded while the chunk before is computed (``cs``: the
+    first chunk's); its rstd stored. Unrolled, and called once for query and once for key heads."""
     HALF: gl.constexpr = D // 2
     layout: gl.constexpr = _chunk_layout(RC, HALF)
     for c in gl.static_range(BM // RC):
         if c + 1 < BM // RC:
             nxt = _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, c + 1, M,
                                  S, True, RC, HALF)
-        c1 = cs[0].to(gl.float32)
-        c2 = cs[1].to(gl.float32)
-        s1 = cs[2].to(gl.float32)
-        s2 = cs[3].to(gl.float32)
-        part1 = buf1.slice(c * RC, RC)
-        part2 = buf2.slice(c * RC, RC)
-        x1 = part1.load(layout).to(gl.float32)
-        x2 = part2.load(layout).to(gl.float32)
-        if NORM_AFTER_ROPE:
-            x1, x2 = _rope(x1, x2, c1, c2, s1, s2)
-        ss = gl.sum(x1 * x1, axis=1) + gl.sum(x2 * x2, axis=1)
-        r = 1.0 / gl.sqrt_rn(ss / D + eps)
-        r2 = gl.expand_dims(r, 1)
-        if NORM_WEIGHT:
-            y1 = x1 * r2 * w1
-            y2 = x2 * r2 * w2
-        else:
-            y1 = x1 * r2
-            y2 = x2 * r2
-        if not NORM_AFTER_ROPE:
-            y1, y2 = _rope(y1, y2, c1, c2, s1, s2)
-        part1.store(y1.to(buf1.dtype))
-        part2.store(y2.to(buf2.dtype))
+        r = _norm_rope_chunk(buf1.slice(c * RC, RC), buf2.slice(c * RC, RC), cs, w1, w2, eps, D, layout,
+                             NORM_AFTER_ROPE, NORM_WEIGHT)
         rows = off_m + c * RC + gl.arange(0, RC, layout=gl.SliceLayout(1, layout))
         gl.store(r_ptr + cs[4] * sr_b + h * sr_h + cs[5] * sr_s, r, mask=rows < M)
         if c + 1 < BM // RC:
             cs = nxt
+
+
+@gluon.jit
+def _norm_rope_chunks_loop(buf1, buf2, cs, w1, w2, is_q, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
+                           hq, hk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M,
+                           S, BM: gl.constexpr, D: gl.constexpr, RC: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr,
+                           NORM_WEIGHT: gl.constexpr):
+    """``_norm_rope_chunks`` as one loop, not unrolled, for both kinds of head (``is_q``: query head
+    ``hq``, else key head ``hk``): the same arithmetic in about a quarter of the code. The epilogue's
+    code shares the instruction cache with the other consumer's K loop; the unrolled kernel is
+    164 KB of SASS, this one 48 KB (session 14; ncu: the unrolled kernel's warps stalled on
+    instruction fetch)."""
+    HALF: gl.constexpr = D // 2
+    NCH: gl.constexpr = BM // RC
+    layout: gl.constexpr = _chunk_layout(RC, HALF)
+    # the [BM, HALF] buffers as NCH chunks of RC rows (RC a multiple of the swizzle's 8 rows: the
+    # same bytes and layout, indexable by the loop counter)
+    chunks1 = buf1._reinterpret(buf1.dtype, [NCH, RC, HALF], buf1.layout)
+    chunks2 = buf2._reinterpret(buf2.dtype, [NCH, RC, HALF], buf2.layout)
+    for c in range(NCH):
+        nxt = _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, c + 1, M, S,
+                             c + 1 < NCH, RC, HALF)
+        r = _norm_rope_chunk(chunks1.index(c), chunks2.index(c), cs, w1, w2, eps, D, layout, NORM_AFTER_ROPE,
+                             NORM_WEIGHT)
+        rows = off_m + c * RC + gl.arange(0, RC, layout=gl.SliceLayout(1, layout))
+        if is_q:
+            gl.store(rq_ptr + cs[4] * srq_b + hq * srq_h + cs[5] * srq_s, r, mask=rows < M)
+        else:
+            gl.store(rk_ptr + cs[4] * srk_b + hk * srk_h + cs[5] * srk_s, r, mask=rows < M)
+        cs = nxt
 
 
 @gluon.jit
@@ -207,7 +245,7 @@ def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc
               cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
               CID: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr,
-              RC: gl.constexpr):
+              RC: gl.constexpr, EPILOGUE_LOOP: gl.constexpr):
     acc_layout: gl.constexpr = _acc_layout(BN)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -258,7 +296,20 @@ def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc
         if FUSE:
             if live:  # normed and rotated in place once qkv's copies have read the buffers
                 tma.store_wait(0)
-                if is_q:
+                if EPILOGUE_LOOP:
+                    _norm_rope_chunks_loop(buf1, buf2, cs, w1, w2, is_q, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b,
+                                           srk_h, srk_s, h, h - HQ, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b,
+                                           ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC, NORM_AFTER_ROPE,
+                                           NORM_WEIGHT)
+                    fence_async_shared()
+                    if is_q:
+                        tma.async_copy_shared_to_global(q_desc, [off_m, off_n], buf1)
+                        tma.async_copy_shared_to_global(q_desc, [off_m, off_n + BN // 2], buf2)
+                    else:
+                        kcol = off_n - HQ * BN
+                        tma.async_copy_shared_to_global(k_desc, [off_m, kcol], buf1)
+                        tma.async_copy_shared_to_global(k_desc, [off_m, kcol + BN // 2], buf2)
+                elif is_q:
                     _norm_rope_chunks(buf1, buf2, cs, w1, w2, rq_ptr, srq_b, srq_h, srq_s, h, cos_ptr, scos_b,
                                       scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC,
                                       NORM_AFTER_ROPE, NORM_WEIGHT)
@@ -289,7 +340,7 @@ def qkv_rope_norm_gemm_sm90_kernel(
     eps, M, N, K, S, HQ, HKV,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr, RC: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    EPILOGUE_LOOP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """``x_desc`` x ``[tokens, K]`` in blocks ``[BM, BK]``; ``w_desc`` W ``[N, K]`` in blocks ``[BN, BK]``
     (BN = head_dim); ``qkv_desc``/``q_desc``/``k_desc`` ``[tokens, *]`` in blocks ``[BM, BN/2]``; rstd
@@ -311,10 +362,10 @@ def qkv_rope_norm_gemm_sm90_kernel(
         (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
                        wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
                        cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                       0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC)),
+                       0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP)),
         (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
                        wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
                        cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                       1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC)),
+                       1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP)),
         (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -15,7 +15,9 @@ import math
 
 import torch
 
-TILE = dict(BM=128, BK=64, GROUP_M=8, STAGES=5, RC=32)
+TILE = dict(BM=128, BK=64, GROUP_M=8, STAGES=5, RC=32, EPILOGUE_LOOP=False)
+# EPILOGUE_LOOP: the norm epilogue as one loop for query and key heads (48 KB of SASS) rather than unrolled
+# (164 KB). Not yet measured or run on a GPU (NOTES, session 14): off until its device A/B.
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 # 4 default warps + a 4-warp consumer + a 1-warp producer, padded to 12 warps: maxnreg x 12 x 32 <= 65536.
 # setmaxnreg then gives each consumer 240 registers and the producer 24.
@@ -106,7 +108,8 @@ class FusedGemmForward:
         self.grid = (max(1, min(sms, math.ceil(consumer_rounds(M, N, D, 1, BM)))), )
         self.constexprs = dict(BM=BM, BN=D, BK=BK, GROUP_M=self.tile["GROUP_M"], STAGES=self.tile["STAGES"],
                                FUSE=fuse, NORM_AFTER_ROPE=norm_after_rope, NORM_WEIGHT=norm_weight, RC=self.tile["RC"],
-                               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
+                               EPILOGUE_LOOP=self.tile["EPILOGUE_LOOP"], CONSUMER_REGS=CONSUMER_REGS,
+                               PRODUCER_REGS=PRODUCER_REGS)
 
     def run(self, x2d, w, qkv2d, q2d, k2d, wq, wk, rq, rk, cos, sin):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as TD
