@@ -10,6 +10,11 @@ tokens, and one long-context row (091's block, 1 x 32768 tokens). bf16.
 
     PYTHONPATH=src python3 benchmarks/bench_floor.py --out $OUT/floor
 
+``--steady SECONDS``: also each graph replayed back to back for SECONDS per round (3 rounds, order
+rotated, no flush; ``timing.time_steady``) while nvidia-smi samples the SM clock and board power:
+the power-limited regime of a GPU under steady load, where a call's time follows its energy
+(session 14), reported beside the flushed interleaved ratios.
+
 ``--smoke``: the script on tiny CPU shapes (wall clock, no graphs; no timing value).
 Prints a table last; writes --out/bench_floor.json.
 """
@@ -31,6 +36,7 @@ import bench_families as BF  # noqa: E402  (time_graphs_interleaved)
 import bench_module as BM  # noqa: E402  (CONFIGS, rope_cos_sin, time_cpu_interleaved)
 
 from fusedqkv import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm  # noqa: E402
+from fusedqkv.bench import timing  # noqa: E402
 from fusedqkv.ops.internals import raise_compile_limits  # noqa: E402
 
 ROWS = [(c, b, s) for c in BM.CONFIGS for b, s in ((1, 512), (1, 2048), (2, 4096))] + [
@@ -79,11 +85,30 @@ def time_row(calls: dict, reps: int, gpu: bool) -> dict:
     return {n: statistics.median(v) for n, v in ms.items()}
 
 
+def time_row_steady(calls: dict, seconds: float, gpu: bool, sampler) -> dict:
+    """{"provider/mode": {ms, mhz, watts}} under steady load (``timing.time_steady``): medians over
+    the rounds and the samples (NaN where nothing was sampled)."""
+    fns = {f"{p}/{m}": fn for (p, m), fn in calls.items()}
+    keep = []
+    if gpu:
+        graphs = {n: BF.capture_graph(fn) for n, fn in fns.items()}
+        keep.append(graphs)
+        fns = {n: g.replay for n, (g, _) in graphs.items()}
+    sync = torch.cuda.synchronize if gpu else None
+    raw = timing.time_steady(fns, seconds=seconds, rounds=3, sync=sync, sampler=sampler)
+
+    def med(v):
+        return statistics.median(v) if v else float("nan")
+    return {n: dict(ms=med(r["ms"]), mhz=med(r["mhz"]), watts=med(r["watts"])) for n, r in raw.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_floor_out")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rows", default="all", help="comma-separated row indices (default all)")
+    ap.add_argument("--steady", type=float, default=0.0, metavar="SECONDS",
+                    help="also time each graph back to back for SECONDS per round (power-limited regime)")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     gpu = not a.smoke
@@ -97,15 +122,22 @@ def main() -> int:
     out = []
     os.makedirs(a.out, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name() if gpu else "cpu (smoke)", torch=torch.__version__)
+    sampler = timing.ClockSampler(torch.cuda.current_device()) if gpu and a.steady > 0 else None
     for name, b, s in rows:
         t0 = time.time()
         calls, keep = make_calls(configs[name], b, s, device, dtype)
         ms = time_row(calls, 2 if a.smoke else a.reps, gpu)
+        steady = time_row_steady(calls, a.steady, gpu, sampler) if a.steady > 0 else None
         del calls, keep
         r = dict(config=name, batch=b, seq=s, tokens=b * s, ms=ms)
         for m in MODES:
             f, c, fl = (ms[f"{p}/{m}"] for p in PROVIDERS)
             r[m] = dict(fused_over_floor=f / fl, compile_over_floor=c / fl, fused_over_compile=f / c)
+            if steady is not None:
+                f, c, fl = (steady[f"{p}/{m}"]["ms"] for p in PROVIDERS)
+                r[m].update(steady_fused_over_floor=f / fl, steady_compile_over_floor=c / fl)
+        if steady is not None:
+            r["steady"] = steady
         out.append(r)
         print(f"[{time.strftime('%H:%M:%S')}] {name} {b}x{s} in {time.time() - t0:.0f}s", flush=True)
         with open(os.path.join(a.out, "bench_floor.json"), "w") as f:  # after every row: a cut run keeps its rows
@@ -119,6 +151,19 @@ def main() -> int:
         print(f"| {r['config']} | {r['batch']}x{r['seq']} | {r['fwd']['fused_over_floor']:.3f} | "
               f"{r['fwd']['compile_over_floor']:.3f} | {r['fwd+bwd']['fused_over_floor']:.3f} | "
               f"{r['fwd+bwd']['compile_over_floor']:.3f} |")
+    if a.steady > 0:
+        print(f"steady load ({a.steady:g} s per graph and round, 3 rounds, no flush): fused/floor, compile/floor, "
+              "the floor's and fusedqkv's SM MHz and W")
+        print("| block | tokens | mode | fused/floor | compile/floor | floor MHz / W | fused MHz / W |")
+        print("|---|---|---|---|---|---|---|")
+        for r in out:
+            for m in MODES:
+                fl, fu = r["steady"][f"floor/{m}"], r["steady"][f"fusedqkv/{m}"]
+                print(f"| {r['config']} | {r['batch']}x{r['seq']} | {m} | {r[m]['steady_fused_over_floor']:.3f} | "
+                      f"{r[m]['steady_compile_over_floor']:.3f} | {fl['mhz']:.0f} / {fl['watts']:.0f} | "
+                      f"{fu['mhz']:.0f} / {fu['watts']:.0f} |")
+    if sampler is not None:
+        sampler.close()
     for m in MODES:
         big = [r[m]["fused_over_floor"] for r in out if r["tokens"] >= 2048]
         if big:

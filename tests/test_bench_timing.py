@@ -87,3 +87,49 @@ def test_rotated_orders_give_every_implementation_every_predecessor():
     pairs = {(a, b) for a, b in zip(seq, seq[1:])}
     assert {(a, b) for a in names for b in names if a != b} <= pairs
     assert timing.rotated_orders([], 3) == []
+
+
+def test_time_steady_rotates_and_attributes_samples():
+    """Back-to-back stretches: every callable timed once per round in the rotated order, the calls
+    counted, each stretch's clock samples (less the first, which may predate the load) its own."""
+    calls = {"a": 0, "b": 0}
+    log = []
+
+    class FakeSampler:
+        def __init__(self):
+            self.n = 0
+
+        def drain(self):
+            self.n += 1
+            # one drain before each stretch (discarded), one after it: the samples of the callable
+            return [(1000.0 + self.n, 600.0), (1500.0 + self.n, 690.0), (1490.0 + self.n, 691.0)]
+
+    def make(name, cost_s):
+        def fn():
+            calls[name] += 1
+            if not log or log[-1] != name:
+                log.append(name)
+            t = timing.time.perf_counter() + cost_s
+            while timing.time.perf_counter() < t:
+                pass
+        return fn
+
+    out = timing.time_steady({"a": make("a", 2e-4), "b": make("b", 1e-4)}, seconds=0.02, rounds=2,
+                             sync=lambda: log.append("|"), sampler=FakeSampler(), skip_samples=1)
+    # per stretch: a first call, a sync, the back-to-back calls, a sync; rounds a, b then b, a
+    assert log == [n for name in "abba" for n in (name, "|", name, "|")]
+    assert set(out) == {"a", "b"}
+    for name, cost_ms in (("a", 0.2), ("b", 0.1)):
+        r = out[name]
+        assert len(r["ms"]) == 2 and all(cost_ms * 0.9 < ms < cost_ms * 5 for ms in r["ms"]), r
+        assert len(r["mhz"]) == 4 and len(r["watts"]) == 4 and min(r["mhz"]) > 1400
+    assert calls["a"] >= 2 * 8 and calls["b"] >= 2 * 8
+
+
+def test_clock_sampler_parses_nvidia_smi_lines():
+    lines = ["1980, 512.30\n", "[N/A], 80.1\n", "1410, 692.55\n", "garbage\n", ""]
+    assert timing.ClockSampler.parse(lines) == [(1980.0, 512.3), (1410.0, 692.55)]
+    if not timing.ClockSampler(ms=50).available:  # no nvidia-smi: nothing sampled, nothing to close
+        s = timing.ClockSampler()
+        assert s.drain() == [] and not s.available
+        s.close()

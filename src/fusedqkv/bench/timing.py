@@ -18,6 +18,11 @@ over the iterations. Here:
 * ``time_cuda_events_interleaved``: CUDA events of several implementations taken call by
   call in turn, the order rotated (the card's clock follows its recent load; a block timed
   after another implementation's block inherits its clock).
+* ``time_steady``: the other regime -- each implementation called back to back for seconds, no
+  flush, the order rotated over rounds, while ``ClockSampler`` reads the SM clock and the board
+  power. Under a steady GEMM load the H200 sits at its power limit (session 14: 690-693 W of
+  700 W for cuBLAS and our kernels alike, SM clock 1.37-1.53 GHz), so a call's time follows its
+  energy, which the flushed, interleaved timing (a lighter duty cycle) does not show.
 * ``time_cuda_events`` / ``time_kernel_span`` / ``profile_kernel_calls``: the older
   fixed-argument helpers, kept for the scripts in ``benchmarks/``.
 * ``time_cpu_budget``: wall clock for CPU runs (no cache flush; labelled as a CPU run):
@@ -158,6 +163,86 @@ def time_cuda_events_interleaved(fns: dict, reps: int = 30, warmup: int = 3, flu
             events[name].append((start, end))
     torch.cuda.synchronize()
     return {name: [s.elapsed_time(e) for s, e in evs] for name, evs in events.items()}
+
+
+class ClockSampler:
+    """The SM clock (MHz) and board power (W) of one GPU, sampled by ``nvidia-smi`` every ``ms`` in
+    a child process. Without ``nvidia-smi`` it samples nothing (``available`` False)."""
+
+    def __init__(self, index: int = 0, ms: int = 50):
+        import shutil
+        import subprocess
+
+        self.proc = None
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return
+        self.proc = subprocess.Popen([exe, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                      "-lms", str(ms), "-i", str(index)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        os.set_blocking(self.proc.stdout.fileno(), False)
+
+    @property
+    def available(self) -> bool:
+        return self.proc is not None
+
+    @staticmethod
+    def parse(lines) -> list:
+        """[(MHz, W)] of ``nvidia-smi``'s csv lines; lines that are not two numbers are skipped."""
+        out = []
+        for line in lines:
+            try:
+                mhz, watts = (float(v) for v in line.strip().split(","))
+            except ValueError:
+                continue
+            out.append((mhz, watts))
+        return out
+
+    def drain(self) -> list:
+        """The samples read since the last drain."""
+        if self.proc is None:
+            return []
+        return self.parse(iter(self.proc.stdout.readline, ""))
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+            self.proc = None
+
+
+def time_steady(fns: dict, seconds: float = 1.5, rounds: int = 3, sync: Optional[Callable] = None,
+                sampler: Optional[ClockSampler] = None, skip_samples: int = 2) -> dict:
+    """Each callable called back to back for ``seconds`` (no flush, no sync inside), one after the
+    other in an order rotated over ``rounds``; wall clock between two syncs over the calls made.
+    ``sampler``: its samples taken during a callable's stretch, less the first ``skip_samples``
+    (they may predate the load), go to that callable. Returns ``{name: {"ms": [ms per call, per
+    round], "mhz": [...], "watts": [...]}}``."""
+    sync = sync or (lambda: None)
+    out = {name: dict(ms=[], mhz=[], watts=[]) for name in fns}
+    for order in rotated_orders(list(fns), rounds):
+        for name in order:
+            fn = fns[name]
+            fn()
+            sync()
+            if sampler is not None:
+                sampler.drain()
+            calls, t0 = 0, time.perf_counter()
+            end = t0 + seconds
+            while True:
+                for _ in range(8):
+                    fn()
+                calls += 8
+                if time.perf_counter() >= end:
+                    sync()  # the queued calls finish inside the measured stretch
+                    break
+            elapsed = time.perf_counter() - t0
+            out[name]["ms"].append(1e3 * elapsed / calls)
+            if sampler is not None:
+                samples = sampler.drain()[skip_samples:]
+                out[name]["mhz"] += [m for m, _ in samples]
+                out[name]["watts"] += [w for _, w in samples]
+    return out
 
 
 def kernel_calls_from_events(events, skip: tuple = ()) -> list:
