@@ -51,10 +51,12 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   the launcher's tile (``TILE``, maxnreg ``MAXNREG``), head_dim 128, bf16/fp16, either norm position,
   weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
   beside them the plain GEMM (FUSE off), one token of one query and one key head, 16-row norm chunks
-  with fp32 norm weights, a 4-stage ring. A Gluon kernel compiles from a ``GluonASTSource``; its
-  descriptors' types (the shared layout included) are the launcher's, mangled as the JIT does. Its
-  jobs name the Triton they compile under (``GEMM_TRITON``: ``--triton``, a child process of its own):
-  Triton 3.9 removed the TMA copy names the kernel calls.
+  with fp32 norm weights, a 4-stage ring, the norm epilogue as one loop (``EPILOGUE_LOOP``). A Gluon
+  kernel compiles from a ``GluonASTSource``; its descriptors' types (the shared layout included) are
+  the launcher's, mangled as the JIT does. Its jobs name the Triton they compile under
+  (``GEMM_TRITON``, the one the Gluon gate admits: ``--triton``, a child process of its own), except
+  two under the Triton imported here (label ``current-triton``): an early warning where Gluon's API
+  moves (Triton 3.8 renamed the TMA copies, 3.9 removed the old names and renamed ``_reinterpret``).
 
 Head dims: 64, 128, 256, 80 (HALF not a power of two: padded tiles, no TMA) and 2 (the
 smallest the validation accepts). Dtypes: bf16, fp16, fp32 activations; fp32 norm weights
@@ -416,9 +418,8 @@ def _flush_job(ints, level="cubin", one=None, cc=90):
 
 
 # the Gluon forward GEMM (ops/qkv_rope_norm_gemm): sm_90 only (wgmma, setmaxnreg), head_dim 128. Its jobs
-# compile under GEMM_TRITON, in a child process of their own (test_gpu_targets): Gluon's API moves between
-# releases, and the kernel calls tma.async_copy_global_to_shared / async_copy_shared_to_global, which
-# Triton 3.8 renamed async_load / async_store (keeping the old names as aliases) and 3.9 removed.
+# compile under GEMM_TRITON, the Triton the plan runs it with, in a child process of their own
+# (test_gpu_targets), and two under the Triton imported (Gluon's API moves between releases).
 GEMM_TRITON = "3.6.0"  # the Triton the kernel was validated with on the GPU
 GEMM_KERNEL = "qkv_rope_norm_gemm_sm90.qkv_rope_norm_gemm_sm90_kernel"
 # the JIT's specialisations of the integer arguments, by group (each job's ``int_spec``)
@@ -436,9 +437,9 @@ GEMM_ONE_TOKEN = ("M", "S", "HQ", "HKV", "srq_h", "srk_h")
 
 
 def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=False, level="cubin", one=None,
-              **tile):
+              triton=GEMM_TRITON, **tile):
     """One compile of ``qkv_rope_norm_gemm_sm90_kernel`` as ``FusedGemmForward`` launches it (``tile``:
-    overrides of the launcher's ``TILE``)."""
+    overrides of the launcher's ``TILE``; ``triton`` None: under the Triton imported)."""
     from fusedqkv.ops.qkv_rope_norm_gemm import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, TILE
 
     t = dict(TILE, **tile)
@@ -455,11 +456,12 @@ def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=Fals
         spec.update({n: "1" for n in GEMM_ONE_TOKEN})
     tiles = " ".join(f"{k}{t[k]}" for k in TILE)
     label = (f"gemm_sm90 sm90 {dtype}{'/normfp32' if norm_fp32 else ''} fuse={fuse} nar={nar} nw={nw} {tiles} "
-             f"units={units} ints={ints}{' one_token' if one_token else ''}{'' if one is None else ' one=' + one}")
+             f"units={units} ints={ints}{' one_token' if one_token else ''}{'' if one is None else ' one=' + one}"
+             f"{'' if triton else ' current-triton'}")
     return dict(kernel=GEMM_KERNEL, cc=90, consts=consts, types=types, ints=ints, int_spec=spec,
                 int_axes=dict(units=units, ints=ints), one_token=one_token, desc_types="_gemm_desc_types",
                 dtype=dtype, options={"num_warps": 4, "maxnreg": MAXNREG}, level=level, label=label, one=one,
-                triton=GEMM_TRITON)
+                triton=triton)
 
 
 def _gemm_desc_types(job) -> dict:
@@ -490,6 +492,10 @@ def gemm_jobs() -> list:
     jobs.append(_gemm_job("fp16", True, False, False, "one", "plain", STAGES=4))  # a shallower ring
     for nar, nw, dtype, ints in ((True, True, "bf16", "div16"), (False, False, "fp16", "plain")):  # the epilogue loop
         jobs.append(_gemm_job(dtype, True, nar, nw, "one", ints, EPILOGUE_LOOP=True))
+    # under the Triton this process imports (outside the Gluon gate: an early warning of Gluon's API moving;
+    # the kernel's TMA and shared-memory view names follow the release)
+    for loop in (False, True):
+        jobs.append(_gemm_job("bf16", True, True, True, "one", "div16", triton=None, EPILOGUE_LOOP=loop))
     return jobs
 
 

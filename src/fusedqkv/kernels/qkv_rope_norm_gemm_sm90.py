@@ -30,6 +30,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup per consumer
+# the TMA copies: async_copy_global_to_shared / async_copy_shared_to_global up to Triton 3.7, renamed
+# async_load / async_store in 3.8 (the old names kept as aliases) and removed in 3.9
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# a shared-memory view with another shape: ``_reinterpret`` up to Triton 3.8, ``reinterpret`` from 3.9
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @gluon.jit
@@ -102,8 +108,8 @@ def _producer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K,
             # a fresh barrier passes a wait on parity 1: the ring's first lap waits for nothing
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [off_n, kk * BK], ready.index(s), w_bufs.index(s))
+            _tma_load(x_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(s))
+            _tma_load(w_desc, [off_n, kk * BK], ready.index(s), w_bufs.index(s))
             it += 1
 
 
@@ -224,8 +230,12 @@ def _norm_rope_chunks_loop(buf1, buf2, cs, w1, w2, is_q, rq_ptr, srq_b, srq_h, s
     layout: gl.constexpr = _chunk_layout(RC, HALF)
     # the [BM, HALF] buffers as NCH chunks of RC rows (RC a multiple of the swizzle's 8 rows: the
     # same bytes and layout, indexable by the loop counter)
-    chunks1 = buf1._reinterpret(buf1.dtype, [NCH, RC, HALF], buf1.layout)
-    chunks2 = buf2._reinterpret(buf2.dtype, [NCH, RC, HALF], buf2.layout)
+    if _PUBLIC_REINTERPRET:
+        chunks1 = buf1.reinterpret(buf1.dtype, [NCH, RC, HALF], buf1.layout)
+        chunks2 = buf2.reinterpret(buf2.dtype, [NCH, RC, HALF], buf2.layout)
+    else:
+        chunks1 = buf1._reinterpret(buf1.dtype, [NCH, RC, HALF], buf1.layout)
+        chunks2 = buf2._reinterpret(buf2.dtype, [NCH, RC, HALF], buf2.layout)
     for c in range(NCH):
         nxt = _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, c + 1, M, S,
                              c + 1 < NCH, RC, HALF)
@@ -291,8 +301,8 @@ def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc
         buf1.store(x1.to(qkv_desc.dtype))
         buf2.store(x2.to(qkv_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(qkv_desc, [off_m, off_n], buf1)
-        tma.async_copy_shared_to_global(qkv_desc, [off_m, off_n + BN // 2], buf2)
+        _tma_store(qkv_desc, [off_m, off_n], buf1)
+        _tma_store(qkv_desc, [off_m, off_n + BN // 2], buf2)
         if FUSE:
             if live:  # normed and rotated in place once qkv's copies have read the buffers
                 tma.store_wait(0)
@@ -303,27 +313,27 @@ def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc
                                            NORM_WEIGHT)
                     fence_async_shared()
                     if is_q:
-                        tma.async_copy_shared_to_global(q_desc, [off_m, off_n], buf1)
-                        tma.async_copy_shared_to_global(q_desc, [off_m, off_n + BN // 2], buf2)
+                        _tma_store(q_desc, [off_m, off_n], buf1)
+                        _tma_store(q_desc, [off_m, off_n + BN // 2], buf2)
                     else:
                         kcol = off_n - HQ * BN
-                        tma.async_copy_shared_to_global(k_desc, [off_m, kcol], buf1)
-                        tma.async_copy_shared_to_global(k_desc, [off_m, kcol + BN // 2], buf2)
+                        _tma_store(k_desc, [off_m, kcol], buf1)
+                        _tma_store(k_desc, [off_m, kcol + BN // 2], buf2)
                 elif is_q:
                     _norm_rope_chunks(buf1, buf2, cs, w1, w2, rq_ptr, srq_b, srq_h, srq_s, h, cos_ptr, scos_b,
                                       scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC,
                                       NORM_AFTER_ROPE, NORM_WEIGHT)
                     fence_async_shared()
-                    tma.async_copy_shared_to_global(q_desc, [off_m, off_n], buf1)
-                    tma.async_copy_shared_to_global(q_desc, [off_m, off_n + BN // 2], buf2)
+                    _tma_store(q_desc, [off_m, off_n], buf1)
+                    _tma_store(q_desc, [off_m, off_n + BN // 2], buf2)
                 else:
                     _norm_rope_chunks(buf1, buf2, cs, w1, w2, rk_ptr, srk_b, srk_h, srk_s, h - HQ, cos_ptr, scos_b,
                                       scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC,
                                       NORM_AFTER_ROPE, NORM_WEIGHT)
                     fence_async_shared()
                     kcol = off_n - HQ * BN
-                    tma.async_copy_shared_to_global(k_desc, [off_m, kcol], buf1)
-                    tma.async_copy_shared_to_global(k_desc, [off_m, kcol + BN // 2], buf2)
+                    _tma_store(k_desc, [off_m, kcol], buf1)
+                    _tma_store(k_desc, [off_m, kcol + BN // 2], buf2)
         j += 2
         lap += 1
     tma.store_wait(0)
