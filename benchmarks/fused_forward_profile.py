@@ -43,7 +43,8 @@ import gluon_forward_probe as GP  # noqa: E402
 
 from fusedqkv.bench import timing  # noqa: E402
 
-PROVIDERS = ("floor", "today", "gluon_gemm", "gluon_fused", "gluon_fused_loop")
+PROVIDERS = ("floor", "today", "gluon_gemm", "gluon_fused", "gluon_fused_loop", "gluon_gemm_coop",
+             "gluon_fused_coop_loop")
 
 
 def log(msg):
@@ -53,7 +54,9 @@ def log(msg):
 def provider_fns(cfg, args, names):
     make = dict(floor=lambda: GP.floor_fn(args), today=lambda: GP.today_fn(cfg, args),
                 gluon_gemm=lambda: GP.fused_fn(cfg, args, fuse=False), gluon_fused=lambda: GP.fused_fn(cfg, args),
-                gluon_fused_loop=lambda: GP.fused_fn(cfg, args, EPILOGUE_LOOP=True))
+                gluon_fused_loop=lambda: GP.fused_fn(cfg, args, EPILOGUE_LOOP=True),
+                gluon_gemm_coop=lambda: GP.fused_fn(cfg, args, fuse=False, **GP.COOP_TILE),
+                gluon_fused_coop_loop=lambda: GP.fused_fn(cfg, args, EPILOGUE_LOOP=True, **GP.COOP_TILE))
     return {n: make[n]() for n in names}
 
 

@@ -9,7 +9,8 @@ Then every provider captured as a CUDA graph (inputs and outputs kept alive), re
 in a rotating order with the L2 flushed before each; median of --reps; ratios to the floor.
 Providers: ``today`` (the plan with the kernel off), ``gluon_gemm`` (the kernel without its
 epilogue's norm, qkv only), ``gluon_fused`` (the kernel), ``gluon_fused_loop`` (the kernel with its
-norm epilogue as one loop, ``EPILOGUE_LOOP``).
+norm epilogue as one loop, ``EPILOGUE_LOOP``), ``gluon_gemm_coop`` / ``gluon_fused_coop_loop`` (both
+consumers on one [256, head] tile, ``COOP_TILE``; the plain GEMM, and the kernel with the loop).
 
     PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/gluon_forward_probe.py --out $OUT/gluon
 
@@ -35,7 +36,7 @@ import bench_module as BMOD  # noqa: E402
 from fusedqkv.bench import timing  # noqa: E402
 from fusedqkv.ops import config  # noqa: E402
 from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch  # noqa: E402
-from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward  # noqa: E402
+from fusedqkv.ops.qkv_rope_norm_gemm import COOP_TILE, FusedGemmForward  # noqa: E402
 from fusedqkv.ops.training_forward import forward_plan, run_forward  # noqa: E402
 
 ROWS = [(c, b, s) for c in BMOD.CONFIGS for b, s in ((1, 512), (1, 2048), (2, 4096))] + [
@@ -179,7 +180,9 @@ def main(argv=None):
         args = make(cfg, b, s, device)
         fns = dict(floor=floor_fn(args), today=today_fn(cfg, args),
                    gluon_gemm=fused_fn(cfg, args, fuse=False), gluon_fused=fused_fn(cfg, args),
-                   gluon_fused_loop=fused_fn(cfg, args, EPILOGUE_LOOP=True))
+                   gluon_fused_loop=fused_fn(cfg, args, EPILOGUE_LOOP=True),
+                   gluon_gemm_coop=fused_fn(cfg, args, fuse=False, **COOP_TILE),
+                   gluon_fused_coop_loop=fused_fn(cfg, args, EPILOGUE_LOOP=True, **COOP_TILE))
         try:
             ms = BF.time_graphs_interleaved(fns, a.reps, flusher=flusher)
         except Exception:  # noqa: BLE001
@@ -195,10 +198,10 @@ def main(argv=None):
     for c in result["checks"]:
         if not c["ok"]:
             print("  FAIL", json.dumps(c)[:600])
-    names = ["today", "gluon_gemm", "gluon_fused", "gluon_fused_loop"]
-    print(f"{'row':34s} {'floor ms':>9s} " + " ".join(f"{n:>15s}" for n in names))
+    names = ["today", "gluon_gemm", "gluon_fused", "gluon_fused_loop", "gluon_gemm_coop", "gluon_fused_coop_loop"]
+    print(f"{'row':34s} {'floor ms':>9s} " + " ".join(f"{n:>21s}" for n in names))
     for r in result["rows"]:
-        print(f"{r['row']:34s} {r['ms']['floor']:9.4f} " + " ".join(f"{r['over_floor'][n]:15.3f}" for n in names))
+        print(f"{r['row']:34s} {r['ms']['floor']:9.4f} " + " ".join(f"{r['over_floor'][n]:21.3f}" for n in names))
 
 
 if __name__ == "__main__":

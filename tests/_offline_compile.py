@@ -51,7 +51,8 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   the launcher's tile (``TILE``, maxnreg ``MAXNREG``), head_dim 128, bf16/fp16, either norm position,
   weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
   beside them the plain GEMM (FUSE off), one token of one query and one key head, 16-row norm chunks
-  with fp32 norm weights, a 4-stage ring, the norm epilogue as one loop (``EPILOGUE_LOOP``). A Gluon
+  with fp32 norm weights, a 4-stage ring, the norm epilogue as one loop (``EPILOGUE_LOOP``), both
+  consumers on one tile (``COOP_TILE``). A Gluon
   kernel compiles from a ``GluonASTSource``; its descriptors' types (the shared layout included) are
   the launcher's, mangled as the JIT does. Its jobs name the Triton they compile under
   (``GEMM_TRITON``, the one the Gluon gate admits: ``--triton``, a child process of its own), except
@@ -444,7 +445,7 @@ def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=Fals
 
     t = dict(TILE, **tile)
     consts = dict(BM=t["BM"], BN=128, BK=t["BK"], GROUP_M=t["GROUP_M"], STAGES=t["STAGES"], FUSE=fuse,
-                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], EPILOGUE_LOOP=t["EPILOGUE_LOOP"],
+                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], EPILOGUE_LOOP=t["EPILOGUE_LOOP"], COOP=t["COOP"],
                   CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS)
     act = _tt(dtype)
@@ -492,6 +493,10 @@ def gemm_jobs() -> list:
     jobs.append(_gemm_job("fp16", True, False, False, "one", "plain", STAGES=4))  # a shallower ring
     for nar, nw, dtype, ints in ((True, True, "bf16", "div16"), (False, False, "fp16", "plain")):  # the epilogue loop
         jobs.append(_gemm_job(dtype, True, nar, nw, "one", ints, EPILOGUE_LOOP=True))
+    from fusedqkv.ops.qkv_rope_norm_gemm import COOP_TILE  # both consumers on one [256, 128] tile
+    jobs.append(_gemm_job("bf16", False, True, True, "one", "div16", **COOP_TILE))
+    jobs.append(_gemm_job("bf16", True, False, True, "one", "plain", **COOP_TILE))
+    jobs.append(_gemm_job("fp16", True, True, False, "one", "div16", **dict(COOP_TILE, EPILOGUE_LOOP=True)))
     # under the Triton this process imports (outside the Gluon gate: an early warning of Gluon's API moving;
     # the kernel's TMA and shared-memory view names follow the release)
     for loop in (False, True):

@@ -2,7 +2,8 @@
 ``ops/qkv_rope_norm_gemm.py``), on an sm_90 GPU with a Triton its gate accepts: q/k/rstd match the
 torch stage run on the kernel's own qkv within one rounding, qkv matches cuBLAS's product, launches
 repeat bitwise and replay inside a CUDA graph, the block's gradients match the cuBLAS + stage path,
-and the plan takes the kernel only where it is supported and (``auto``) where the shape pays.
+the plan takes the kernel only where it is supported and (``auto``) where the shape pays, and the
+launcher's experimental tile options give the default's outputs bitwise.
 Skipped elsewhere (the CPU tests of the plan's rule: test_plan.py)."""
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from fusedqkv import GQAQKVRoPEQKNorm
 from fusedqkv.ops import config, internals
 from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch
-from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward, consumer_rounds
+from fusedqkv.ops.qkv_rope_norm_gemm import COOP_TILE, FusedGemmForward, consumer_rounds
 from fusedqkv.ops.training_forward import forward_plan, run_forward
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
@@ -65,30 +66,43 @@ def test_fused_forward_matches_the_stage_on_its_qkv(hidden, hq, hkv, b, s, posit
     torch.testing.assert_close(rk, trk, rtol=1e-5, atol=0)
 
 
+def _run_kernel(x, w, wq, wk, cos, sin, hq, hkv, position, fuse=True, **tile):
+    """The kernel alone (``FusedGemmForward`` with ``tile``'s overrides), every output first NaN."""
+    b, s, hidden = x.shape
+    M, N = b * s, w.shape[0]
+    fwd = FusedGemmForward(M, N, hidden, s, hq, hkv, 128, 1e-6, position == "after_rope", wq is not None, x.dtype,
+                           x.device, fuse=fuse, **tile)
+    qkv = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
+    q, k, rq, rk, _ = forward_outputs(b, s, hq, hkv, 128, x.dtype, x.device, False)
+    for t in (q, k, rq, rk):
+        t.fill_(float("nan"))
+    fwd.run(x.view(M, hidden), w, qkv, q.transpose(1, 2).view(M, hq * 128), k.transpose(1, 2).view(M, hkv * 128),
+            wq, wk, rq, rk, cos, sin)
+    return (qkv, ) if not fuse else (q, k, qkv, rq, rk)
+
+
+VARIANTS = {"loop": dict(EPILOGUE_LOOP=True), "coop": COOP_TILE, "coop_loop": dict(COOP_TILE, EPILOGUE_LOOP=True)}
+
+
 @hopper
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("hidden,hq,hkv,b,s,position,weighted,dtype", CASES)
-def test_epilogue_loop_equals_the_unrolled_epilogue(hidden, hq, hkv, b, s, position, weighted, dtype):
-    """The norm epilogue as one loop (``EPILOGUE_LOOP``) does the unrolled epilogue's arithmetic in the
-    same order: every output bitwise equal, with cos/sin halves that differ (per-element RoPE)."""
+def test_kernel_variants_equal_the_default(variant, hidden, hq, hkv, b, s, position, weighted, dtype):
+    """Session 14's experiments (``TILE``'s EPILOGUE_LOOP and COOP) compute each [128, head] block with
+    the default's instructions in the same order: every output bitwise equal to the default kernel's,
+    the plain GEMM's too, with per-element cos/sin and token counts that leave a tile (COOP: a
+    consumer's whole half) past the last token."""
     x, w, wq, wk, _, _ = _inputs(hidden, hq, hkv, b, s, weighted, dtype)
     g = torch.Generator(device="cuda").manual_seed(7)
     cos, sin = (torch.rand(b, s, 128, device="cuda", generator=g).mul(2).sub(1).to(dtype) for _ in range(2))
-    M, N = b * s, w.shape[0]
-    outs = []
-    for loop in (False, True):
-        fwd = FusedGemmForward(M, N, hidden, s, hq, hkv, 128, 1e-6, position == "after_rope", weighted, dtype,
-                               x.device, EPILOGUE_LOOP=loop)
-        qkv = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-        q, k, rq, rk, _ = forward_outputs(b, s, hq, hkv, 128, dtype, x.device, False)
-        for t in (q, k, rq, rk):  # every element written
-            t.fill_(float("nan"))
-        fwd.run(x.view(M, hidden), w, qkv, q.transpose(1, 2).view(M, hq * 128), k.transpose(1, 2).view(M, hkv * 128),
-                wq, wk, rq, rk, cos, sin)
-        outs.append((q, k, qkv, rq, rk))
-    torch.cuda.synchronize()
-    for a, b_ in zip(*outs):
-        assert torch.isfinite(a).all()
-        assert torch.equal(a, b_)
+    args = (x, w, wq, wk, cos, sin, hq, hkv, position)
+    for fuse in (True, False):
+        ref = _run_kernel(*args, fuse=fuse)
+        got = _run_kernel(*args, fuse=fuse, **VARIANTS[variant])
+        torch.cuda.synchronize()
+        for a, b_ in zip(ref, got):
+            assert torch.isfinite(a).all()
+            assert torch.equal(a, b_)
 
 
 @hopper

@@ -93,22 +93,28 @@ def _halves(acc, BM: gl.constexpr, W: gl.constexpr):
 
 @gluon.jit
 def _producer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              COOP: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    n_m = gl.cdiv(M, BM)
+    ROWS: gl.constexpr = BM * (2 if COOP else 1)  # x rows of a tile: COOP, one per consumer
+    n_m = gl.cdiv(M, ROWS)
     n_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    nbytes: gl.constexpr = (2 if COOP else 1) * x_desc.block_type.nbytes + w_desc.block_type.nbytes
     it = 0  # position in the ring over all of this program's tiles
     for tile in range(pid, n_m * n_n, nprog):
-        off_m, off_n = _tile_origin(tile, n_m, n_n, BM, BN, GROUP_M)
+        off_m, off_n = _tile_origin(tile, n_m, n_n, ROWS, BN, GROUP_M)
         for kk in range(k_steps):
             s = it % STAGES
             # a fresh barrier passes a wait on parity 1: the ring's first lap waits for nothing
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            _tma_load(x_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(s))
+            if COOP:  # both consumers' x rows (past the last token: zeros, and the full bytes counted)
+                _tma_load(x_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(2 * s))
+                _tma_load(x_desc, [off_m + BM, kk * BK], ready.index(s), x_bufs.index(2 * s + 1))
+            else:
+                _tma_load(x_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(s))
             _tma_load(w_desc, [off_n, kk * BK], ready.index(s), w_bufs.index(s))
             it += 1
 
@@ -255,33 +261,50 @@ def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc
               cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
               CID: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr,
-              RC: gl.constexpr, EPILOGUE_LOOP: gl.constexpr):
+              RC: gl.constexpr, EPILOGUE_LOOP: gl.constexpr, COOP: gl.constexpr):
     acc_layout: gl.constexpr = _acc_layout(BN)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    n_m = gl.cdiv(M, BM)
+    ROWS: gl.constexpr = BM * (2 if COOP else 1)
+    n_m = gl.cdiv(M, ROWS)
     n_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     buf1 = bufs.index(2 * CID)  # this consumer's two [BM, BN/2] epilogue buffers
     buf2 = bufs.index(2 * CID + 1)
-    j = CID  # the program's local tile index (the producer's order)
+    if COOP:  # both consumers on every tile of the program, rows [CID*BM, +BM) of it
+        first = pid
+        step = nprog
+        j = 0
+        J_STEP: gl.constexpr = 1
+    else:  # alternate tiles
+        first = pid + CID * nprog
+        step = 2 * nprog
+        j = CID  # the program's local tile index (the producer's order)
+        J_STEP: gl.constexpr = 2
     lap = 0
-    for tile in range(pid + CID * nprog, n_m * n_n, 2 * nprog):
-        off_m, off_n = _tile_origin(tile, n_m, n_n, BM, BN, GROUP_M)
+    for tile in range(first, n_m * n_n, step):
+        off_m, off_n = _tile_origin(tile, n_m, n_n, ROWS, BN, GROUP_M)
+        if COOP:
+            off_m = off_m + CID * BM
         it = j * k_steps  # ring position of the tile's first K step
-        # ping-pong: consumer 0's first wait passes (parity 1 on a fresh barrier), consumer 1 waits for 0
-        mbarrier.wait(turn.index(CID), (lap & 1) ^ (1 - CID))
+        if not COOP:
+            # ping-pong: consumer 0's first wait passes (parity 1 on a fresh barrier), consumer 1 waits for 0
+            mbarrier.wait(turn.index(CID), (lap & 1) ^ (1 - CID))
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for kk in range(k_steps):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0,
-                                is_async=True)
+            if COOP:
+                a = x_bufs.index(2 * s + CID)
+            else:
+                a = x_bufs.index(s)
+            acc = warpgroup_mma(a, w_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
             # one wgmma in flight: the one before it is done, its stage goes back to the producer
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kk > 0)
             it += 1
-        mbarrier.arrive(turn.index(1 - CID))  # every wgmma of the tile issued: the other's turn
+        if not COOP:
+            mbarrier.arrive(turn.index(1 - CID))  # every wgmma of the tile issued: the other's turn
         if FUSE:  # a query or key head's first cos/sin rows and norm weight, loaded while the MMAs finish
             h = off_n // BN
             live = h < HQ + HKV
@@ -334,7 +357,7 @@ def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc
                     kcol = off_n - HQ * BN
                     _tma_store(k_desc, [off_m, kcol], buf1)
                     _tma_store(k_desc, [off_m, kcol + BN // 2], buf2)
-        j += 2
+        j += J_STEP
         lap += 1
     tma.store_wait(0)
 
@@ -350,12 +373,12 @@ def qkv_rope_norm_gemm_sm90_kernel(
     eps, M, N, K, S, HQ, HKV,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr, RC: gl.constexpr,
-    EPILOGUE_LOOP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    EPILOGUE_LOOP: gl.constexpr, COOP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """``x_desc`` x ``[tokens, K]`` in blocks ``[BM, BK]``; ``w_desc`` W ``[N, K]`` in blocks ``[BN, BK]``
     (BN = head_dim); ``qkv_desc``/``q_desc``/``k_desc`` ``[tokens, *]`` in blocks ``[BM, BN/2]``; rstd
     ``[B, H, S]`` fp32. ``FUSE`` off: the plain GEMM (benchmarks)."""
-    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES * (2 if COOP else 1), BM, BK], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     bufs = gl.allocate_shared_memory(qkv_desc.dtype, [4, BM, BN // 2], qkv_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -363,7 +386,7 @@ def qkv_rope_norm_gemm_sm90_kernel(
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # completed by the TMA's bytes
-        mbarrier.init(empty.index(i), count=1)  # one arrive per consumer release
+        mbarrier.init(empty.index(i), count=2 if COOP else 1)  # one arrive per consumer release
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     fence_async_shared()  # the inits visible to the TMA engine
@@ -372,10 +395,10 @@ def qkv_rope_norm_gemm_sm90_kernel(
         (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
                        wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
                        cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                       0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP)),
+                       0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP, COOP)),
         (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
                        wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
                        cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                       1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP)),
-        (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+                       1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP, COOP)),
+        (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES, COOP)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -15,9 +15,13 @@ import math
 
 import torch
 
-TILE = dict(BM=128, BK=64, GROUP_M=8, STAGES=5, RC=32, EPILOGUE_LOOP=False)
+TILE = dict(BM=128, BK=64, GROUP_M=8, STAGES=5, RC=32, EPILOGUE_LOOP=False, COOP=False)
+# Two experiments of session 14, off until their device A/B (NOTES; neither has run on a GPU yet):
 # EPILOGUE_LOOP: the norm epilogue as one loop for query and key heads (48 KB of SASS) rather than unrolled
-# (164 KB). Not yet measured or run on a GPU (NOTES, session 14): off until its device A/B.
+# (164 KB). COOP: both consumers on one [2*BM, head] tile, sharing its W tile (a quarter less L2 traffic
+# per FLOP; each consumer's epilogue no longer hidden behind the other's MMAs); 48 KB ring stages, so
+# STAGES=3 (COOP_TILE).
+COOP_TILE = dict(COOP=True, STAGES=3)
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 # 4 default warps + a 4-warp consumer + a 1-warp producer, padded to 12 warps: maxnreg x 12 x 32 <= 65536.
 # setmaxnreg then gives each consumer 240 registers and the producer 24.
@@ -104,11 +108,14 @@ class FusedGemmForward:
         self.x_l, self.w_l, self.o_l = layouts(dtype, BM, D, BK)
         if sms is None:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # one program per SM, fewer where there are fewer than two tiles (two consumers) per SM
-        self.grid = (max(1, min(sms, math.ceil(consumer_rounds(M, N, D, 1, BM)))), )
+        if self.tile["COOP"]:  # one program per SM, fewer where there are fewer [2*BM, D] tiles
+            self.grid = (max(1, min(sms, -(-M // (2 * BM)) * (N // D))), )
+        else:  # one program per SM, fewer where there are fewer than two tiles (two consumers) per SM
+            self.grid = (max(1, min(sms, math.ceil(consumer_rounds(M, N, D, 1, BM)))), )
         self.constexprs = dict(BM=BM, BN=D, BK=BK, GROUP_M=self.tile["GROUP_M"], STAGES=self.tile["STAGES"],
                                FUSE=fuse, NORM_AFTER_ROPE=norm_after_rope, NORM_WEIGHT=norm_weight, RC=self.tile["RC"],
-                               EPILOGUE_LOOP=self.tile["EPILOGUE_LOOP"], CONSUMER_REGS=CONSUMER_REGS,
+                               EPILOGUE_LOOP=self.tile["EPILOGUE_LOOP"], COOP=self.tile["COOP"],
+                               CONSUMER_REGS=CONSUMER_REGS,
                                PRODUCER_REGS=PRODUCER_REGS)
 
     def run(self, x2d, w, qkv2d, q2d, k2d, wq, wk, rq, rk, cos, sin):
