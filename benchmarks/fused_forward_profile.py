@@ -43,8 +43,7 @@ import gluon_forward_probe as GP  # noqa: E402
 
 from fusedqkv.bench import timing  # noqa: E402
 
-PROVIDERS = ("floor", "today", "gluon_gemm", "gluon_fused", "gluon_fused_loop", "gluon_gemm_coop",
-             "gluon_fused_coop_loop")
+PROVIDERS = ("floor", "today", *GP.GLUON)
 
 
 def log(msg):
@@ -52,12 +51,14 @@ def log(msg):
 
 
 def provider_fns(cfg, args, names):
-    make = dict(floor=lambda: GP.floor_fn(args), today=lambda: GP.today_fn(cfg, args),
-                gluon_gemm=lambda: GP.fused_fn(cfg, args, fuse=False), gluon_fused=lambda: GP.fused_fn(cfg, args),
-                gluon_fused_loop=lambda: GP.fused_fn(cfg, args, EPILOGUE_LOOP=True),
-                gluon_gemm_coop=lambda: GP.fused_fn(cfg, args, fuse=False, **GP.COOP_TILE),
-                gluon_fused_coop_loop=lambda: GP.fused_fn(cfg, args, EPILOGUE_LOOP=True, **GP.COOP_TILE))
-    return {n: make[n]() for n in names}
+    def make(n):
+        if n == "floor":
+            return GP.floor_fn(args)
+        if n == "today":
+            return GP.today_fn(cfg, args)
+        fuse, tile = GP.GLUON[n]
+        return GP.fused_fn(cfg, args, fuse, **tile)
+    return {n: make(n) for n in names}
 
 
 def ncu_targets(rows, names):
@@ -116,6 +117,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     rows = [GP.ROWS[int(i)] for i in a.rows.split(",")]
     names = tuple(a.providers.split(","))
+    if set(names) - set(PROVIDERS):
+        ap.error(f"--providers: unknown {sorted(set(names) - set(PROVIDERS))}; expected some of {PROVIDERS}")
     if a.ncu:
         return ncu_targets(rows, names)
     os.makedirs(a.out, exist_ok=True)

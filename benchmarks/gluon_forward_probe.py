@@ -7,10 +7,11 @@ the fused kernel's qkv against cuBLAS's (relative error), its q/k against the to
 the fused qkv (mismatches beyond one bf16 rounding), rstd (relative), and two launches bitwise equal.
 Then every provider captured as a CUDA graph (inputs and outputs kept alive), replayed call by call
 in a rotating order with the L2 flushed before each; median of --reps; ratios to the floor.
-Providers: ``today`` (the plan with the kernel off), ``gluon_gemm`` (the kernel without its
-epilogue's norm, qkv only), ``gluon_fused`` (the kernel), ``gluon_fused_loop`` (the kernel with its
-norm epilogue as one loop, ``EPILOGUE_LOOP``), ``gluon_gemm_coop`` / ``gluon_fused_coop_loop`` (both
-consumers on one [256, head] tile, ``COOP_TILE``; the plain GEMM, and the kernel with the loop).
+Providers: ``today`` (the plan with the kernel off) and the kernel's (``GLUON``: FUSE and tile options):
+``gluon_gemm`` (without its epilogue's norm, qkv only), ``gluon_fused`` (the kernel as the plan runs
+it), and session 14's experiments: ``*_loop`` (the norm epilogue as one loop, ``EPILOGUE_LOOP``),
+``*_coop`` (both consumers on one [256, head] tile), ``*_coop_ewg`` (and the epilogue in a warpgroup
+of its own). ``--providers`` picks some.
 
     PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/gluon_forward_probe.py --out $OUT/gluon
 
@@ -36,11 +37,15 @@ import bench_module as BMOD  # noqa: E402
 from fusedqkv.bench import timing  # noqa: E402
 from fusedqkv.ops import config  # noqa: E402
 from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch  # noqa: E402
-from fusedqkv.ops.qkv_rope_norm_gemm import COOP_TILE, FusedGemmForward  # noqa: E402
+from fusedqkv.ops.qkv_rope_norm_gemm import COOP_EPILOGUE_WG_TILE, COOP_TILE, FusedGemmForward  # noqa: E402
 from fusedqkv.ops.training_forward import forward_plan, run_forward  # noqa: E402
 
 ROWS = [(c, b, s) for c in BMOD.CONFIGS for b, s in ((1, 512), (1, 2048), (2, 4096))] + [
     ("091_h4096_q32_kv8", 1, 32768)]
+# the kernel's providers: name -> (FUSE, tile options)
+GLUON = dict(gluon_gemm=(False, {}), gluon_fused=(True, {}), gluon_fused_loop=(True, dict(EPILOGUE_LOOP=True)),
+             gluon_gemm_coop=(False, COOP_TILE), gluon_fused_coop_loop=(True, dict(COOP_TILE, EPILOGUE_LOOP=True)),
+             gluon_gemm_coop_ewg=(False, COOP_EPILOGUE_WG_TILE), gluon_fused_coop_ewg=(True, COOP_EPILOGUE_WG_TILE))
 CHECKS = [(c, b, s, nw) for c in BMOD.CONFIGS for (b, s) in ((1, 512), (2, 1000), (1, 77)) for nw in (True, False)]
 
 
@@ -154,10 +159,16 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rows", default=None, help="comma-separated row indices")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--providers", default=None, help="comma-separated providers (default: today and every kernel "
+                    "provider)")
     ap.add_argument("--host", action="store_true",
                     help="only the host time per planned forward call (us, the GPU kept busy behind a sleep), the "
                          "kernel's plan against cuBLASLt + the stage, interleaved")
     a = ap.parse_args(argv)
+    names = ["today"] + [n for n in (a.providers.split(",") if a.providers else GLUON) if n != "today"]
+    unknown = [n for n in names if n not in GLUON and n != "today"]
+    if unknown:
+        ap.error(f"--providers: unknown {unknown}; expected today or some of {list(GLUON)}")
     os.makedirs(a.out, exist_ok=True)
     device = torch.device("cuda")
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, checks=[], rows=[])
@@ -178,11 +189,8 @@ def main(argv=None):
     for cfg_name, b, s in rows:
         cfg = BMOD.CONFIGS[cfg_name]
         args = make(cfg, b, s, device)
-        fns = dict(floor=floor_fn(args), today=today_fn(cfg, args),
-                   gluon_gemm=fused_fn(cfg, args, fuse=False), gluon_fused=fused_fn(cfg, args),
-                   gluon_fused_loop=fused_fn(cfg, args, EPILOGUE_LOOP=True),
-                   gluon_gemm_coop=fused_fn(cfg, args, fuse=False, **COOP_TILE),
-                   gluon_fused_coop_loop=fused_fn(cfg, args, EPILOGUE_LOOP=True, **COOP_TILE))
+        fns = dict(floor=floor_fn(args), today=today_fn(cfg, args))
+        fns.update({n: fused_fn(cfg, args, GLUON[n][0], **GLUON[n][1]) for n in names if n in GLUON})
         try:
             ms = BF.time_graphs_interleaved(fns, a.reps, flusher=flusher)
         except Exception:  # noqa: BLE001
@@ -198,7 +206,6 @@ def main(argv=None):
     for c in result["checks"]:
         if not c["ok"]:
             print("  FAIL", json.dumps(c)[:600])
-    names = ["today", "gluon_gemm", "gluon_fused", "gluon_fused_loop", "gluon_gemm_coop", "gluon_fused_coop_loop"]
     print(f"{'row':34s} {'floor ms':>9s} " + " ".join(f"{n:>21s}" for n in names))
     for r in result["rows"]:
         print(f"{r['row']:34s} {r['ms']['floor']:9.4f} " + " ".join(f"{r['over_floor'][n]:21.3f}" for n in names))

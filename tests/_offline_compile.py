@@ -52,7 +52,8 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
   beside them the plain GEMM (FUSE off), one token of one query and one key head, 16-row norm chunks
   with fp32 norm weights, a 4-stage ring, the norm epilogue as one loop (``EPILOGUE_LOOP``), both
-  consumers on one tile (``COOP_TILE``). A Gluon
+  consumers on one tile (``COOP_TILE``), with the epilogue in a warpgroup of its own
+  (``COOP_EPILOGUE_WG_TILE``). A Gluon
   kernel compiles from a ``GluonASTSource``; its descriptors' types (the shared layout included) are
   the launcher's, mangled as the JIT does. Its jobs name the Triton they compile under
   (``GEMM_TRITON``, the one the Gluon gate admits: ``--triton``, a child process of its own), except
@@ -441,13 +442,12 @@ def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=Fals
               triton=GEMM_TRITON, **tile):
     """One compile of ``qkv_rope_norm_gemm_sm90_kernel`` as ``FusedGemmForward`` launches it (``tile``:
     overrides of the launcher's ``TILE``; ``triton`` None: under the Triton imported)."""
-    from fusedqkv.ops.qkv_rope_norm_gemm import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, TILE
+    from fusedqkv.ops.qkv_rope_norm_gemm import EWG_MAXNREG, MAXNREG, PRODUCER_REGS, TILE, launch_regs
 
     t = dict(TILE, **tile)
     consts = dict(BM=t["BM"], BN=128, BK=t["BK"], GROUP_M=t["GROUP_M"], STAGES=t["STAGES"], FUSE=fuse,
                   NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], EPILOGUE_LOOP=t["EPILOGUE_LOOP"], COOP=t["COOP"],
-                  CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS)
+                  EPILOGUE_WG=t["EPILOGUE_WG"], PRODUCER_REGS=PRODUCER_REGS, **launch_regs(t))
     act = _tt(dtype)
     norm = "*fp32" if norm_fp32 and nw else "*" + act  # unweighted: q stands in
     types = dict(wq_ptr=norm, wk_ptr=norm, rq_ptr="*fp32", rk_ptr="*fp32", cos_ptr="*" + act, sin_ptr="*" + act)
@@ -461,7 +461,8 @@ def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=Fals
              f"{'' if triton else ' current-triton'}")
     return dict(kernel=GEMM_KERNEL, cc=90, consts=consts, types=types, ints=ints, int_spec=spec,
                 int_axes=dict(units=units, ints=ints), one_token=one_token, desc_types="_gemm_desc_types",
-                dtype=dtype, options={"num_warps": 4, "maxnreg": MAXNREG}, level=level, label=label, one=one,
+                dtype=dtype, options={"num_warps": 4, "maxnreg": EWG_MAXNREG if t["EPILOGUE_WG"] else MAXNREG},
+                level=level, label=label, one=one,
                 triton=triton)
 
 
@@ -493,10 +494,13 @@ def gemm_jobs() -> list:
     jobs.append(_gemm_job("fp16", True, False, False, "one", "plain", STAGES=4))  # a shallower ring
     for nar, nw, dtype, ints in ((True, True, "bf16", "div16"), (False, False, "fp16", "plain")):  # the epilogue loop
         jobs.append(_gemm_job(dtype, True, nar, nw, "one", ints, EPILOGUE_LOOP=True))
-    from fusedqkv.ops.qkv_rope_norm_gemm import COOP_TILE  # both consumers on one [256, 128] tile
+    from fusedqkv.ops.qkv_rope_norm_gemm import COOP_EPILOGUE_WG_TILE, COOP_TILE  # both consumers on one tile
     jobs.append(_gemm_job("bf16", False, True, True, "one", "div16", **COOP_TILE))
     jobs.append(_gemm_job("bf16", True, False, True, "one", "plain", **COOP_TILE))
     jobs.append(_gemm_job("fp16", True, True, False, "one", "div16", **dict(COOP_TILE, EPILOGUE_LOOP=True)))
+    for dtype, fuse, nar, nw in (("bf16", True, True, True), ("fp16", True, False, False), ("bf16", True, False, True),
+                                 ("bf16", False, True, True)):  # + the epilogue warpgroup
+        jobs.append(_gemm_job(dtype, fuse, nar, nw, "one", "div16", **COOP_EPILOGUE_WG_TILE))
     # under the Triton this process imports (outside the Gluon gate: an early warning of Gluon's API moving;
     # the kernel's TMA and shared-memory view names follow the release)
     for loop in (False, True):
@@ -614,6 +618,8 @@ def compile_job(job: dict) -> dict:
             ck = triton.compile(src, target=target, options=job["options"])
             res["info"] = {"shared": ck.metadata.shared, "bf16x2": "mul.rn.bf16x2" in ck.asm["ptx"],
                            "f16x2": "mul.rn.f16x2" in ck.asm["ptx"]}
+            if job["kernel"] == GEMM_KERNEL:  # its design needs no spills: the stack frame of the cubin
+                res["info"]["stack"] = _cubin_stack_bytes(ck.asm["cubin"])
         res["ok"] = True
     except Exception as e:  # noqa: BLE001 - reported, with the job
         tb = traceback.format_exception(type(e), e, e.__traceback__)
@@ -623,6 +629,26 @@ def compile_job(job: dict) -> dict:
     res["seconds"] = round(time.time() - t0, 2)
     res["cpu_seconds"] = round(_cpu() - c0, 2)
     return res
+
+
+def _cubin_stack_bytes(cubin: bytes):
+    """The stack frame (spills, local arrays) of a cubin's kernel by ``cuobjdump -res-usage`` of
+    the Triton in use; None where that tool is missing."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"STACK:(\d+)", out)
+    return int(m.group(1)) if m else None
 
 
 def _to_ttir(src, target, options):

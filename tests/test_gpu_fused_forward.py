@@ -12,7 +12,7 @@ import torch
 from fusedqkv import GQAQKVRoPEQKNorm
 from fusedqkv.ops import config, internals
 from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch
-from fusedqkv.ops.qkv_rope_norm_gemm import COOP_TILE, FusedGemmForward, consumer_rounds
+from fusedqkv.ops.qkv_rope_norm_gemm import COOP_EPILOGUE_WG_TILE, COOP_TILE, FusedGemmForward, consumer_rounds
 from fusedqkv.ops.training_forward import forward_plan, run_forward
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
@@ -81,17 +81,19 @@ def _run_kernel(x, w, wq, wk, cos, sin, hq, hkv, position, fuse=True, **tile):
     return (qkv, ) if not fuse else (q, k, qkv, rq, rk)
 
 
-VARIANTS = {"loop": dict(EPILOGUE_LOOP=True), "coop": COOP_TILE, "coop_loop": dict(COOP_TILE, EPILOGUE_LOOP=True)}
+VARIANTS = {"loop": dict(EPILOGUE_LOOP=True), "coop": COOP_TILE, "coop_loop": dict(COOP_TILE, EPILOGUE_LOOP=True),
+            "coop_epilogue_wg": COOP_EPILOGUE_WG_TILE}
 
 
 @hopper
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("hidden,hq,hkv,b,s,position,weighted,dtype", CASES)
 def test_kernel_variants_equal_the_default(variant, hidden, hq, hkv, b, s, position, weighted, dtype):
-    """Session 14's experiments (``TILE``'s EPILOGUE_LOOP and COOP) compute each [128, head] block with
-    the default's instructions in the same order: every output bitwise equal to the default kernel's,
-    the plain GEMM's too, with per-element cos/sin and token counts that leave a tile (COOP: a
-    consumer's whole half) past the last token."""
+    """Session 14's experiments (``TILE``'s EPILOGUE_LOOP, COOP, EPILOGUE_WG) compute each [128, head]
+    block with the default's instructions in the same order (the epilogue warpgroup's 16-row chunks:
+    the same per-row arithmetic): every output bitwise equal to the default kernel's, the plain
+    GEMM's too, with per-element cos/sin and token counts that leave a tile (COOP: a consumer's whole
+    half) past the last token."""
     x, w, wq, wk, _, _ = _inputs(hidden, hq, hkv, b, s, weighted, dtype)
     g = torch.Generator(device="cuda").manual_seed(7)
     cos, sin = (torch.rand(b, s, 128, device="cuda", generator=g).mul(2).sub(1).to(dtype) for _ in range(2))

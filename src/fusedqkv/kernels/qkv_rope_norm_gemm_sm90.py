@@ -256,12 +256,70 @@ def _norm_rope_chunks_loop(buf1, buf2, cs, w1, w2, is_q, rq_ptr, srq_b, srq_h, s
 
 
 @gluon.jit
+def _epilogue_partition(bufs, handoff, qkv_desc, q_desc, k_desc, wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h,
+                        srq_s, rk_ptr, srk_b, srk_h, srk_s, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s,
+                        ssin_d, eps, M, N, S, HQ, HKV, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
+                        FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr,
+                        RC: gl.constexpr):
+    """``EPILOGUE_WG``: the epilogue of every [2*BM, BN] tile of the program, in a warpgroup of its own
+    while the consumers run the next tile's K loop. The consumers leave the tile rounded to the
+    output dtype in ``bufs`` (their halves, rows [c*BM, +BM) in buffers 2c and 2c+1) and arrive on
+    ``handoff[0]`` (count 2); this stores qkv, norms and rotates query and key heads in place
+    (``_norm_rope_chunks_loop``), stores q/k and rstd, waits until its copies have read the buffers
+    and arrives on ``handoff[1]`` (the buffers free)."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_m = gl.cdiv(M, 2 * BM)
+    n_n = gl.cdiv(N, BN)
+    lap = 0
+    for tile in range(pid, n_m * n_n, nprog):
+        off_m, off_n = _tile_origin(tile, n_m, n_n, 2 * BM, BN, GROUP_M)
+        if FUSE:
+            h = off_n // BN
+            live = h < HQ + HKV
+            is_q = h < HQ
+            if NORM_WEIGHT:
+                w1, w2 = _norm_weight_halves(wq_ptr, swq, wk_ptr, swk, is_q, BN // 2, RC)
+            else:
+                w1 = 1.0
+                w2 = 1.0
+        mbarrier.wait(handoff.index(0), lap & 1)
+        for c in range(2):
+            _tma_store(qkv_desc, [off_m + c * BM, off_n], bufs.index(2 * c))
+            _tma_store(qkv_desc, [off_m + c * BM, off_n + BN // 2], bufs.index(2 * c + 1))
+        if FUSE:
+            if live:  # normed and rotated in place once qkv's copies have read the buffers
+                tma.store_wait(0)
+                for c in range(2):
+                    rows = off_m + c * BM
+                    cs = _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, rows, 0,
+                                        M, S, True, RC, BN // 2)
+                    _norm_rope_chunks_loop(bufs.index(2 * c), bufs.index(2 * c + 1), cs, w1, w2, is_q, rq_ptr, srq_b,
+                                           srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s, h, h - HQ, cos_ptr, scos_b,
+                                           scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, rows, eps, M, S, BM, BN,
+                                           RC, NORM_AFTER_ROPE, NORM_WEIGHT)
+                fence_async_shared()
+                for c in range(2):
+                    if is_q:
+                        _tma_store(q_desc, [off_m + c * BM, off_n], bufs.index(2 * c))
+                        _tma_store(q_desc, [off_m + c * BM, off_n + BN // 2], bufs.index(2 * c + 1))
+                    else:
+                        kcol = off_n - HQ * BN
+                        _tma_store(k_desc, [off_m + c * BM, kcol], bufs.index(2 * c))
+                        _tma_store(k_desc, [off_m + c * BM, kcol + BN // 2], bufs.index(2 * c + 1))
+        tma.store_wait(0)  # every copy has read the buffers: the consumers may overwrite them
+        mbarrier.arrive(handoff.index(1))
+        lap += 1
+
+
+@gluon.jit
 def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
               wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
               cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
               CID: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr,
-              RC: gl.constexpr, EPILOGUE_LOOP: gl.constexpr, COOP: gl.constexpr):
+              RC: gl.constexpr, EPILOGUE_LOOP: gl.constexpr, COOP: gl.constexpr, EPILOGUE_WG: gl.constexpr,
+              handoff):
     acc_layout: gl.constexpr = _acc_layout(BN)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -305,61 +363,87 @@ def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc
             it += 1
         if not COOP:
             mbarrier.arrive(turn.index(1 - CID))  # every wgmma of the tile issued: the other's turn
-        if FUSE:  # a query or key head's first cos/sin rows and norm weight, loaded while the MMAs finish
-            h = off_n // BN
-            live = h < HQ + HKV
-            is_q = h < HQ
-            cs = _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, 0, M, S,
-                                live, RC, BN // 2)
-            if NORM_WEIGHT:
-                w1, w2 = _norm_weight_halves(wq_ptr, swq, wk_ptr, swk, is_q, BN // 2, RC)
-            else:
-                w1 = 1.0
-                w2 = 1.0
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-
-        x1, x2 = _halves(acc, BM, BN)
-        tma.store_wait(0)  # the previous tile's copies have read the buffers
-        buf1.store(x1.to(qkv_desc.dtype))
-        buf2.store(x2.to(qkv_desc.dtype))
-        fence_async_shared()
-        _tma_store(qkv_desc, [off_m, off_n], buf1)
-        _tma_store(qkv_desc, [off_m, off_n + BN // 2], buf2)
-        if FUSE:
-            if live:  # normed and rotated in place once qkv's copies have read the buffers
-                tma.store_wait(0)
-                if EPILOGUE_LOOP:
-                    _norm_rope_chunks_loop(buf1, buf2, cs, w1, w2, is_q, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b,
-                                           srk_h, srk_s, h, h - HQ, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b,
-                                           ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC, NORM_AFTER_ROPE,
-                                           NORM_WEIGHT)
-                    fence_async_shared()
-                    if is_q:
-                        _tma_store(q_desc, [off_m, off_n], buf1)
-                        _tma_store(q_desc, [off_m, off_n + BN // 2], buf2)
-                    else:
-                        kcol = off_n - HQ * BN
-                        _tma_store(k_desc, [off_m, kcol], buf1)
-                        _tma_store(k_desc, [off_m, kcol + BN // 2], buf2)
-                elif is_q:
-                    _norm_rope_chunks(buf1, buf2, cs, w1, w2, rq_ptr, srq_b, srq_h, srq_s, h, cos_ptr, scos_b,
-                                      scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC,
-                                      NORM_AFTER_ROPE, NORM_WEIGHT)
-                    fence_async_shared()
-                    _tma_store(q_desc, [off_m, off_n], buf1)
-                    _tma_store(q_desc, [off_m, off_n + BN // 2], buf2)
-                else:
-                    _norm_rope_chunks(buf1, buf2, cs, w1, w2, rk_ptr, srk_b, srk_h, srk_s, h - HQ, cos_ptr, scos_b,
-                                      scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC,
-                                      NORM_AFTER_ROPE, NORM_WEIGHT)
-                    fence_async_shared()
-                    kcol = off_n - HQ * BN
-                    _tma_store(k_desc, [off_m, kcol], buf1)
-                    _tma_store(k_desc, [off_m, kcol + BN // 2], buf2)
+        if EPILOGUE_WG:  # the tile, rounded, to the epilogue warpgroup once it has freed the buffers
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+            y1, y2 = _halves(acc, BM, BN)
+            # a fresh barrier passes a wait on parity 1: the first tile waits for nothing
+            mbarrier.wait(handoff.index(1), (lap & 1) ^ 1)
+            buf1.store(y1.to(qkv_desc.dtype))
+            buf2.store(y2.to(qkv_desc.dtype))
+            fence_async_shared()  # visible to the epilogue's TMA copies
+            mbarrier.arrive(handoff.index(0))
+        else:
+            _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off_m, off_n,
+                               wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
+                               cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, S, HQ,
+                               HKV, BM, BN, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP)
         j += J_STEP
         lap += 1
     tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off_m, off_n,
+                       wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
+                       cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, S, HQ, HKV,
+                       BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FUSE: gl.constexpr,
+                       NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr, RC: gl.constexpr,
+                       EPILOGUE_LOOP: gl.constexpr):
+    """A consumer's own epilogue of its [BM, BN] tile (the default: hidden behind the other
+    consumer's MMAs in ping-pong)."""
+    if FUSE:  # a query or key head's first cos/sin rows and norm weight, loaded while the MMAs finish
+        h = off_n // BN
+        live = h < HQ + HKV
+        is_q = h < HQ
+        cs = _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, 0, M, S,
+                            live, RC, BN // 2)
+        if NORM_WEIGHT:
+            w1, w2 = _norm_weight_halves(wq_ptr, swq, wk_ptr, swk, is_q, BN // 2, RC)
+        else:
+            w1 = 1.0
+            w2 = 1.0
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+
+    x1, x2 = _halves(acc, BM, BN)
+    tma.store_wait(0)  # the previous tile's copies have read the buffers
+    buf1.store(x1.to(qkv_desc.dtype))
+    buf2.store(x2.to(qkv_desc.dtype))
+    fence_async_shared()
+    _tma_store(qkv_desc, [off_m, off_n], buf1)
+    _tma_store(qkv_desc, [off_m, off_n + BN // 2], buf2)
+    if FUSE:
+        if live:  # normed and rotated in place once qkv's copies have read the buffers
+            tma.store_wait(0)
+            if EPILOGUE_LOOP:
+                _norm_rope_chunks_loop(buf1, buf2, cs, w1, w2, is_q, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b,
+                                       srk_h, srk_s, h, h - HQ, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b,
+                                       ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC, NORM_AFTER_ROPE,
+                                       NORM_WEIGHT)
+                fence_async_shared()
+                if is_q:
+                    _tma_store(q_desc, [off_m, off_n], buf1)
+                    _tma_store(q_desc, [off_m, off_n + BN // 2], buf2)
+                else:
+                    kcol = off_n - HQ * BN
+                    _tma_store(k_desc, [off_m, kcol], buf1)
+                    _tma_store(k_desc, [off_m, kcol + BN // 2], buf2)
+            elif is_q:
+                _norm_rope_chunks(buf1, buf2, cs, w1, w2, rq_ptr, srq_b, srq_h, srq_s, h, cos_ptr, scos_b,
+                                  scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC,
+                                  NORM_AFTER_ROPE, NORM_WEIGHT)
+                fence_async_shared()
+                _tma_store(q_desc, [off_m, off_n], buf1)
+                _tma_store(q_desc, [off_m, off_n + BN // 2], buf2)
+            else:
+                _norm_rope_chunks(buf1, buf2, cs, w1, w2, rk_ptr, srk_b, srk_h, srk_s, h - HQ, cos_ptr, scos_b,
+                                  scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC,
+                                  NORM_AFTER_ROPE, NORM_WEIGHT)
+                fence_async_shared()
+                kcol = off_n - HQ * BN
+                _tma_store(k_desc, [off_m, kcol], buf1)
+                _tma_store(k_desc, [off_m, kcol + BN // 2], buf2)
 
 
 @gluon.jit
@@ -373,7 +457,8 @@ def qkv_rope_norm_gemm_sm90_kernel(
     eps, M, N, K, S, HQ, HKV,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr, RC: gl.constexpr,
-    EPILOGUE_LOOP: gl.constexpr, COOP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    EPILOGUE_LOOP: gl.constexpr, COOP: gl.constexpr, EPILOGUE_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
 ):
     """``x_desc`` x ``[tokens, K]`` in blocks ``[BM, BK]``; ``w_desc`` W ``[N, K]`` in blocks ``[BN, BK]``
     (BN = head_dim); ``qkv_desc``/``q_desc``/``k_desc`` ``[tokens, *]`` in blocks ``[BM, BN/2]``; rstd
@@ -389,16 +474,44 @@ def qkv_rope_norm_gemm_sm90_kernel(
         mbarrier.init(empty.index(i), count=2 if COOP else 1)  # one arrive per consumer release
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
+    if EPILOGUE_WG:  # [0]: the consumers' tile in the buffers (one arrive each); [1]: the buffers free
+        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(handoff.index(0), count=2)
+        mbarrier.init(handoff.index(1), count=1)
+    else:
+        handoff = turn  # not used
     fence_async_shared()  # the inits visible to the TMA engine
-    # (literal tuples: a constexpr concatenated into a tuple reaches the partition as a tensor)
-    gl.warp_specialize([
-        (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
-                       wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
-                       cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                       0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP, COOP)),
-        (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
-                       wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
-                       cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                       1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP, COOP)),
-        (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES, COOP)),
-    ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # (literal lists and tuples: a constexpr concatenated into a tuple reaches the partition as a tensor, and
+    # a partition's function must appear in the call itself)
+    if EPILOGUE_WG:
+        gl.warp_specialize([
+            (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
+                           wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
+                           cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
+                           0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP,
+                           COOP, EPILOGUE_WG, handoff)),
+            (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
+                           wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
+                           cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
+                           1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP,
+                           COOP, EPILOGUE_WG, handoff)),
+            (_epilogue_partition, (bufs, handoff, qkv_desc, q_desc, k_desc, wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b,
+                                   srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s, cos_ptr, scos_b, scos_s, scos_d,
+                                   sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, S, HQ, HKV, BM, BN, GROUP_M, FUSE,
+                                   NORM_AFTER_ROPE, NORM_WEIGHT, RC)),
+            (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES, COOP)),
+        ], [CONSUMER_WARPS, CONSUMER_WARPS, 1], [CONSUMER_REGS, EPILOGUE_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
+                           wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
+                           cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
+                           0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP,
+                           COOP, EPILOGUE_WG, handoff)),
+            (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
+                           wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
+                           cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
+                           1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP,
+                           COOP, EPILOGUE_WG, handoff)),
+            (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES, COOP)),
+        ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -15,17 +15,21 @@ import math
 
 import torch
 
-TILE = dict(BM=128, BK=64, GROUP_M=8, STAGES=5, RC=32, EPILOGUE_LOOP=False, COOP=False)
-# Two experiments of session 14, off until their device A/B (NOTES; neither has run on a GPU yet):
+TILE = dict(BM=128, BK=64, GROUP_M=8, STAGES=5, RC=32, EPILOGUE_LOOP=False, COOP=False, EPILOGUE_WG=False)
+# Session 14's experiments, off until their device A/B (NOTES; none has run on a GPU yet):
 # EPILOGUE_LOOP: the norm epilogue as one loop for query and key heads (48 KB of SASS) rather than unrolled
 # (164 KB). COOP: both consumers on one [2*BM, head] tile, sharing its W tile (a quarter less L2 traffic
 # per FLOP; each consumer's epilogue no longer hidden behind the other's MMAs); 48 KB ring stages, so
-# STAGES=3 (COOP_TILE).
+# STAGES=3. EPILOGUE_WG (with COOP): the epilogue in a warpgroup of its own, overlapping the next tile.
 COOP_TILE = dict(COOP=True, STAGES=3)
+COOP_EPILOGUE_WG_TILE = dict(COOP_TILE, EPILOGUE_WG=True, RC=16)  # 32-row chunks spill at 152 registers
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 # 4 default warps + a 4-warp consumer + a 1-warp producer, padded to 12 warps: maxnreg x 12 x 32 <= 65536.
 # setmaxnreg then gives each consumer 240 registers and the producer 24.
 MAXNREG = 168
+# EPILOGUE_WG: + a 4-warp epilogue, padded to 16 warps: maxnreg 128. The workers get 168 (consumer 1), 152
+# (the epilogue) and 24 (the producer's warpgroup); the default partition (consumer 0) what they leave, 168.
+EWG_CONSUMER_REGS, EWG_EPILOGUE_REGS, EWG_MAXNREG = 168, 152, 128
 
 
 def fused_gemm_unsupported(x, w, head_dim: int, rot: int, variant, bias, device_capability) -> str | None:
@@ -81,6 +85,15 @@ def plan_fused_forward(sz: dict, x, w, bias, cfg, small=()) -> "FusedGemmForward
                             sz["norm_after_rope"], sz["variant"].norm_weight, x.dtype, device, sms=sms)
 
 
+def launch_regs(tile: dict) -> dict:
+    """The registers per thread setmaxnreg gives the consumers and the epilogue warpgroup."""
+    if tile["EPILOGUE_WG"]:
+        if not tile["COOP"]:
+            raise ValueError("tile: EPILOGUE_WG needs COOP (the epilogue warpgroup takes [2*BM, D] tiles)")
+        return dict(CONSUMER_REGS=EWG_CONSUMER_REGS, EPILOGUE_REGS=EWG_EPILOGUE_REGS)
+    return dict(CONSUMER_REGS=CONSUMER_REGS, EPILOGUE_REGS=0)
+
+
 def _gl_dtype(dtype):
     from triton.experimental.gluon import language as gl
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
@@ -115,8 +128,9 @@ class FusedGemmForward:
         self.constexprs = dict(BM=BM, BN=D, BK=BK, GROUP_M=self.tile["GROUP_M"], STAGES=self.tile["STAGES"],
                                FUSE=fuse, NORM_AFTER_ROPE=norm_after_rope, NORM_WEIGHT=norm_weight, RC=self.tile["RC"],
                                EPILOGUE_LOOP=self.tile["EPILOGUE_LOOP"], COOP=self.tile["COOP"],
-                               CONSUMER_REGS=CONSUMER_REGS,
-                               PRODUCER_REGS=PRODUCER_REGS)
+                               EPILOGUE_WG=self.tile["EPILOGUE_WG"], PRODUCER_REGS=PRODUCER_REGS,
+                               **launch_regs(self.tile))
+        self.maxnreg = EWG_MAXNREG if self.tile["EPILOGUE_WG"] else MAXNREG
 
     def run(self, x2d, w, qkv2d, q2d, k2d, wq, wk, rq, rk, cos, sin):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as TD
@@ -133,4 +147,4 @@ class FusedGemmForward:
             x_d, w_d, qkv_d, q_d, k_d, wq, wq.stride(0) if wq.dim() == 1 else 1, wk,
             wk.stride(0) if wk.dim() == 1 else 1, rq, *rq.stride(), rk, *rk.stride(), cos, *cos.stride(), sin,
             *sin.stride(), self.eps, self.M, self.N, self.K, self.S, self.hq, self.hkv, **self.constexprs,
-            num_warps=4, maxnreg=MAXNREG)
+            num_warps=4, maxnreg=self.maxnreg)
