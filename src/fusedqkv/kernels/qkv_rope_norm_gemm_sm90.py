@@ -18,6 +18,12 @@ MMAs at 2x cuBLAS). Here the layouts and the warp roles are explicit:
   norms and rotates it (fp32; the row sum is two quad shuffles) and stores q/k (token-major
   ``[tokens, H*D]``) and rstd.
 
+Experimental options (session 14; the launcher's ``TILE`` leaves them off until measured on a GPU):
+``EPILOGUE_LOOP`` runs the norm epilogue as one loop for query and key heads (a third of the code:
+the unrolled one stalls the other consumer on instruction fetch); ``COOP`` puts both consumers on
+one ``[2*BM, D]`` tile sharing its W stage (less L2 traffic per FLOP); ``EPILOGUE_WG`` (with COOP)
+moves the epilogue to a warpgroup of its own (``_epilogue_partition``) behind a two-barrier handoff.
+
 Semantics are the forward stage's (``rope_qk_norm_fwd.py``) for the plain block: the norm and
 RoPE see the projection rounded to its dtype, fp32 math, one rounding of q/k; NeoX rotate-half over
 the whole head, cos/sin per element; ``NORM_AFTER_ROPE``; ``NORM_WEIGHT`` (else unweighted). The
