@@ -126,6 +126,13 @@ def test_time_steady_rotates_and_attributes_samples():
     assert calls["a"] >= 2 * 8 and calls["b"] >= 2 * 8
 
 
+def test_clock_sampler_names_the_gpu_as_nvidia_smi_does(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, GPU-8f2a")
+    assert timing.ClockSampler.smi_id(0) == "3" and timing.ClockSampler.smi_id(1) == "GPU-8f2a"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert timing.ClockSampler.smi_id(1) == "1"
+
+
 def test_clock_sampler_parses_nvidia_smi_lines():
     lines = ["1980, 512.30\n", "[N/A], 80.1\n", "1410, 692.55\n", "garbage\n", ""]
     assert timing.ClockSampler.parse(lines) == [(1980.0, 512.3), (1410.0, 692.55)]

@@ -178,13 +178,20 @@ class ClockSampler:
         if exe is None:
             return
         self.proc = subprocess.Popen([exe, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                                      "-lms", str(ms), "-i", str(index)], stdout=subprocess.PIPE,
+                                      "-lms", str(ms), "-i", self.smi_id(index)], stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, bufsize=1)
         os.set_blocking(self.proc.stdout.fileno(), False)
 
     @property
     def available(self) -> bool:
         return self.proc is not None
+
+    @staticmethod
+    def smi_id(index: int) -> str:
+        """nvidia-smi's name for torch's device ``index``: its entry of ``CUDA_VISIBLE_DEVICES`` (an
+        index or a UUID, both of which ``nvidia-smi -i`` takes), else the index itself."""
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        return visible[index] if index < len(visible) else str(index)
 
     @staticmethod
     def parse(lines) -> list:
