@@ -250,6 +250,17 @@ def test_job_list_follows_the_launchers(monkeypatch):
                                     fuse=fuse)
         job = oc._gemm_job("bf16", fuse, nar, nw, "one", "div16")
         assert job["consts"] == fwd.constexprs and job["options"] == {"num_warps": 4, "maxnreg": gemm.MAXNREG}
+    # the experimental options: the same constexprs and options; COOP's grid counts [256, 128] tiles
+    for tile, programs in ((dict(EPILOGUE_LOOP=True), 72), (gemm.COOP_TILE, 96), (gemm.COOP_EPILOGUE_WG_TILE, 96)):
+        # 384 tokens x 48 heads: 144 [128, 128] tiles for 2 consumers a program, or 96 [256, 128] tiles
+        fwd = gemm.FusedGemmForward(384, 6144, 4096, 384, 32, 8, 128, 1e-6, True, True, torch.bfloat16, "cuda",
+                                    **tile)
+        job = oc._gemm_job("bf16", True, True, True, "one", "div16", **tile)
+        assert job["consts"] == fwd.constexprs and job["options"] == {"num_warps": 4, "maxnreg": fwd.maxnreg}
+        assert fwd.grid == (programs, ), tile
+    with pytest.raises(ValueError, match="EPILOGUE_WG needs COOP"):
+        gemm.FusedGemmForward(384, 6144, 4096, 384, 32, 8, 128, 1e-6, True, True, torch.bfloat16, "cuda",
+                              EPILOGUE_WG=True)
     cfg = config.Config()
     for name in ("CHAIN_DX", "CHAIN_DW", "CHAIN_DX_ABOVE_128", "CHAIN_DW_ABOVE_128", "HYBRID_DW"):
         assert getattr(oc, name) == getattr(cfg, name.lower()), name
