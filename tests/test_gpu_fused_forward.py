@@ -108,6 +108,21 @@ def test_kernel_variants_equal_the_default(variant, hidden, hq, hkv, b, s, posit
 
 
 @hopper
+def test_the_plan_takes_the_configured_tile_options():
+    """``config.fused_forward_tile`` reaches the plan's launch (gpu_fuzz --fused-tile), with the
+    default's outputs."""
+    x, w, wq, wk, cos, sin = _inputs(4096, 32, 8, 2, 300, True, torch.bfloat16)
+    outs = {}
+    for name, tile in (("default", None), ("coop_ewg", tuple(sorted(COOP_EPILOGUE_WG_TILE.items())))):
+        with config.override(fused_forward="on", fused_forward_tile=tile):
+            plan = forward_plan(x, w, wq, wk, cos, sin, 32, 8, 1e-6, "before_rope", "triton")
+            assert plan.fused.tile["EPILOGUE_WG"] is (tile is not None)
+            outs[name] = run_forward(plan, x, w, wq, wk, cos, sin)[:5]
+    for a, b in zip(outs["default"], outs["coop_ewg"]):
+        assert torch.equal(a, b)
+
+
+@hopper
 def test_fused_forward_replays_in_a_cuda_graph():
     x, w, wq, wk, cos, sin = _inputs(4096, 32, 8, 1, 640, True, torch.bfloat16, seed=3)
     with config.override(fused_forward="on"):

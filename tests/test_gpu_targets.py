@@ -258,6 +258,9 @@ def test_job_list_follows_the_launchers(monkeypatch):
         job = oc._gemm_job("bf16", True, True, True, "one", "div16", **tile)
         assert job["consts"] == fwd.constexprs and job["options"] == {"num_warps": 4, "maxnreg": fwd.maxnreg}
         assert fwd.grid == (programs, ), tile
+    with pytest.raises(ValueError, match=r"tile: unknown options \['COOPERATIVE'\]"):
+        gemm.FusedGemmForward(384, 6144, 4096, 384, 32, 8, 128, 1e-6, True, True, torch.bfloat16, "cuda",
+                              COOPERATIVE=True)
     with pytest.raises(ValueError, match="EPILOGUE_WG needs COOP"):
         gemm.FusedGemmForward(384, 6144, 4096, 384, 32, 8, 128, 1e-6, True, True, torch.bfloat16, "cuda",
                               EPILOGUE_WG=True)

@@ -64,6 +64,9 @@ class Config:
     # wherever it can run, "off" never
     fused_forward: str = "auto"
     fused_forward_min_rounds: float = 8.0
+    # overrides of that kernel's tile options (qkv_rope_norm_gemm.TILE) as (name, value) pairs: for tests
+    # and sweeps of the experimental options (EPILOGUE_LOOP, COOP, EPILOGUE_WG)
+    fused_forward_tile: Optional[tuple] = None
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":

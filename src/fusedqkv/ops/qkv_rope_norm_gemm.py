@@ -82,7 +82,8 @@ def plan_fused_forward(sz: dict, x, w, bias, cfg, small=()) -> "FusedGemmForward
                             "large token counts)") is not None:
         return None
     return FusedGemmForward(M, N, sz["hidden"], sz["seq"], sz["num_heads"], sz["num_kv_heads"], D, sz["eps"],
-                            sz["norm_after_rope"], sz["variant"].norm_weight, x.dtype, device, sms=sms)
+                            sz["norm_after_rope"], sz["variant"].norm_weight, x.dtype, device, sms=sms,
+                            **dict(cfg.fused_forward_tile or ()))
 
 
 def launch_regs(tile: dict) -> dict:
@@ -116,6 +117,9 @@ class FusedGemmForward:
         from ..kernels.qkv_rope_norm_gemm_sm90 import qkv_rope_norm_gemm_sm90_kernel
         self.kernel = qkv_rope_norm_gemm_sm90_kernel
         self.M, self.N, self.K, self.S, self.hq, self.hkv, self.D, self.eps = M, N, K, S, hq, hkv, D, float(eps)
+        unknown = set(tile) - set(TILE)
+        if unknown:
+            raise ValueError(f"tile: unknown options {sorted(unknown)}; expected some of {sorted(TILE)}")
         self.tile = dict(TILE, **tile)
         BM, BK = self.tile["BM"], self.tile["BK"]
         self.x_l, self.w_l, self.o_l = layouts(dtype, BM, D, BK)
