@@ -86,20 +86,14 @@ def time_row(calls: dict, reps: int, gpu: bool) -> dict:
 
 
 def time_row_steady(calls: dict, seconds: float, gpu: bool, sampler) -> dict:
-    """{"provider/mode": {ms, mhz, watts}} under steady load (``timing.time_steady``): medians over
-    the rounds and the samples (NaN where nothing was sampled)."""
+    """{"provider/mode": {ms, mhz, watts, samples}} under steady load (``timing.time_steady``):
+    ``timing.steady_medians``."""
     fns = {f"{p}/{m}": fn for (p, m), fn in calls.items()}
-    keep = []
-    if gpu:
+    if gpu:  # (the graphs and their outputs live until the timing returns)
         graphs = {n: BF.capture_graph(fn) for n, fn in fns.items()}
-        keep.append(graphs)
         fns = {n: g.replay for n, (g, _) in graphs.items()}
     sync = torch.cuda.synchronize if gpu else None
-    raw = timing.time_steady(fns, seconds=seconds, rounds=3, sync=sync, sampler=sampler)
-
-    def med(v):
-        return statistics.median(v) if v else float("nan")
-    return {n: dict(ms=med(r["ms"]), mhz=med(r["mhz"]), watts=med(r["watts"])) for n, r in raw.items()}
+    return timing.steady_medians(timing.time_steady(fns, seconds=seconds, rounds=3, sync=sync, sampler=sampler))
 
 
 def main() -> int:

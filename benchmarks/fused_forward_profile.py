@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -83,14 +82,11 @@ def clocks(rows, names, seconds, rounds, out):
         cfg = BMOD.CONFIGS[cfg_name]
         fns = provider_fns(cfg, GP.make(cfg, b, s, torch.device("cuda")), names)
         graphs = {n: BF.capture_graph(fn) for n, fn in fns.items()}
-        raw = timing.time_steady({n: g.replay for n, (g, _) in graphs.items()}, seconds=seconds, rounds=rounds,
-                                 sync=torch.cuda.synchronize, sampler=sampler)
-        row = dict(row=f"{cfg_name} {b}x{s}", providers={})
-        for n in names:
-            ms = statistics.median(raw[n]["ms"])
-            mhz = statistics.median(raw[n]["mhz"]) if raw[n]["mhz"] else float("nan")
-            w = statistics.median(raw[n]["watts"]) if raw[n]["watts"] else float("nan")
-            row["providers"][n] = dict(ms=ms, mhz=mhz, watts=w, mj_per_call=w * ms, samples=len(raw[n]["mhz"]))
+        steady = timing.steady_medians(timing.time_steady({n: g.replay for n, (g, _) in graphs.items()},
+                                                          seconds=seconds, rounds=rounds, sync=torch.cuda.synchronize,
+                                                          sampler=sampler))
+        row = dict(row=f"{cfg_name} {b}x{s}",
+                   providers={n: dict(p, mj_per_call=p["watts"] * p["ms"]) for n, p in steady.items()})
         log(json.dumps(row))
         result["rows"].append(row)
         del graphs

@@ -37,15 +37,16 @@ import bench_module as BMOD  # noqa: E402
 from fusedqkv.bench import timing  # noqa: E402
 from fusedqkv.ops import config  # noqa: E402
 from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch  # noqa: E402
-from fusedqkv.ops.qkv_rope_norm_gemm import COOP_EPILOGUE_WG_TILE, COOP_TILE, FusedGemmForward  # noqa: E402
+from fusedqkv.ops.qkv_rope_norm_gemm import TILE_OPTIONS, FusedGemmForward  # noqa: E402
 from fusedqkv.ops.training_forward import forward_plan, run_forward  # noqa: E402
 
 ROWS = [(c, b, s) for c in BMOD.CONFIGS for b, s in ((1, 512), (1, 2048), (2, 4096))] + [
     ("091_h4096_q32_kv8", 1, 32768)]
 # the kernel's providers: name -> (FUSE, tile options)
-GLUON = dict(gluon_gemm=(False, {}), gluon_fused=(True, {}), gluon_fused_loop=(True, dict(EPILOGUE_LOOP=True)),
-             gluon_gemm_coop=(False, COOP_TILE), gluon_fused_coop_loop=(True, dict(COOP_TILE, EPILOGUE_LOOP=True)),
-             gluon_gemm_coop_ewg=(False, COOP_EPILOGUE_WG_TILE), gluon_fused_coop_ewg=(True, COOP_EPILOGUE_WG_TILE))
+GLUON = dict(gluon_gemm=(False, {}), gluon_fused=(True, {}), gluon_fused_loop=(True, TILE_OPTIONS["loop"]),
+             gluon_gemm_coop=(False, TILE_OPTIONS["coop"]), gluon_fused_coop_loop=(True, TILE_OPTIONS["coop_loop"]),
+             gluon_gemm_coop_ewg=(False, TILE_OPTIONS["coop_ewg"]),
+             gluon_fused_coop_ewg=(True, TILE_OPTIONS["coop_ewg"]))
 CHECKS = [(c, b, s, nw) for c in BMOD.CONFIGS for (b, s) in ((1, 512), (2, 1000), (1, 77)) for nw in (True, False)]
 
 

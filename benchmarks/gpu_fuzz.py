@@ -314,9 +314,7 @@ def fused_tile(name: str):
     """config.fused_forward_tile for a --fused-tile name (None: the launcher's own tile)."""
     from fusedqkv.ops import qkv_rope_norm_gemm as gemm
 
-    tiles = dict(default=None, loop=dict(EPILOGUE_LOOP=True), coop=gemm.COOP_TILE,
-                 coop_loop=dict(gemm.COOP_TILE, EPILOGUE_LOOP=True), coop_ewg=gemm.COOP_EPILOGUE_WG_TILE)
-    return None if tiles[name] is None else tuple(sorted(tiles[name].items()))
+    return None if name == "default" else tuple(sorted(gemm.TILE_OPTIONS[name].items()))
 
 
 def check_train(case, device, backend, fused_forward="auto", tile="default") -> dict:

@@ -140,3 +140,11 @@ def test_clock_sampler_parses_nvidia_smi_lines():
         s = timing.ClockSampler()
         assert s.drain() == [] and not s.available
         s.close()
+
+
+def test_steady_medians():
+    raw = {"a": dict(ms=[1.0, 3.0, 2.0], mhz=[1400.0, 1500.0], watts=[690.0, 692.0]),
+           "b": dict(ms=[4.0], mhz=[], watts=[])}
+    out = timing.steady_medians(raw)
+    assert out["a"] == dict(ms=2.0, mhz=1450.0, watts=691.0, samples=2)
+    assert out["b"]["ms"] == 4.0 and out["b"]["samples"] == 0 and out["b"]["mhz"] != out["b"]["mhz"]  # NaN

@@ -12,7 +12,7 @@ import torch
 from fusedqkv import GQAQKVRoPEQKNorm
 from fusedqkv.ops import config, internals
 from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch
-from fusedqkv.ops.qkv_rope_norm_gemm import COOP_EPILOGUE_WG_TILE, COOP_TILE, FusedGemmForward, consumer_rounds
+from fusedqkv.ops.qkv_rope_norm_gemm import TILE_OPTIONS, FusedGemmForward, consumer_rounds
 from fusedqkv.ops.training_forward import forward_plan, run_forward
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
@@ -81,12 +81,8 @@ def _run_kernel(x, w, wq, wk, cos, sin, hq, hkv, position, fuse=True, **tile):
     return (qkv, ) if not fuse else (q, k, qkv, rq, rk)
 
 
-VARIANTS = {"loop": dict(EPILOGUE_LOOP=True), "coop": COOP_TILE, "coop_loop": dict(COOP_TILE, EPILOGUE_LOOP=True),
-            "coop_epilogue_wg": COOP_EPILOGUE_WG_TILE}
-
-
 @hopper
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(TILE_OPTIONS))
 @pytest.mark.parametrize("hidden,hq,hkv,b,s,position,weighted,dtype", CASES)
 def test_kernel_variants_equal_the_default(variant, hidden, hq, hkv, b, s, position, weighted, dtype):
     """Session 14's experiments (``TILE``'s EPILOGUE_LOOP, COOP, EPILOGUE_WG) compute each [128, head]
@@ -100,7 +96,7 @@ def test_kernel_variants_equal_the_default(variant, hidden, hq, hkv, b, s, posit
     args = (x, w, wq, wk, cos, sin, hq, hkv, position)
     for fuse in (True, False):
         ref = _run_kernel(*args, fuse=fuse)
-        got = _run_kernel(*args, fuse=fuse, **VARIANTS[variant])
+        got = _run_kernel(*args, fuse=fuse, **TILE_OPTIONS[variant])
         torch.cuda.synchronize()
         for a, b_ in zip(ref, got):
             assert torch.isfinite(a).all()
@@ -113,7 +109,7 @@ def test_the_plan_takes_the_configured_tile_options():
     default's outputs."""
     x, w, wq, wk, cos, sin = _inputs(4096, 32, 8, 2, 300, True, torch.bfloat16)
     outs = {}
-    for name, tile in (("default", None), ("coop_ewg", tuple(sorted(COOP_EPILOGUE_WG_TILE.items())))):
+    for name, tile in (("default", None), ("coop_ewg", tuple(sorted(TILE_OPTIONS["coop_ewg"].items())))):
         with config.override(fused_forward="on", fused_forward_tile=tile):
             plan = forward_plan(x, w, wq, wk, cos, sin, 32, 8, 1e-6, "before_rope", "triton")
             assert plan.fused.tile["EPILOGUE_WG"] is (tile is not None)

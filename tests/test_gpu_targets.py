@@ -251,7 +251,8 @@ def test_job_list_follows_the_launchers(monkeypatch):
         job = oc._gemm_job("bf16", fuse, nar, nw, "one", "div16")
         assert job["consts"] == fwd.constexprs and job["options"] == {"num_warps": 4, "maxnreg": gemm.MAXNREG}
     # the experimental options: the same constexprs and options; COOP's grid counts [256, 128] tiles
-    for tile, programs in ((dict(EPILOGUE_LOOP=True), 72), (gemm.COOP_TILE, 96), (gemm.COOP_EPILOGUE_WG_TILE, 96)):
+    for name, programs in (("loop", 72), ("coop", 96), ("coop_ewg", 96)):
+        tile = gemm.TILE_OPTIONS[name]
         # 384 tokens x 48 heads: 144 [128, 128] tiles for 2 consumers a program, or 96 [256, 128] tiles
         fwd = gemm.FusedGemmForward(384, 6144, 4096, 384, 32, 8, 128, 1e-6, True, True, torch.bfloat16, "cuda",
                                     **tile)

@@ -252,6 +252,15 @@ def time_steady(fns: dict, seconds: float = 1.5, rounds: int = 3, sync: Optional
     return out
 
 
+def steady_medians(raw: dict) -> dict:
+    """``{name: {ms, mhz, watts, samples}}``: medians of :func:`time_steady`'s rounds and clock samples
+    (NaN where nothing was sampled)."""
+    def med(v):
+        return statistics.median(v) if v else float("nan")
+    return {n: dict(ms=med(r["ms"]), mhz=med(r["mhz"]), watts=med(r["watts"]), samples=len(r["mhz"]))
+            for n, r in raw.items()}
+
+
 def kernel_calls_from_events(events, skip: tuple = ()) -> list:
     """Group device activities into calls split at each flush: per call, its (name, start_us,
     end_us) in start order. ``events`` in any order; activities whose name contains one of

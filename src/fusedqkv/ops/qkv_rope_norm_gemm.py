@@ -23,6 +23,9 @@ TILE = dict(BM=128, BK=64, GROUP_M=8, STAGES=5, RC=32, EPILOGUE_LOOP=False, COOP
 # STAGES=3. EPILOGUE_WG (with COOP): the epilogue in a warpgroup of its own, overlapping the next tile.
 COOP_TILE = dict(COOP=True, STAGES=3)
 COOP_EPILOGUE_WG_TILE = dict(COOP_TILE, EPILOGUE_WG=True, RC=16)  # 32-row chunks spill at 152 registers
+# the experiments by name (gpu_fuzz --fused-tile, the probes' providers, the GPU tests)
+TILE_OPTIONS = dict(loop=dict(EPILOGUE_LOOP=True), coop=COOP_TILE, coop_loop=dict(COOP_TILE, EPILOGUE_LOOP=True),
+                    coop_ewg=COOP_EPILOGUE_WG_TILE)
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 # 4 default warps + a 4-warp consumer + a 1-warp producer, padded to 12 warps: maxnreg x 12 x 32 <= 65536.
 # setmaxnreg then gives each consumer 240 registers and the producer 24.
@@ -86,13 +89,13 @@ def plan_fused_forward(sz: dict, x, w, bias, cfg, small=()) -> "FusedGemmForward
                             **dict(cfg.fused_forward_tile or ()))
 
 
-def launch_regs(tile: dict) -> dict:
-    """The registers per thread setmaxnreg gives the consumers and the epilogue warpgroup."""
+def register_split(tile: dict) -> tuple:
+    """(maxnreg of the launch, the setmaxnreg constexprs of the consumers and the epilogue warpgroup)."""
     if tile["EPILOGUE_WG"]:
         if not tile["COOP"]:
             raise ValueError("tile: EPILOGUE_WG needs COOP (the epilogue warpgroup takes [2*BM, D] tiles)")
-        return dict(CONSUMER_REGS=EWG_CONSUMER_REGS, EPILOGUE_REGS=EWG_EPILOGUE_REGS)
-    return dict(CONSUMER_REGS=CONSUMER_REGS, EPILOGUE_REGS=0)
+        return EWG_MAXNREG, dict(CONSUMER_REGS=EWG_CONSUMER_REGS, EPILOGUE_REGS=EWG_EPILOGUE_REGS)
+    return MAXNREG, dict(CONSUMER_REGS=CONSUMER_REGS, EPILOGUE_REGS=0)
 
 
 def _gl_dtype(dtype):
@@ -129,12 +132,11 @@ class FusedGemmForward:
             self.grid = (max(1, min(sms, -(-M // (2 * BM)) * (N // D))), )
         else:  # one program per SM, fewer where there are fewer than two tiles (two consumers) per SM
             self.grid = (max(1, min(sms, math.ceil(consumer_rounds(M, N, D, 1, BM)))), )
+        self.maxnreg, regs = register_split(self.tile)
         self.constexprs = dict(BM=BM, BN=D, BK=BK, GROUP_M=self.tile["GROUP_M"], STAGES=self.tile["STAGES"],
                                FUSE=fuse, NORM_AFTER_ROPE=norm_after_rope, NORM_WEIGHT=norm_weight, RC=self.tile["RC"],
                                EPILOGUE_LOOP=self.tile["EPILOGUE_LOOP"], COOP=self.tile["COOP"],
-                               EPILOGUE_WG=self.tile["EPILOGUE_WG"], PRODUCER_REGS=PRODUCER_REGS,
-                               **launch_regs(self.tile))
-        self.maxnreg = EWG_MAXNREG if self.tile["EPILOGUE_WG"] else MAXNREG
+                               EPILOGUE_WG=self.tile["EPILOGUE_WG"], PRODUCER_REGS=PRODUCER_REGS, **regs)
 
     def run(self, x2d, w, qkv2d, q2d, k2d, wq, wk, rq, rk, cos, sin):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as TD
