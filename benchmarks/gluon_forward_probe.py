@@ -7,11 +7,10 @@ the fused kernel's qkv against cuBLAS's (relative error), its q/k against the to
 the fused qkv (mismatches beyond one bf16 rounding), rstd (relative), and two launches bitwise equal.
 Then every provider captured as a CUDA graph (inputs and outputs kept alive), replayed call by call
 in a rotating order with the L2 flushed before each; median of --reps; ratios to the floor.
-Providers: ``today`` (the plan with the kernel off) and the kernel's (``GLUON``: FUSE and tile options):
+Providers: ``today`` (the plan with the kernel off) and the kernel's (``GLUON``: FUSE and tile overrides):
 ``gluon_gemm`` (without its epilogue's norm, qkv only), ``gluon_fused`` (the kernel as the plan runs
-it), and session 14's experiments: ``*_loop`` (the norm epilogue as one loop, ``EPILOGUE_LOOP``),
-``*_coop`` (both consumers on one [256, head] tile), ``*_coop_ewg`` (and the epilogue in a warpgroup
-of its own). ``--providers`` picks some.
+it), ``gluon_fused_stages4`` (a 4-stage ring). ``--providers`` picks some. (Session 14's experimental
+epilogues and tiles lost here in session 15 and were removed: NOTES.)
 
     PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/gluon_forward_probe.py --out $OUT/gluon
 
@@ -37,16 +36,13 @@ import bench_module as BMOD  # noqa: E402
 from fusedqkv.bench import timing  # noqa: E402
 from fusedqkv.ops import config  # noqa: E402
 from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch  # noqa: E402
-from fusedqkv.ops.qkv_rope_norm_gemm import TILE_OPTIONS, FusedGemmForward  # noqa: E402
+from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward  # noqa: E402
 from fusedqkv.ops.training_forward import forward_plan, run_forward  # noqa: E402
 
 ROWS = [(c, b, s) for c in BMOD.CONFIGS for b, s in ((1, 512), (1, 2048), (2, 4096))] + [
     ("091_h4096_q32_kv8", 1, 32768)]
 # the kernel's providers: name -> (FUSE, tile options)
-GLUON = dict(gluon_gemm=(False, {}), gluon_fused=(True, {}), gluon_fused_loop=(True, TILE_OPTIONS["loop"]),
-             gluon_gemm_coop=(False, TILE_OPTIONS["coop"]), gluon_fused_coop_loop=(True, TILE_OPTIONS["coop_loop"]),
-             gluon_gemm_coop_ewg=(False, TILE_OPTIONS["coop_ewg"]),
-             gluon_fused_coop_ewg=(True, TILE_OPTIONS["coop_ewg"]))
+GLUON = dict(gluon_gemm=(False, {}), gluon_fused=(True, {}), gluon_fused_stages4=(True, dict(STAGES=4)))
 CHECKS = [(c, b, s, nw) for c in BMOD.CONFIGS for (b, s) in ((1, 512), (2, 1000), (1, 77)) for nw in (True, False)]
 
 

@@ -36,9 +36,6 @@ and the one-launch Hopper forward at every size (``auto`` takes it only for larg
     PYTHONPATH=src python3 benchmarks/gpu_fuzz.py --api train --variant plain --head-dims 128 \
         --fused-forward on --cases 120 --out $OUT/fuzz_fused
 
-(``--fused-tile loop|coop|coop_loop|coop_ewg`` runs that kernel with one of its experimental tile
-options: session 14.)
-
 CPU (Triton's interpreter, small sizes; what tests/test_gpu_fuzz.py runs)::
 
     PYTHONPATH=src python3 benchmarks/gpu_fuzz.py --device cpu --backend triton --cases 6 \\
@@ -307,17 +304,7 @@ def _rotary_width(d: int, rot_div: int) -> int:
     return max(2, rot - rot % 2)
 
 
-FUSED_TILES = ("default", "loop", "coop", "coop_loop", "coop_ewg")
-
-
-def fused_tile(name: str):
-    """config.fused_forward_tile for a --fused-tile name (None: the launcher's own tile)."""
-    from fusedqkv.ops import qkv_rope_norm_gemm as gemm
-
-    return None if name == "default" else tuple(sorted(gemm.TILE_OPTIONS[name].items()))
-
-
-def check_train(case, device, backend, fused_forward="auto", tile="default") -> dict:
+def check_train(case, device, backend, fused_forward="auto") -> dict:
     import torch
 
     import fusedqkv
@@ -371,7 +358,7 @@ def check_train(case, device, backend, fused_forward="auto", tile="default") -> 
         gr = torch.autograd.grad(outs, wrt, go)
         return [o.detach() for o in outs] + list(gr)
 
-    with config.override(fused_forward=fused_forward, fused_forward_tile=fused_tile(tile)):
+    with config.override(fused_forward=fused_forward):
         ours = run("ours")
     _sync(device)
     eager = run("eager")
@@ -419,8 +406,6 @@ def _replay_command(case, args) -> str:
         parts += ["--variant", args.variant]
     if args.fused_forward != "auto":
         parts += ["--fused-forward", args.fused_forward]
-    if args.fused_tile != "default":
-        parts += ["--fused-tile", args.fused_tile]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -446,8 +431,6 @@ def parse_args(argv=None):
     ap.add_argument("--fused-forward", choices=["auto", "on", "off"], default="auto",
                     help="the training forward's one-launch Hopper kernel (config.fused_forward): on takes it for "
                          "every case it supports, whatever the size")
-    ap.add_argument("--fused-tile", choices=FUSED_TILES, default="default",
-                    help="the one-launch kernel's tile options (config.fused_forward_tile): session 14's experiments")
     ap.add_argument("--workers", type=int, default=None,
                     help="processes sharing the device (default: 8 on CUDA, 1 on the CPU): the run is bound by "
                          "Triton's compiles of new specialisations, one CPU core each")
@@ -512,7 +495,7 @@ def main(argv=None) -> int:
         rec = dict(case=case)
         try:
             res = check_091(case, device, args.backend, pack) if case["api"] == "091" else check_train(
-                case, device, args.backend, args.fused_forward, args.fused_tile)
+                case, device, args.backend, args.fused_forward)
             _sync(device)
             rec.update(res)
         except Exception as e:  # noqa: BLE001 - a crash is a finding
@@ -531,7 +514,7 @@ def main(argv=None) -> int:
             print("  replay:", _replay_command(case, args))
             print("  replay (json):", "python3 benchmarks/gpu_fuzz.py --case-json", shlex.quote(json.dumps(case)),
                   "--device", args.device, *(["--backend", args.backend] if args.backend else []),
-                  "--fused-forward", args.fused_forward, "--fused-tile", args.fused_tile)
+                  "--fused-forward", args.fused_forward)
             if "crash" in rec:
                 print("  crash:", rec["crash"])
                 print("  " + rec["traceback"].replace("\n", "\n  "))

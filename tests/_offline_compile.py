@@ -51,13 +51,12 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   the launcher's tile (``TILE``, maxnreg ``MAXNREG``), head_dim 128, bf16/fp16, either norm position,
   weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
   beside them the plain GEMM (FUSE off), one token of one query and one key head, 16-row norm chunks
-  with fp32 norm weights, a 4-stage ring, the norm epilogue as one loop (``EPILOGUE_LOOP``), both
-  consumers on one tile, with the epilogue in a warpgroup of its own (``TILE_OPTIONS``). A Gluon
+  with fp32 norm weights, a 4-stage ring. A Gluon
   kernel compiles from a ``GluonASTSource``; its descriptors' types (the shared layout included) are
   the launcher's, mangled as the JIT does. Its jobs name the Triton they compile under
   (``GEMM_TRITON``, the one the Gluon gate admits: ``--triton``, a child process of its own), except
   two under the Triton imported here (label ``current-triton``): an early warning where Gluon's API
-  moves (Triton 3.8 renamed the TMA copies, 3.9 removed the old names and renamed ``_reinterpret``).
+  moves (Triton 3.8 renamed the TMA copies, 3.9 removed the old names).
 
 Head dims: 64, 128, 256, 80 (HALF not a power of two: padded tiles, no TMA) and 2 (the
 smallest the validation accepts). Dtypes: bf16, fp16, fp32 activations; fp32 norm weights
@@ -441,13 +440,12 @@ def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=Fals
               triton=GEMM_TRITON, **tile):
     """One compile of ``qkv_rope_norm_gemm_sm90_kernel`` as ``FusedGemmForward`` launches it (``tile``:
     overrides of the launcher's ``TILE``; ``triton`` None: under the Triton imported)."""
-    from fusedqkv.ops.qkv_rope_norm_gemm import PRODUCER_REGS, TILE, register_split
+    from fusedqkv.ops.qkv_rope_norm_gemm import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, TILE
 
     t = dict(TILE, **tile)
-    maxnreg, regs = register_split(t)
     consts = dict(BM=t["BM"], BN=128, BK=t["BK"], GROUP_M=t["GROUP_M"], STAGES=t["STAGES"], FUSE=fuse,
-                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], EPILOGUE_LOOP=t["EPILOGUE_LOOP"], COOP=t["COOP"],
-                  EPILOGUE_WG=t["EPILOGUE_WG"], PRODUCER_REGS=PRODUCER_REGS, **regs)
+                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], CONSUMER_REGS=CONSUMER_REGS,
+                  PRODUCER_REGS=PRODUCER_REGS)
     act = _tt(dtype)
     norm = "*fp32" if norm_fp32 and nw else "*" + act  # unweighted: q stands in
     types = dict(wq_ptr=norm, wk_ptr=norm, rq_ptr="*fp32", rk_ptr="*fp32", cos_ptr="*" + act, sin_ptr="*" + act)
@@ -461,7 +459,7 @@ def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=Fals
              f"{'' if triton else ' current-triton'}")
     return dict(kernel=GEMM_KERNEL, cc=90, consts=consts, types=types, ints=ints, int_spec=spec,
                 int_axes=dict(units=units, ints=ints), one_token=one_token, desc_types="_gemm_desc_types",
-                dtype=dtype, options={"num_warps": 4, "maxnreg": maxnreg}, level=level, label=label, one=one,
+                dtype=dtype, options={"num_warps": 4, "maxnreg": MAXNREG}, level=level, label=label, one=one,
                 triton=triton)
 
 
@@ -491,19 +489,10 @@ def gemm_jobs() -> list:
     jobs.append(_gemm_job("bf16", True, False, True, "one", "plain", one_token=True))
     jobs.append(_gemm_job("bf16", True, True, True, "one", "div16", norm_fp32=True, RC=16))  # a smaller chunk
     jobs.append(_gemm_job("fp16", True, False, False, "one", "plain", STAGES=4))  # a shallower ring
-    for nar, nw, dtype, ints in ((True, True, "bf16", "div16"), (False, False, "fp16", "plain")):  # the epilogue loop
-        jobs.append(_gemm_job(dtype, True, nar, nw, "one", ints, EPILOGUE_LOOP=True))
-    from fusedqkv.ops.qkv_rope_norm_gemm import TILE_OPTIONS  # both consumers on one tile, then + the epilogue WG
-    jobs.append(_gemm_job("bf16", False, True, True, "one", "div16", **TILE_OPTIONS["coop"]))
-    jobs.append(_gemm_job("bf16", True, False, True, "one", "plain", **TILE_OPTIONS["coop"]))
-    jobs.append(_gemm_job("fp16", True, True, False, "one", "div16", **TILE_OPTIONS["coop_loop"]))
-    for dtype, fuse, nar, nw in (("bf16", True, True, True), ("fp16", True, False, False), ("bf16", True, False, True),
-                                 ("bf16", False, True, True)):
-        jobs.append(_gemm_job(dtype, fuse, nar, nw, "one", "div16", **TILE_OPTIONS["coop_ewg"]))
     # under the Triton this process imports (outside the Gluon gate: an early warning of Gluon's API moving;
-    # the kernel's TMA and shared-memory view names follow the release)
-    for loop in (False, True):
-        jobs.append(_gemm_job("bf16", True, True, True, "one", "div16", triton=None, EPILOGUE_LOOP=loop))
+    # the kernel's TMA names follow the release)
+    for fuse in (True, False):
+        jobs.append(_gemm_job("bf16", fuse, True, True, "one", "div16", triton=None))
     return jobs
 
 

@@ -2,8 +2,8 @@
 ``ops/qkv_rope_norm_gemm.py``), on an sm_90 GPU with a Triton its gate accepts: q/k/rstd match the
 torch stage run on the kernel's own qkv within one rounding, qkv matches cuBLAS's product, launches
 repeat bitwise and replay inside a CUDA graph, the block's gradients match the cuBLAS + stage path,
-the plan takes the kernel only where it is supported and (``auto``) where the shape pays, and the
-launcher's experimental tile options give the default's outputs bitwise.
+the plan takes the kernel only where it is supported and (``auto``) where the shape pays, and a
+configured tile (another ring depth) gives the default's outputs bitwise.
 Skipped elsewhere (the CPU tests of the plan's rule: test_plan.py)."""
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 from fusedqkv import GQAQKVRoPEQKNorm
 from fusedqkv.ops import config, internals
 from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch
-from fusedqkv.ops.qkv_rope_norm_gemm import TILE_OPTIONS, FusedGemmForward, consumer_rounds
+from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward, consumer_rounds
 from fusedqkv.ops.training_forward import forward_plan, run_forward
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
@@ -82,21 +82,48 @@ def _run_kernel(x, w, wq, wk, cos, sin, hq, hkv, position, fuse=True, **tile):
 
 
 @hopper
-@pytest.mark.parametrize("variant", list(TILE_OPTIONS))
+@pytest.mark.parametrize("weighted", [True, False])
+def test_the_plan_launches_the_kernel_directly_at_any_address(weighted):
+    """After its first launch the plan's launch is bound (the compiled kernel's launcher called
+    directly, the descriptors re-encoded where their tensor moved): calls with every tensor at
+    other addresses give the JIT launch's outputs bitwise; a call whose cos/sin are not 16-byte
+    aligned (the plan's were) gets a plan of its own, with the same outputs."""
+    args = (16, 4, "before_rope")
+    x, w, wq, wk, cos, sin = _inputs(2048, 16, 4, 2, 300, weighted, torch.bfloat16)
+    with config.override(fused_forward="on"):
+        plan = forward_plan(x, w, wq, wk, cos, sin, *args[:2], 1e-6, args[2], "triton")
+        run_forward(plan, x, w, wq, wk, cos, sin)
+        assert plan.launch.bound == (internals.raw_launch_gate() is not None)
+        for seed in (1, 2):
+            call = _inputs(2048, 16, 4, 2, 300, weighted, torch.bfloat16, seed=seed)
+            assert forward_plan(*call, *args[:2], 1e-6, args[2], "triton") is plan
+            got = run_forward(plan, *call)[:5]
+            for a, b_ in zip(got, _run_kernel(*call, *args)):  # (the kernel alone gives qkv as a matrix)
+                assert torch.equal(a.reshape(b_.shape), b_)
+        moved = []
+        for t in (cos, sin):  # the same values two bytes off a 16-byte boundary
+            buf = torch.empty(t.numel() + 8, device="cuda", dtype=t.dtype)
+            moved.append(buf[1: 1 + t.numel()].view_as(t).copy_(t))
+        assert moved[0].data_ptr() % 16
+        got = run_forward(plan, x, w, wq, wk, *moved)[:5]
+    for a, b_ in zip(got, _run_kernel(x, w, wq, wk, cos, sin, *args)):
+        assert torch.equal(a.reshape(b_.shape), b_)
+
+
+@hopper
+@pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("hidden,hq,hkv,b,s,position,weighted,dtype", CASES)
-def test_kernel_variants_equal_the_default(variant, hidden, hq, hkv, b, s, position, weighted, dtype):
-    """Session 14's experiments (``TILE``'s EPILOGUE_LOOP, COOP, EPILOGUE_WG) compute each [128, head]
-    block with the default's instructions in the same order (the epilogue warpgroup's 16-row chunks:
-    the same per-row arithmetic): every output bitwise equal to the default kernel's, the plain
-    GEMM's too, with per-element cos/sin and token counts that leave a tile (COOP: a consumer's whole
-    half) past the last token."""
+def test_a_shallower_ring_equals_the_default(stages, hidden, hq, hkv, b, s, position, weighted, dtype):
+    """The ring's depth changes when a K step's operands arrive, not the arithmetic: every output
+    bitwise equal to the default (5-stage) kernel's, the plain GEMM's too, with per-element cos/sin
+    and token counts that leave a tile past the last token."""
     x, w, wq, wk, _, _ = _inputs(hidden, hq, hkv, b, s, weighted, dtype)
     g = torch.Generator(device="cuda").manual_seed(7)
     cos, sin = (torch.rand(b, s, 128, device="cuda", generator=g).mul(2).sub(1).to(dtype) for _ in range(2))
     args = (x, w, wq, wk, cos, sin, hq, hkv, position)
     for fuse in (True, False):
         ref = _run_kernel(*args, fuse=fuse)
-        got = _run_kernel(*args, fuse=fuse, **TILE_OPTIONS[variant])
+        got = _run_kernel(*args, fuse=fuse, STAGES=stages)
         torch.cuda.synchronize()
         for a, b_ in zip(ref, got):
             assert torch.isfinite(a).all()
@@ -104,17 +131,16 @@ def test_kernel_variants_equal_the_default(variant, hidden, hq, hkv, b, s, posit
 
 
 @hopper
-def test_the_plan_takes_the_configured_tile_options():
-    """``config.fused_forward_tile`` reaches the plan's launch (gpu_fuzz --fused-tile), with the
-    default's outputs."""
+def test_the_plan_takes_the_configured_tile():
+    """``config.fused_forward_tile`` reaches the plan's launch, with the default's outputs."""
     x, w, wq, wk, cos, sin = _inputs(4096, 32, 8, 2, 300, True, torch.bfloat16)
     outs = {}
-    for name, tile in (("default", None), ("coop_ewg", tuple(sorted(TILE_OPTIONS["coop_ewg"].items())))):
+    for name, tile in (("default", None), ("stages4", (("STAGES", 4), ))):
         with config.override(fused_forward="on", fused_forward_tile=tile):
             plan = forward_plan(x, w, wq, wk, cos, sin, 32, 8, 1e-6, "before_rope", "triton")
-            assert plan.fused.tile["EPILOGUE_WG"] is (tile is not None)
+            assert plan.fused.tile["STAGES"] == (5 if tile is None else 4)
             outs[name] = run_forward(plan, x, w, wq, wk, cos, sin)[:5]
-    for a, b in zip(outs["default"], outs["coop_ewg"]):
+    for a, b in zip(outs["default"], outs["stages4"]):
         assert torch.equal(a, b)
 
 

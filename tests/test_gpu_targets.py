@@ -172,19 +172,16 @@ def test_gemm_sm90_fits_shared_memory(compiled):
 
 
 def _known_gemm_spill(job) -> int:
-    """Stack bytes a job is known to take: the unrolled epilogue (the default) with the norm before
-    RoPE and weights, every integer argument not a multiple of 16: 16 bytes (32 bytes of spill
-    stores, found in session 14; the ``EPILOGUE_LOOP`` / ``EPILOGUE_WG`` epilogues have none)."""
+    """Stack bytes a job is known to take: the norm before RoPE with weights, every integer argument
+    not a multiple of 16: 16 bytes (32 bytes of spill stores, found in session 14)."""
     c = job["consts"]
-    unrolled = not c["EPILOGUE_LOOP"] and not c["EPILOGUE_WG"]
-    return 16 if (unrolled and c["FUSE"] and not c["NORM_AFTER_ROPE"] and c["NORM_WEIGHT"]
+    return 16 if (c["FUSE"] and not c["NORM_AFTER_ROPE"] and c["NORM_WEIGHT"]
                   and job["int_axes"]["ints"] == "plain") else 0
 
 
 def test_gemm_sm90_does_not_spill(compiled):
     """The Gluon GEMM's register split (setmaxnreg per partition) leaves no partition spilling, at the
-    launcher's tiles and every experimental one (a spilling epilogue ran 10-30% slower: NOTES,
-    sessions 13-14), but for the one known case (``_known_gemm_spill``), which must not grow."""
+    launcher's tiles (a spilling epilogue ran 10-30% slower: NOTES, sessions 13-14), but for the one known case (``_known_gemm_spill``), which must not grow."""
     gemm = [j for j in JOBS if j["label"].startswith("gemm_sm90 ") and j["level"] == "cubin"]
     checked = 0
     for j in gemm:
@@ -250,21 +247,13 @@ def test_job_list_follows_the_launchers(monkeypatch):
                                     fuse=fuse)
         job = oc._gemm_job("bf16", fuse, nar, nw, "one", "div16")
         assert job["consts"] == fwd.constexprs and job["options"] == {"num_warps": 4, "maxnreg": gemm.MAXNREG}
-    # the experimental options: the same constexprs and options; COOP's grid counts [256, 128] tiles
-    for name, programs in (("loop", 72), ("coop", 96), ("coop_ewg", 96)):
-        tile = gemm.TILE_OPTIONS[name]
-        # 384 tokens x 48 heads: 144 [128, 128] tiles for 2 consumers a program, or 96 [256, 128] tiles
-        fwd = gemm.FusedGemmForward(384, 6144, 4096, 384, 32, 8, 128, 1e-6, True, True, torch.bfloat16, "cuda",
-                                    **tile)
-        job = oc._gemm_job("bf16", True, True, True, "one", "div16", **tile)
-        assert job["consts"] == fwd.constexprs and job["options"] == {"num_warps": 4, "maxnreg": fwd.maxnreg}
-        assert fwd.grid == (programs, ), tile
-    with pytest.raises(ValueError, match=r"tile: unknown options \['COOPERATIVE'\]"):
-        gemm.FusedGemmForward(384, 6144, 4096, 384, 32, 8, 128, 1e-6, True, True, torch.bfloat16, "cuda",
-                              COOPERATIVE=True)
-    with pytest.raises(ValueError, match="EPILOGUE_WG needs COOP"):
-        gemm.FusedGemmForward(384, 6144, 4096, 384, 32, 8, 128, 1e-6, True, True, torch.bfloat16, "cuda",
-                              EPILOGUE_WG=True)
+    # a configured tile: the same constexprs; one program per two [128, 128] tiles (384 tokens x 48 heads)
+    fwd = gemm.FusedGemmForward(384, 6144, 4096, 384, 32, 8, 128, 1e-6, True, True, torch.bfloat16, "cuda",
+                                STAGES=4)
+    assert oc._gemm_job("bf16", True, True, True, "one", "div16", STAGES=4)["consts"] == fwd.constexprs
+    assert fwd.grid == (72, )
+    with pytest.raises(ValueError, match=r"tile: unknown options \['COOP'\]"):
+        gemm.FusedGemmForward(384, 6144, 4096, 384, 32, 8, 128, 1e-6, True, True, torch.bfloat16, "cuda", COOP=True)
     cfg = config.Config()
     for name in ("CHAIN_DX", "CHAIN_DW", "CHAIN_DX_ABOVE_128", "CHAIN_DW_ABOVE_128", "HYBRID_DW"):
         assert getattr(oc, name) == getattr(cfg, name.lower()), name

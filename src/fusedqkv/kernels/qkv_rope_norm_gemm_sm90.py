@@ -18,12 +18,6 @@ MMAs at 2x cuBLAS). Here the layouts and the warp roles are explicit:
   norms and rotates it (fp32; the row sum is two quad shuffles) and stores q/k (token-major
   ``[tokens, H*D]``) and rstd.
 
-Experimental options (session 14; the launcher's ``TILE`` leaves them off until measured on a GPU):
-``EPILOGUE_LOOP`` runs the norm epilogue as one loop for query and key heads (a third of the code:
-the unrolled one stalls the other consumer on instruction fetch); ``COOP`` puts both consumers on
-one ``[2*BM, D]`` tile sharing its W stage (less L2 traffic per FLOP); ``EPILOGUE_WG`` (with COOP)
-moves the epilogue to a warpgroup of its own (``_epilogue_partition``) behind a two-barrier handoff.
-
 Semantics are the forward stage's (``rope_qk_norm_fwd.py``) for the plain block: the norm and
 RoPE see the projection rounded to its dtype, fp32 math, one rounding of q/k; NeoX rotate-half over
 the whole head, cos/sin per element; ``NORM_AFTER_ROPE``; ``NORM_WEIGHT`` (else unweighted). The
@@ -40,8 +34,6 @@ CONSUMER_WARPS = gl.constexpr(4)  # one warpgroup per consumer
 # async_load / async_store in 3.8 (the old names kept as aliases) and removed in 3.9
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-# a shared-memory view with another shape: ``_reinterpret`` up to Triton 3.8, ``reinterpret`` from 3.9
-_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 @gluon.jit
@@ -99,28 +91,22 @@ def _halves(acc, BM: gl.constexpr, W: gl.constexpr):
 
 @gluon.jit
 def _producer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              COOP: gl.constexpr):
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    ROWS: gl.constexpr = BM * (2 if COOP else 1)  # x rows of a tile: COOP, one per consumer
-    n_m = gl.cdiv(M, ROWS)
+    n_m = gl.cdiv(M, BM)
     n_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
-    nbytes: gl.constexpr = (2 if COOP else 1) * x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     it = 0  # position in the ring over all of this program's tiles
     for tile in range(pid, n_m * n_n, nprog):
-        off_m, off_n = _tile_origin(tile, n_m, n_n, ROWS, BN, GROUP_M)
+        off_m, off_n = _tile_origin(tile, n_m, n_n, BM, BN, GROUP_M)
         for kk in range(k_steps):
             s = it % STAGES
             # a fresh barrier passes a wait on parity 1: the ring's first lap waits for nothing
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            if COOP:  # both consumers' x rows (past the last token: zeros, and the full bytes counted)
-                _tma_load(x_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(2 * s))
-                _tma_load(x_desc, [off_m + BM, kk * BK], ready.index(s), x_bufs.index(2 * s + 1))
-            else:
-                _tma_load(x_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(s))
+            _tma_load(x_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(s))
             _tma_load(w_desc, [off_n, kk * BK], ready.index(s), w_bufs.index(s))
             it += 1
 
@@ -228,163 +214,42 @@ def _norm_rope_chunks(buf1, buf2, cs, w1, w2, r_ptr, sr_b, sr_h, sr_s, h,
 
 
 @gluon.jit
-def _norm_rope_chunks_loop(buf1, buf2, cs, w1, w2, is_q, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
-                           hq, hk, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M,
-                           S, BM: gl.constexpr, D: gl.constexpr, RC: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr,
-                           NORM_WEIGHT: gl.constexpr):
-    """``_norm_rope_chunks`` as one loop, not unrolled, for both kinds of head (``is_q``: query head
-    ``hq``, else key head ``hk``): the same arithmetic in about a quarter of the code. The epilogue's
-    code shares the instruction cache with the other consumer's K loop; the unrolled kernel is
-    164 KB of SASS, this one 48 KB (session 14; ncu: the unrolled kernel's warps stalled on
-    instruction fetch)."""
-    HALF: gl.constexpr = D // 2
-    NCH: gl.constexpr = BM // RC
-    layout: gl.constexpr = _chunk_layout(RC, HALF)
-    # the [BM, HALF] buffers as NCH chunks of RC rows (RC a multiple of the swizzle's 8 rows: the
-    # same bytes and layout, indexable by the loop counter)
-    if _PUBLIC_REINTERPRET:
-        chunks1 = buf1.reinterpret(buf1.dtype, [NCH, RC, HALF], buf1.layout)
-        chunks2 = buf2.reinterpret(buf2.dtype, [NCH, RC, HALF], buf2.layout)
-    else:
-        chunks1 = buf1._reinterpret(buf1.dtype, [NCH, RC, HALF], buf1.layout)
-        chunks2 = buf2._reinterpret(buf2.dtype, [NCH, RC, HALF], buf2.layout)
-    for c in range(NCH):
-        nxt = _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, c + 1, M, S,
-                             c + 1 < NCH, RC, HALF)
-        r = _norm_rope_chunk(chunks1.index(c), chunks2.index(c), cs, w1, w2, eps, D, layout, NORM_AFTER_ROPE,
-                             NORM_WEIGHT)
-        rows = off_m + c * RC + gl.arange(0, RC, layout=gl.SliceLayout(1, layout))
-        if is_q:
-            gl.store(rq_ptr + cs[4] * srq_b + hq * srq_h + cs[5] * srq_s, r, mask=rows < M)
-        else:
-            gl.store(rk_ptr + cs[4] * srk_b + hk * srk_h + cs[5] * srk_s, r, mask=rows < M)
-        cs = nxt
-
-
-@gluon.jit
-def _epilogue_partition(bufs, handoff, qkv_desc, q_desc, k_desc, wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h,
-                        srq_s, rk_ptr, srk_b, srk_h, srk_s, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s,
-                        ssin_d, eps, M, N, S, HQ, HKV, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
-                        FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr,
-                        RC: gl.constexpr):
-    """``EPILOGUE_WG``: the epilogue of every [2*BM, BN] tile of the program, in a warpgroup of its own
-    while the consumers run the next tile's K loop. The consumers leave the tile rounded to the
-    output dtype in ``bufs`` (their halves, rows [c*BM, +BM) in buffers 2c and 2c+1) and arrive on
-    ``handoff[0]`` (count 2); this stores qkv, norms and rotates query and key heads in place
-    (``_norm_rope_chunks_loop``), stores q/k and rstd, waits until its copies have read the buffers
-    and arrives on ``handoff[1]`` (the buffers free)."""
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    n_m = gl.cdiv(M, 2 * BM)
-    n_n = gl.cdiv(N, BN)
-    lap = 0
-    for tile in range(pid, n_m * n_n, nprog):
-        off_m, off_n = _tile_origin(tile, n_m, n_n, 2 * BM, BN, GROUP_M)
-        if FUSE:
-            h = off_n // BN
-            live = h < HQ + HKV
-            is_q = h < HQ
-            if NORM_WEIGHT:
-                w1, w2 = _norm_weight_halves(wq_ptr, swq, wk_ptr, swk, is_q, BN // 2, RC)
-            else:
-                w1 = 1.0
-                w2 = 1.0
-        mbarrier.wait(handoff.index(0), lap & 1)
-        for c in range(2):
-            _tma_store(qkv_desc, [off_m + c * BM, off_n], bufs.index(2 * c))
-            _tma_store(qkv_desc, [off_m + c * BM, off_n + BN // 2], bufs.index(2 * c + 1))
-        if FUSE:
-            if live:  # normed and rotated in place once qkv's copies have read the buffers
-                tma.store_wait(0)
-                for c in range(2):
-                    rows = off_m + c * BM
-                    cs = _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, rows, 0,
-                                        M, S, True, RC, BN // 2)
-                    _norm_rope_chunks_loop(bufs.index(2 * c), bufs.index(2 * c + 1), cs, w1, w2, is_q, rq_ptr, srq_b,
-                                           srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s, h, h - HQ, cos_ptr, scos_b,
-                                           scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, rows, eps, M, S, BM, BN,
-                                           RC, NORM_AFTER_ROPE, NORM_WEIGHT)
-                fence_async_shared()
-                for c in range(2):
-                    if is_q:
-                        _tma_store(q_desc, [off_m + c * BM, off_n], bufs.index(2 * c))
-                        _tma_store(q_desc, [off_m + c * BM, off_n + BN // 2], bufs.index(2 * c + 1))
-                    else:
-                        kcol = off_n - HQ * BN
-                        _tma_store(k_desc, [off_m + c * BM, kcol], bufs.index(2 * c))
-                        _tma_store(k_desc, [off_m + c * BM, kcol + BN // 2], bufs.index(2 * c + 1))
-        tma.store_wait(0)  # every copy has read the buffers: the consumers may overwrite them
-        mbarrier.arrive(handoff.index(1))
-        lap += 1
-
-
-@gluon.jit
 def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
               wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
               cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
               CID: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr,
-              RC: gl.constexpr, EPILOGUE_LOOP: gl.constexpr, COOP: gl.constexpr, EPILOGUE_WG: gl.constexpr,
-              handoff):
+              RC: gl.constexpr):
     acc_layout: gl.constexpr = _acc_layout(BN)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    ROWS: gl.constexpr = BM * (2 if COOP else 1)
-    n_m = gl.cdiv(M, ROWS)
+    n_m = gl.cdiv(M, BM)
     n_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     buf1 = bufs.index(2 * CID)  # this consumer's two [BM, BN/2] epilogue buffers
     buf2 = bufs.index(2 * CID + 1)
-    if COOP:  # both consumers on every tile of the program, rows [CID*BM, +BM) of it
-        first = pid
-        step = nprog
-        j = 0
-        J_STEP: gl.constexpr = 1
-    else:  # alternate tiles
-        first = pid + CID * nprog
-        step = 2 * nprog
-        j = CID  # the program's local tile index (the producer's order)
-        J_STEP: gl.constexpr = 2
+    j = CID  # the program's local tile index (the producer's order): the consumers alternate tiles
     lap = 0
-    for tile in range(first, n_m * n_n, step):
-        off_m, off_n = _tile_origin(tile, n_m, n_n, ROWS, BN, GROUP_M)
-        if COOP:
-            off_m = off_m + CID * BM
+    for tile in range(pid + CID * nprog, n_m * n_n, 2 * nprog):
+        off_m, off_n = _tile_origin(tile, n_m, n_n, BM, BN, GROUP_M)
         it = j * k_steps  # ring position of the tile's first K step
-        if not COOP:
-            # ping-pong: consumer 0's first wait passes (parity 1 on a fresh barrier), consumer 1 waits for 0
-            mbarrier.wait(turn.index(CID), (lap & 1) ^ (1 - CID))
+        # ping-pong: consumer 0's first wait passes (parity 1 on a fresh barrier), consumer 1 waits for 0
+        mbarrier.wait(turn.index(CID), (lap & 1) ^ (1 - CID))
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
         for kk in range(k_steps):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            if COOP:
-                a = x_bufs.index(2 * s + CID)
-            else:
-                a = x_bufs.index(s)
-            acc = warpgroup_mma(a, w_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
+            acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
             # one wgmma in flight: the one before it is done, its stage goes back to the producer
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kk > 0)
             it += 1
-        if not COOP:
-            mbarrier.arrive(turn.index(1 - CID))  # every wgmma of the tile issued: the other's turn
-        if EPILOGUE_WG:  # the tile, rounded, to the epilogue warpgroup once it has freed the buffers
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-            y1, y2 = _halves(acc, BM, BN)
-            # a fresh barrier passes a wait on parity 1: the first tile waits for nothing
-            mbarrier.wait(handoff.index(1), (lap & 1) ^ 1)
-            buf1.store(y1.to(qkv_desc.dtype))
-            buf2.store(y2.to(qkv_desc.dtype))
-            fence_async_shared()  # visible to the epilogue's TMA copies
-            mbarrier.arrive(handoff.index(0))
-        else:
-            _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off_m, off_n,
-                               wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
-                               cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, S, HQ,
-                               HKV, BM, BN, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP)
-        j += J_STEP
+        mbarrier.arrive(turn.index(1 - CID))  # every wgmma of the tile issued: the other's turn
+        _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off_m, off_n,
+                           wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
+                           cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, S, HQ,
+                           HKV, BM, BN, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC)
+        j += 2
         lap += 1
     tma.store_wait(0)
 
@@ -394,10 +259,8 @@ def _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off
                        wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
                        cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, S, HQ, HKV,
                        BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FUSE: gl.constexpr,
-                       NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr, RC: gl.constexpr,
-                       EPILOGUE_LOOP: gl.constexpr):
-    """A consumer's own epilogue of its [BM, BN] tile (the default: hidden behind the other
-    consumer's MMAs in ping-pong)."""
+                       NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr, RC: gl.constexpr):
+    """A consumer's epilogue of its [BM, BN] tile, hidden behind the other consumer's MMAs."""
     if FUSE:  # a query or key head's first cos/sin rows and norm weight, loaded while the MMAs finish
         h = off_n // BN
         live = h < HQ + HKV
@@ -422,20 +285,7 @@ def _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off
     if FUSE:
         if live:  # normed and rotated in place once qkv's copies have read the buffers
             tma.store_wait(0)
-            if EPILOGUE_LOOP:
-                _norm_rope_chunks_loop(buf1, buf2, cs, w1, w2, is_q, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b,
-                                       srk_h, srk_s, h, h - HQ, cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b,
-                                       ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC, NORM_AFTER_ROPE,
-                                       NORM_WEIGHT)
-                fence_async_shared()
-                if is_q:
-                    _tma_store(q_desc, [off_m, off_n], buf1)
-                    _tma_store(q_desc, [off_m, off_n + BN // 2], buf2)
-                else:
-                    kcol = off_n - HQ * BN
-                    _tma_store(k_desc, [off_m, kcol], buf1)
-                    _tma_store(k_desc, [off_m, kcol + BN // 2], buf2)
-            elif is_q:
+            if is_q:
                 _norm_rope_chunks(buf1, buf2, cs, w1, w2, rq_ptr, srq_b, srq_h, srq_s, h, cos_ptr, scos_b,
                                   scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, eps, M, S, BM, BN, RC,
                                   NORM_AFTER_ROPE, NORM_WEIGHT)
@@ -463,13 +313,12 @@ def qkv_rope_norm_gemm_sm90_kernel(
     eps, M, N, K, S, HQ, HKV,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr, RC: gl.constexpr,
-    EPILOGUE_LOOP: gl.constexpr, COOP: gl.constexpr, EPILOGUE_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """``x_desc`` x ``[tokens, K]`` in blocks ``[BM, BK]``; ``w_desc`` W ``[N, K]`` in blocks ``[BN, BK]``
     (BN = head_dim); ``qkv_desc``/``q_desc``/``k_desc`` ``[tokens, *]`` in blocks ``[BM, BN/2]``; rstd
     ``[B, H, S]`` fp32. ``FUSE`` off: the plain GEMM (benchmarks)."""
-    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES * (2 if COOP else 1), BM, BK], x_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     bufs = gl.allocate_shared_memory(qkv_desc.dtype, [4, BM, BN // 2], qkv_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -477,47 +326,20 @@ def qkv_rope_norm_gemm_sm90_kernel(
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # completed by the TMA's bytes
-        mbarrier.init(empty.index(i), count=2 if COOP else 1)  # one arrive per consumer release
+        mbarrier.init(empty.index(i), count=1)  # the consuming warpgroup's release
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    if EPILOGUE_WG:  # [0]: the consumers' tile in the buffers (one arrive each); [1]: the buffers free
-        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(handoff.index(0), count=2)
-        mbarrier.init(handoff.index(1), count=1)
-    else:
-        handoff = turn  # not used
     fence_async_shared()  # the inits visible to the TMA engine
-    # (literal lists and tuples: a constexpr concatenated into a tuple reaches the partition as a tensor, and
-    # a partition's function must appear in the call itself)
-    if EPILOGUE_WG:
-        gl.warp_specialize([
-            (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
-                           wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
-                           cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                           0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP,
-                           COOP, EPILOGUE_WG, handoff)),
-            (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
-                           wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
-                           cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                           1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP,
-                           COOP, EPILOGUE_WG, handoff)),
-            (_epilogue_partition, (bufs, handoff, qkv_desc, q_desc, k_desc, wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b,
-                                   srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s, cos_ptr, scos_b, scos_s, scos_d,
-                                   sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, S, HQ, HKV, BM, BN, GROUP_M, FUSE,
-                                   NORM_AFTER_ROPE, NORM_WEIGHT, RC)),
-            (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES, COOP)),
-        ], [CONSUMER_WARPS, CONSUMER_WARPS, 1], [CONSUMER_REGS, EPILOGUE_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
-                           wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
-                           cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                           0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP,
-                           COOP, EPILOGUE_WG, handoff)),
-            (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
-                           wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
-                           cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                           1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, EPILOGUE_LOOP,
-                           COOP, EPILOGUE_WG, handoff)),
-            (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES, COOP)),
-        ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # (a literal list: a constexpr concatenated into a tuple reaches the partition as a tensor, and a
+    # partition's function must appear in the call itself)
+    gl.warp_specialize([
+        (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
+                       wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
+                       cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
+                       0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC)),
+        (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
+                       wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
+                       cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
+                       1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC)),
+        (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+    ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

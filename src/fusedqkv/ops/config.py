@@ -64,8 +64,7 @@ class Config:
     # wherever it can run, "off" never
     fused_forward: str = "auto"
     fused_forward_min_rounds: float = 8.0
-    # overrides of that kernel's tile options (qkv_rope_norm_gemm.TILE) as (name, value) pairs: for tests
-    # and sweeps of the experimental options (EPILOGUE_LOOP, COOP, EPILOGUE_WG)
+    # overrides of that kernel's tile (qkv_rope_norm_gemm.TILE) as (name, value) pairs: for tests and sweeps
     fused_forward_tile: Optional[tuple] = None
 
     @classmethod

@@ -40,12 +40,13 @@ class Ptr:
 
 class Desc:
     """A host TMA descriptor of entry ``index`` of the call's tensor table (a :class:`Ptr`'s),
-    over its whole shape, in boxes of ``block``."""
+    over its whole shape, in boxes of ``block``; ``layout``: a Gluon kernel's shared layout (the
+    descriptor is then Gluon's), None for a Triton kernel's."""
 
-    __slots__ = ("index", "shape", "strides", "block")
+    __slots__ = ("index", "shape", "strides", "block", "layout")
 
-    def __init__(self, ptr: Ptr, block: Sequence[int]):
-        self.index, self.block = ptr.index, list(block)
+    def __init__(self, ptr: Ptr, block: Sequence[int], layout=None):
+        self.index, self.block, self.layout = ptr.index, list(block), layout
         self.shape, self.strides = list(ptr.like.shape), list(ptr.like.stride())
 
 
@@ -114,7 +115,11 @@ class Table:
         return out
 
 
-def _tensor_descriptor(t: torch.Tensor, block):
+def _tensor_descriptor(t: torch.Tensor, block, layout=None):
+    if layout is not None:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
@@ -148,7 +153,7 @@ class BoundLaunch:
         if isinstance(a, Ptr):
             return tensors[a.index]
         if isinstance(a, Desc):
-            return _tensor_descriptor(tensors[a.index], a.block)
+            return _tensor_descriptor(tensors[a.index], a.block, a.layout)
         return a
 
     def encode(self, ptrs: Sequence[int]) -> None:

@@ -5,8 +5,9 @@
 the device, Triton's Gluon gate, and the shape: where each consumer warpgroup gets fewer than
 ``config.fused_forward_min_rounds`` tiles, cuBLAS + the forward stage is faster -- NOTES, session
 13); ``fused_gemm_unsupported`` says why a call cannot take it. ``FusedGemmForward`` holds the
-launch of one plan: tile config, layouts and grid decided once; per call only the tensor
-descriptors (they carry the addresses) are made, through Gluon's public launch.
+launch of one plan: tile config, layouts and grid decided once; its ``bound_launch`` fixes every
+argument but the addresses, and after the first launch calls the compiled kernel's launcher
+directly (``ops/launch.py``), re-encoding a descriptor only when its tensor moved.
 """
 
 from __future__ import annotations
@@ -15,24 +16,14 @@ import math
 
 import torch
 
-TILE = dict(BM=128, BK=64, GROUP_M=8, STAGES=5, RC=32, EPILOGUE_LOOP=False, COOP=False, EPILOGUE_WG=False)
-# Session 14's experiments, off until their device A/B (NOTES; none has run on a GPU yet):
-# EPILOGUE_LOOP: the norm epilogue as one loop for query and key heads (48 KB of SASS) rather than unrolled
-# (164 KB). COOP: both consumers on one [2*BM, head] tile, sharing its W tile (a quarter less L2 traffic
-# per FLOP; each consumer's epilogue no longer hidden behind the other's MMAs); 48 KB ring stages, so
-# STAGES=3. EPILOGUE_WG (with COOP): the epilogue in a warpgroup of its own, overlapping the next tile.
-COOP_TILE = dict(COOP=True, STAGES=3)
-COOP_EPILOGUE_WG_TILE = dict(COOP_TILE, EPILOGUE_WG=True, RC=16)  # 32-row chunks spill at 152 registers
-# the experiments by name (gpu_fuzz --fused-tile, the probes' providers, the GPU tests)
-TILE_OPTIONS = dict(loop=dict(EPILOGUE_LOOP=True), coop=COOP_TILE, coop_loop=dict(COOP_TILE, EPILOGUE_LOOP=True),
-                    coop_ewg=COOP_EPILOGUE_WG_TILE)
+TILE = dict(BM=128, BK=64, GROUP_M=8, STAGES=5, RC=32)
 CONSUMER_REGS, PRODUCER_REGS = 240, 24
 # 4 default warps + a 4-warp consumer + a 1-warp producer, padded to 12 warps: maxnreg x 12 x 32 <= 65536.
 # setmaxnreg then gives each consumer 240 registers and the producer 24.
 MAXNREG = 168
-# EPILOGUE_WG: + a 4-warp epilogue, padded to 16 warps: maxnreg 128. The workers get 168 (consumer 1), 152
-# (the epilogue) and 24 (the producer's warpgroup); the default partition (consumer 0) what they leave, 168.
-EWG_CONSUMER_REGS, EWG_EPILOGUE_REGS, EWG_MAXNREG = 168, 152, 128
+# the call tensors of a launch (``FusedGemmForward.bound_launch``): x and W as matrices, qkv, q and k as
+# token-major [tokens, heads * head_dim] matrices, the norm weights (absent where unweighted), rstd, cos/sin
+ENTRIES = ("x", "w", "qkv", "q", "k", "q_norm_weight", "k_norm_weight", "rstd_q", "rstd_k", "cos", "sin")
 
 
 def fused_gemm_unsupported(x, w, head_dim: int, rot: int, variant, bias, device_capability) -> str | None:
@@ -89,15 +80,6 @@ def plan_fused_forward(sz: dict, x, w, bias, cfg, small=()) -> "FusedGemmForward
                             **dict(cfg.fused_forward_tile or ()))
 
 
-def register_split(tile: dict) -> tuple:
-    """(maxnreg of the launch, the setmaxnreg constexprs of the consumers and the epilogue warpgroup)."""
-    if tile["EPILOGUE_WG"]:
-        if not tile["COOP"]:
-            raise ValueError("tile: EPILOGUE_WG needs COOP (the epilogue warpgroup takes [2*BM, D] tiles)")
-        return EWG_MAXNREG, dict(CONSUMER_REGS=EWG_CONSUMER_REGS, EPILOGUE_REGS=EWG_EPILOGUE_REGS)
-    return MAXNREG, dict(CONSUMER_REGS=CONSUMER_REGS, EPILOGUE_REGS=0)
-
-
 def _gl_dtype(dtype):
     from triton.experimental.gluon import language as gl
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
@@ -128,29 +110,39 @@ class FusedGemmForward:
         self.x_l, self.w_l, self.o_l = layouts(dtype, BM, D, BK)
         if sms is None:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if self.tile["COOP"]:  # one program per SM, fewer where there are fewer [2*BM, D] tiles
-            self.grid = (max(1, min(sms, -(-M // (2 * BM)) * (N // D))), )
-        else:  # one program per SM, fewer where there are fewer than two tiles (two consumers) per SM
-            self.grid = (max(1, min(sms, math.ceil(consumer_rounds(M, N, D, 1, BM)))), )
-        self.maxnreg, regs = register_split(self.tile)
+        # one program per SM, fewer where there are fewer than two tiles (two consumers) per SM
+        self.grid = (max(1, min(sms, math.ceil(consumer_rounds(M, N, D, 1, BM)))), )
         self.constexprs = dict(BM=BM, BN=D, BK=BK, GROUP_M=self.tile["GROUP_M"], STAGES=self.tile["STAGES"],
                                FUSE=fuse, NORM_AFTER_ROPE=norm_after_rope, NORM_WEIGHT=norm_weight, RC=self.tile["RC"],
-                               EPILOGUE_LOOP=self.tile["EPILOGUE_LOOP"], COOP=self.tile["COOP"],
-                               EPILOGUE_WG=self.tile["EPILOGUE_WG"], PRODUCER_REGS=PRODUCER_REGS, **regs)
+                               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
 
-    def run(self, x2d, w, qkv2d, q2d, k2d, wq, wk, rq, rk, cos, sin):
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as TD
+    def bound_launch(self, like: dict):
+        """``(Table, BoundLaunch)``: this kernel's launch over the call tensors ``like`` (by
+        :data:`ENTRIES` name; the norm weights None where unweighted), every argument but the
+        addresses fixed -- descriptors' shapes, strides, the sizes -- from ``like``. After its first
+        launch (the JIT's) a launch given addresses calls the compiled kernel's launcher directly,
+        re-encoding only the descriptors whose tensor moved."""
+        from .launch import BoundLaunch, Desc, Table
+        table = Table()
+        slot = {name: table.add(name, like[name]) for name in ENTRIES if like.get(name) is not None}
         BM, BK, D = self.tile["BM"], self.tile["BK"], self.D
         half = [BM, D // 2]
-        x_d = TD.from_tensor(x2d, [BM, BK], self.x_l)
-        w_d = TD.from_tensor(w, [D, BK], self.w_l)
-        qkv_d = TD.from_tensor(qkv2d, half, self.o_l)
-        q_d = TD.from_tensor(q2d, half, self.o_l)
-        k_d = TD.from_tensor(k2d, half, self.o_l)
-        wq = q2d if wq is None else wq
-        wk = q2d if wk is None else wk
-        self.kernel[self.grid](
-            x_d, w_d, qkv_d, q_d, k_d, wq, wq.stride(0) if wq.dim() == 1 else 1, wk,
-            wk.stride(0) if wk.dim() == 1 else 1, rq, *rq.stride(), rk, *rk.stride(), cos, *cos.stride(), sin,
-            *sin.stride(), self.eps, self.M, self.N, self.K, self.S, self.hq, self.hkv, **self.constexprs,
-            num_warps=4, maxnreg=self.maxnreg)
+        wq = slot.get("q_norm_weight", slot["q"])  # unweighted: q stands in, never read
+        wk = slot.get("k_norm_weight", slot["q"])
+        rq, rk, cos, sin = (like[n] for n in ("rstd_q", "rstd_k", "cos", "sin"))
+        args = (Desc(slot["x"], [BM, BK], self.x_l), Desc(slot["w"], [D, BK], self.w_l),
+                Desc(slot["qkv"], half, self.o_l), Desc(slot["q"], half, self.o_l), Desc(slot["k"], half, self.o_l),
+                wq, wq.like.stride(0) if wq.like.dim() == 1 else 1, wk, wk.like.stride(0) if wk.like.dim() == 1 else 1,
+                slot["rstd_q"], *rq.stride(), slot["rstd_k"], *rk.stride(), slot["cos"], *cos.stride(), slot["sin"],
+                *sin.stride(), self.eps, self.M, self.N, self.K, self.S, self.hq, self.hkv)
+        launch = BoundLaunch(self.kernel, self.grid, args, dict(self.constexprs, num_warps=4, maxnreg=MAXNREG))
+        table.release()
+        return table, launch
+
+    def run(self, x2d, w, qkv2d, q2d, k2d, wq, wk, rq, rk, cos, sin):
+        """One launch through the JIT (tests and benchmarks; a plan launches :meth:`bound_launch`'s)."""
+        named = dict(x=x2d, w=w, qkv=qkv2d, q=q2d, k=k2d, q_norm_weight=wq, k_norm_weight=wk, rstd_q=rq, rstd_k=rk,
+                     cos=cos, sin=sin)
+        table, launch = self.bound_launch(named)
+        launch.raw_disabled = True
+        launch.launch(table.tensors({n: t for n, t in named.items() if t is not None}), None, 0)

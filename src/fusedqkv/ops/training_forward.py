@@ -31,7 +31,9 @@ class ForwardPlan:
     def __init__(self, cfg, sz, backend, launch=None, table=None, aligned=True, lt_qkv=None, fused=None):
         self.cfg, self.sz, self.backend, self.launch, self.table, self.aligned = cfg, sz, backend, launch, table, aligned
         self.lt_qkv = lt_qkv  # qkv = x W^T as a planned cuBLASLt call (no bias, aligned plans), or None
-        self.fused = fused  # the whole forward as one Hopper launch (ops/qkv_rope_norm_gemm.py), or None
+        # the whole forward as one Hopper launch (ops/qkv_rope_norm_gemm.FusedGemmForward; launch and table
+        # are its bound launch), or None
+        self.fused = fused
         b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
         self.M, self.hidden, self.n_tot = b * s, sz["hidden"], sz["qkv"]
         self.qkv_shape = (b, s, self.n_tot)
@@ -78,16 +80,38 @@ class ForwardPlan:
 
 
     def _run_fused(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin):
-        if (hidden_states.data_ptr() | qkv_weight.data_ptr()) & 15:
+        x_ptr, w_ptr = hidden_states.data_ptr(), qkv_weight.data_ptr()
+        if (x_ptr | w_ptr) & 15:  # the TMA descriptors' bases
             raise Misaligned
-        _, _, hq, hkv, d = self.out_dims
         qkv = torch.empty(self.qkv_shape, dtype=self.dtype, device=self.device)
         q, k, rq, rk, v = forward_outputs(*self.out_dims, self.dtype, self.device, False)
-        # token-major q/k are [tokens, heads * head_dim] matrices in memory
-        self.fused.run(hidden_states.view(self.M, self.hidden), qkv_weight, qkv.view(self.M, self.n_tot),
-                       q.transpose(1, 2).view(self.M, hq * d), k.transpose(1, 2).view(self.M, hkv * d), q_norm_weight,
-                       k_norm_weight, rq, rk, cos, sin)
+        launch = self.launch
+        if launch.bound:
+            addr = dict(x=x_ptr, w=w_ptr, qkv=qkv.data_ptr(), q=q.data_ptr(), k=k.data_ptr(), rstd_q=rq.data_ptr(),
+                        rstd_k=rk.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr())
+            if q_norm_weight is not None:
+                addr["q_norm_weight"], addr["k_norm_weight"] = q_norm_weight.data_ptr(), k_norm_weight.data_ptr()
+            if self.aligned and (addr.get("q_norm_weight", 0) | addr.get("k_norm_weight", 0) | addr["cos"]
+                                 | addr["sin"]) & 15:
+                raise Misaligned  # the compiled kernel assumed 16-byte aligned rows
+            launch.launch(None, self.table.addresses(addr), current_stream(self.device))
+        else:
+            named = fused_entries(self.out_dims, hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight,
+                                  rq, rk, cos, sin)
+            launch.launch(self.table.tensors(named), None, current_stream(self.device))
         return q, k, qkv, rq, rk, v
+
+
+def fused_entries(out_dims, hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight, rq, rk, cos, sin) -> dict:
+    """The one-launch forward's call tensors by name (``qkv_rope_norm_gemm.ENTRIES``; the norm weights
+    only where weighted): x, qkv, and the token-major q/k as ``[tokens, heads * head_dim]`` matrices."""
+    b, s, hq, hkv, d = out_dims
+    named = dict(x=hidden_states.view(b * s, -1), w=qkv_weight, qkv=qkv.view(b * s, -1),
+                 q=q.transpose(1, 2).view(b * s, hq * d), k=k.transpose(1, 2).view(b * s, hkv * d), rstd_q=rq,
+                 rstd_k=rk, cos=cos, sin=sin)
+    if q_norm_weight is not None:
+        named.update(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
+    return named
 
 
 def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
@@ -110,12 +134,16 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     M = sz["batch"] * sz["seq"]
     if backend == "torch" or M == 0:
         return ForwardPlan(cfg, sz, backend)
-    fused = plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg, (cos, sin, q_norm_weight, k_norm_weight))
-    if fused is not None:  # one launch: no GEMM or stage of its own to plan
-        return ForwardPlan(cfg, sz, backend, fused=fused)
     b, s, d, rot = sz["batch"], sz["seq"], sz["head_dim"], sz["rot"]
+    aligned = all(t.data_ptr() % 16 == 0 for t in (q_norm_weight, k_norm_weight, cos, sin) if t is not None)
+    fused = plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg, (cos, sin, q_norm_weight, k_norm_weight))
     qkv = torch.empty((b, s, sz["qkv"]), dtype=sz["dtype"], device=device)
     q, k, rq, rk, v = forward_outputs(b, s, num_heads, num_kv_heads, d, sz["dtype"], device, variant.v_norm)
+    if fused is not None:  # one launch: no GEMM or stage of its own to plan
+        table, launch = fused.bound_launch(fused_entries(
+            (b, s, num_heads, num_kv_heads, d), hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight,
+            rq, rk, cos.expand(b, s, rot), sin.expand(b, s, rot)))
+        return ForwardPlan(cfg, sz, backend, launch, table, aligned, fused=fused)
     like = dict(qkv=qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, cos=cos.expand(b, s, rot),
                 sin=sin.expand(b, s, rot), q=q, k=k, rstd_q=rq, rstd_k=rk, v=v)
     table = Table()
@@ -123,7 +151,6 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     launch = plan_forward_stage(*slots[:9], num_heads, num_kv_heads, sz["eps"], sz["norm_after_rope"], cfg, variant,
                                 slots[9])
     table.release()
-    aligned = all(t.data_ptr() % 16 == 0 for t in (q_norm_weight, k_norm_weight, cos, sin) if t is not None)
     lt_qkv = None
     if qkv_bias is None and aligned and hidden_states.data_ptr() % 16 == 0 and qkv_weight.data_ptr() % 16 == 0:
         lt_qkv = lt_matmul(as_matrix(hidden_states, M, sz["hidden"]), qkv_weight.t(), qkv.view(M, sz["qkv"]), cfg)
