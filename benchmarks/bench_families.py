@@ -447,6 +447,15 @@ def time_graphs_interleaved(fns: dict, reps: int, warmup: int = 3,
                                                warmup=warmup, flusher=flusher)
 
 
+def time_graphs_steady(fns: dict, seconds: float, rounds: int, sampler: Optional[timing.ClockSampler]) -> dict:
+    """{name: {ms, mhz, watts, samples}}: each callable captured as a CUDA graph (outputs kept alive
+    until the timing ends), the graphs replayed back to back under steady load (``timing.time_steady``,
+    ``timing.steady_medians``)."""
+    graphs = {n: capture_graph(fn) for n, fn in fns.items()}
+    return timing.steady_medians(timing.time_steady({n: g.replay for n, (g, _) in graphs.items()}, seconds=seconds,
+                                                    rounds=rounds, sync=torch.cuda.synchronize, sampler=sampler))
+
+
 def time_row(row: Row, providers, reps: int, warmup: int, flusher: Optional[timing.L2Flusher]) -> dict:
     """{(provider, mode): [ms per call]}: the graphs (CPU: the calls) interleaved call by call in a
     rotated order. No ``flusher``: the CPU smoke run (wall clock, no graphs)."""

@@ -32,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_families as BF  # noqa: E402  (time_graphs_interleaved)
+import bench_families as BF  # noqa: E402  (time_graphs_interleaved, time_graphs_steady)
 import bench_module as BM  # noqa: E402  (CONFIGS, rope_cos_sin, time_cpu_interleaved)
 
 from fusedqkv import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm  # noqa: E402
@@ -89,11 +89,9 @@ def time_row_steady(calls: dict, seconds: float, gpu: bool, sampler) -> dict:
     """{"provider/mode": {ms, mhz, watts, samples}} under steady load (``timing.time_steady``):
     ``timing.steady_medians``."""
     fns = {f"{p}/{m}": fn for (p, m), fn in calls.items()}
-    if gpu:  # (the graphs and their outputs live until the timing returns)
-        graphs = {n: BF.capture_graph(fn) for n, fn in fns.items()}
-        fns = {n: g.replay for n, (g, _) in graphs.items()}
-    sync = torch.cuda.synchronize if gpu else None
-    return timing.steady_medians(timing.time_steady(fns, seconds=seconds, rounds=3, sync=sync, sampler=sampler))
+    if gpu:
+        return BF.time_graphs_steady(fns, seconds, 3, sampler)
+    return timing.steady_medians(timing.time_steady(fns, seconds=seconds, rounds=3, sampler=sampler))
 
 
 def main() -> int:

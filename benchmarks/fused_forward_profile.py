@@ -19,9 +19,6 @@ and the board power every 50 ms; providers rotated over --rounds. Prints ms per 
 and power, and the energy per call: at the power limit a kernel that spends more energy per call
 (more data moved per FLOP, more instructions) runs at a lower clock.
 
-(Session 14's run, ``results/h200-2026-12-01-s14/fused_forward_clocks.json``, replayed a graph of
-ten calls with a sync every 40 calls; this script now replays one call per graph.)
-
     PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/fused_forward_profile.py --rows 1,2 --out $OUT/clocks
 """
 
@@ -81,15 +78,11 @@ def clocks(rows, names, seconds, rounds, out):
     for cfg_name, b, s in rows:
         cfg = BMOD.CONFIGS[cfg_name]
         fns = provider_fns(cfg, GP.make(cfg, b, s, torch.device("cuda")), names)
-        graphs = {n: BF.capture_graph(fn) for n, fn in fns.items()}
-        steady = timing.steady_medians(timing.time_steady({n: g.replay for n, (g, _) in graphs.items()},
-                                                          seconds=seconds, rounds=rounds, sync=torch.cuda.synchronize,
-                                                          sampler=sampler))
+        steady = BF.time_graphs_steady(fns, seconds, rounds, sampler)
         row = dict(row=f"{cfg_name} {b}x{s}",
                    providers={n: dict(p, mj_per_call=p["watts"] * p["ms"]) for n, p in steady.items()})
         log(json.dumps(row))
         result["rows"].append(row)
-        del graphs
     sampler.close()
     with open(os.path.join(out, "fused_forward_clocks.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -36,7 +36,7 @@ import bench_module as BMOD  # noqa: E402
 from fusedqkv.bench import timing  # noqa: E402
 from fusedqkv.ops import config  # noqa: E402
 from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch  # noqa: E402
-from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward  # noqa: E402
+from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward, call_entries  # noqa: E402
 from fusedqkv.ops.training_forward import forward_plan, run_forward  # noqa: E402
 
 ROWS = [(c, b, s) for c in BMOD.CONFIGS for b, s in ((1, 512), (1, 2048), (2, 4096))] + [
@@ -73,8 +73,7 @@ def fused_fn(cfg, args, fuse=True, **tile):
     def call():
         qkv = torch.empty(b, s, N, dtype=x.dtype, device=x.device)
         q, kk, rq, rk, _ = forward_outputs(b, s, hq, hkv, d, x.dtype, x.device, False)
-        k.run(x.view(M, h), w, qkv.view(M, N), q.transpose(1, 2).reshape(M, hq * d),
-              kk.transpose(1, 2).reshape(M, hkv * d), wq, wk, rq, rk, cos, sin)
+        k.run(call_entries((b, s, hq, hkv, d), x, w, qkv, q, kk, wq, wk, rq, rk, cos, sin))
         return q, kk, qkv, rq, rk
     return call
 

@@ -12,7 +12,7 @@ import torch
 from fusedqkv import GQAQKVRoPEQKNorm
 from fusedqkv.ops import config, internals
 from fusedqkv.ops.gqa_forward import forward_outputs, forward_torch
-from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward, consumer_rounds
+from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward, call_entries, consumer_rounds
 from fusedqkv.ops.training_forward import forward_plan, run_forward
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
@@ -76,8 +76,7 @@ def _run_kernel(x, w, wq, wk, cos, sin, hq, hkv, position, fuse=True, **tile):
     q, k, rq, rk, _ = forward_outputs(b, s, hq, hkv, 128, x.dtype, x.device, False)
     for t in (q, k, rq, rk):
         t.fill_(float("nan"))
-    fwd.run(x.view(M, hidden), w, qkv, q.transpose(1, 2).view(M, hq * 128), k.transpose(1, 2).view(M, hkv * 128),
-            wq, wk, rq, rk, cos, sin)
+    fwd.run(call_entries((b, s, hq, hkv, 128), x, w, qkv, q, k, wq, wk, rq, rk, cos, sin))
     return (qkv, ) if not fuse else (q, k, qkv, rq, rk)
 
 

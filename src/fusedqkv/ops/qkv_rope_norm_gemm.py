@@ -26,6 +26,18 @@ MAXNREG = 168
 ENTRIES = ("x", "w", "qkv", "q", "k", "q_norm_weight", "k_norm_weight", "rstd_q", "rstd_k", "cos", "sin")
 
 
+def call_entries(out_dims, x, w, qkv, q, k, wq, wk, rq, rk, cos, sin) -> dict:
+    """A launch's call tensors by :data:`ENTRIES` name from the block's (``out_dims``: ``forward_outputs``'
+    batch, seq, query heads, key/value heads, head_dim; ``q``/``k`` its token-major ``[B, H, S, D]``
+    views; ``wq``/``wk`` None where unweighted)."""
+    b, s, hq, hkv, d = out_dims
+    named = dict(x=x.view(b * s, -1), w=w, qkv=qkv.view(b * s, -1), q=q.transpose(1, 2).view(b * s, hq * d),
+                 k=k.transpose(1, 2).view(b * s, hkv * d), rstd_q=rq, rstd_k=rk, cos=cos, sin=sin)
+    if wq is not None:
+        named.update(q_norm_weight=wq, k_norm_weight=wk)
+    return named
+
+
 def fused_gemm_unsupported(x, w, head_dim: int, rot: int, variant, bias, device_capability) -> str | None:
     """Why the fused forward GEMM cannot run this call (None: it can)."""
     if device_capability != (9, 0):
@@ -139,10 +151,9 @@ class FusedGemmForward:
         table.release()
         return table, launch
 
-    def run(self, x2d, w, qkv2d, q2d, k2d, wq, wk, rq, rk, cos, sin):
-        """One launch through the JIT (tests and benchmarks; a plan launches :meth:`bound_launch`'s)."""
-        named = dict(x=x2d, w=w, qkv=qkv2d, q=q2d, k=k2d, q_norm_weight=wq, k_norm_weight=wk, rstd_q=rq, rstd_k=rk,
-                     cos=cos, sin=sin)
+    def run(self, named: dict):
+        """One launch through the JIT over the call tensors ``named`` (:func:`call_entries`; tests and
+        benchmarks: a plan launches :meth:`bound_launch`'s)."""
         table, launch = self.bound_launch(named)
         launch.raw_disabled = True
-        launch.launch(table.tensors({n: t for n, t in named.items() if t is not None}), None, 0)
+        launch.launch(table.tensors(named), None, 0)

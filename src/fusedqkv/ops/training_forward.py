@@ -18,7 +18,7 @@ from .device import current_stream
 from .gqa_forward import forward_outputs, forward_torch, plan_forward_stage, validate_forward_inputs
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
-from .qkv_rope_norm_gemm import plan_fused_forward
+from .qkv_rope_norm_gemm import call_entries, plan_fused_forward
 from .rope_qk_norm import pick_backend
 
 # the stage's table entries, by name (the norm weights only when the norms have them, v only when normed)
@@ -70,9 +70,7 @@ class ForwardPlan:
                      rstd_q=rq, rstd_k=rk, v=v)
         if bound:
             addr = {name: t.data_ptr() for name, t in named.items() if t is not None}
-            if self.aligned and (addr.get("q_norm_weight", 0) | addr.get("k_norm_weight", 0) | addr["cos"]
-                                 | addr["sin"]) & 15:
-                raise Misaligned
+            self._check_aligned(addr)
             launch.launch(None, self.table.addresses(addr), current_stream(dev))
         else:
             launch.launch(self.table.tensors(named), None, current_stream(dev))
@@ -91,27 +89,20 @@ class ForwardPlan:
                         rstd_k=rk.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr())
             if q_norm_weight is not None:
                 addr["q_norm_weight"], addr["k_norm_weight"] = q_norm_weight.data_ptr(), k_norm_weight.data_ptr()
-            if self.aligned and (addr.get("q_norm_weight", 0) | addr.get("k_norm_weight", 0) | addr["cos"]
-                                 | addr["sin"]) & 15:
-                raise Misaligned  # the compiled kernel assumed 16-byte aligned rows
+            self._check_aligned(addr)
             launch.launch(None, self.table.addresses(addr), current_stream(self.device))
         else:
-            named = fused_entries(self.out_dims, hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight,
-                                  rq, rk, cos, sin)
+            named = call_entries(self.out_dims, hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight,
+                                 rq, rk, cos, sin)
             launch.launch(self.table.tensors(named), None, current_stream(self.device))
         return q, k, qkv, rq, rk, v
 
-
-def fused_entries(out_dims, hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight, rq, rk, cos, sin) -> dict:
-    """The one-launch forward's call tensors by name (``qkv_rope_norm_gemm.ENTRIES``; the norm weights
-    only where weighted): x, qkv, and the token-major q/k as ``[tokens, heads * head_dim]`` matrices."""
-    b, s, hq, hkv, d = out_dims
-    named = dict(x=hidden_states.view(b * s, -1), w=qkv_weight, qkv=qkv.view(b * s, -1),
-                 q=q.transpose(1, 2).view(b * s, hq * d), k=k.transpose(1, 2).view(b * s, hkv * d), rstd_q=rq,
-                 rstd_k=rk, cos=cos, sin=sin)
-    if q_norm_weight is not None:
-        named.update(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
-    return named
+    def _check_aligned(self, addr: dict) -> None:
+        """``Misaligned`` where the plan's compiled kernel assumed 16-byte aligned cos/sin and norm
+        weights (the JIT specialised on them) and this call's are not."""
+        if self.aligned and (addr.get("q_norm_weight", 0) | addr.get("k_norm_weight", 0) | addr["cos"]
+                             | addr["sin"]) & 15:
+            raise Misaligned
 
 
 def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
@@ -140,7 +131,7 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     qkv = torch.empty((b, s, sz["qkv"]), dtype=sz["dtype"], device=device)
     q, k, rq, rk, v = forward_outputs(b, s, num_heads, num_kv_heads, d, sz["dtype"], device, variant.v_norm)
     if fused is not None:  # one launch: no GEMM or stage of its own to plan
-        table, launch = fused.bound_launch(fused_entries(
+        table, launch = fused.bound_launch(call_entries(
             (b, s, num_heads, num_kv_heads, d), hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight,
             rq, rk, cos.expand(b, s, rot), sin.expand(b, s, rot)))
         return ForwardPlan(cfg, sz, backend, launch, table, aligned, fused=fused)
