@@ -57,3 +57,67 @@ def _list_builtins_once():
 
 if os.environ["TRITON_INTERPRET"] == "1":
     _list_builtins_once()
+
+
+# --------------------------------------------------------------------------- GEMM budget
+# The official reference's GEMMs are tallied wherever it runs (the tests' oracle, the bench's
+# eager baseline: both load it through problem.load_official_reference); the session fails when
+# its half-precision NN FLOPs exceed _gemm_audit.ORACLE_NN_BUDGET, whatever the host.
+# FUSEDQKV_GEMM_AUDIT=FILE also tallies every test's CPU GEMMs and writes them to FILE (JSON).
+
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _gemm_audit  # noqa: E402
+from fusedqkv.bench import problem as _problem  # noqa: E402
+
+_load_official_reference = _problem.load_official_reference
+
+
+def _counted_official_reference(*args, **kwargs):
+    run = _load_official_reference(*args, **kwargs)
+    return None if run is None else _gemm_audit.counted_oracle(run)
+
+
+_problem.load_official_reference = _counted_official_reference
+_AUDIT_FILE = os.environ.get("FUSEDQKV_GEMM_AUDIT")
+_AUDIT: dict = {}
+
+
+if _AUDIT_FILE:
+    @pytest.fixture(autouse=True)
+    def _gemm_audit_per_test(request):
+        tally = _gemm_audit.Tally()
+        with _gemm_audit.GemmCounter(tally=tally):
+            yield
+        if tally.flops:
+            _AUDIT[request.node.nodeid] = tally
+
+
+def pytest_terminal_summary(terminalreporter):
+    o = _gemm_audit.ORACLE
+    tr = terminalreporter
+    tr.write_line(f"official reference GEMMs: {o.half('NN') / 1e9:.3f} GFLOP half-precision NN (budget "
+                  f"{_gemm_audit.ORACLE_NN_BUDGET / 1e9:.1f}), {o.half() / 1e9:.3f} GFLOP half-precision in all, "
+                  f"~{o.predicted_s():.0f} s on an AVX2-only CPU")
+    if _AUDIT_FILE:
+        total = _gemm_audit.Tally()
+        for t in _AUDIT.values():
+            total.merge(t)
+        rows = {k: dict(predicted_s=t.predicted_s(), half_gflop=t.half() / 1e9, rows=t.rows())
+                for k, t in sorted(_AUDIT.items(), key=lambda kv: -kv[1].predicted_s())}
+        with open(_AUDIT_FILE, "w") as f:
+            json.dump(dict(total=dict(predicted_s=total.predicted_s(), rows=total.rows()),
+                           oracle=dict(predicted_s=o.predicted_s(), rows=o.rows()), tests=rows), f, indent=1)
+        tr.write_line(f"GEMM audit: {total.half() / 1e9:.3f} GFLOP half-precision over the suite, "
+                      f"~{total.predicted_s():.0f} s on an AVX2-only CPU; per test in {_AUDIT_FILE}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    why = _gemm_audit.check_oracle_budget()
+    if why:
+        print(f"\nFAILED (GEMM budget): {why}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -3,8 +3,9 @@ sequence 1-300, several head configurations, head_dim 64 and 128 -- the CPU path
 the Triton kernels (interpreter) against the reference's semantics.
 
 The oracle (tests/_oracle.py) follows the official reference op by op for any head
-configuration; where the official pack is present it is first checked bitwise
-against the official source with its head constants substituted.
+configuration; where the official pack is present it is first checked against the
+official source with its head constants substituted (bitwise, the two GEMMs within one
+rounding: the oracle sums them in fp32 as the CPU path does).
 
 Derandomized (fixed examples, no example database) so CI is reproducible; example
 counts keep the Triton interpreter within budget.
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 import fusedqkv
 from fusedqkv.bench import problem
 
-from _oracle import assert_matches_oracle, make_inputs, official_reference_for, oracle_backward
+from _oracle import OUTPUT_NAMES, assert_matches_oracle, make_inputs, official_reference_for, oracle_backward
 
 # (num_heads, num_kv_heads): MHA, MQA (one KV head), GQA groups of 2, 3 and 4
 HEAD_CONFIGS = [(1, 1), (2, 1), (4, 1), (4, 2), (6, 3), (8, 2), (4, 4)]
@@ -66,8 +67,14 @@ def test_oracle_equals_official_reference_with_constants_substituted(shape, seed
     b, hq, hkv, s, d, hidden = shape
     args = _build(shape, seed)
     official = official_reference_for(hq, hkv, d)
-    for o, r in zip(official(*args), oracle_backward(*args)):
-        assert torch.equal(o, r)
+    for name, o, r in zip(OUTPUT_NAMES, official(*args), oracle_backward(*args)):
+        if name in ("grad_hidden_states", "grad_qkv_weight"):
+            # the same rounding point (an fp32 sum, one rounding), the sum in another order: the
+            # official bf16 GEMM and the oracle's fp32 one differ by at most one rounding
+            ulp = torch.finfo(o.dtype).eps
+            assert ((o.float() - r.float()).abs() <= ulp * r.float().abs() + 1e-30).all(), name
+        else:
+            assert torch.equal(o, r), name
 
 
 @settings(max_examples=25, **SETTINGS)

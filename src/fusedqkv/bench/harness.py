@@ -25,13 +25,16 @@ import json
 import math
 import re
 import sys
+import threading
 import time
 import traceback
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from ..ops import host_gemm
 from ..ops.internals import raise_compile_limits
 from . import problem, records, roofline, timing, trust
 
@@ -42,6 +45,15 @@ CPU_MAX_TOKENS = 128
 # timing.CPU_MIN_REPS calls), as timeit.autorange does, instead of a fixed count
 CPU_BUDGET_S = 1.0
 CPU_QUICK_BUDGET_S = 0.3
+# A CPU run with neither --max-tokens/--workloads nor --reps/--time-budget fits its timed calls
+# into this many seconds: it measures one call of each implementation at CPU_PROBE_TOKENS and
+# cuts tokens (CPU_TOKEN_STEPS), then the per-call budget, to fit (calibrate_cpu). The README's
+# main job is then ~3 minutes with its install, on any x86 CPU.
+CPU_RUN_BUDGET_S = 90.0
+CPU_QUICK_RUN_BUDGET_S = 20.0
+CPU_PROBE_TOKENS = 16
+CPU_TOKEN_STEPS = (128, 96, 64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
+CPU_MIN_BUDGET_S = 0.05
 
 
 class BenchError(Exception):
@@ -131,8 +143,9 @@ def _prep_compile(ctx, args, ref_out):
 
 
 def _gemm_floor(dqkv, w, x, gx, gw):
-    torch.mm(dqkv, w, out=gx)
-    torch.mm(dqkv.t(), x, out=gw)
+    # the products as the CPU path computes them (fp32 there: ops.host_gemm)
+    host_gemm.mm(dqkv, w, out=gx)
+    host_gemm.mm(dqkv.t(), x, out=gw)
     return gx, gw
 
 
@@ -174,29 +187,54 @@ def default_implementations(device: torch.device) -> list:
 class Progress:
     """One line per step on stderr (rewritten in place on a terminal)."""
 
+    HEARTBEAT_S = 10.0  # a line at least this often while something runs
+
     def __init__(self, total: int, enabled: bool = True, stream=None):
         self.total, self.done, self.enabled = total, 0, enabled
         self.stream = stream or sys.stderr
-        self.t0 = time.perf_counter()
+        self.t0 = self.last_out = time.perf_counter()
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.current = None  # (what runs now, since when)
+        self._lock = threading.Lock()
+        self._beat = None
+
+    def running(self, msg: str) -> None:
+        """``msg`` runs now: after HEARTBEAT_S without output a line says so, and again each HEARTBEAT_S."""
+        self.current = (msg, time.perf_counter())
+        if self.enabled and self._beat is None:
+            self._beat = threading.Thread(target=self._heartbeat, name="fusedqkv-bench-progress", daemon=True)
+            self._beat.start()
+
+    def close(self) -> None:
+        self.current, self.enabled = None, False
+
+    def _heartbeat(self) -> None:
+        while self.enabled:
+            time.sleep(0.5)
+            cur, now = self.current, time.perf_counter()
+            if cur is not None and now - self.last_out >= self.HEARTBEAT_S:
+                self._write(f"  ... {cur[0]} running for {now - cur[1]:.0f} s ({now - self.t0:.0f} s in all)",
+                            newline=True)
+
+    def _write(self, line: str, newline: bool) -> None:
+        with self._lock:
+            self.stream.write(("\r\033[K" if self.tty else "") + line + ("\n" if newline or not self.tty else ""))
+            self.stream.flush()
+            self.last_out = time.perf_counter()
 
     def step(self, msg: str) -> None:
         self.done += 1
+        self.current = None
         if not self.enabled:
             return
         el = time.perf_counter() - self.t0
         eta = el / self.done * (self.total - self.done) if self.done else 0.0
         line = f"[{self.done:>3d}/{self.total}] {el:6.1f}s (eta {eta:5.0f}s) {msg}"
-        if self.tty:
-            self.stream.write("\r\033[K" + line + ("\n" if self.done >= self.total else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        self._write(line, newline=self.done >= self.total)
 
     def note(self, msg: str) -> None:
         if self.enabled:
-            self.stream.write(("\r\033[K" if self.tty else "") + msg + "\n")
-            self.stream.flush()
+            self._write(msg, newline=True)
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -353,6 +391,147 @@ def plan_bench(cfg: BenchConfig) -> Plan:
     return Plan(device, defn, impl_names, wls, cap, reps, warmup, budget, span, span_source, primary_timer, timers)
 
 
+@dataclass
+class CpuCalibration:
+    """What a CPU run chose from measured calls (its header line says so): the cap on tokens per
+    workload and the seconds of timed calls per implementation and workload, so that the run's
+    estimated time fits ``run_budget_s``."""
+
+    probe_ms: dict           # implementation -> {tokens: ms of one call}
+    cap: Optional[int]
+    budget_s: Optional[float]
+    estimate_s: float
+    run_budget_s: float
+    gemm_gflops: dict        # {"bfloat16": x, "float32": y}: one row-major GEMM each
+    native_bf16: Optional[bool]
+    chose: tuple             # what it chose: "tokens" and/or "repetitions" (the rest was given)
+
+    @property
+    def slow_bf16(self) -> bool:
+        g = self.gemm_gflops
+        return g["bfloat16"] < 0.25 * g["float32"]
+
+    def header(self) -> str:
+        probes = "; ".join(f"{name} " + ", ".join(f"{ms:.1f} ms at {t}" for t, ms in by.items())
+                           for name, by in self.probe_ms.items())
+        chose = []
+        if "tokens" in self.chose:
+            chose.append(f"workloads cut to <= {self.cap} tokens")
+        if "repetitions" in self.chose:
+            chose.append(f"{self.budget_s:g} s of timed calls each (>= {timing.CPU_MIN_REPS} calls)")
+        if not self.chose:
+            line = "CPU run: tokens and repetitions as given (no calibration)"
+        else:
+            line = (f"CPU calibration (one call per token count: {probes}): {', '.join(chose)}; "
+                    f"estimated {self.estimate_s:.0f} s of calls (budget {self.run_budget_s:g} s)")
+        if self.estimate_s > self.run_budget_s:
+            line += " -- over budget even at the smallest settings"
+        if self.slow_bf16:
+            g = self.gemm_gflops
+            why = ("no native bf16 (no avx512_bf16 or amx_bf16 in its flags)" if self.native_bf16 is False
+                   else "a slow bf16 GEMM")
+            line += (f"\nthis CPU has {why}: the official reference's bf16 GEMMs run at {g['bfloat16'] / 1e9:.2f} "
+                     f"GFLOP/s (fp32: {g['float32'] / 1e9:.1f} GFLOP/s); fusedqkv's CPU path multiplies in fp32")
+        return line
+
+    def to_json(self) -> dict:
+        return {"probeMs": {n: {str(t): ms for t, ms in by.items()} for n, by in self.probe_ms.items()},
+                "maxTokens": self.cap, "budgetS": self.budget_s, "estimateS": self.estimate_s,
+                "runBudgetS": self.run_budget_s, "gemmGflops": {k: v / 1e9 for k, v in self.gemm_gflops.items()},
+                "nativeBf16": self.native_bf16, "chose": list(self.chose)}
+
+
+def _pair_seconds(call_s: float, budget_s: Optional[float], reps: Optional[int], extra_calls: int) -> float:
+    """One implementation on one workload as time_cpu_budget runs it, plus ``extra_calls`` (the
+    correctness call; the reference output too for the baseline)."""
+    warm = min(3, max(1, math.ceil(timing.CPU_WARMUP_CAP_S / max(call_s, 1e-9))))
+    timed = reps * call_s if reps is not None else max(timing.CPU_MIN_REPS * call_s, budget_s)
+    return (extra_calls + warm) * call_s + timed
+
+
+def _call_model(by_tokens: dict):
+    """seconds(tokens) = a + b * tokens through the two measured points (ms), padded 15 %."""
+    (t_lo, lo), (t_hi, hi) = sorted(by_tokens.items())
+    b = max(0.0, (hi - lo) / (t_hi - t_lo)) / 1e3
+    a = max(0.0, lo / 1e3 - b * t_lo)
+    return lambda tokens: 1.15 * (a + b * tokens)
+
+
+CPU_PROBE_POINTS = (1, 8)  # tokens of the calibration's calls (after one warm-up call at the first)
+
+
+def calibrate_cpu(pl: "Plan", cfg: "BenchConfig", ctx: "Context", impls: list, prog: "Progress") -> tuple:
+    """(plan, CpuCalibration): the plan with the cap and per-call budget that fit the run's
+    budget, for what the user left unset (--max-tokens/--workloads, --reps/--time-budget)."""
+    free_tokens = cfg.max_tokens is None and not cfg.workloads
+    free_reps = cfg.reps is None and cfg.time_budget is None
+    run_budget = CPU_QUICK_RUN_BUDGET_S if cfg.quick else CPU_RUN_BUDGET_S
+    if not (free_tokens or free_reps):  # everything given: only whether the reference's GEMMs are slow here
+        cal = CpuCalibration({}, pl.cap, pl.time_budget, math.nan, run_budget, roofline.cpu_gemm_rates(),
+                             roofline.cpu_native_bf16(), ())
+        return pl, cal
+    prog.running("CPU calibration")
+    prog.note("measuring this CPU: one GEMM in bf16 and fp32, one call of each implementation at "
+              + " and ".join(map(str, CPU_PROBE_POINTS)) + " tokens")
+    rates = roofline.cpu_gemm_rates()
+    probe_ms: dict = {impl.name: {} for impl in impls}
+    gen_s = 0.0
+    base = pl.workloads[0]
+    for i, tokens in enumerate((CPU_PROBE_POINTS[0],) + CPU_PROBE_POINTS):
+        w = problem.reduced_workload(base, tokens)
+        t0 = time.perf_counter()
+        args = list(problem.generate_inputs(pl.definition, w, device=pl.device, seed=w.index).values())
+        gen_s = max(gen_s, time.perf_counter() - t0)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            ref_out = tuple(ctx.reference(*args))
+            ref_ms = (time.perf_counter() - t0) * 1e3
+            for impl in impls:
+                if impl.name == "eager":
+                    ms = ref_ms
+                else:
+                    fn = impl.prepare(ctx, args, ref_out)
+                    t0 = time.perf_counter()
+                    fn()
+                    ms = (time.perf_counter() - t0) * 1e3
+                if i:  # the first round warms up
+                    probe_ms[impl.name][w.tokens] = ms
+    models = {name: _call_model(by) for name, by in probe_ms.items()}
+
+    def estimate(cap, budget):
+        wls, _ = resolve_workloads(pl.definition, cfg.workloads, pl.device, cfg.quick, cap)
+        total = 0.0
+        for w in wls:
+            total += gen_s
+            for name, model in models.items():
+                total += _pair_seconds(model(w.tokens), budget, pl.reps, 2 if name == "eager" else 1)
+        return total
+
+    caps = [c for c in CPU_TOKEN_STEPS if c <= pl.cap] if free_tokens else [pl.cap]
+    budgets = ([pl.time_budget * f for f in (1, 0.5, 0.25) if pl.time_budget * f >= CPU_MIN_BUDGET_S]
+               if free_reps else [pl.time_budget])
+    choice = None
+    for cap in caps:
+        for budget in budgets:
+            est = estimate(cap, budget)
+            if est <= run_budget:
+                choice = (cap, budget, est)
+                break
+        if choice:
+            break
+    if choice is None:
+        choice = (caps[-1], budgets[-1], estimate(caps[-1], budgets[-1]))
+    cap, budget, est = choice
+    chose = tuple(k for k, free in (("tokens", free_tokens), ("repetitions", free_reps)) if free)
+    cal = CpuCalibration(probe_ms, cap, budget, est, run_budget, rates, roofline.cpu_native_bf16(), chose)
+    if free_tokens and cap != pl.cap:
+        wls, cap = resolve_workloads(pl.definition, cfg.workloads, pl.device, cfg.quick, cap)
+        pl = dataclasses.replace(pl, workloads=wls, cap=cap)
+    if free_reps and budget != pl.time_budget:
+        pl = dataclasses.replace(pl, time_budget=budget)
+    return pl, cal
+
+
 def repetitions_spec(reps: Optional[int], budget: Optional[float]):
     """The protocol's repetitions: a count, or the adaptive rule of a CPU run."""
     if reps is not None:
@@ -434,21 +613,31 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
     """Run the benchmark; returns the results (everything the records and the report need).
     ``plan``: ``plan_bench(cfg)`` where the caller already has it."""
     pl = plan or plan_bench(cfg)
-    device, defn, impl_names, wls, cap = pl.device, pl.definition, pl.implementations, pl.workloads, pl.cap
+    device, defn, impl_names = pl.device, pl.definition, pl.implementations
     cpu = device.type == "cpu"
     primary_timer = pl.primary_timer
+    prog = Progress(len(pl.workloads) * len(impl_names), enabled=cfg.progress)
+    ref, ref_label = problem.reference_impl(defn.name)
+    ctx = Context(device, ref, ref_label, _reference_source())
+    impls = [IMPLEMENTATIONS[n] for n in impl_names]
+    calibration = None
+    if cpu:
+        pl, calibration = calibrate_cpu(pl, cfg, ctx, impls, prog)
+        prog.note(calibration.header())
+    wls, cap = pl.workloads, pl.cap
 
     env = records.environment(device)
     hw = env["hardwareName"]
     ceil = None if (cpu or cfg.measure_ceilings) else roofline.datasheet_ceilings(hw)
     measured = None
     if ceil is None or cfg.measure_ceilings:
+        prog.running("measuring the ceilings (matmul, copy)")
         measured = roofline.measure_ceilings(device, hw)
         ceil = measured
     if ceil.source != "measured":
         ceil_source = f"datasheet ({ceil.name})"
     elif cpu:  # the faster of two measurements: load during one of them only understates the device
-        ceil_source = "measured at start and at end, the faster of each (bf16 matmul, copy)"
+        ceil_source = "measured at start and at end, the faster of each (fp32 matmul, copy)"
     else:
         ceil_source = "measured at start (bf16 matmul, copy)"
     protocol = protocol_for(device, repetitions_spec(pl.reps, pl.time_budget), warmup_spec(pl.warmup),
@@ -456,12 +645,8 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
     workload_set = {"definition": defn.name, "deviceReduced": cap is not None, "maxTokens": cap,
                     "workloads": [w.to_json() for w in wls]}
 
-    ref, ref_label = problem.reference_impl(defn.name)
-    ctx = Context(device, ref, ref_label, _reference_source())
-    impls = [IMPLEMENTATIONS[n] for n in impl_names]
     names = list(defn.outputs)
     flusher = timing.L2Flusher(device) if not cpu else None
-    prog = Progress(len(wls) * len(impls), enabled=cfg.progress)
     reps_note = (f"reps {pl.reps}" if pl.reps is not None
                  else f"reps adaptive ({pl.time_budget:g} s each, >= {timing.CPU_MIN_REPS})")
     prog.note(f"fusedqkv bench: {defn.name} on {hw}{' (CPU run, reduced workloads)' if cpu else ''}: "
@@ -481,6 +666,7 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
                "impls": {}}
         for impl in impls:
             res = {"status": "ok", "role": impl.role}
+            prog.running(f"{w.name:<16s} {impl.name:<10s}")
             try:
                 with torch.no_grad():
                     fn = impl.prepare(ctx, args, ref_out)
@@ -517,6 +703,7 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    prog.running("measuring the ceilings again" if cpu else "scoring")
     if cpu:  # again at the end; the bound is the faster of the two (see ceil_source)
         ceil = measured = roofline.best_ceilings([measured, roofline.measure_ceilings(device, hw, when="end")])
     for r, w in zip(rows, wls):
@@ -575,6 +762,7 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
         }
         summary[impl.name]["_sources"] = impl.sources(ctx)
 
+    prog.close()
     failed = [n for n in impl_names if IMPLEMENTATIONS[n].claims_correct and not summary[n]["all_correct"]]
     observed = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
     return {
@@ -587,7 +775,7 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
                                if (not cpu and roofline.datasheet_ceilings(hw)) else None),
         "protocol": protocol, "workload_set": workload_set, "environment": env,
         "workloads": rows, "summary": summary, "failed_claims": failed,
-        "bound_flags": run_flags,
+        "bound_flags": run_flags, "cpu_calibration": calibration.to_json() if calibration else None,
     }
 
 

@@ -185,12 +185,15 @@ def measure_ceilings(device, name: str, when: str = "start") -> Ceilings:
 
     device = torch.device(device)
     gpu = device.type == "cuda"
-    n = 8192 if gpu else 1024
+    n = 8192 if gpu else 512
     reps = 10
+    # a CPU's matmul in fp32: what the CPU path multiplies in (ops.host_gemm), and fast on every
+    # x86 CPU (bf16 is ~180x slower without AVX-512 BF16)
+    dt = torch.bfloat16 if gpu else torch.float32
     with HostWait() as hw:
-        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+        a = torch.randn(n, n, device=device, dtype=dt)
+        b = torch.randn(n, n, device=device, dtype=dt)
+        c = torch.empty(n, n, device=device, dtype=dt)
         mm = _times_ms(lambda: torch.mm(a, b, out=c), device, reps=reps)
         nbytes = (1 << 30) if gpu else (64 << 20)
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -200,7 +203,8 @@ def measure_ceilings(device, name: str, when: str = "start") -> Ceilings:
     flops = 2 * n ** 3 / (min(mm) * 1e-3)
     bw = 2 * nbytes / (min(cp) * 1e-3)
     del a, b, c, src, dst
-    detail = {"when": when, "matmul_ms": summarize(mm), "copy_ms": summarize(cp),
+    detail = {"when": when, "matmul": f"{n}^3 {str(dt).replace('torch.', '')}", "matmul_ms": summarize(mm),
+              "copy_ms": summarize(cp),
               "host_wait": None if gpu else hw.fraction}
     return Ceilings(name, flops, bw, "measured", detail)
 
@@ -215,3 +219,36 @@ def best_ceilings(measurements: list) -> Ceilings:
                     {"flops_from": f.detail.get("when"), "bytes_from": b.detail.get("when"),
                      "chosen": {"flops": f.detail, "bytes": b.detail},
                      "measurements": [m.detail for m in measurements]})
+
+
+# ----------------------------------------------------------------------------- CPU GEMM rates
+
+
+def cpu_native_bf16() -> Optional[bool]:
+    """Whether this x86 CPU lists AVX-512 BF16 or AMX-BF16 (torch's fast CPU bf16 GEMMs), None
+    where its flags cannot be read."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return None
+
+
+def cpu_gemm_rates(m: int = 16, k: int = 1024, n: int = 1024) -> dict:
+    """FLOP/s of one ``a @ w`` (both row-major: the layout of the reference's dX GEMM) in bf16 and
+    in fp32 on this CPU, the better of two calls after one warm-up."""
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        a, w = torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)
+        best = math.inf
+        for i in range(3):
+            t0 = time.perf_counter()
+            torch.mm(a, w)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        out[str(dt).replace("torch.", "")] = 2 * m * k * n / max(best, 1e-9)
+    return out

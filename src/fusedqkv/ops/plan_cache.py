@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import config as _config
-from . import device
+from . import device, host_gemm
 from .internals import tensor_guards
 
 
@@ -103,8 +103,9 @@ def as_matrix(t: torch.Tensor, rows: int, cols: int):
 
 
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b`` through ``torch.mm`` (the paths without a planned cuBLASLt call)."""
+    """``out = a @ b`` through ``torch.mm`` (the paths without a planned cuBLASLt call; on the CPU
+    in fp32, :mod:`fusedqkv.ops.host_gemm`)."""
     if out.is_contiguous():
-        torch.mm(a, b, out=out.view(a.shape[0], b.shape[1]))
+        host_gemm.mm(a, b, out=out.view(a.shape[0], b.shape[1]))
     else:  # a strided destination: cuBLAS writes contiguous memory
-        out.copy_(torch.mm(a, b).view(out.shape))
+        out.copy_(host_gemm.mm(a, b).view(out.shape))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import host_gemm
 from .cublaslt import plan_matmul
 from .device import current_stream
 from .variant import PLAIN, heads_of
@@ -103,13 +104,13 @@ class TrainingBackwardPlan:
             if self.lt_dx is not None and lt_ok:
                 self.lt_dx(addr["dqkv"], qkv_weight.data_ptr(), addr["grad_hidden_states"], stream)
             else:
-                torch.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
+                host_gemm.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
         if self.need_w:
             if self.lt_dw is not None and lt_ok:
                 g_w = torch.empty((self.n_tot, self.hidden), dtype=dt, device=dev)
                 self.lt_dw(addr["dqkv"], hidden_states.data_ptr(), g_w.data_ptr(), stream)
             else:
-                g_w = torch.mm(dqkv.t(), hidden_states.reshape(M, self.hidden))
+                g_w = host_gemm.mm(dqkv.t(), hidden_states.reshape(M, self.hidden))
         # the bias gradient: dQKV summed over tokens, in fp32 (torch's reduction: a fixed order)
         g_b = dqkv.sum(0, dtype=torch.float32).to(qkv_weight.dtype) if self.need_b else None
         if self.stage is not None and self.stage.finish is not None:

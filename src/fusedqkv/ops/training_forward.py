@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import config as _config
+from . import host_gemm
 from . import validation as V
 from .cublaslt import lt_matmul
 from .device import current_stream
@@ -57,9 +58,10 @@ class ForwardPlan:
             qkv = torch.empty(self.qkv_shape, dtype=self.dtype, device=self.device)
             lt(x_ptr, w_ptr, qkv.data_ptr(), current_stream(self.device))
         elif qkv_bias is None:
-            qkv = torch.mm(hidden_states.reshape(self.M, self.hidden), qkv_weight.t()).view(self.qkv_shape)
+            qkv = host_gemm.mm(hidden_states.reshape(self.M, self.hidden), qkv_weight.t()).view(self.qkv_shape)
         else:  # the bias rides in the GEMM: RoPE/norm see x W^T + b, as HF's Linear gives it
-            qkv = torch.addmm(qkv_bias, hidden_states.reshape(self.M, self.hidden), qkv_weight.t()).view(self.qkv_shape)
+            qkv = host_gemm.addmm(qkv_bias, hidden_states.reshape(self.M, self.hidden),
+                                  qkv_weight.t()).view(self.qkv_shape)
         if launch is None:
             q, k, rq, rk, v = forward_torch(qkv, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"],
                                             sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"], self.variant)
