@@ -16,14 +16,17 @@ DEFN = problem.load_definition()
 REF = problem.load_official_reference()
 needs_oracle = pytest.mark.skipif(REF is None, reason="official SOL-ExecBench pack not found beside the repo")
 
-# small workloads of the 16 (tokens 128..586): CPU-affordable
-ORACLE_WORKLOADS = ["w02_b1_s131", "w11_b1_s128", "w08_b1_s256", "w13_b2_s293", "w09_b4_s128"]
+# workloads of the 16 with their official inputs and tolerances, hidden 4096, cut to a few tokens
+# (batch 1, 2 and 4): the official reference's bf16 GEMMs cost 50 MFLOP a token, ~0.5 s on a CPU
+# without AVX-512 BF16 (tests/_gemm_audit.py keeps the suite's total under its budget)
+ORACLE_WORKLOADS = ["w02_b1_s131", "w13_b2_s293", "w09_b4_s128"]
+ORACLE_TOKENS = 8
 
 
 @needs_oracle
 @pytest.mark.parametrize("wname", ORACLE_WORKLOADS)
 def test_cpu_path_matches_official_reference(wname):
-    w = DEFN.workload(wname)
+    w = problem.reduced_workload(DEFN.workload(wname), ORACLE_TOKENS)
     args = list(problem.generate_inputs(DEFN, w, seed=w.index).values())
     ref = REF(*args)
     got = gqa_qkv_rope_qk_norm_backward(*args)

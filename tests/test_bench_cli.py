@@ -12,7 +12,8 @@ from fusedqkv import cli
 from fusedqkv.bench import harness, records
 
 FILES = ("results.json", "manifest.json", "report.md", "report.html", "latency.png")
-SMALL = ["--device", "cpu", "--quick", "--workloads", "w13_b2_s293,11", "--max-tokens", "16", "--reps", "1",
+# 2 tokens: the official reference's bf16 GEMMs (50 MFLOP a token) are slow on CPUs without AVX-512 BF16
+SMALL = ["--device", "cpu", "--quick", "--workloads", "w13_b2_s293,11", "--max-tokens", "2", "--reps", "1",
          "--warmup", "0", "--quiet"]
 
 
@@ -58,7 +59,7 @@ def test_results_per_workload_correctness_and_timings(two_runs):
     base, _, _ = two_runs
     res = json.loads((base / "run1" / "results.json").read_text())
     assert res["cpu_run"] is True and res["implementations"] == ["fusedqkv", "eager"]
-    assert [w["tokens"] for w in res["workloads"]] == [16, 16]  # reduced
+    assert [w["tokens"] for w in res["workloads"]] == [2, 2]  # reduced
     for w in res["workloads"]:
         fq = w["impls"]["fusedqkv"]
         assert fq["correct"] is True and len(fq["checks"]) == 6
@@ -161,6 +162,7 @@ def test_official_reference_is_an_importable_module():
     ref = problem.load_official_reference()
     if ref is None:
         pytest.skip("official pack not present")
+    ref = getattr(ref, "__wrapped__", ref)  # the suite counts the reference's GEMMs (conftest)
     assert ref.__module__ in sys.modules and sys.modules[ref.__module__].run is ref
 
 

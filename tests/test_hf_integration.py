@@ -94,7 +94,10 @@ def test_structure_repr_and_named_parameters():
     a = m.model.layers[0].self_attn
     assert type(a).__name__ == "FusedQKVQwen3Attention"
     assert isinstance(a, type(ref.model.layers[0].self_attn))
-    assert list(a._modules) == ["qkv_proj", "o_proj", "q_norm", "k_norm"]
+    # q/k/v_proj stay, as rows of qkv_proj with no parameters of their own (PEFT and module filters find them)
+    assert list(a._modules) == ["qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"]
+    assert [type(a._modules[n]).__name__ for n in ("qkv_proj", "q_proj")] == ["FusedQKVProjection", "ProjectionRows"]
+    assert not list(a.q_proj.parameters()) and a.v_proj.weight.data_ptr() == a.qkv_proj.weight[(4 + 2) * 16:].data_ptr()
     assert a.qkv_proj.weight.shape == ((4 + 2 * 2) * 16, 64) and a.qkv_proj.bias.shape == ((4 + 2 * 2) * 16,)
     assert "fusedqkv" in repr(a) and "before rope" in repr(a)
     r = ref.model.layers[0].self_attn

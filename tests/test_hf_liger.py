@@ -131,7 +131,7 @@ def test_liger_and_fusedqkv_in_either_order(order, liger_env):
         assert _bound(layer.mlp, "forward") is LigerSwiGLUMLP.forward
         # ... and fusedqkv has the attention input
         assert type(layer.self_attn).__name__ == "FusedQKVQwen3Attention"
-        assert "q_proj" not in layer.self_attn._modules and "qkv_proj" in layer.self_attn._modules
+        assert type(layer.self_attn.q_proj).__name__ == "ProjectionRows" and "qkv_proj" in layer.self_attn._modules
     assert _bound(m.model.norm, "forward") is LigerRMSNorm.forward
     assert getattr(_bound(m, "forward"), "__module__", "") == "liger_kernel.transformers.model.qwen3"
     assert list(m.state_dict()) == list(sd_ref)

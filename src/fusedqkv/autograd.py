@@ -62,13 +62,14 @@ def _variant_of(q_gate: bool, interleaved: bool, all_heads: bool, v_norm: bool, 
 def _fwd_impl(hidden_states: Tensor, qkv_weight: Tensor, q_norm_weight: Optional[Tensor],
               k_norm_weight: Optional[Tensor], cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float,
               norm_after_rope: bool, backend: str, qkv_bias: Optional[Tensor] = None, q_gate: bool = False,
-              interleaved: bool = False, all_heads: bool = False,
-              v_norm: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              interleaved: bool = False, all_heads: bool = False, v_norm: bool = False,
+              qkv_residual: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     plan = forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                         num_kv_heads, eps, _position(norm_after_rope), backend, qkv_bias, q_gate,
-                        "interleaved" if interleaved else "neox", "all_heads" if all_heads else "head", v_norm)
+                        "interleaved" if interleaved else "neox", "all_heads" if all_heads else "head", v_norm,
+                        qkv_residual is not None)
     q, k, qkv, rq, rk, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                                       qkv_bias)
+                                       qkv_bias, qkv_residual)
     # a custom op returns tensors: an empty one stands for v when it is a view of qkv
     return q, k, qkv, rq, rk, hidden_states.new_empty(_EMPTY_SHAPE) if v is None else v
 
@@ -78,20 +79,22 @@ def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Ten
               cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float, norm_after_rope: bool,
               need_hidden_grad: bool, need_weight_grad: bool, need_cos_sin_grad: bool,
               backend: str, need_bias_grad: bool = False, grad_gate: Optional[Tensor] = None, q_gate: bool = False,
-              interleaved: bool = False, all_heads: bool = False,
-              v_norm: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              interleaved: bool = False, all_heads: bool = False, v_norm: bool = False,
+              need_residual_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     d = qkv.shape[2] // ((2 * num_heads if q_gate else num_heads) + 2 * num_kv_heads)
     variant = _variant_of(q_gate, interleaved, all_heads, v_norm, q_norm_weight is not None, cos.shape[2], d)
-    g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = training_backward(
+    out = training_backward(
         grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads,
         num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad, need_cos_sin_grad, backend,
-        need_bias_grad, grad_gate if q_gate else None, variant)
+        need_bias_grad, grad_gate if q_gate else None, variant, keep_dqkv=need_residual_grad)
+    g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = out[:7]
     # a custom op returns tensors: empty ones stand for the gradients not needed (or absent)
     empty = qkv_weight.new_empty
     return (hidden_states.new_empty(_EMPTY_SHAPE) if g_x is None else g_x, empty(_EMPTY_SHAPE) if g_w is None else g_w,
             empty(_EMPTY_SHAPE) if g_qw is None else g_qw, empty(_EMPTY_SHAPE) if g_kw is None else g_kw,
             cos.new_empty(_EMPTY_SHAPE) if g_cos is None else g_cos,
-            sin.new_empty(_EMPTY_SHAPE) if g_sin is None else g_sin, empty(_EMPTY_SHAPE) if g_b is None else g_b)
+            sin.new_empty(_EMPTY_SHAPE) if g_sin is None else g_sin, empty(_EMPTY_SHAPE) if g_b is None else g_b,
+            out[7] if need_residual_grad else qkv.new_empty(_EMPTY_SHAPE))
 
 
 # ------------------------------------------------------------------------ custom ops
@@ -103,7 +106,7 @@ _bwd_op = torch.library.custom_op("fusedqkv::gqa_qkv_rope_qk_norm_bwd", mutates_
 @_fwd_op.register_fake
 def _fwd_fake(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
               norm_after_rope, backend, qkv_bias=None, q_gate=False, interleaved=False, all_heads=False,
-              v_norm=False):
+              v_norm=False, qkv_residual=None):
     B, S, _ = hidden_states.shape
     n_tot = qkv_weight.shape[0]
     D = n_tot // ((2 * num_heads if q_gate else num_heads) + 2 * num_kv_heads)
@@ -121,7 +124,7 @@ def _fwd_fake(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
 def _bwd_fake(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight,
               cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad,
               need_cos_sin_grad, backend, need_bias_grad=False, grad_gate=None, q_gate=False, interleaved=False,
-              all_heads=False, v_norm=False):
+              all_heads=False, v_norm=False, need_residual_grad=False):
     B, S, n_tot = qkv.shape
     rot = cos.shape[2]
     g_x = hidden_states.new_empty(tuple(hidden_states.shape) if need_hidden_grad else _EMPTY_SHAPE)
@@ -134,7 +137,8 @@ def _bwd_fake(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_wei
     g_cos = cos.new_empty((B, S, rot) if need_cos_sin_grad else _EMPTY_SHAPE)
     g_sin = sin.new_empty((B, S, rot) if need_cos_sin_grad else _EMPTY_SHAPE)
     g_b = qkv_weight.new_empty((n_tot,) if need_bias_grad else _EMPTY_SHAPE)
-    return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b
+    g_res = qkv.new_empty((B, S, n_tot) if need_residual_grad else _EMPTY_SHAPE)
+    return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b, g_res
 
 
 # ------------------------------------------------------------------------ autograd
@@ -155,26 +159,27 @@ def _op_flags(variant: Variant) -> tuple:
 
 
 class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
-    """(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, meta) ->
-    (q, k, v), each [B, H, S, D]; with a gate (q, k, v, gate), gate [B, S, H, D].
+    """(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta)
+    -> (q, k, v), each [B, H, S, D]; with a gate (q, k, v, gate), gate [B, S, H, D].
 
     cos/sin must already be [batch, seq, rot] (expand a shared [1, seq, rot] first; autograd
-    then sums its gradient over the batch). ``qkv_bias`` optional (None); the norm weights None
+    then sums its gradient over the batch). ``qkv_bias`` and ``qkv_residual`` optional (None;
+    the residual's gradient is dQKV); the norm weights None
     for unweighted norms. ``meta``: ``(num_heads, num_kv_heads, eps, norm_after_rope, backend,
     plan, variant)``, one argument (``apply`` costs host time per argument); ``plan`` the
     forward's plan (eager calls), or None (under torch.compile: the custom ops); ``variant`` the
     block's :class:`~fusedqkv.ops.gqa_forward.Variant`."""
 
     @staticmethod
-    def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, meta):
+    def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta):
         num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant = meta
         if plan is not None:
             q, k, qkv, _, _, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
-                                             cos, sin, qkv_bias)
+                                             cos, sin, qkv_bias, qkv_residual)
         else:
             q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                        cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,
-                                       *_op_flags(variant))
+                                       *_op_flags(variant), qkv_residual)
         B, S, n_tot = qkv.shape
         nq = 2 * num_heads if variant.q_gate else num_heads
         heads = qkv.view(B, S, nq + 2 * num_kv_heads, n_tot // (nq + 2 * num_kv_heads))
@@ -193,23 +198,32 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
         num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant = ctx.meta
         need = ctx.needs_input_grad
         need_cs = bool(need[4] or need[5])
-        need_b = bool(need[6])
+        need_b, need_res = bool(need[6]), bool(need[7])
         args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
                 num_heads, num_kv_heads, eps, norm_after_rope, bool(need[0]), bool(need[1]), need_cs, backend, need_b)
         if plan is not None and not torch.compiler.is_compiling():
-            g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = training_backward(*args, grad_gate, variant)
+            out = training_backward(*args, grad_gate, variant, keep_dqkv=need_res)
         else:
-            g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = _call(_bwd_op, _bwd_impl, *args, grad_gate,
-                                                            *_op_flags(variant))
+            out = _call(_bwd_op, _bwd_impl, *args, grad_gate, *_op_flags(variant), need_res)
+        g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = out[:7]
         return (g_x if need[0] else None, g_w if need[1] else None, g_qw if need[2] else None,
                 g_kw if need[3] else None, g_cos if need[4] else None, g_sin if need[5] else None,
-                g_b if need_b else None, None)
+                g_b if need_b else None, out[7] if need_res else None, None)
+
+
+def _check_residual(r, hidden_states, sz) -> None:
+    rows = "(2*num_heads + 2*num_kv_heads)*head_dim" if sz["variant"].q_gate else "(num_heads + 2*num_kv_heads)*head_dim"
+    V.require_tensor("qkv_residual", r)
+    V.require_shape("qkv_residual", r, (sz["batch"], sz["seq"], sz["qkv"]), f"[batch, seq, {rows}]")
+    V.require_same_dtype([("hidden_states", hidden_states), ("qkv_residual", r)])
+    V.require_same_device([("hidden_states", hidden_states), ("qkv_residual", r)])
 
 
 def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, *, num_heads,
                          num_kv_heads, eps=1e-6, qk_norm_position="after_rope", backend: Optional[str] = None,
                          qkv_bias: Optional[Tensor] = None, norm_weight_offset: float = 0.0, q_gate: bool = False,
-                         rope_style: str = "neox", norm_scope: str = "head", v_norm: bool = False):
+                         rope_style: str = "neox", norm_scope: str = "head", v_norm: bool = False,
+                         qkv_residual: Optional[Tensor] = None):
     """QKV projection + RoPE + RMSNorm of q and k, differentiable.
 
     hidden_states ``[batch, seq, hidden]``; qkv_weight ``[(num_heads + 2*num_kv_heads)*head_dim,
@@ -222,6 +236,9 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     (``x W^T + b``; qkv_weight's dtype), as HF's ``attention_bias``.
     ``norm_weight_offset``: the norms scale by ``norm_weight + offset`` (Gemma3: ``1 + w``,
     offset 1.0), formed in fp32 as HF's Gemma3 norm does.
+    ``qkv_residual``: optional ``[batch, seq, qkv rows]`` tensor added to the projection output
+    before RoPE and the norms (``x W^T [+ b] + r``; hidden_states' dtype): the LoRA update of
+    :mod:`fusedqkv.integrations.peft`. Its gradient is dQKV.
 
     The block's variants: ``q_norm_weight=None`` and ``k_norm_weight=None``: unweighted norms
     (Llama 4, nanochat); ``rope_style="interleaved"``: RoPE pairs ``(2i, 2i+1)`` (GPT-J / Llama 4;
@@ -247,14 +264,14 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     options = dict(q_gate=q_gate, rope_style=rope_style, norm_scope=norm_scope, v_norm=v_norm)
     if dev_type in ("cuda", "cpu") and torch.is_autocast_enabled(dev_type):
         dt = torch.get_autocast_dtype(dev_type)
-        hidden_states, qkv_weight, qkv_bias, cos, sin = (
+        hidden_states, qkv_weight, qkv_bias, cos, sin, qkv_residual = (
             t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-            for t in (hidden_states, qkv_weight, qkv_bias, cos, sin))
+            for t in (hidden_states, qkv_weight, qkv_bias, cos, sin, qkv_residual))
         with torch.autocast(dev_type, enabled=False):
             return gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                         num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
                                         qk_norm_position=qk_norm_position, backend=backend, qkv_bias=qkv_bias,
-                                        norm_weight_offset=norm_weight_offset, **options)
+                                        norm_weight_offset=norm_weight_offset, qkv_residual=qkv_residual, **options)
     if norm_weight_offset != 0.0 or type(norm_weight_offset) not in (float, int):
         offset = V.require_number("norm_weight_offset", norm_weight_offset)
         if offset != 0.0:
@@ -279,13 +296,16 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     else:
         plan = forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                             num_kv_heads, eps, qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope,
-                            v_norm)
+                            v_norm, qkv_residual is not None)
         sz = plan.sz
         b, s, rot = plan.cs_shape
+    if qkv_residual is not None:
+        _check_residual(qkv_residual, hidden_states, sz)
     if cos.shape[0] != b:
         cos = cos.expand(b, s, rot)
     if sin.shape[0] != b:
         sin = sin.expand(b, s, rot)
     return GQAQKVRoPEQKNormFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias,
+                                          qkv_residual,
                                           (sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"],
                                            backend, plan, sz["variant"]))

@@ -39,6 +39,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..autograd import gqa_qkv_rope_qk_norm
+from .fused_projection import FusedQKVProjection, ProjectionRows, UnsupportedModuleError, projection_slots
+from .peft import lora_residual
 from ..ops.validation import MAX_HEAD_DIM as _MAX_HEAD_DIM
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -342,21 +344,28 @@ class _FusedAttention:
             # fp32 and rounds after); the block computes in fp32 and rounds once, from cos/sin in the
             # activation dtype (under autocast the block casts them itself)
             cos, sin = cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
+        # what sits in q/k/v_proj's places: the rows apply_to left, or PEFT LoRA layers over them
+        # (anything else raises: it would be bypassed)
+        slots = projection_slots(self, spec.projs)
         proj = self.qkv_proj
         w, b = proj.weight, proj.bias
+        residual = lora_residual(hidden_states, slots, spec.split, w.shape[0])
         if spec.k_eq_v:
             # v = the k projection: the block's V rows are the K rows again (one parameter, the
             # gradients of both uses summed by autograd)
             q_rows = spec.split[0]
             w = torch.cat([w, w[q_rows:]])
             b = torch.cat([b, b[q_rows:]]) if b is not None else None
+            if residual is not None:
+                residual = torch.cat([residual, residual[..., q_rows:]], -1)
         if arch.norm_weight:
             wq, wk = getattr(self, arch.q_norm).weight, getattr(self, arch.k_norm).weight
         else:
             wq = wk = None
         # under autocast the block casts its inputs as HF's Linear would (gqa_qkv_rope_qk_norm)
         out = gqa_qkv_rope_qk_norm(hidden_states, w, wq, wk, cos, sin, num_heads=spec.num_heads,
-                                   num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, **spec.block_kwargs)
+                                   num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, qkv_residual=residual,
+                                   **spec.block_kwargs)
         if arch.q_gate:
             return out
         q, k, v = out
@@ -505,6 +514,11 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
     fused_w, fused_b = prefix + FUSED_NAME + ".weight", prefix + FUSED_NAME + ".bias"
     if fused_w not in state_dict:
         return
+    spec: FusedSpec = module._fusedqkv
+    for name in spec.projs:  # rows whose view was replaced (PEFT's safe merge) are copied back first
+        rows = _base_linear(module._modules.get(name))
+        if isinstance(rows, ProjectionRows):
+            rows.sync()
     tail = []
     for key in reversed(state_dict):
         if not key.startswith(prefix):
@@ -512,7 +526,6 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
         tail.append(key)
     tail.reverse()
     items = dict((key, state_dict.pop(key)) for key in tail)
-    spec: FusedSpec = module._fusedqkv
     children = {}  # child name -> [(key, value)]
     for key, value in items.items():
         child, _, rest = key[len(prefix):].partition(".")
@@ -525,9 +538,14 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
     w_parts = items[fused_w].detach().split(spec.split)
     b_parts = bias.detach().split(spec.split) if bias is not None else (None,) * len(spec.projs)
     for name, w_part, b_part in zip(spec.projs, w_parts, b_parts):
-        children[name] = [(f"{prefix}{name}.weight", w_part.clone())]
+        # under a PEFT LoRA layer the base weights are HF+PEFT's <name>.base_layer.*; the adapters'
+        # own entries (<name>.lora_A...) follow them, as in the unfused model
+        slot = module._modules.get(name)
+        base = f"{prefix}{name}." + ("base_layer." if _base_linear(slot) is not slot else "")
+        entries = [(base + "weight", w_part.clone())]
         if b_part is not None:
-            children[name].append((f"{prefix}{name}.bias", b_part.clone()))
+            entries.append((base + "bias", b_part.clone()))
+        children[name] = entries + children.get(name, [])
     for child in spec.hf_children:
         for key, value in children.pop(child, ()):
             state_dict[key] = value
@@ -548,7 +566,9 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
     proj = module._modules[FUSED_NAME]
     spec: FusedSpec = module._fusedqkv
     for suffix in ("weight", "bias"):
-        names = [f"{prefix}{p}.{suffix}" for p in spec.projs]
+        # HF's keys, or HF+PEFT's (<name>.base_layer.*) where a LoRA layer wraps the projection
+        names = [f"{prefix}{p}.base_layer.{suffix}" if f"{prefix}{p}.base_layer.{suffix}" in state_dict
+                 else f"{prefix}{p}.{suffix}" for p in spec.projs]
         if not any(n in state_dict for n in names):
             continue
         param = getattr(proj, suffix)
@@ -642,11 +662,30 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
     return eps
 
 
+def _base_linear(p):
+    """The nn.Linear under a PEFT LoRA layer (``lora.Linear``), or ``p``."""
+    mod = sys.modules.get("peft.tuners.lora.layer")
+    if mod is not None and type(p) is getattr(mod, "Linear", None):
+        return p.base_layer
+    return p
+
+
 def _check_linear(path: str, p, hidden: int) -> nn.Linear:
-    if type(p) is not nn.Linear:
+    base = _base_linear(p)
+    if base is not p:  # a PEFT LoRA layer: its adapters are computed in the block (integrations.peft)
+        if type(base) is not nn.Linear:
+            raise UnsupportedModelError(
+                f"fusedqkv.apply_to: {path} is a PEFT LoRA layer over a {type(base).__name__}; the fused block takes "
+                f"LoRA over a plain torch.nn.Linear only")
+        for hooked, kind in ((p, "the LoRA layer"), (base, "its base layer")):
+            if hooked._forward_hooks or hooked._forward_pre_hooks:
+                raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {kind} has forward hooks, which the fused "
+                                            f"block would not run")
+        p = base
+    elif type(p) is not nn.Linear:
         raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path} is a {type(p).__name__}; only a plain torch.nn.Linear can be "
-            f"fused (apply fusedqkv before wrapping projections: LoRA, quantization, tensor parallel)")
+            f"fusedqkv.apply_to: {path} is a {type(p).__name__}; only a plain torch.nn.Linear (or a PEFT LoRA layer over "
+            f"one) can be fused (apply fusedqkv before wrapping projections: quantization, tensor parallel)")
     w = p.weight
     if type(w.data) is not torch.Tensor or w.is_meta:
         raise UnsupportedModelError(
@@ -741,28 +780,34 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
 
 
 def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
-    """Patch one validated attention module in place."""
-    projs = [attn._modules[name] for name in spec.projs]
+    """Patch one validated attention module in place: ``qkv_proj`` (the joined weights) before
+    q_proj, and q/k/v_proj as rows of it (a PEFT LoRA layer there keeps its adapters, over the rows)."""
+    slots = [attn._modules[name] for name in spec.projs]
+    projs = [_base_linear(m) for m in slots]
     q = projs[0]
     ws = [p.weight for p in projs]
     biases = [p.bias for p in projs]
     has_bias = biases[0] is not None
-    hidden = ws[0].shape[1]
-    # the fused projection, in q_proj's place; no init (its values are the joined weights)
+    # the fused projection; no init (its values are the joined weights)
     with torch.no_grad():
-        weight = torch.cat(ws, 0)
-        bias = torch.cat(biases, 0) if has_bias else None
-    proj = nn.Linear(hidden, weight.shape[0], bias=has_bias, device="meta")
-    proj.weight = nn.Parameter(weight, requires_grad=ws[0].requires_grad)
-    if has_bias:
-        proj.bias = nn.Parameter(bias, requires_grad=biases[0].requires_grad)
+        weight = nn.Parameter(torch.cat(ws, 0), requires_grad=ws[0].requires_grad)
+        bias = nn.Parameter(torch.cat(biases, 0), requires_grad=biases[0].requires_grad) if has_bias else None
+    proj = FusedQKVProjection(weight, bias, spec.split)
     proj.train(q.training)
+    rows, start = {}, 0
+    for name, slot, n in zip(spec.projs, slots, spec.split):
+        r = ProjectionRows(proj, start, start + n)
+        r.train(slot.training)
+        if slot is not projs[spec.projs.index(name)]:  # a PEFT LoRA layer: its adapters stay, over the rows
+            slot._modules["base_layer"] = r
+            r = slot
+        rows[name] = r
+        start += n
     modules = OrderedDict()
     for name, m in attn._modules.items():
         if name == "q_proj":
             modules[FUSED_NAME] = proj
-        elif name not in spec.projs:
-            modules[name] = m
+        modules[name] = rows.get(name, m)
     attn._modules.clear()
     attn._modules.update(modules)
     attn._fusedqkv = spec

@@ -48,9 +48,10 @@ class TrainingBackwardPlan:
         return heads_of(qkv, self.hq, self.hkv, self.D, self.variant.q_gate)[:3]
 
     def run(self, grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
-            grad_gate=None):
+            grad_gate=None, keep_dqkv=False):
         """(g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_bias); the gradients not needed (or absent: no norm
-        weights) are None. ``grad_gate`` ``[B, S, Hq, D]`` with a gate."""
+        weights) are None. ``grad_gate`` ``[B, S, Hq, D]`` with a gate. ``keep_dqkv``: dQKV too, as
+        ``[B, S, qkv]`` (the gradient of a residual added to the projection output)."""
         dt, dev, M = self.dtype, self.device, self.M
         if grad_q.dtype != dt or grad_k.dtype != dt or grad_v.dtype != dt:
             grad_q, grad_k, grad_v = grad_q.to(dt), grad_k.to(dt), grad_v.to(dt)
@@ -115,6 +116,8 @@ class TrainingBackwardPlan:
         g_b = dqkv.sum(0, dtype=torch.float32).to(qkv_weight.dtype) if self.need_b else None
         if self.stage is not None and self.stage.finish is not None:
             self.stage.finish.launch.launch(tensors, ptrs, stream)
+        if keep_dqkv:
+            return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b, dqkv.view(B, S, self.n_tot)
         return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b
 
 
@@ -178,9 +181,10 @@ PLANS = PlanCache("training_backward", build_training_backward)
 
 def training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
                       num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b=False,
-                      grad_gate=None, variant=PLAIN):
+                      grad_gate=None, variant=PLAIN, keep_dqkv=False):
     """The training block's gradients (see :class:`TrainingBackwardPlan`). ``q_norm_weight``/
-    ``k_norm_weight`` None: unweighted norms (their gradients None); ``grad_gate`` with a gate."""
+    ``k_norm_weight`` None: unweighted norms (their gradients None); ``grad_gate`` with a gate;
+    ``keep_dqkv``: dQKV appended (see :meth:`TrainingBackwardPlan.run`)."""
     tensors = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, cos, sin)
     if q_norm_weight is not None:
         tensors += (q_norm_weight, k_norm_weight)
@@ -194,7 +198,7 @@ def training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_
     call = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, grad_gate)
     plan = PLANS.lookup(tensors, scalars, build_args)
     try:
-        return plan.run(*call)
+        return plan.run(*call, keep_dqkv)
     except Misaligned:
         plan = PLANS.full_lookup(list(tensors), ("unaligned",) + scalars, build_args, remember=False)
-        return plan.run(*call)
+        return plan.run(*call, keep_dqkv)

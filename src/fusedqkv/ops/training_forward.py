@@ -43,9 +43,10 @@ class ForwardPlan:
         self.device, self.dtype = sz["device"], sz["dtype"]
         self.variant = sz["variant"]
 
-    def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias=None):
+    def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias=None, qkv_residual=None):
         """(q, k, qkv, rstd_q, rstd_k, v); cos/sin ``[batch, seq, rot]`` (expanded); v None unless
-        the variant norms it."""
+        the variant norms it. ``qkv_residual`` (plans built with one): ``[batch, seq, qkv]`` added to
+        the projection output before RoPE and the norms (a LoRA update)."""
         sz = self.sz
         if self.fused is not None:
             return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
@@ -62,6 +63,8 @@ class ForwardPlan:
         else:  # the bias rides in the GEMM: RoPE/norm see x W^T + b, as HF's Linear gives it
             qkv = host_gemm.addmm(qkv_bias, hidden_states.reshape(self.M, self.hidden),
                                   qkv_weight.t()).view(self.qkv_shape)
+        if qkv_residual is not None:
+            qkv.add_(qkv_residual)
         if launch is None:
             q, k, rq, rk, v = forward_torch(qkv, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"],
                                             sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"], self.variant)
@@ -109,7 +112,7 @@ class ForwardPlan:
 
 def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
                   eps, qk_norm_position, backend, qkv_bias=None, q_gate=False, rope_style="neox", norm_scope="head",
-                  v_norm=False, *, cfg) -> ForwardPlan:
+                  v_norm=False, residual=False, *, cfg) -> ForwardPlan:
     """Validate the forward's arguments fully (clear errors) and plan it."""
     sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                                  num_kv_heads, eps, qk_norm_position, q_gate=q_gate, rope_style=rope_style,
@@ -129,7 +132,9 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
         return ForwardPlan(cfg, sz, backend)
     b, s, d, rot = sz["batch"], sz["seq"], sz["head_dim"], sz["rot"]
     aligned = all(t.data_ptr() % 16 == 0 for t in (q_norm_weight, k_norm_weight, cos, sin) if t is not None)
-    fused = plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg, (cos, sin, q_norm_weight, k_norm_weight))
+    # the one-launch forward has no point between its GEMM and its stage where a residual could be added
+    fused = None if residual else plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg,
+                                                      (cos, sin, q_norm_weight, k_norm_weight))
     qkv = torch.empty((b, s, sz["qkv"]), dtype=sz["dtype"], device=device)
     q, k, rq, rk, v = forward_outputs(b, s, num_heads, num_kv_heads, d, sz["dtype"], device, variant.v_norm)
     if fused is not None:  # one launch: no GEMM or stage of its own to plan
@@ -165,33 +170,34 @@ def _guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, 
 
 def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
                  qk_norm_position, backend, qkv_bias=None, q_gate=False, rope_style="neox", norm_scope="head",
-                 v_norm=False) -> ForwardPlan:
+                 v_norm=False, residual=False) -> ForwardPlan:
     """The forward's plan (validating the arguments on a miss). ``q_norm_weight``/``k_norm_weight``
-    None: unweighted norms."""
+    None: unweighted norms. ``residual``: the calls pass a ``qkv_residual``."""
     tensors = _guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
     args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
-            qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope, v_norm)
+            qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope, v_norm, residual)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or type(eps) not in (float, int):
         return build_forward(*args, cfg=_config.current())
     scalars = (num_heads, num_kv_heads, eps, qk_norm_position, backend, qkv_bias is not None, q_norm_weight is None,
-               q_gate, rope_style, norm_scope, v_norm)
+               q_gate, rope_style, norm_scope, v_norm, residual)
     return PLANS.lookup(tensors, scalars, args)
 
 
 def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                qkv_bias=None):
+                qkv_bias=None, qkv_residual=None):
     """``plan.run``; a call whose addresses the plan was not specialised for gets its own plan."""
     try:
-        return plan.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
+        return plan.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual)
     except Misaligned:
         sz, var = plan.sz, plan.variant
         position = "after_rope" if sz["norm_after_rope"] else "before_rope"
         options = (var.q_gate, "interleaved" if var.interleaved else "neox", "all_heads" if var.all_heads else "head",
                    var.v_norm)
+        residual = qkv_residual is not None
         args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"], sz["num_kv_heads"],
-                sz["eps"], position, plan.backend, qkv_bias, *options)
+                sz["eps"], position, plan.backend, qkv_bias, *options, residual)
         scalars = (sz["num_heads"], sz["num_kv_heads"], sz["eps"], position, plan.backend, qkv_bias is not None,
-                   q_norm_weight is None, *options)
+                   q_norm_weight is None, *options, residual)
         own = PLANS.full_lookup(list(_guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                               qkv_bias)), scalars, args, remember=False)
-        return own.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
+        return own.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual)

@@ -1,0 +1,191 @@
+"""The modules in the projection's place after ``apply_to``, and the check that nothing else is.
+
+* :class:`FusedQKVProjection` (``qkv_proj``): the one parameter of the joined q/k/v weights
+  (rows ``[Q | K | V]``) and bias. It is deliberately no ``nn.Linear``: PEFT's ``all-linear``
+  and torchao's float8 conversion would wrap it, and the fused block would not run their
+  wrapper.
+* :class:`ProjectionRows` (``q_proj``/``k_proj``/``v_proj``): an ``nn.Linear`` over rows of
+  ``qkv_proj`` (its ``weight``/``bias`` are views of the fused parameters, no parameters of their
+  own), so that what users target by HF's names -- PEFT's ``target_modules``, a module filter --
+  finds the module it expects, and whatever wraps it is seen by the fused forward.
+* :func:`projection_slots`: at every fused forward, what sits in those places. A PEFT LoRA layer
+  over the rows is computed (:mod:`fusedqkv.integrations.peft`); anything else that replaces,
+  wraps or hooks them raises :class:`UnsupportedModuleError` naming it: the fused block reads
+  the weights itself, so such a module would otherwise never run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..errors import UnsupportedModelError
+
+
+class UnsupportedModuleError(UnsupportedModelError):
+    """A module in the fused block's place (or a hook on it) that the block cannot compute."""
+
+
+class FusedQKVProjection(nn.Module):
+    """The joined q/k/v projection of a fused attention: ``weight`` ``[rows, in_features]``, rows
+    ``[Q | K | V]`` (``split`` rows each), ``bias`` or None. Called directly it is ``x W^T + b``."""
+
+    def __init__(self, weight: nn.Parameter, bias, split: tuple):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.split = tuple(split)
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} = {' + '.join(map(str, self.split))}, "
+                f"bias={self.bias is not None}")
+
+
+class ProjectionRows(nn.Linear):
+    """Rows ``[start, stop)`` of a :class:`FusedQKVProjection`, as the ``nn.Linear`` HF had there.
+
+    ``weight``/``bias`` are cached ``nn.Parameter`` views of the fused parameters' rows (never
+    registered: the fused parameter is the one that trains and is saved). In-place changes through
+    them (PEFT's merge) change the fused weight; a replaced ``.data`` (PEFT's safe merge) is
+    copied back by :meth:`sync` (every fused forward and every state_dict calls it)."""
+
+    def __init__(self, fused: FusedQKVProjection, start: int, stop: int):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = fused.in_features, stop - start
+        # not a child: the fused projection is the attention's own child
+        object.__setattr__(self, "fused", fused)
+        object.__setattr__(self, "rows", (start, stop))
+        object.__setattr__(self, "_views", {})
+
+    def __setattr__(self, name, value):
+        if name in ("weight", "bias"):
+            raise AttributeError(f"{type(self).__name__}.{name} is rows {self.rows[0]}:{self.rows[1]} of the fused "
+                                 f"qkv_proj.{name}; assign to that parameter's data instead")
+        super().__setattr__(name, value)
+
+    def _row_ptr(self, src) -> int:
+        return src.data_ptr() + self.rows[0] * src.stride(0) * src.element_size()
+
+    def _view(self, name: str):
+        src = getattr(self.fused, name)
+        if src is None:
+            return None
+        start, stop = self.rows
+        cached = self._views.get(name)
+        if cached is not None:
+            owner, ptr, view = cached
+            if owner is src and ptr == src.data_ptr() and view.data_ptr() == self._row_ptr(src):
+                if view.requires_grad != src.requires_grad:
+                    view.requires_grad_(src.requires_grad)
+                return view
+        view = nn.Parameter(src.data[start:stop], requires_grad=src.requires_grad)
+        self._views[name] = (src, src.data_ptr(), view)
+        return view
+
+    @property
+    def weight(self):
+        return self._view("weight")
+
+    @property
+    def bias(self):
+        return self._view("bias")
+
+    def sync(self) -> None:
+        """Copy a view whose ``.data`` was replaced back into the fused rows (and refresh it)."""
+        for name, (owner, ptr, view) in list(self._views.items()):
+            src = getattr(self.fused, name)
+            start, stop = self.rows
+            if src is not owner or ptr != src.data_ptr():  # the fused parameter moved: the view is stale
+                del self._views[name]
+            elif view.data_ptr() != self._row_ptr(src):
+                if tuple(view.shape) != (stop - start, *src.shape[1:]):
+                    raise UnsupportedModuleError(
+                        f"fusedqkv: rows {start}:{stop} of qkv_proj.{name} were replaced by a tensor of shape "
+                        f"{tuple(view.shape)}; expected {(stop - start, *src.shape[1:])}")
+                with torch.no_grad():
+                    src.data[start:stop].copy_(view.data)
+                del self._views[name]
+
+    def _apply(self, fn, recurse=True):
+        self._views.clear()  # the fused parameters move with their own module
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"rows {self.rows[0]}:{self.rows[1]} of qkv_proj")
+
+
+def _hooks(m: nn.Module) -> list:
+    kinds = [("forward hook", m._forward_hooks), ("forward pre-hook", m._forward_pre_hooks)]
+    return [kind for kind, hooks in kinds if hooks]
+
+
+def _lora_layer_class():
+    mod = sys.modules.get("peft.tuners.lora.layer")
+    return getattr(mod, "Linear", None) if mod is not None else None
+
+
+def _describe(m) -> str:
+    cls = type(m)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def projection_slots(attn, projs: tuple) -> list:
+    """What computes each fused projection: ``[(name, rows module, LoRA layer or None)]``, after
+    checking that ``qkv_proj`` and the rows modules are the ones ``apply_to`` put there, unhooked,
+    or PEFT LoRA layers over them (raises :class:`UnsupportedModuleError` naming anything else)."""
+    where = type(attn).__name__
+    fused = attn._modules.get("qkv_proj")
+    if type(fused) is not FusedQKVProjection:
+        raise UnsupportedModuleError(
+            f"fusedqkv: {where}.qkv_proj is a {_describe(fused)}; the fused block computes only the "
+            f"FusedQKVProjection that apply_to put there (wrap q_proj/k_proj/v_proj instead, with a wrapper "
+            f"fusedqkv supports: PEFT LoRA)")
+    hooked = _hooks(fused)
+    if hooked or "forward" in fused.__dict__:
+        raise UnsupportedModuleError(f"fusedqkv: {where}.qkv_proj has a {hooked[0] if hooked else 'replaced forward'}; "
+                                     f"the fused block never calls the module, so it would not run")
+    lora_cls = _lora_layer_class()
+    out = []
+    for name in projs:
+        m = attn._modules.get(name)
+        lora = None
+        if lora_cls is not None and type(m) is lora_cls:
+            lora, m = m, m.base_layer
+        if type(m) is not ProjectionRows or m.fused is not fused:
+            what = _describe(lora if lora is not None else m)
+            if lora is not None:
+                what += f" over a {_describe(m)}"
+            raise UnsupportedModuleError(
+                f"fusedqkv: {where}.{name} is a {what}; the fused block computes {name} as rows of qkv_proj, "
+                f"plain or under a PEFT LoRA layer, and cannot compute this module (it would be bypassed)" +
+                _hint(lora if lora is not None else m))
+        for mod, label in ((lora, f"{name}"), (m, f"{name}" + (".base_layer" if lora is not None else ""))):
+            if mod is None:
+                continue
+            hooked = _hooks(mod)
+            if hooked or "forward" in mod.__dict__:
+                raise UnsupportedModuleError(
+                    f"fusedqkv: {where}.{label} has a {hooked[0] if hooked else 'replaced forward'} "
+                    f"({_describe(mod)}); the fused block never calls the module, so it would not run")
+        m.sync()
+        out.append((name, m, lora))
+    return out
+
+
+def _hint(m) -> str:
+    mod = type(m).__module__
+    if mod.startswith("torchao.float8"):
+        return "; fusedqkv has no FP8 path yet: exclude these modules from the conversion (module_filter_fn)"
+    if mod.startswith("peft."):
+        return "; of PEFT's methods fusedqkv computes LoRA (lora.Linear) only"
+    if mod.startswith("bitsandbytes"):
+        return "; a quantised q/k/v projection cannot be fused: do not call apply_to on this model"
+    return ""

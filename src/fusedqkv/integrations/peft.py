@@ -1,0 +1,102 @@
+"""PEFT LoRA inside the fused block: the adapters of q_proj/k_proj/v_proj as one residual of the
+fused projection output, added before RoPE and the norms.
+
+For the projections ``p`` that carry a PEFT ``lora.Linear`` (over :class:`ProjectionRows`) and
+each of its active adapters ``a``, PEFT computes ``base(x) + lora_B(lora_A(dropout(x))) * s``.
+Here the base is the block's one GEMM on the fused weight and the adapters are
+
+* ``U = x A^T``: one GEMM over the concatenated A of every (p, a) whose dropout is the identity
+  (PEFT's default ``lora_dropout=0``, or eval mode), one per (p, a) with a live dropout (each has
+  its own mask in PEFT too), in the adapters' dtype as PEFT casts them;
+* ``R = U B^T``: one GEMM against B laid out block-wise over the fused rows (``s`` folded in, the
+  LoRA biases of ``lora_bias=True`` added), whose rows outside the targeted projections are 0;
+
+and R goes to :func:`fusedqkv.gqa_qkv_rope_qk_norm` as ``qkv_residual`` (its gradient is dQKV,
+from which autograd forms dA, dB and the adapters' share of dX). A frozen base weight gets no dW
+GEMM. PEFT's state is followed per call: ``active_adapters``, ``disable_adapters``, ``merged``
+(the base weight then holds the update), per-module ranks and scalings (``rank_pattern``,
+``alpha_pattern``, ``use_rslora``). DoRA and PEFT's other LoRA variants raise
+:class:`UnsupportedModuleError`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .fused_projection import UnsupportedModuleError
+
+
+def _adapters(name: str, lora) -> list:
+    """The (adapter, A, B, scaling, dropout) pairs that a PEFT lora.Linear applies now."""
+    if lora.disable_adapters:
+        if lora.merged:
+            lora.unmerge()  # as PEFT's forward does
+        return []
+    if lora.merged:
+        return []
+    out = []
+    for a in lora.active_adapters:
+        if a not in lora.lora_A:
+            continue
+        variant = getattr(lora, "lora_variant", {}).get(a)
+        if lora.use_dora.get(a, False) or variant is not None:
+            what = "DoRA (use_dora=True)" if lora.use_dora.get(a, False) else type(variant).__name__
+            raise UnsupportedModuleError(
+                f"fusedqkv: {name} adapter {a!r} is {what}; the fused block computes plain LoRA only (DoRA rescales "
+                f"the whole weight per column, which the fused GEMM does not)")
+        out.append((a, lora.lora_A[a], lora.lora_B[a], lora.scaling[a], lora.lora_dropout[a]))
+    return out
+
+
+def _live(dropout: nn.Module) -> bool:
+    if isinstance(dropout, nn.Identity):
+        return False
+    if isinstance(dropout, nn.Dropout):
+        return dropout.training and dropout.p > 0
+    return True  # another module: apply it as PEFT would
+
+
+def lora_residual(hidden_states: torch.Tensor, slots: list, rows: tuple, n_tot: int) -> Optional[torch.Tensor]:
+    """The adapters' ``[batch, seq, n_tot]`` update of the fused projection output, or None when
+    no adapter applies. ``slots``: :func:`~fusedqkv.integrations.fused_projection.projection_slots`;
+    ``rows``: each projection's row count, in the same order."""
+    pairs = []  # (row start, rows, adapter, A, B, s, dropout)
+    start = 0
+    for (name, _, lora), n in zip(slots, rows):
+        if lora is not None:
+            for a, A, B, s, drop in _adapters(name, lora):
+                pairs.append((start, n, a, A, B, s, drop))
+        start += n
+    if not pairs:
+        return None
+    dt = pairs[0][3].weight.dtype
+    if any(p[3].weight.dtype != dt or p[4].weight.dtype != dt for p in pairs):
+        raise UnsupportedModuleError(f"fusedqkv: the q/k/v LoRA adapters have different dtypes "
+                                     f"({sorted({str(p[3].weight.dtype) for p in pairs})}); one residual needs one")
+    x = hidden_states.to(dt)
+    shared = [p for p in pairs if not _live(p[6])]
+    own = [p for p in pairs if _live(p[6])]
+    order = shared + own
+    us = []
+    if shared:
+        a_cat = torch.cat([p[3].weight for p in shared]) if len(shared) > 1 else shared[0][3].weight
+        us.append(x @ a_cat.t())
+    us.extend(p[6](x) @ p[3].weight.t() for p in own)
+    u = torch.cat(us, -1) if len(us) > 1 else us[0]
+    ranks = [p[3].weight.shape[0] for p in order]
+    b_rows = torch.zeros((n_tot, sum(ranks)), dtype=dt, device=x.device)
+    bias = None
+    col = 0
+    for (row, n, a, A, B, s, _), r in zip(order, ranks):
+        b_rows[row:row + n, col:col + r] = B.weight * s
+        if B.bias is not None:  # lora_bias=True
+            if bias is None:
+                bias = torch.zeros(n_tot, dtype=dt, device=x.device)
+            bias = bias.index_add(0, torch.arange(row, row + n, device=x.device), B.bias * s)
+        col += r
+    r2d = u.reshape(-1, u.shape[-1])
+    out = torch.addmm(bias, r2d, b_rows.t()) if bias is not None else r2d @ b_rows.t()
+    return out.view(*hidden_states.shape[:-1], n_tot).to(hidden_states.dtype)

@@ -1,0 +1,263 @@
+"""PEFT LoRA inside the fused block (integrations.peft), and nothing in the projection's place
+bypassed (integrations.fused_projection): tiny models of four families against the same PEFT
+model without fusedqkv, fp32 on the CPU, both orders (apply_to then get_peft_model, and back)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict  # noqa: E402
+
+import fusedqkv  # noqa: E402
+from fusedqkv.integrations.fused_projection import ProjectionRows, UnsupportedModuleError  # noqa: E402
+
+from _hf_families import build, family  # noqa: E402
+
+# Qwen3 (the common recipe), Qwen3.5 (gated q: its q_proj rows are [q | gate] per head, and the
+# LoRA B rows follow them as in HF; partial rotary), OLMo 3 (the norm across heads), GLM-4.5
+# (glm4_moe: partial rotary, q/k/v biases)
+FAMILIES = ["qwen3", "qwen3_5_text", "olmo3", "glm4_moe"]
+TARGETS = {"all_linear": "all-linear", "q_v": ["q_proj", "v_proj"]}
+TOL = 1e-5
+
+
+def _ids(vocab, seed=0, shape=(2, 7)):
+    return torch.randint(3, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _lora(targets, **kw):
+    # init_lora_weights=False: B random, so that every adapter changes the output
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **kw)
+
+
+def _pair(fam_name, config, order, seed=0):
+    """(PEFT model with fusedqkv, the same PEFT model without), equal adapters."""
+    base = build(family(fam_name), bias=True, seed=seed)
+    torch.manual_seed(seed + 10)
+    ref = get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
+    if order == "peft_first":
+        m = copy.deepcopy(ref)
+        assert fusedqkv.apply_to(m) == family(fam_name).n_fused
+    else:
+        m = copy.deepcopy(base)
+        fusedqkv.apply_to(m)
+        m = get_peft_model(m, copy.deepcopy(config))
+        set_peft_model_state_dict(m, get_peft_model_state_dict(ref))
+    return m, ref, base
+
+
+def _step(m, ids):
+    m.zero_grad(set_to_none=True)
+    out = m(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+
+
+def _rel(a, b):
+    """The relative error ||a - b|| / ||b|| (Frobenius, in float64)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+@pytest.mark.parametrize("targets", list(TARGETS), ids=list(TARGETS))
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_lora_logits_and_adapter_gradients_match_peft(fam, targets, order):
+    m, ref, base = _pair(fam, _lora(TARGETS[targets]), order)
+    ids = _ids(m.config.vocab_size)
+    got, g = _step(m, ids)
+    want, w = _step(ref, ids)
+    assert _rel(got, want) <= TOL
+    assert _rel(got, base(input_ids=ids).logits.detach()) > 1e-3  # the adapters are live
+    assert sorted(g) == sorted(w) and any(".q_proj.lora_A." in n for n in g)
+    ill = [n for n in w if g[n] is None or _rel(g[n], w[n]) > TOL]
+    if ill:
+        # a gradient that fp32 itself resolves worse than TOL (OLMo 3's norm across heads cancels in
+        # layer 0's q adapter: PEFT's own fp32 gradient is 6.7e-5 off float64 there): the three-way
+        # rule against PEFT in float64: at most twice PEFT's own fp32 error, plus TOL
+        _, w64 = _step(copy.deepcopy(ref).double(), ids)
+    for name in w:  # every trainable parameter is an adapter's; the fused weight is frozen
+        assert g[name] is not None, name
+        if name in ill:
+            assert _rel(g[name], w64[name]) <= 2 * _rel(w[name], w64[name]) + TOL, name
+    attn = next(mod for mod in m.modules() if hasattr(mod, "_fusedqkv"))
+    assert not attn.qkv_proj.weight.requires_grad and attn.qkv_proj.weight.grad is None  # no dW GEMM
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_dropout_rslora_and_rank_patterns(dropout):
+    cfg = _lora("all-linear", lora_dropout=dropout, use_rslora=True, rank_pattern={"k_proj": 2},
+                alpha_pattern={"v_proj": 3})
+    m, ref, _ = _pair("qwen3", cfg, "apply_first")
+    m.train()
+    ref.train()
+    ids = _ids(m.config.vocab_size, 2)
+    torch.manual_seed(5)  # the same dropout masks: the fused block draws them in q, k, v order as PEFT does
+    got, g = _step(m, ids)
+    torch.manual_seed(5)
+    want, w = _step(ref, ids)
+    assert _rel(got, want) <= TOL
+    for name in w:
+        assert _rel(g[name], w[name]) <= TOL, name
+
+
+def test_adapters_round_trip_between_fused_and_unfused(tmp_path):
+    m, ref, base = _pair("qwen3", _lora("all-linear"), "apply_first")
+    ids = _ids(m.config.vocab_size, 3)
+    m.save_pretrained(tmp_path / "fused")
+    unfused = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "fused")
+    assert _rel(unfused(input_ids=ids).logits, m(input_ids=ids).logits) <= TOL
+    ref.save_pretrained(tmp_path / "unfused")
+    fused_base = copy.deepcopy(base)
+    fusedqkv.apply_to(fused_base)
+    fused = PeftModel.from_pretrained(fused_base, tmp_path / "unfused")
+    assert _rel(fused(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
+    assert list(get_peft_model_state_dict(m)) == list(get_peft_model_state_dict(ref))
+    assert list(m.state_dict()) == list(ref.state_dict())  # base keys: HF+PEFT's <proj>.base_layer.*
+
+
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_merge_and_unload_matches_peft(safe_merge):
+    m, ref, _ = _pair("qwen3", _lora(["q_proj", "k_proj", "v_proj"]), "apply_first")
+    ids = _ids(m.config.vocab_size, 4)
+    want = ref(input_ids=ids).logits
+    merged = m.merge_and_unload(safe_merge=safe_merge)
+    merged_ref = ref.merge_and_unload(safe_merge=safe_merge)
+    attn = merged.model.layers[0].self_attn
+    assert type(attn.q_proj) is ProjectionRows  # the rows again, the update in the fused weight
+    assert _rel(merged(input_ids=ids).logits, want) <= TOL
+    sd, sd_ref = merged.state_dict(), merged_ref.state_dict()
+    assert list(sd) == list(sd_ref)
+    for k in sd_ref:
+        assert _rel(sd[k], sd_ref[k]) <= TOL if sd_ref[k].abs().max() > 0 else torch.equal(sd[k], sd_ref[k]), k
+
+
+def test_disable_adapter_set_adapter_and_unload():
+    m, ref, base = _pair("qwen3", _lora("all-linear"), "apply_first")
+    ids = _ids(m.config.vocab_size, 5)
+    plain = base(input_ids=ids).logits
+    with m.disable_adapter():
+        assert _rel(m(input_ids=ids).logits, plain) <= TOL
+    torch.manual_seed(20)
+    second = _lora(["q_proj", "v_proj"])
+    m.add_adapter("second", second)
+    torch.manual_seed(20)
+    ref.add_adapter("second", copy.deepcopy(second))
+    set_peft_model_state_dict(m, get_peft_model_state_dict(ref, adapter_name="second"), adapter_name="second")
+    for names in ("second", ["default", "second"]):
+        for model in (m, ref):
+            model.base_model.set_adapter(names)
+        assert _rel(m(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
+    unloaded = m.unload()
+    assert _rel(unloaded(input_ids=ids).logits, plain) <= TOL
+
+
+def test_gradient_checkpointing_and_compile():
+    m, ref, _ = _pair("qwen3", _lora("all-linear"), "apply_first")
+    ids = _ids(m.config.vocab_size, 6)
+    for model in (m, ref):
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    got, g = _step(m, ids)
+    want, w = _step(ref, ids)
+    assert _rel(got, want) <= TOL and all(_rel(g[n], w[n]) <= TOL for n in w)
+    m.gradient_checkpointing_disable()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=False)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert _rel(loss.detach(), ref(input_ids=ids, labels=ids).loss.detach()) <= TOL
+
+
+def test_dora_is_refused():
+    m, _, _ = _pair("qwen3", _lora(["q_proj", "v_proj"], use_dora=True), "apply_first")
+    with pytest.raises(UnsupportedModuleError, match="DoRA"):
+        m(input_ids=_ids(m.config.vocab_size))
+
+
+# ------------------------------------------------------------------ nothing bypassed
+
+
+def _fused_qwen3():
+    m = build(family("qwen3"), bias=True)
+    fusedqkv.apply_to(m)
+    return m, m.model.layers[0].self_attn
+
+
+class _ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+@pytest.mark.parametrize("where", ["q_proj", "qkv_proj"])
+def test_a_foreign_module_in_the_projections_place_is_refused(where):
+    m, attn = _fused_qwen3()
+    old = attn._modules[where]
+    attn._modules[where] = _ScaledLinear(old.in_features, old.out_features)
+    with pytest.raises(UnsupportedModuleError, match=rf"self_attn|{where}.*_ScaledLinear|_ScaledLinear"):
+        m(input_ids=_ids(m.config.vocab_size))
+
+
+@pytest.mark.parametrize("where", ["q_proj", "v_proj", "qkv_proj"])
+@pytest.mark.parametrize("kind", ["forward_hook", "forward_pre_hook"])
+def test_a_hook_on_the_projection_is_refused(where, kind):
+    m, attn = _fused_qwen3()
+    getattr(attn._modules[where], f"register_{kind}")(lambda *a: None)
+    with pytest.raises(UnsupportedModuleError, match=rf"{where} has a forward"):
+        m(input_ids=_ids(m.config.vocab_size))
+
+
+@pytest.mark.parametrize("method", ["ia3", "loha"])
+def test_other_peft_methods_are_refused(method):
+    m, _ = _fused_qwen3()
+    if method == "ia3":
+        cfg = peft.IA3Config(target_modules=["q_proj", "v_proj"], feedforward_modules=[])
+    else:
+        cfg = peft.LoHaConfig(r=2, target_modules=["q_proj", "v_proj"])
+    pm = get_peft_model(m, cfg)
+    with pytest.raises(UnsupportedModuleError, match=r"q_proj is a peft\.tuners\..*LoRA"):
+        pm(input_ids=_ids(m.config.vocab_size))
+
+
+def test_peft_on_the_fused_projection_by_name_is_refused_by_peft():
+    m, _ = _fused_qwen3()
+    with pytest.raises((ValueError, TypeError), match="qkv_proj|not supported|FusedQKVProjection"):
+        get_peft_model(m, _lora(["qkv_proj"]))
+
+
+def test_torchao_float8_conversion_is_refused():
+    float8 = pytest.importorskip("torchao.float8")
+    m, _ = _fused_qwen3()
+    float8.convert_to_float8_training(m, module_filter_fn=lambda mod, fqn: "self_attn" in fqn and "o_proj" not in fqn)
+    with pytest.raises(UnsupportedModuleError, match=r"Float8Linear.*no FP8 path"):
+        m(input_ids=_ids(m.config.vocab_size))
+
+
+def test_bitsandbytes_layers_are_refused():
+    bnb = pytest.importorskip("bitsandbytes")
+    m, attn = _fused_qwen3()
+    old = attn.q_proj
+    attn._modules["q_proj"] = bnb.nn.Linear8bitLt(old.in_features, old.out_features, bias=True)
+    with pytest.raises(UnsupportedModuleError, match="bitsandbytes"):
+        m(input_ids=_ids(m.config.vocab_size))
+
+
+def test_rows_views_follow_the_fused_weight():
+    m, attn = _fused_qwen3()
+    w = attn.qkv_proj.weight
+    q = attn.q_proj.weight
+    assert q.data_ptr() == w.data_ptr() and q.shape == (attn.q_proj.out_features, w.shape[1])
+    with torch.no_grad():
+        attn.k_proj.weight.data += 1.0  # in place through the view: the fused weight
+    assert torch.equal(w[q.shape[0]:q.shape[0] + attn.k_proj.out_features], attn.k_proj.weight)
+    new = torch.zeros_like(attn.v_proj.weight)
+    attn.v_proj.weight.data = new  # a replaced .data (PEFT's safe merge) is copied back
+    attn.v_proj.sync()
+    assert float(w[-attn.v_proj.out_features:].abs().max()) == 0.0
+    with pytest.raises(AttributeError, match="rows"):
+        attn.q_proj.weight = nn.Parameter(torch.zeros(1))
+    m.to(torch.float64)
+    assert attn.q_proj.weight.dtype == torch.float64 and attn.q_proj.weight.data_ptr() == attn.qkv_proj.weight.data_ptr()
