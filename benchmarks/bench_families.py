@@ -573,7 +573,7 @@ def main(argv=None) -> int:
     try:
         import transformers
     except ImportError:
-        p.error("transformers is not installed (pip install 'fusedqkv[transformers]')")
+        p.error("transformers is not installed (from the clone: pip install -e '.[transformers]')")
 
     device = torch.device("cpu" if a.smoke else "cuda")
     if a.smoke:

@@ -3,7 +3,7 @@ downloaded), fuse its attention input blocks with one call, train a few AdamW st
 ordinary HF checkpoint and load it back into an unpatched model, and generate with the KV
 cache.
 
-    pip install 'fusedqkv[transformers]'
+    pip install -e '.[transformers]'      # from the clone (fusedqkv is not on PyPI)
     python examples/hf_qwen3.py            # GPU if present (bf16), else CPU (fp32)
 
 With a pretrained model the call is the same: ``model = AutoModelForCausalLM.from_pretrained(...)``

@@ -21,5 +21,6 @@ __all__ += ["gqa_qkv_rope_qk_norm", "GQAQKVRoPEQKNorm", "ReferenceGQAQKVRoPEQKNo
 
 # Hugging Face models (issue 16): transformers is imported only when apply_to is called
 from .integrations import apply_to  # noqa: E402
+from .errors import UnsupportedModelError  # noqa: E402  (no transformers needed)
 
-__all__ += ["apply_to"]
+__all__ += ["apply_to", "UnsupportedModelError"]

@@ -1,5 +1,5 @@
 """Integrations with other libraries. Each imports its library only when called, so the
-core never requires them (``pip install fusedqkv[transformers]`` for Hugging Face)."""
+core never requires them (for Hugging Face, from the clone: ``pip install -e '.[transformers]'``)."""
 
 from __future__ import annotations
 

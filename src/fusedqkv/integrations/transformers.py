@@ -45,8 +45,8 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TF = "transformers.models."
 
 
-class UnsupportedModelError(ValueError):
-    """The model, one of its attention modules or its configuration cannot be fused."""
+# defined without transformers, so that ``from fusedqkv import UnsupportedModelError`` needs none
+from ..errors import UnsupportedModelError  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------- per-family hooks
@@ -802,7 +802,7 @@ def apply_to(model: nn.Module) -> int:
     if "transformers" not in sys.modules:
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {type(model).__name__} is not a Hugging Face transformers model (transformers is "
-            f"not imported; pip install 'fusedqkv[transformers]')")
+            f"not imported; from the clone: pip install -e '.[transformers]')")
     classes = _supported_classes()
     fused_types = set(_FUSED_CLASSES.values())
     todo, skipped, already = [], [], 0

@@ -1,0 +1,73 @@
+"""The README says what works: its `fusedqkv bench` option list is the CLI's, and its install lines
+work from a clone (fusedqkv is not on PyPI)."""
+
+import re
+from pathlib import Path
+
+from fusedqkv import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def _bench_parser():
+    sub = next(a for a in cli._parser()._actions if a.dest == "cmd")
+    return sub.choices["bench"]
+
+
+def _documented_bench_options() -> dict:
+    """{flag: spec} from the README's list under 'Options of `fusedqkv bench`': each item's
+    backticked specs before ' -- ', e.g. `--device auto|cpu|cuda`, `--out DIR`, `--quick`."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Options of `fusedqkv bench`"))
+    items = []
+    for ln in lines[start + 1:]:
+        if ln.startswith("- `--"):
+            items.append(ln)
+        elif items and not ln.strip():
+            break
+    assert items, "the README's bench option list is empty"
+    specs = {}
+    for item in items:
+        head = item[2:].split(" -- ")[0]
+        for spec in re.findall(r"`(--[^`]+)`", head):
+            flag, _, arg = spec.partition(" ")
+            assert flag not in specs, f"{flag} listed twice"
+            specs[flag] = arg
+    return specs
+
+
+def test_readme_bench_options_are_the_clis():
+    documented = _documented_bench_options()
+    actions = {s: a for a in _bench_parser()._actions for s in a.option_strings if s not in ("-h", "--help")}
+    assert sorted(documented) == sorted(actions), "README's `fusedqkv bench` options differ from the CLI's"
+    for flag, arg in documented.items():
+        a = actions[flag]
+        takes_value = a.nargs != 0
+        assert bool(arg) == takes_value, f"{flag}: README gives {arg!r}; the CLI's takes a value: {takes_value}"
+        if a.choices is not None:
+            assert sorted(arg.split("|")) == sorted(a.choices), f"{flag}: README {arg}, CLI {a.choices}"
+
+
+def _texts():
+    """The README, the examples, the benchmarks and the package's sources: where install lines are."""
+    paths = [README, *sorted((ROOT / "examples").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
+             *sorted((ROOT / "src").rglob("*.py"))]
+    return [(p, p.read_text()) for p in paths]
+
+
+def test_install_lines_work_from_a_clone():
+    """`pip install 'fusedqkv[transformers]'` fails (not on PyPI): every install of fusedqkv and its
+    extras is `pip install -e '.[extra]'` (or `-e .`), with extras pyproject.toml declares."""
+    section = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+    extras = set(re.findall(r"^(\w[\w-]*)\s*=", section, re.M))
+    assert "transformers" in extras
+    seen = 0
+    for path, text in _texts():
+        for m in re.finditer(r"pip install[^\n`\"]*", text):
+            line = m.group(0)
+            assert not re.search(r"pip install\s+(-U\s+|--upgrade\s+)?['\"]?fusedqkv\b", line), f"{path}: {line}"
+            for extra_list in re.findall(r"-e\s+'?\.\[([^\]]+)\]", line):
+                seen += 1
+                assert set(extra_list.split(",")) <= extras, f"{path}: {line}: extras {extras}"
+    assert seen >= 3  # the README's, the example's and apply_to's error message
