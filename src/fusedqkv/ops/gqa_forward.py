@@ -211,7 +211,7 @@ def forward_launch_config(M: int, hq: int, hkv: int, d: int, device: torch.devic
             group = g
             break
     # 4 warps for every group: on the H200 the stage ran 8-25 % faster than with 8 warps for the
-    # head groups at 2k-8k tokens (benchmarks/forward_sweep.py, NOTES "Session 8")
+    # head groups at 2k-8k tokens (NOTES "Session 8"; the sweep: benchmarks/forward_sweep.py at 0333ee3)
     return block_t, group, 4
 
 
