@@ -71,3 +71,18 @@ def test_install_lines_work_from_a_clone():
                 seen += 1
                 assert set(extra_list.split(",")) <= extras, f"{path}: {line}: extras {extras}"
     assert seen >= 3  # the README's, the example's and apply_to's error message
+
+
+def test_benchmarks_readme_names_every_script():
+    """benchmarks/README.md gives a command for each script there, and names no removed one."""
+    bench = ROOT / "benchmarks"
+    text = (bench / "README.md").read_text()
+    scripts = {p.name for p in bench.iterdir() if p.suffix in (".py", ".sh")}
+    named = set(re.findall(r"`([\w-]+\.(?:py|sh))`", text))
+    assert scripts <= named, f"not in benchmarks/README.md: {sorted(scripts - named)}"
+    assert named <= scripts, f"benchmarks/README.md names missing scripts: {sorted(named - scripts)}"
+    for name in scripts:
+        # each script's one-line command (the helpers sol_execbench_eval.py / gpu_robustness.py run
+        # through their .sh)
+        helper = name in ("sol_execbench_eval.py", "gpu_robustness.py")
+        assert helper or f"benchmarks/{name}" in text, f"no command for {name}"
