@@ -118,8 +118,8 @@ def validate_backward_inputs(args: Sequence) -> dict:
     if w.dim() == 2 and w.shape[1] == hidden and w.shape[0] != qkv:
         held = f"; its {w.shape[0]} rows are {w.shape[0] // d} heads, not {hq + 2 * hkv}" if w.shape[0] % d == 0 else ""
         raise ValueError(f"qkv_weight: expected shape [{qkv}, {hidden}] ([(num_heads + 2*num_kv_heads)*head_dim, "
-                         f"hidden_size] = [({hq} + 2*{hkv})*{d}, {hidden}]), got [{w.shape[0]}, {w.shape[1]}] (num_heads "
-                         f"from grad_query, num_kv_heads from grad_key, head_dim from grad_query{held})")
+                         f"hidden_size] = [({hq} + 2*{hkv})*{d}, {hidden}]), got [{w.shape[0]}, {w.shape[1]}] "
+                         f"(num_heads from grad_query, num_kv_heads from grad_key, head_dim from grad_query{held})")
     V.require_shape("qkv_weight", w, (qkv, hidden),
                     f"[(num_heads + 2*num_kv_heads)*head_dim, hidden_size] = [({hq} + 2*{hkv})*{d}, {hidden}]")
     V.require_shape("cos", named["cos"], (b, s, d), "[batch, seq, head_dim]")

@@ -81,7 +81,8 @@ def _head_dim_of_norm_weights(q_norm_weight, k_norm_weight, hq: int, hkv: int, a
     if all_heads:
         if nq % hq or nk % hkv or nq // hq != nk // hkv or nq == 0:
             return None, ""
-        return nq // hq, f"q_norm_weight [{nq}] and k_norm_weight [{nk}] ([num_heads*head_dim], [num_kv_heads*head_dim])"
+        return nq // hq, (f"q_norm_weight [{nq}] and k_norm_weight [{nk}] "
+                          "([num_heads*head_dim], [num_kv_heads*head_dim])")
     if nq != nk or nq == 0:
         return None, ""
     return nq, f"q_norm_weight and k_norm_weight [{nq}] ([head_dim])"
@@ -168,7 +169,8 @@ def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_wei
     last = "head_dim" if rot == d else "rot"
     for n, t in (("cos", cos), ("sin", sin)):
         if tuple(t.shape[:2]) not in ((b, s), (1, s)):
-            V.require_shape(n, t, (b, s, rot), f"[batch, seq, {last}] or [1, seq, {last}], batch and seq from hidden_states")
+            V.require_shape(n, t, (b, s, rot),
+                            f"[batch, seq, {last}] or [1, seq, {last}], batch and seq from hidden_states")
     if sin.shape[2] != rot:
         V.require_shape("sin", sin, (sin.shape[0], s, rot), "the rotary width of cos")
     if rot > d and not weighted:
