@@ -1,8 +1,12 @@
-"""The README says what works: its `fusedqkv bench` option list is the CLI's, and its install lines
-work from a clone (fusedqkv is not on PyPI)."""
+"""The README says what works: its quick starts run, its `fusedqkv bench` option list is the CLI's,
+its install lines work from a clone (fusedqkv is not on PyPI), and benchmarks/README.md names every
+benchmark script."""
 
 import re
 from pathlib import Path
+
+import pytest
+import torch
 
 from fusedqkv import cli
 
@@ -71,3 +75,49 @@ def test_install_lines_work_from_a_clone():
                 seen += 1
                 assert set(extra_list.split(",")) <= extras, f"{path}: {line}: extras {extras}"
     assert seen >= 3  # the README's, the example's and apply_to's error message
+
+
+def test_benchmarks_readme_names_every_script():
+    """benchmarks/README.md gives a command for each script there, and names no removed one."""
+    bench = ROOT / "benchmarks"
+    text = (bench / "README.md").read_text()
+    scripts = {p.name for p in bench.iterdir() if p.suffix in (".py", ".sh")}
+    named = set(re.findall(r"`([\w-]+\.(?:py|sh))`", text))
+    assert scripts <= named, f"not in benchmarks/README.md: {sorted(scripts - named)}"
+    assert named <= scripts, f"benchmarks/README.md names missing scripts: {sorted(named - scripts)}"
+    for name in scripts:
+        # each script's one-line command (the helpers sol_execbench_eval.py / gpu_robustness.py run
+        # through their .sh)
+        helper = name in ("sol_execbench_eval.py", "gpu_robustness.py")
+        assert helper or f"benchmarks/{name}" in text, f"no command for {name}"
+
+
+def _quick_start_blocks() -> list:
+    """(subsection title, code) of every ```python block in the README's "## Quick start"."""
+    section = README.read_text().split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    blocks = []
+    for part in re.split(r"^### ", section, flags=re.M)[1:]:
+        title = part.splitlines()[0]
+        blocks += [(title, code) for code in re.findall(r"^```python\n(.*?)^```", part, re.M | re.S)]
+    return blocks
+
+
+QUICK_STARTS = _quick_start_blocks()
+
+
+def test_quick_starts_are_mostly_runnable():
+    # a block that cannot run on the CPU says why on its first line ("# needs: ..."); the others run below
+    runnable = [title for title, code in QUICK_STARTS if not code.startswith("# needs:")]
+    assert len(runnable) >= 3, runnable
+    assert {"Fine-tuning a Hugging Face model", "The block in your own model"} <= set(runnable)
+
+
+@pytest.mark.parametrize("title, code", QUICK_STARTS, ids=[f"{i}-{t}" for i, (t, _) in enumerate(QUICK_STARTS)])
+def test_quick_start_block_runs_on_the_cpu(title, code, tmp_path, monkeypatch):
+    if code.startswith("# needs:"):
+        pytest.skip(f"README quick start '{title}': {code.splitlines()[0][2:]}")
+    if "transformers" in code:
+        pytest.importorskip("transformers")  # the optional dependency (a test extra)
+    monkeypatch.chdir(tmp_path)  # what a block writes (a checkpoint) stays in the test's folder
+    torch.manual_seed(0)
+    exec(compile(code, f"README.md, quick start '{title}'", "exec"), {"__name__": "__readme__"})

@@ -63,6 +63,20 @@ def _require_head_counts_agree(named: dict, b: int, s: int, d: int) -> None:
                              f"{' and '.join(others)}), got [{', '.join(map(str, named[grad].shape))}]")
 
 
+def _require_grad_query_agrees(named: dict) -> None:
+    """Batch, seq and head_dim come from grad_query; where grad_key disagrees with it but agrees
+    with grad_value, query_pre_norm and key_pre_norm, grad_query is the odd one out: name it."""
+    others = ("grad_key", "grad_value", "query_pre_norm", "key_pre_norm")
+    dims = {(t.shape[0], t.shape[2], t.shape[3]) for t in (named[n] for n in others)
+            if isinstance(t, torch.Tensor) and t.dim() == 4}
+    gq = named["grad_query"]
+    if len(dims) == 1 and all(named[n].dim() == 4 for n in others):
+        (b, s, d), = dims
+        if (gq.shape[0], gq.shape[2], gq.shape[3]) != (b, s, d):
+            raise ValueError(f"grad_query: expected shape [{b}, num_heads, {s}, {d}] (batch, seq and head_dim from "
+                             f"{', '.join(others[:-1])} and {others[-1]}), got [{', '.join(map(str, gq.shape))}]")
+
+
 def validate_backward_inputs(args: Sequence) -> dict:
     """Check the 14 inputs of the 091 backward; returns the derived sizes.
 
@@ -81,13 +95,15 @@ def validate_backward_inputs(args: Sequence) -> dict:
     b, hq, s, d = gq.shape
     hkv = gk.shape[1]
     if gk.shape[0] != b or gk.shape[2] != s or gk.shape[3] != d:
+        _require_grad_query_agrees(named)
         raise ValueError(
             f"grad_key: expected shape [{b}, num_kv_heads, {s}, {d}] (batch, seq and head_dim of grad_query), "
             f"got [{', '.join(map(str, gk.shape))}]"
         )
+    # before the head configuration: a gradient one head off is named, not "num_heads=3 is not divisible"
+    _require_head_counts_agree(named, b, s, d)
     V.require_head_config(hq, hkv, d, "num_heads from grad_query.shape[1], num_kv_heads from grad_key.shape[1], "
                                       "head_dim from grad_query.shape[3]")
-    _require_head_counts_agree(named, b, s, d)
     V.require_shape("grad_value", gv, (b, hkv, s, d), "like grad_key")
     V.require_shape("query_pre_norm", named["query_pre_norm"], (b, hq, s, d), "like grad_query")
     V.require_shape("key_pre_norm", named["key_pre_norm"], (b, hkv, s, d), "like grad_key")
@@ -98,7 +114,13 @@ def validate_backward_inputs(args: Sequence) -> dict:
     hidden = hs.shape[2]
     qkv = (hq + 2 * hkv) * d
     V.require_matching_hidden(hs, named["qkv_weight"], rows=qkv)
-    V.require_shape("qkv_weight", named["qkv_weight"], (qkv, hidden),
+    w = named["qkv_weight"]
+    if w.dim() == 2 and w.shape[1] == hidden and w.shape[0] != qkv:
+        held = f"; its {w.shape[0]} rows are {w.shape[0] // d} heads, not {hq + 2 * hkv}" if w.shape[0] % d == 0 else ""
+        raise ValueError(f"qkv_weight: expected shape [{qkv}, {hidden}] ([(num_heads + 2*num_kv_heads)*head_dim, "
+                         f"hidden_size] = [({hq} + 2*{hkv})*{d}, {hidden}]), got [{w.shape[0]}, {w.shape[1]}] "
+                         f"(num_heads from grad_query, num_kv_heads from grad_key, head_dim from grad_query{held})")
+    V.require_shape("qkv_weight", w, (qkv, hidden),
                     f"[(num_heads + 2*num_kv_heads)*head_dim, hidden_size] = [({hq} + 2*{hkv})*{d}, {hidden}]")
     V.require_shape("cos", named["cos"], (b, s, d), "[batch, seq, head_dim]")
     V.require_shape("sin", named["sin"], (b, s, d), "[batch, seq, head_dim]")

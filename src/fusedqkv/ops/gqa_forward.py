@@ -71,6 +71,23 @@ def _require_choice(name: str, x, choices: tuple, what: str) -> str:
     return x
 
 
+def _head_dim_of_norm_weights(q_norm_weight, k_norm_weight, hq: int, hkv: int, all_heads: bool):
+    """(head_dim, what gives it) where both norm weights are 1-d tensors that agree on one head_dim,
+    else (None, ""): they disagree, and the shape checks against qkv_weight's head_dim name the odd one."""
+    if not (isinstance(q_norm_weight, torch.Tensor) and isinstance(k_norm_weight, torch.Tensor)
+            and q_norm_weight.dim() == 1 and k_norm_weight.dim() == 1):
+        return None, ""
+    nq, nk = q_norm_weight.shape[0], k_norm_weight.shape[0]
+    if all_heads:
+        if nq % hq or nk % hkv or nq // hq != nk // hkv or nq == 0:
+            return None, ""
+        return nq // hq, (f"q_norm_weight [{nq}] and k_norm_weight [{nk}] "
+                          "([num_heads*head_dim], [num_kv_heads*head_dim])")
+    if nq != nk or nq == 0:
+        return None, ""
+    return nq, f"q_norm_weight and k_norm_weight [{nq}] ([head_dim])"
+
+
 def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                             num_heads, num_kv_heads, eps, qk_norm_position, *, q_gate=False, rope_style="neox",
                             norm_scope="head", v_norm=False) -> dict:
@@ -112,15 +129,29 @@ def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_wei
     V.require_ndim("qkv_weight", qkv_weight, 2, f"[({q_rows} + 2*num_kv_heads)*head_dim, hidden_size]")
     V.require_matching_hidden(hidden_states, qkv_weight)
     n_tot, w_hidden = qkv_weight.shape
-    heads_tot = (2 * hq if q_gate else hq) + 2 * hkv
-    if w_hidden != hidden or n_tot % heads_tot != 0 or n_tot == 0:
-        gate = (" (q_gate: the Q rows are num_heads blocks of [q | gate], 2*head_dim rows each)"
-                if q_gate else "")
+    q_heads = 2 * hq if q_gate else hq
+    heads_tot = q_heads + 2 * hkv
+    gate = " (q_gate: the Q rows are num_heads blocks of [q | gate], 2*head_dim rows each)" if q_gate else ""
+    expected_rows = f"[({q_rows} + 2*num_kv_heads)*head_dim, hidden_size]"
+    # the head counts are the arguments; head_dim is the norm weights' where they give one, so a
+    # qkv_weight a head short or long is named itself, not as a norm weight "of the wrong size"
+    d_norm, d_from = _head_dim_of_norm_weights(q_norm_weight, k_norm_weight, hq, hkv, all_heads) if weighted \
+        else (None, "")
+    if w_hidden == hidden and d_norm is not None and n_tot != heads_tot * d_norm:
+        held = (f"; its {n_tot} rows are {n_tot // d_norm} heads of head_dim {d_norm}, not {heads_tot}"
+                if n_tot % d_norm == 0 else "")
         raise ValueError(
-            f"qkv_weight: expected shape [({q_rows} + 2*num_kv_heads)*head_dim, hidden_size] = "
-            f"[({2 * hq if q_gate else hq} + 2*{hkv})*head_dim, {hidden}]{gate}, "
-            f"got [{', '.join(map(str, qkv_weight.shape))}]")
+            f"qkv_weight: expected shape {expected_rows} = [({q_heads} + 2*{hkv})*{d_norm}, {hidden}] = "
+            f"[{heads_tot * d_norm}, {hidden}]{gate} (head counts from num_heads={hq} and num_kv_heads={hkv}, "
+            f"head_dim from {d_from}), got [{', '.join(map(str, qkv_weight.shape))}]{held}")
+    if w_hidden != hidden or n_tot % heads_tot != 0 or n_tot == 0:
+        raise ValueError(
+            f"qkv_weight: expected shape {expected_rows} = [({q_heads} + 2*{hkv})*head_dim, {hidden}]{gate}, "
+            f"got [{', '.join(map(str, qkv_weight.shape))}] (head counts from num_heads={hq} and "
+            f"num_kv_heads={hkv}: {n_tot} rows are not a whole number of {heads_tot} heads)")
     d = n_tot // heads_tot
+    d_src = (f"head_dim from qkv_weight's {n_tot} rows / {heads_tot} heads"
+             + (f" and from {d_from}" if d_norm is not None else ""))
     V.require_head_config(hq, hkv, d, "from num_heads, num_kv_heads and qkv_weight")
     if weighted:
         if all_heads:
@@ -132,16 +163,25 @@ def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_wei
             V.require_shape("k_norm_weight", k_norm_weight, (d,), "[head_dim]")
     for n, t in (("cos", cos), ("sin", sin)):
         V.require_ndim(n, t, 3, "[batch, seq, rot] (rot: the rotary width, head_dim unless partial rotary)")
+    if sin.shape[2] == d != cos.shape[2]:  # sin is head_dim wide: cos is the odd one out
+        V.require_shape("cos", cos, (cos.shape[0], cos.shape[1], d), f"the rotary width of sin, {d_src}")
     rot = cos.shape[2]
     last = "head_dim" if rot == d else "rot"
     for n, t in (("cos", cos), ("sin", sin)):
         if tuple(t.shape[:2]) not in ((b, s), (1, s)):
-            V.require_shape(n, t, (b, s, rot), f"[batch, seq, {last}] or [1, seq, {last}]")
+            V.require_shape(n, t, (b, s, rot),
+                            f"[batch, seq, {last}] or [1, seq, {last}], batch and seq from hidden_states")
     if sin.shape[2] != rot:
         V.require_shape("sin", sin, (sin.shape[0], s, rot), "the rotary width of cos")
+    if rot > d and not weighted:
+        # no norm weight says which is right: head_dim from the weight's rows, or cos/sin's width
+        raise ValueError(
+            f"qkv_weight / cos: qkv_weight's {n_tot} rows give head_dim {d} ({n_tot} / ({q_heads} + 2*{hkv}) heads "
+            f"from num_heads and num_kv_heads), narrower than cos/sin's rotary width {rot}; expected qkv_weight "
+            f"[{heads_tot * rot}, {hidden}] for head_dim {rot}, or cos/sin of an even width up to {d} (partial rotary)")
     if rot % 2 or not 2 <= rot <= d:
         raise ValueError(f"cos/sin: rotary width {rot} (their last size) is not supported; expected an even size "
-                         f"from 2 to head_dim={d} (partial rotary below head_dim)")
+                         f"from 2 to head_dim={d} (partial rotary below head_dim; {d_src})")
     for n, t in named:
         V.require_float_dtype(n, t)
     dtype = V.require_same_dtype([("hidden_states", hidden_states), ("qkv_weight", qkv_weight), ("cos", cos), ("sin", sin)])
@@ -173,7 +213,7 @@ def forward_launch_config(M: int, hq: int, hkv: int, d: int, device: torch.devic
             group = g
             break
     # 4 warps for every group: on the H200 the stage ran 8-25 % faster than with 8 warps for the
-    # head groups at 2k-8k tokens (benchmarks/forward_sweep.py, NOTES "Session 8")
+    # head groups at 2k-8k tokens (NOTES "Session 8"; the sweep: benchmarks/forward_sweep.py at 0333ee3)
     return block_t, group, 4
 
 
