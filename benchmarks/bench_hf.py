@@ -33,6 +33,15 @@ steps |loss_fused - loss_base| <= 2 max |loss_hf - loss_hf_fp32| + 1e-3.
 Writes --out/bench_hf.json and --out/bench_hf_loss.png (matplotlib; ``--plot JSON`` redraws
 the PNG from a JSON elsewhere), prints a table last, exits 1 when a criterion fails.
 
+--lora R (issue 34): PEFT LoRA of rank R on every linear layer (all-linear, alpha 2R, base frozen)
+in every stack, after apply_to in the fused ones; targets 12 % (qwen3_8b, 4 layers) and 25 %
+(qwen3 at --layers 28) less step time than PEFT without fusedqkv:
+
+    PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/bench_hf.py --family qwen3_8b --lora 16 --lora-init random \
+        --stacks hf-fp32,hf,hf+fusedqkv --steps 30 --out $OUT/lora8b
+    PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/bench_hf.py --family qwen3 --layers 28 --lora 16 \
+        --lora-init random --stacks hf-fp32,hf,hf+fusedqkv --steps 30 --out $OUT/lora06b
+
 Device (Liger carried as a wheel in .whl/, found there when liger_kernel is not installed):
 
     PYTHONPATH=src python3 benchmarks/bench_hf.py --out benchmarks/results/<run>/hf
@@ -85,6 +94,12 @@ TINY_QWEN3_5 = dict(QWEN3_5_9B, vocab_size=512, hidden_size=64, intermediate_siz
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                     rope_parameters=dict(QWEN3_5_9B["rope_parameters"], mrope_section=[2, 1, 1]))
 
+# Qwen3-8B's config.json, 4 layers (issue 34's LoRA runs)
+QWEN3_8B = dict(QWEN3_06B, hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                tie_word_embeddings=False)
+# --lora: the step-time targets of issue 34 (PEFT LoRA all-linear, base frozen)
+LORA_MIN_STEP_REDUCTION = {"qwen3_8b": 0.12, "qwen3": 0.25}
+
 STACKS = ("hf-fp32", "hf", "hf+fusedqkv", "hf+liger", "hf+liger+fusedqkv", "compile(hf)", "compile(hf+fusedqkv)")
 PAIRS = (("hf", "hf+fusedqkv"), ("hf+liger", "hf+liger+fusedqkv"), ("compile(hf)", "compile(hf+fusedqkv)"))
 MIN_STEP_REDUCTION = 0.25  # qwen3's target (issue 16)
@@ -111,6 +126,8 @@ class Family:
 FAMILIES = {
     "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", QWEN3_06B, TINY, "Qwen3-0.6B", "apply_liger_kernel_to_qwen3",
                     STACKS[:5], 50, MIN_STEP_REDUCTION),
+    "qwen3_8b": Family("Qwen3Config", "Qwen3ForCausalLM", QWEN3_8B, TINY, "Qwen3-8B", "apply_liger_kernel_to_qwen3",
+                       ("hf-fp32", "hf", "hf+fusedqkv"), 30, MIN_STEP_REDUCTION),
     "qwen3_5_text": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN3_5_9B, TINY_QWEN3_5, "Qwen3.5-9B",
                            "apply_liger_kernel_to_qwen3_5",
                            # 30 steps: the fp32 yardstick takes ~2 s a step at this size on an H200
@@ -223,6 +240,18 @@ def run_stack(stack, args, cfg_kw, data, device):
     if "fusedqkv" in stack:
         n_fused = fusedqkv.apply_to(model)
         assert n_fused == cfg_kw["num_hidden_layers"], n_fused
+    if args.lora:  # after apply_to (the README's order); the same adapter values in every stack
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(args.seed + 7)
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear",
+                                                 lora_dropout=0.0))
+        if args.lora_init == "random":  # B random too: the adapters move the loss from the first step
+            g = torch.Generator().manual_seed(args.seed + 8)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(0.01 * torch.randn(p.shape, generator=g))
     compiled = stack.startswith("compile(")
     if compiled:  # after apply_to, before the optimizer (the compiled module shares the parameters)
         model = torch.compile(model, backend=args.compile_backend)
@@ -402,7 +431,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--family", default="qwen3", choices=list(FAMILIES),
-                   help="qwen3: Qwen3-0.6B shape (issue 16); qwen3_5_text: Qwen3.5-9B shape, all full attention")
+                   help="qwen3: Qwen3-0.6B shape (issue 16); qwen3_8b: Qwen3-8B shape (issue 34); qwen3_5_text: "
+                        "Qwen3.5-9B shape, all full attention")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
@@ -411,6 +441,11 @@ def main(argv=None):
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend of the compile(...) stacks (default inductor; aot_eager on the CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="PEFT LoRA rank R on every linear layer (all-linear, base frozen), after apply_to; 0: full "
+                        "fine-tuning (default)")
+    p.add_argument("--lora-init", default="peft", choices=["peft", "random"],
+                   help="peft: PEFT's init (B = 0); random: B ~ 0.01 N(0, 1) as well")
     p.add_argument("--tiny", action="store_true", help="tiny model, batch 2 x seq 64, 6 steps: the CPU check")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--plot", metavar="JSON",
@@ -450,6 +485,9 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
 
     data = make_data(8, args.batch, args.seq, cfg_kw["vocab_size"], args.seed + 1)
+    min_reduction = LORA_MIN_STEP_REDUCTION.get(args.family, 0.0) if args.lora else fam.min_step_reduction
+    if args.lora < 0:
+        p.error(f"--lora must be >= 0, got {args.lora}")
     model_label = (f"{fam.label}-shaped, {cfg_kw['num_hidden_layers']} layers"
                    + (", every layer full attention" if fam.all_full_attention else ""))
     report = dict(config=dict(model="tiny " + fam.label.split("-")[0] if args.tiny else model_label,
@@ -458,7 +496,9 @@ def main(argv=None):
                               steps=args.steps, warmup=args.warmup, lr=args.lr, attn=args.attn, device=device,
                               tiny=args.tiny, stacks=stacks, optimizer="AdamW(weight_decay=0.01)",
                               params="bf16 (hf-fp32: fp32, same initial values)",
-                              compile_backend=args.compile_backend, min_step_reduction=fam.min_step_reduction),
+                              compile_backend=args.compile_backend, min_step_reduction=min_reduction,
+                              lora=dict(r=args.lora, alpha=2 * args.lora, target_modules="all-linear",
+                                        init=args.lora_init) if args.lora else None),
                   env=env_info(device), results={})
     for stack in stacks:
         log(f"{stack}: {args.steps} steps")
@@ -467,7 +507,7 @@ def main(argv=None):
         log(f"{stack}: {r['step_ms_median']:.2f} ms/step, loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
             + (f", peak {r['peak_mem_bytes'] / 2**30:.2f} GiB" if "peak_mem_bytes" in r else ""))
     report["env"] = env_info(device)  # liger's version once imported
-    report["criteria"], report["passed"] = judge(report["results"], args.tiny, fam.min_step_reduction)
+    report["criteria"], report["passed"] = judge(report["results"], args.tiny, min_reduction)
     if not report["criteria"]:
         report["passed"] = False
         log("no stack pair ran: nothing judged")

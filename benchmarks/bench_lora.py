@@ -1,0 +1,228 @@
+"""GPU benchmark of PEFT LoRA on q/k/v inside the fused block (issue 34), forward+backward with
+the base weights frozen, on the nine rows of bench_module.py (its three block configurations at
+512, 2048 and 8192 tokens). Providers, each from the same weights and adapters:
+
+  peft_eager    PEFT's lora.Linear for q_proj, k_proj and v_proj (its own forward: base GEMM +
+                lora_B(lora_A(x)) * scaling) and HF's RMSNorm and RoPE in eager PyTorch
+  peft_compile  torch.compile of the same function (inductor, one static compile per size)
+  fusedqkv      fusedqkv.integrations.peft.lora_residual over the same PEFT layers (one A GEMM,
+                one B GEMM over the fused rows) into gqa_qkv_rope_qk_norm(qkv_residual=...)
+  floor         the GEMMs alone through cuBLAS: base forward x W^T, base dX = dQKV W, and the
+                LoRA GEMMs (U = x A^T, qkv += U_p B_p^T, dU_p = dQKV_p B_p, dB_p = dQKV_p^T U_p,
+                dA = dU^T x, dX += dU A)
+
+Each fwd+bwd call is ``torch.autograd.grad`` of q, k, v (fixed output gradients) with respect to
+hidden_states and the six adapter matrices; every provider is captured as a CUDA graph (inputs and
+outputs kept alive), the graphs replayed call by call in rotated order with the L2 flushed before
+each (bench_families.time_graphs_interleaved). The outputs and gradients of fusedqkv and
+peft_compile are checked against peft_eager's (bf16: within the three-way rule against float64 is
+bench_module's job; here max |diff| relative to max |ref|, reported).
+
+Done criteria per row (issue 34): fusedqkv <= 0.5x peft_eager, < peft_compile, <= 1.10x floor.
+
+    PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/bench_lora.py --out $OUT/lora
+    PYTHONPATH=src TRITON_INTERPRET=1 python3 benchmarks/bench_lora.py --smoke --out /tmp/lora   # CPU check
+
+Needs peft (carried as a wheel on the device). Prints a table last; writes --out/bench_lora.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_module import CONFIGS, SIZES, rope_cos_sin  # noqa: E402
+
+from fusedqkv import gqa_qkv_rope_qk_norm  # noqa: E402
+from fusedqkv.bench import timing  # noqa: E402
+from fusedqkv.integrations.peft import lora_residual  # noqa: E402
+from fusedqkv.ops.internals import raise_compile_limits  # noqa: E402
+
+PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "floor")
+SMOKE_CONFIGS = {"smoke": dict(hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm_position="before_rope")}
+EPS = 1e-6
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def hf_norm(t, w):
+    """HF's Qwen3RMSNorm: fp32 statistics, weight times the input-dtype result."""
+    t32 = t.float()
+    t32 = t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * t32.to(t.dtype)
+
+
+def hf_rope(t, cos, sin):
+    h = t.shape[-1] // 2
+    return t * cos + torch.cat((-t[..., h:], t[..., :h]), -1) * sin
+
+
+class Row:
+    """One configuration at one size: the frozen base weights, PEFT LoRA layers over them and the
+    inputs, shared by every provider."""
+
+    def __init__(self, cfg, b, s, rank, device, dtype, seed=0):
+        from peft import LoraConfig
+        from peft.tuners.lora.layer import Linear as LoraLinear
+
+        torch.manual_seed(seed)
+        self.cfg, self.b, self.s = cfg, b, s
+        hidden, hq, hkv, d = cfg["hidden_size"], cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+        self.split = (hq * d, hkv * d, hkv * d)
+        self.n = sum(self.split)
+        self.w = (torch.randn(self.n, hidden, device=device, dtype=dtype) / hidden ** 0.5).requires_grad_(False)
+        self.loras = []
+        start = 0
+        for name, rows in zip(("q_proj", "k_proj", "v_proj"), self.split):
+            base = nn.Linear(hidden, rows, bias=False, device=device, dtype=dtype)
+            base.weight = nn.Parameter(self.w[start:start + rows], requires_grad=False)  # a view: one weight
+            config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, init_lora_weights=False)
+            lora = LoraLinear(base, "default", config, r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                              init_lora_weights=False)
+            lora.to(device=device, dtype=dtype)
+            self.loras.append((name, lora))
+            start += rows
+        self.adapters = [p for _, lo in self.loras for p in (lo.lora_A["default"].weight, lo.lora_B["default"].weight)]
+        self.wq = (1 + 0.1 * torch.randn(d, device=device)).to(dtype)
+        self.wk = (1 + 0.1 * torch.randn(d, device=device)).to(dtype)
+        self.x = torch.randn(b, s, hidden, device=device, dtype=dtype, requires_grad=True)
+        self.cos, self.sin = rope_cos_sin(b, s, d, dtype, device)
+        self.gq = torch.randn(b, hq, s, d, device=device, dtype=dtype)
+        self.gk = torch.randn(b, hkv, s, d, device=device, dtype=dtype)
+        self.gv = torch.randn(b, hkv, s, d, device=device, dtype=dtype)
+        self.slots = [(name, None, lo) for name, lo in self.loras]
+
+    def peft_qkv(self, x):
+        cfg, b, s = self.cfg, self.b, self.s
+        hq, hkv, d = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+        q, k, v = (lo(x) for _, lo in self.loras)
+        q = q.view(b, s, hq, d).transpose(1, 2)
+        k = k.view(b, s, hkv, d).transpose(1, 2)
+        v = v.view(b, s, hkv, d).transpose(1, 2)
+        cos, sin = self.cos.unsqueeze(1), self.sin.unsqueeze(1)
+        if cfg["qk_norm_position"] == "before_rope":
+            return hf_rope(hf_norm(q, self.wq), cos, sin), hf_rope(hf_norm(k, self.wk), cos, sin), v
+        return hf_norm(hf_rope(q, cos, sin), self.wq), hf_norm(hf_rope(k, cos, sin), self.wk), v
+
+    def fused_qkv(self, x):
+        cfg = self.cfg
+        residual = lora_residual(x, self.slots, self.split, self.n)
+        return gqa_qkv_rope_qk_norm(x, self.w, self.wq, self.wk, self.cos, self.sin, num_heads=cfg["num_heads"],
+                                    num_kv_heads=cfg["num_kv_heads"], eps=EPS,
+                                    qk_norm_position=cfg["qk_norm_position"], qkv_residual=residual)
+
+    def fwd_bwd(self, qkv_fn):
+        def call():
+            q, k, v = qkv_fn(self.x)
+            return torch.autograd.grad((q, k, v), [self.x, *self.adapters], (self.gq, self.gk, self.gv))
+        return call
+
+    def floor(self):
+        """The GEMMs of a LoRA forward+backward with the base frozen, through cuBLAS."""
+        x2 = self.x.detach().reshape(-1, self.x.shape[-1])
+        m = x2.shape[0]
+        a_cat = torch.cat([lo.lora_A["default"].weight.detach() for _, lo in self.loras])
+        bs = [lo.lora_B["default"].weight.detach() * lo.scaling["default"] for _, lo in self.loras]
+        qkv = torch.empty(m, self.n, device=x2.device, dtype=x2.dtype)
+        dqkv = torch.randn(m, self.n, device=x2.device, dtype=x2.dtype)
+        dx = torch.empty_like(x2)
+        r = a_cat.shape[0] // 3
+        cols = [0, self.split[0], self.split[0] + self.split[1], self.n]
+
+        def call():
+            torch.mm(x2, self.w.t(), out=qkv)
+            u = x2 @ a_cat.t()
+            du = []
+            for i, bp in enumerate(bs):
+                qkv[:, cols[i]:cols[i + 1]].addmm_(u[:, i * r:(i + 1) * r], bp.t())
+                du.append(dqkv[:, cols[i]:cols[i + 1]] @ bp)
+                dqkv[:, cols[i]:cols[i + 1]].t() @ u[:, i * r:(i + 1) * r]  # dB_p
+            du = torch.cat(du, 1)
+            du.t() @ x2  # dA
+            torch.mm(dqkv, self.w, out=dx)
+            dx.addmm_(du, a_cat)
+            return qkv, dx
+        return call
+
+
+def max_rel(got, want) -> float:
+    return max(float((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30))
+               for g, w in zip(got, want))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--configs", default="all")
+    ap.add_argument("--tokens", default="512,2048,8192")
+    ap.add_argument("--smoke", action="store_true", help="CPU run of the script's logic (no timing value)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    raise_compile_limits(64)
+    if args.smoke:
+        device, dtype, configs, sizes = torch.device("cpu"), torch.float32, SMOKE_CONFIGS, {8: (1, 8), 12: (2, 6)}
+        args.tokens, args.reps, backend = "8,12", 2, "aot_eager"
+    else:
+        device, dtype, configs, sizes, backend = torch.device("cuda"), torch.bfloat16, CONFIGS, SIZES, "inductor"
+    flusher = timing.L2Flusher(device) if device.type == "cuda" else None
+    names = list(configs) if args.configs == "all" else args.configs.split(",")
+    rows = []
+    for cname in names:
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            b, s = sizes[tokens]
+            row = Row(configs[cname], b, s, args.rank, device, dtype)
+            compiled = torch.compile(row.peft_qkv, backend=backend)
+            fns = {"peft_eager": row.fwd_bwd(row.peft_qkv), "peft_compile": row.fwd_bwd(compiled),
+                   "fusedqkv": row.fwd_bwd(row.fused_qkv), "floor": row.floor()}
+            ref = fns["peft_eager"]()
+            check = {p: max_rel(fns[p](), ref) for p in ("peft_compile", "fusedqkv")}
+            if device.type == "cuda":
+                from bench_families import time_graphs_interleaved
+
+                ms = time_graphs_interleaved(fns, args.reps, 3, flusher)
+            else:
+                ms = {p: [0.0] for p in fns}
+                for p, fn in fns.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    ms[p] = [(time.perf_counter() - t0) * 1e3]
+            med = {p: statistics.median(v) for p, v in ms.items()}
+            r = dict(config=cname, tokens=tokens, batch=b, seq=s, rank=args.rank, ms=med, max_rel_vs_eager=check,
+                     fused_over_eager=med["fusedqkv"] / med["peft_eager"],
+                     fused_over_compile=med["fusedqkv"] / med["peft_compile"],
+                     fused_over_floor=med["fusedqkv"] / med["floor"])
+            r["pass"] = (r["fused_over_eager"] <= 0.5 and r["fused_over_compile"] < 1.0 and r["fused_over_floor"] <= 1.10)
+            rows.append(r)
+            log(f"{cname} {tokens}: " + ", ".join(f"{p} {med[p]:.3f} ms" for p in PROVIDERS))
+            del row, compiled, fns, ref
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+    with open(os.path.join(args.out, "bench_lora.json"), "w") as f:
+        json.dump(dict(env=env, rows=rows, criteria="fused/eager <= 0.5, fused < compile, fused/floor <= 1.10"), f,
+                  indent=1)
+    print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'floor':>8} "
+          f"{'f/eager':>7} {'f/comp':>7} {'f/floor':>7} {'err':>8} pass")
+    for r in rows:
+        m = r["ms"]
+        print(f"{r['config']:<22} {r['tokens']:>6} {m['peft_eager']:8.3f} {m['peft_compile']:8.3f} "
+              f"{m['fusedqkv']:8.3f} {m['floor']:8.3f} {r['fused_over_eager']:7.3f} {r['fused_over_compile']:7.3f} "
+              f"{r['fused_over_floor']:7.3f} {r['max_rel_vs_eager']['fusedqkv']:8.1e} {r['pass']}")
+    return 0 if all(r["pass"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
