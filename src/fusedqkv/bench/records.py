@@ -330,11 +330,6 @@ def verify(rec: dict) -> dict:
                       + "; stored as published"}
 
 
-def is_unverified(rec: dict) -> bool:
-    return (rec.get("imported") or {}).get("verification", {}).get("status") == "unverified" or (
-        not is_own_form(rec) and verify(rec)["status"] == "unverified")
-
-
 # ----------------------------------------------------------------------------- store
 
 
