@@ -143,10 +143,10 @@ def bad_bound_run():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(harness, "_time", fake_time)
         mp.setattr(roofline, "measure_ceilings",
-                   lambda device, name, when="start": roofline.Ceilings(name, 1e12, 1e11, "measured",
-                                                                        {**steady, "when": when}))
-        mp.setattr(roofline, "roofline", lambda defn, axes, ceil: {**real_roofline(defn, axes, ceil),
-                                                                  "sol_ms": SOL_MS})
+                   lambda device, name, when="start", dtype=None: roofline.Ceilings(name, 1e12, 1e11, "measured",
+                                                                                    {**steady, "when": when}))
+        mp.setattr(roofline, "roofline", lambda defn, axes, ceil, dtype=None: {**real_roofline(defn, axes, ceil),
+                                                                              "sol_ms": SOL_MS})
         cfg = harness.BenchConfig(device="cpu", workloads=["2", "11", "13"], max_tokens=4, progress=False)
         res = harness.run_bench(cfg)
     assert not seq

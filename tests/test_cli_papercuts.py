@@ -1,6 +1,7 @@
 """The papercuts a new user hit: bad repetition counts, the reduced workload names a CPU run
 prints, where the official pack comes from, `runs` with long names, and the HTML report."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -151,3 +152,68 @@ def test_plot_legend_and_labels_match_what_it_shows(tiny_report):
     bad["workloads"][0]["impls"]["fusedqkv"]["correct"] = False
     labels = [t.get_text() for t in report.latency_figure(bad).axes[0].get_legend().get_texts()]
     assert "failed correctness" in labels
+
+
+def test_report_states_the_sol_ceilings_with_their_digits(tiny_report):
+    """A CPU's measured ceiling read `0.0 TFLOP/s`: the figures now carry an SI prefix."""
+    res = json.loads((tiny_report / "results.json").read_text())
+    line = next(ln for ln in (tiny_report / "report.md").read_text().splitlines() if "SOL from" in ln)
+    m = re.search(r": ([\d.]+) ([kMGTP]?)FLOP/s, ([\d.]+) ([kMGTP]?)B/s$", line)
+    assert m, line
+    scale = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+    for value, prefix, exact in ((m[1], m[2], res["ceilings"]["flops_per_s"]), (m[3], m[4], res["ceilings"]["bytes_per_s"])):
+        assert 1 <= float(value) < 1000, line  # the prefix that keeps the digits
+        assert float(value) * scale[prefix] == pytest.approx(exact, rel=5e-4)
+    assert report.si(1.34e10, "FLOP/s") == "13.4 GFLOP/s" and report.si(989.4e12, "FLOP/s") == "989.4 TFLOP/s"
+
+
+FP32 = ["--device", "cpu", "--workloads", "11", "--max-tokens", "1", "--reps", "1", "--warmup", "0",
+        "--dtype", "float32"]
+
+
+def test_a_floor_slower_than_the_kernel_is_flagged_unsteady(tmp_path, monkeypatch, capsys):
+    """On the H200 a workload's two-GEMM floor came out slower than the fused kernel (0.711) with
+    no flag. Here the floor is made slow on purpose."""
+    import time
+
+    real = harness.IMPLEMENTATIONS["gemm_floor"]
+
+    def slow(ctx, args, ref_out):
+        c = real.prepare(ctx, args, ref_out)
+        return harness.Call(lambda *a: (time.sleep(0.25), harness._gemm_floor(*a))[1], c.inputs, c.outputs)
+
+    monkeypatch.setitem(harness.IMPLEMENTATIONS, "gemm_floor", dataclasses.replace(real, prepare=slow))
+    out = tmp_path / "o"
+    assert cli.main(["bench", *FP32, "--impl", "fusedqkv,gemm_floor", "--quiet", "--no-store", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    res = json.loads((out / "results.json").read_text())
+    (row,) = res["workloads"]
+    assert row["impls"]["gemm_floor"]["latency_ms"] > row["impls"]["fusedqkv"]["latency_ms"]
+    assert "floor_unsteady" in row["impls"]["gemm_floor"]["flags"]
+    assert res["floor_flags"] == {"w11_b1_s1": row["impls"]["gemm_floor"]["flags"]}
+    assert "floor_unsteady on w11_b1_s1: the floor timed slower than the kernel it bounds" in cap.out
+    assert "gemm_floor (1/1 workloads: floor_unsteady 1" in cap.err
+    md = (out / "report.md").read_text()
+    assert "(floor unsteady)" in md and "**floor_unsteady** on w11_b1_s1" in md and "`floor_unsteady`:" in md
+    # and the final line: the records folder, and no run store
+    last = cap.out.strip().splitlines()[-1]
+    assert "records/ (eager.json, fusedqkv.json)" in last and last.endswith("not added to a run store (--no-store)")
+
+
+def test_compile_on_a_cpu_says_so_before_it_compiles(tmp_path, monkeypatch, capsys):
+    """`--impl compile` on a CPU was silent for 40 s or more; now a note comes first (compile
+    itself is stubbed here: the note is what is tested)."""
+    import torch
+
+    seen = []
+
+    def fake_compile(fn, **kw):
+        def first(*a):
+            seen.append(capsys.readouterr().err)  # what the user had read when compiling would start
+            return fn(*a)
+        return first
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    assert cli.main(["bench", *FP32, "--impl", "compile", "--no-store", "--out", str(tmp_path / "o")]) == 0
+    assert seen and "compile: torch.compile of the reference compiles for this workload's shapes now" in seen[0]
+    assert "40 s or more" in seen[0]

@@ -81,6 +81,9 @@ class Context:
     reference_label: str
     reference_source: dict
     compiled: dict = field(default_factory=dict)
+    dtype: Optional[torch.dtype] = None  # a CPU run's --dtype: every floating input and output in it
+    note: Callable = lambda msg: None  # a line for the user (Progress.note)
+    cache: dict = field(default_factory=dict)  # what one run reads once (the shipped modules)
 
 
 def _reference_source() -> dict:
@@ -91,14 +94,29 @@ def _reference_source() -> dict:
     return {"reference": "fusedqkv eager re-implementation", "files": records.source_tree(("ops",))}
 
 
-def _fusedqkv_sources() -> dict:
+def _shipped(ctx) -> dict:
+    """The modules the exported solution ships, read and checked once per run (ExportError)."""
+    from . import solution
+
+    if "shipped" not in ctx.cache:
+        try:
+            ctx.cache["shipped"] = solution.shipped_modules()
+        except solution.ExportError as e:
+            ctx.cache["shipped"] = e
+    if isinstance(ctx.cache["shipped"], Exception):
+        raise ctx.cache["shipped"]
+    return ctx.cache["shipped"]
+
+
+def _fusedqkv_sources(ctx) -> dict:
     """What the fusedqkv implementation runs: the modules the exported solution ships (so a
     run's implementationDigest and the solution's sources agree), else every kernels/ and ops/
     file, marked, when the package cannot be exported self-contained."""
     from . import solution
 
     try:
-        return {"files": solution.shipped_digest_sources(), "set": "solution closure"}
+        return {"files": {rel: records.sha256_text(text) for rel, text in _shipped(ctx).items()},
+                "set": "solution closure"}
     except solution.ExportError as e:
         return {"files": records.source_tree(("kernels", "ops")), "set": "kernels/ and ops/",
                 "exportError": str(e).splitlines()[0]}
@@ -125,7 +143,8 @@ def _prep_fusedqkv(ctx, args, ref_out):
     from ..ops.backward_091 import gqa_qkv_rope_qk_norm_backward
 
     n = len(args)
-    out = tuple(torch.empty_like(t) for t in ref_out)
+    # the reference casts its outputs to bf16; under --dtype ours are in the inputs' dtype
+    out = tuple(torch.empty_like(t, dtype=ctx.dtype) for t in ref_out)
     # destination passing, as the exported solution's run(*inputs, *outputs)
     return Call(lambda *a: gqa_qkv_rope_qk_norm_backward(*a[:n], out=a[n:]), args, out)
 
@@ -139,6 +158,13 @@ def _prep_compile(ctx, args, ref_out):
     if fn is None:
         raise_compile_limits(64)
         fn = ctx.compiled["fn"] = torch.compile(ctx.reference)
+    # the next call compiles (dynamo + inductor) for these shapes: say so before the wait
+    if ctx.device.type == "cpu":
+        ctx.note("  compile: torch.compile of the reference compiles for this workload's shapes now "
+                 "(inductor's C++ on a CPU: 40 s or more, once per shape) ...")
+    elif not ctx.compiled.get("noted"):
+        ctx.compiled["noted"] = True
+        ctx.note("  compile: torch.compile of the reference compiles on its first calls (tens of seconds) ...")
     return Call(fn, args)
 
 
@@ -163,7 +189,7 @@ def _prep_gemm_floor(ctx, args, ref_out):
 IMPLEMENTATIONS = {
     "fusedqkv": Implementation(
         "fusedqkv", "fusedqkv (Triton + cuBLAS on CUDA; torch path on CPU), destination passing", "kernel", True,
-        ("cuda", "cpu"), _prep_fusedqkv, lambda ctx: _fusedqkv_sources()),
+        ("cuda", "cpu"), _prep_fusedqkv, _fusedqkv_sources),
     "eager": Implementation(
         "eager", "eager reference", "reference", True, ("cuda", "cpu"), _prep_eager,
         lambda ctx: ctx.reference_source),
@@ -256,6 +282,10 @@ class BenchConfig:
     progress: bool = True
     definition: str = problem.DEFAULT_DEFINITION
     time_budget: Optional[float] = None  # CPU: seconds of timed calls per implementation and workload
+    dtype: Optional[str] = None  # CPU: floating inputs cast to this dtype (None: the definition's)
+
+
+CPU_DTYPES = {"float32": torch.float32}
 
 
 @dataclass
@@ -274,6 +304,7 @@ class Plan:
     span_source: str
     primary_timer: str
     timers: list
+    dtype: Optional[str] = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -370,6 +401,12 @@ def plan_bench(cfg: BenchConfig) -> Plan:
     cpu = device.type == "cpu"
     if budget is not None and not cpu:
         raise BenchError("--time-budget: CPU runs only (a GPU run times a fixed --reps, as the evaluator)")
+    if cfg.dtype is not None:
+        if cfg.dtype not in CPU_DTYPES:
+            raise BenchError(f"--dtype: expected {' or '.join(CPU_DTYPES)} (CPU runs; default: the definition's "
+                             f"dtypes), got {cfg.dtype!r}")
+        if not cpu:
+            raise BenchError("--dtype: CPU runs only (a GPU run uses the definition's dtypes, as the evaluator)")
     try:
         defn = problem.load_definition(cfg.definition)
     except KeyError as e:
@@ -388,7 +425,8 @@ def plan_bench(cfg: BenchConfig) -> Plan:
     span_source = ("cupti" if timing.cupti_available() else "profiler") if cfg.span_source == "auto" else cfg.span_source
     primary_timer = "cpu_wall" if cpu else ("kernel_span" if span else "cuda_events")
     timers = ["cpu_wall"] if cpu else (["kernel_span", "cuda_events"] if span else ["cuda_events"])
-    return Plan(device, defn, impl_names, wls, cap, reps, warmup, budget, span, span_source, primary_timer, timers)
+    return Plan(device, defn, impl_names, wls, cap, reps, warmup, budget, span, span_source, primary_timer, timers,
+                cfg.dtype)
 
 
 @dataclass
@@ -481,6 +519,8 @@ def calibrate_cpu(pl: "Plan", cfg: "BenchConfig", ctx: "Context", impls: list, p
         w = problem.reduced_workload(base, tokens)
         t0 = time.perf_counter()
         args = list(problem.generate_inputs(pl.definition, w, device=pl.device, seed=w.index).values())
+        if ctx.dtype is not None:  # --dtype: as the run casts them
+            args = [a.to(ctx.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
         gen_s = max(gen_s, time.perf_counter() - t0)
         with torch.no_grad():
             t0 = time.perf_counter()
@@ -550,7 +590,8 @@ def warmup_spec(warmup: Optional[int]):
 
 
 def protocol_for(device: torch.device, reps, warmup, primary_timer: str, timers: list,
-                 statistic: str, ceilings_source: str, definition: str, span_source: str = "auto") -> dict:
+                 statistic: str, ceilings_source: str, definition: str, span_source: str = "auto",
+                 dtype: Optional[str] = None) -> dict:
     cpu = device.type == "cpu"
     proto = {
         "kind": "BenchmarkProtocol",
@@ -579,6 +620,8 @@ def protocol_for(device: torch.device, reps, warmup, primary_timer: str, timers:
                               "each call, span of the call's device activity; CUDA events: no synchronize")
         if "kernel_span" in timers:
             proto["spanSource"] = span_source
+    if dtype is not None:  # only then: the protocols (and digests) of runs in the definition's dtypes stay as they were
+        proto["inputDtype"] = dtype
     return proto
 
 
@@ -617,33 +660,41 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
     cpu = device.type == "cpu"
     primary_timer = pl.primary_timer
     prog = Progress(len(pl.workloads) * len(impl_names), enabled=cfg.progress)
+    cast = CPU_DTYPES[pl.dtype] if pl.dtype else None
     ref, ref_label = problem.reference_impl(defn.name)
-    ctx = Context(device, ref, ref_label, _reference_source())
+    ctx = Context(device, ref, ref_label, _reference_source(), dtype=cast, note=prog.note)
     impls = [IMPLEMENTATIONS[n] for n in impl_names]
     calibration = None
     if cpu:
         pl, calibration = calibrate_cpu(pl, cfg, ctx, impls, prog)
         prog.note(calibration.header())
     wls, cap = pl.workloads, pl.cap
+    prog.total = len(wls) * len(impls)
 
     env = records.environment(device)
     hw = env["hardwareName"]
+    # a CPU measures the fp32 matmul its path multiplies in (roofline.measure_ceilings)
+    mm_dtype = torch.float32 if cpu else (cast or torch.bfloat16)
+    mm_label = str(mm_dtype).replace("torch.", "").replace("bfloat16", "bf16")
     ceil = None if (cpu or cfg.measure_ceilings) else roofline.datasheet_ceilings(hw)
     measured = None
     if ceil is None or cfg.measure_ceilings:
-        prog.running("measuring the ceilings (matmul, copy)")
-        measured = roofline.measure_ceilings(device, hw)
+        prog.running(f"measuring the SOL ceilings ({mm_label} matmul, copy)")
+        measured = roofline.measure_ceilings(device, hw, dtype=mm_dtype)
         ceil = measured
     if ceil.source != "measured":
         ceil_source = f"datasheet ({ceil.name})"
     elif cpu:  # the faster of two measurements: load during one of them only understates the device
-        ceil_source = "measured at start and at end, the faster of each (fp32 matmul, copy)"
+        ceil_source = f"measured at start and at end, the faster of each ({mm_label} matmul, copy)"
     else:
-        ceil_source = "measured at start (bf16 matmul, copy)"
+        ceil_source = f"measured at start ({mm_label} matmul, copy)"
     protocol = protocol_for(device, repetitions_spec(pl.reps, pl.time_budget), warmup_spec(pl.warmup),
-                            primary_timer, pl.timers, cfg.statistic, ceil_source, defn.name, pl.span_source)
+                            primary_timer, pl.timers, cfg.statistic, ceil_source, defn.name, pl.span_source,
+                            pl.dtype)
     workload_set = {"definition": defn.name, "deviceReduced": cap is not None, "maxTokens": cap,
                     "workloads": [w.to_json() for w in wls]}
+    if pl.dtype:
+        workload_set["dtype"] = pl.dtype
 
     names = list(defn.outputs)
     flusher = timing.L2Flusher(device) if not cpu else None
@@ -651,11 +702,13 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
                  else f"reps adaptive ({pl.time_budget:g} s each, >= {timing.CPU_MIN_REPS})")
     prog.note(f"fusedqkv bench: {defn.name} on {hw}{' (CPU run, reduced workloads)' if cpu else ''}: "
               f"{len(wls)} workloads x {', '.join(impl_names)}; {reps_note}, timer {primary_timer}; "
-              f"reference: {ref_label}")
+              f"reference: {ref_label}" + (f"; inputs cast to {pl.dtype}" if pl.dtype else ""))
 
     rows = []
     for w in wls:
         args = list(problem.generate_inputs(defn, w, device=device, seed=w.index).values())
+        if cast is not None:
+            args = [a.to(cast) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
         with torch.no_grad():
             ref_out = tuple(ref(*args))
         _sync(device)
@@ -705,9 +758,10 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
 
     prog.running("measuring the ceilings again" if cpu else "scoring")
     if cpu:  # again at the end; the bound is the faster of the two (see ceil_source)
-        ceil = measured = roofline.best_ceilings([measured, roofline.measure_ceilings(device, hw, when="end")])
+        ceil = measured = roofline.best_ceilings([measured, roofline.measure_ceilings(device, hw, when="end",
+                                                                                      dtype=mm_dtype)])
     for r, w in zip(rows, wls):
-        rl = roofline.roofline(defn, w.axes, ceil)
+        rl = roofline.roofline(defn, w.axes, ceil, pl.dtype)
         r["roofline"], r["sol_ms"] = rl, rl["sol_ms"]
 
     # run-level figures per implementation, and the flags of rows that cannot be trusted
@@ -731,8 +785,12 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
             x["speedup"] = (tb / t) if (tb and t) else None
             own = x.get("timings", {}).get(primary_timer)
             x["spread"] = trust.spread(own)
-            if impl.role == "bound":  # not scored: only its own timing's flags, for the reader
-                x["flags"] = trust.timing_flags(own, cpu)
+            if impl.role == "bound":  # not scored: its own timing's flags, and whether it bounds the kernel
+                kernels = [r["impls"][k].get("latency_ms") for k in impl_names if IMPLEMENTATIONS[k].role == "kernel"
+                           and r["impls"][k]["status"] == "ok"]
+                fl = trust.timing_flags(own, cpu) + trust.floor_flags(t, min(kernels) if kernels else None)
+                x["flags"] = [f for f in trust.FLAGS if f in fl]
+                row_flags.append(x["flags"])
                 continue
             x["flags"] = trust.row_flags(t, r["sol_ms"], tb, own,
                                          r["impls"]["eager"].get("timings", {}).get(primary_timer), cpu,
@@ -742,6 +800,7 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
             assert trust.check_invariant(s, x["flags"]), (r["workload"], impl.name, s)
             row_flags.append(x["flags"])
         measured_lats = [x for x in lats if x is not None]
+        srcs = impl.sources(ctx)
         per_stat = {st: [r["impls"][impl.name]["timings"][primary_timer][st] for r in rows
                          if r["impls"][impl.name].get("timings")] for st in ("mean", "median")}
         n_correct = sum(1 for r in rows if r["impls"][impl.name].get("correct") is True)
@@ -756,11 +815,10 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
             "latency_ms": (sum(measured_lats) / len(measured_lats)) if measured_lats else None,
             # per statistic of the per-call distribution, averaged over the workloads
             "latency_ms_by_statistic": {st: (sum(v) / len(v)) if v else None for st, v in per_stat.items()},
-            "implementationDigest": records.digest(impl.sources(ctx)),
-            "trust": ({**trust.summarize_flags(row_flags), "rules": trust.rules(cpu)} if impl.role != "bound"
-                      else None),
+            "implementationDigest": records.digest(srcs),
+            "trust": {**trust.summarize_flags(row_flags), "rules": trust.rules(cpu)},
         }
-        summary[impl.name]["_sources"] = impl.sources(ctx)
+        summary[impl.name]["_sources"] = srcs
 
     prog.close()
     failed = [n for n in impl_names if IMPLEMENTATIONS[n].claims_correct and not summary[n]["all_correct"]]
@@ -776,20 +834,44 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
         "protocol": protocol, "workload_set": workload_set, "environment": env,
         "workloads": rows, "summary": summary, "failed_claims": failed,
         "bound_flags": run_flags, "cpu_calibration": calibration.to_json() if calibration else None,
+        "floor_flags": {r["workload"]: r["impls"][n]["flags"] for r in rows for n in impl_names
+                        if IMPLEMENTATIONS[n].role == "bound" and "floor_unsteady" in r["impls"][n].get("flags", [])},
+        "solution_digest": solution_digest(ctx) if "fusedqkv" in impl_names else None,
     }
 
 
 def _workload_detail(results: dict, name: str) -> list:
-    """Per workload of one implementation: its score, flags and the spread of its repetitions."""
+    """Per workload of one implementation: its uuid and axes (what a record is matched on across
+    clocks), score, flags, the spread of its repetitions, and the other timers' statistics."""
     out = []
     for r in results["workloads"]:
         x = r["impls"][name]
-        t = x.get("timings", {}).get(results["primary_timer"], {})
-        out.append({"workload": r["workload"], "sol_score": x.get("sol_score"), "sol_ms": r.get("sol_ms"),
-                    "flags": x.get("flags", []),
-                    "latency_ms": {k: t[k] for k in ("n", "min", "p20", "median", "p80", "max", "mean") if k in t},
-                    "spread": x.get("spread"), "host_wait": t.get("host_wait")})
+        timings = x.get("timings", {})
+        t = timings.get(results["primary_timer"], {})
+        d = {"workload": r["workload"], "uuid": r.get("uuid"), "axes": r.get("axes"), "status": x.get("status"),
+             "correct": x.get("correct"), "sol_score": x.get("sol_score"), "sol_ms": r.get("sol_ms"),
+             "flags": x.get("flags", []),
+             "latency_ms": {k: t[k] for k in ("n", "min", "p20", "median", "p80", "max", "mean") if k in t},
+             "spread": x.get("spread"), "host_wait": t.get("host_wait")}
+        other = {tm: {k: v[k] for k in ("median", "mean") if k in v} for tm, v in timings.items()
+                 if tm != results["primary_timer"] and isinstance(v, dict)}
+        if other:
+            d["otherTimers"] = other
+        out.append(d)
     return out
+
+
+def solution_digest(ctx: Optional[Context] = None) -> Optional[str]:
+    """The sources digest of the solution ``fusedqkv export-solution`` writes from this checkout
+    (None when it cannot be exported): what links a bench record of fusedqkv to the evaluator's
+    traces of that solution."""
+    from . import solution
+
+    try:
+        mods = _shipped(ctx) if ctx is not None else None
+        return solution.sources_digest(solution.build_solution(modules=mods))
+    except solution.ExportError:
+        return None
 
 
 def build_records(results: dict) -> dict:
@@ -807,7 +889,8 @@ def build_records(results: dict) -> dict:
             implementation_sources=s["_sources"], metrics=metrics, latency_ms_mean=s["latency_ms_by_statistic"]["mean"],
             latency_ms_median=s["latency_ms_by_statistic"]["median"], primary_statistic=results["statistic"],
             status=status, observed_at=results["observedAt"], cpu_run=results["cpu_run"],
-            trust=s.get("trust"), per_workload=_workload_detail(results, name))
+            trust=s.get("trust"), per_workload=_workload_detail(results, name),
+            solution_digest=results.get("solution_digest") if name == "fusedqkv" else None)
     return out
 
 

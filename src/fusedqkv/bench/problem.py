@@ -194,6 +194,21 @@ def check_outputs(names, got, ref, w: Workload, required: float = REQUIRED_MATCH
 # -------------------------------------------------------------------------- reference
 
 
+def _shared_candidates(sub: str) -> list:
+    """``shared/<sub>`` beside or above the working directory or the package (``../shared`` of a clone)."""
+    here = Path(__file__).resolve()
+    out = []
+    for base in [Path.cwd(), *Path.cwd().parents, *here.parents]:
+        out.append(base / "shared" / sub)
+        out.append(base.parent / "shared" / sub)
+    return out
+
+
+def shared_dir(sub: str) -> Optional[Path]:
+    """The first ``shared/<sub>`` folder found as the official pack is (e.g. ``records``), or None."""
+    return next((c for c in _shared_candidates(sub) if c.is_dir()), None)
+
+
 def official_pack_dir(name: str = DEFAULT_DEFINITION) -> Optional[Path]:
     """Where the official problem pack lives, if anywhere: $FUSEDQKV_SOL_EXECBENCH, or a
     ``shared/sol-execbench`` folder beside/above the working directory or the package."""
@@ -201,10 +216,7 @@ def official_pack_dir(name: str = DEFAULT_DEFINITION) -> Optional[Path]:
     env = os.environ.get("FUSEDQKV_SOL_EXECBENCH")
     if env:
         candidates.append(Path(env))
-    here = Path(__file__).resolve()
-    for base in [Path.cwd(), *Path.cwd().parents, *here.parents]:
-        candidates.append(base / "shared" / "sol-execbench")
-        candidates.append(base.parent / "shared" / "sol-execbench")
+    candidates += _shared_candidates("sol-execbench")
     for c in candidates:
         p = c / name / "definition.json"
         if p.is_file():

@@ -21,6 +21,16 @@ def _f(x, fmt="{:.4f}", none="—"):
     return fmt.format(x)
 
 
+def si(x, unit: str) -> str:
+    """A rate with an SI prefix and 4 significant digits: a CPU's 0.0134 TFLOP/s is 13.4 GFLOP/s."""
+    if x is None or not math.isfinite(x):
+        return "—"
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.4g} {prefix}{unit}"
+    return f"{x:.4g} {unit}"
+
+
 def _impls(results):
     names = list(results["implementations"])
     return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
@@ -159,7 +169,11 @@ def workload_table(results: dict) -> list:
                 d[f"{n} check"] = f"ERROR: {x.get('error', '')[:60]}"
         fq, fl = (r["impls"].get(k, {}).get("latency_ms") for k in ("fusedqkv", "gemm_floor"))
         if "gemm_floor" in r["impls"] and "fusedqkv" in r["impls"]:
-            d["fusedqkv / floor"] = _f(fq / fl, "{:.3f}") if (fq and fl) else "—"
+            unsteady = "floor_unsteady" in r["impls"]["gemm_floor"].get("flags", [])
+            d["fusedqkv / floor"] = (_f(fq / fl, "{:.3f}") + (" (floor unsteady)" if unsteady else "")
+                                     if (fq and fl) else "—")
+            if any("floor_unsteady" in x["impls"]["gemm_floor"].get("flags", []) for x in results["workloads"]):
+                d["gemm_floor flags"] = ", ".join(r["impls"]["gemm_floor"].get("flags", [])) or "—"
         if r.get("b200"):
             d["b200 sol ms"] = _f(r["b200"]["sol_ms"])
             d["b200 baseline ms"] = _f(r["b200"]["baseline_ms"])
@@ -241,7 +255,7 @@ def _trust_line(results: dict) -> str:
     return "**FLAGGED — these timings cannot be trusted**: " + "; ".join(parts) + " (see Flags)"
 
 
-def _header_lines(results: dict, manifest: dict, group_rank: list) -> list:
+def _header_lines(results: dict, manifest: dict, group_rank: list, citation=None, attestation=None) -> list:
     spec = manifest["run"]["spec"]
     c = results["ceilings"]
     lines = [
@@ -250,7 +264,7 @@ def _header_lines(results: dict, manifest: dict, group_rank: list) -> list:
         f"Record: `{manifest['run']['metadata']['name']}` — status {spec['status']}, observed {spec['observedAt']}",
         f"Primary measurement: {results['primary_timer']} {results['statistic']} of {_repetitions_text(results)}; "
         f"SOL from {results['protocol']['sol']['ceilings']}: "
-        f"{c['tflops']:.1f} TFLOP/s, {c['tb_per_s']:.3f} TB/s",
+        f"{si(c['flops_per_s'], 'FLOP/s')}, {si(c['bytes_per_s'], 'B/s')}",
         f"Reference (oracle and baseline): {results['reference_label']}",
         f"Comparison group: `{manifest['run']['metadata']['labels']['comparisonGroup']}`",
         f"protocolDigest `{spec['protocolDigest']}`",
@@ -260,9 +274,20 @@ def _header_lines(results: dict, manifest: dict, group_rank: list) -> list:
     ]
     g = floor_ratio_geomean(results)
     if g is not None:
-        lines.append(f"Geomean fusedqkv / two-GEMM floor: {g:.3f} ({results['primary_timer']} {results['statistic']})")
+        fl = results.get("floor_flags") or {}
+        lines.append(f"Geomean fusedqkv / two-GEMM floor: {g:.3f} ({results['primary_timer']} {results['statistic']})"
+                     + (f" — **floor_unsteady** on {', '.join(fl)}: the floor timed slower than the kernel it "
+                        "bounds, so those ratios are no bound" if fl else ""))
     if group_rank:
         lines.append("Rank in comparison group: " + "; ".join(group_rank))
+    if citation:
+        lines.append(f"Cite: `{citation}`")
+    if attestation:
+        a = attestation["spec"]
+        lines.append(f"Reproduction of `{a['subject']['name']}` ({a['subject']['recordDigest'][:19]}): "
+                     + ("agrees" if a["verdict"] == "agrees" else "**disagrees**")
+                     + f" within the rule ({a['rule']['latency']}; {a['rule']['status']}; {a['rule']['digests']})"
+                     + (": " + "; ".join(a["discrepancies"]) if a["discrepancies"] else ""))
     return lines
 
 
@@ -273,7 +298,7 @@ def _flag_rules(results: dict) -> list:
              "cannot be trusted, is flagged (its score is kept as computed, never clipped), and a run with a "
              "flagged row is flagged: `fusedqkv runs` ranks it after every unflagged run."]
     lines += [f"`{k}`: {v}" for k, v in trust.FLAGS.items()
-              if cpu or k in ("below_sol", "bound_not_below_baseline", "bound_unsteady")]
+              if cpu or k in ("below_sol", "bound_not_below_baseline", "bound_unsteady", "floor_unsteady")]
     if not cpu:
         lines.append("GPU run: device clocks; the spread of the repetitions and host load are recorded, not flagged.")
     if results.get("bound_flags"):
@@ -292,8 +317,11 @@ def _inline_html(text: str) -> str:
     return _BOLD.sub(lambda m: f"<b>{m.group(1)}</b>", out)
 
 
-def write_report(results: dict, recs: dict, manifest: dict, out_dir: Path, group_rank=None) -> dict:
-    """Writes results.json, manifest.json, records/*.json, report.md, report.html, latency.png."""
+def write_report(results: dict, recs: dict, manifest: dict, out_dir: Path, group_rank=None, citation=None,
+                 attestation=None) -> dict:
+    """Writes results.json, manifest.json, records/*.json, report.md, report.html, latency.png.
+    ``citation``: the record's citation line (``records.citation``); ``attestation``: the verdict of
+    a reproduction (``attest.make_attestation``), both shown in the header."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -308,7 +336,7 @@ def write_report(results: dict, recs: dict, manifest: dict, out_dir: Path, group
     paths["latency.png"] = latency_plot(results, out_dir / "latency.png")
 
     group_rank = group_rank or []
-    head = _header_lines(results, manifest, group_rank)
+    head = _header_lines(results, manifest, group_rank, citation, attestation)
     summ, wl = summary_table(results, recs), workload_table(results)
     title = f"fusedqkv bench — {results['definition']}" + (" — CPU run" if results["cpu_run"] else "")
     env_json = json.dumps(results["environment"], indent=1, sort_keys=True)
@@ -357,7 +385,8 @@ def write_report(results: dict, recs: dict, manifest: dict, out_dir: Path, group
     if results["cpu_run"]:
         h.append("<p class='cpu'><b>CPU run</b>: reduced workloads, wall clock, no L2 flush; "
                  "not comparable with GPU figures.</p>")
-    if any((results["summary"][n].get("trust") or {}).get("flagged") for n in results["summary"]):
+    if any((results["summary"][n].get("trust") or {}).get("flagged") for n in results["summary"]
+           if results["summary"][n]["role"] != "bound"):
         h.append("<p class='flagged'><b>Flagged</b>: some rows of this run cannot be trusted (see Flags); "
                  "<code>fusedqkv runs</code> ranks it after every unflagged run.</p>")
     h.append("<ul>" + "".join(f"<li>{_inline_html(l)}</li>" for l in head) + "</ul>")

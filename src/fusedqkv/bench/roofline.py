@@ -77,15 +77,16 @@ def workload_flops(defn, axes: dict) -> int:
     return 2 * (2 * m * n * k)
 
 
-def workload_bytes(defn, axes: dict) -> int:
-    """Minimal bytes: every input read once and every output written once."""
+def workload_bytes(defn, axes: dict, dtype: Optional[str] = None) -> int:
+    """Minimal bytes: every input read once and every output written once (``dtype``: every
+    tensor in that dtype instead of the definition's, as a CPU run with ``--dtype`` has them)."""
     total = 0
     for specs, shapes in ((defn.inputs, defn.input_shapes(axes)), (defn.outputs, defn.output_shapes(axes))):
         for name, spec in specs.items():
             shape = shapes[name]
             if shape is None:
                 continue
-            total += math.prod(shape) * _ITEMSIZE[spec["dtype"]]
+            total += math.prod(shape) * _ITEMSIZE[dtype or spec["dtype"]]
     return total
 
 
@@ -93,8 +94,8 @@ def sol_time_ms(flops: float, nbytes: float, ceil: Ceilings) -> float:
     return max(flops / ceil.flops_per_s, nbytes / ceil.bytes_per_s) * 1e3
 
 
-def roofline(defn, axes: dict, ceil: Ceilings) -> dict:
-    f, b = workload_flops(defn, axes), workload_bytes(defn, axes)
+def roofline(defn, axes: dict, ceil: Ceilings, dtype: Optional[str] = None) -> dict:
+    f, b = workload_flops(defn, axes), workload_bytes(defn, axes, dtype)
     t_compute, t_memory = f / ceil.flops_per_s * 1e3, b / ceil.bytes_per_s * 1e3
     return {"flops": f, "bytes": b, "arithmetic_intensity": f / b, "t_compute_ms": t_compute,
             "t_memory_ms": t_memory, "sol_ms": max(t_compute, t_memory),
@@ -177,19 +178,20 @@ def _times_ms(fn, device: torch.device, reps: int) -> list:
     return out
 
 
-def measure_ceilings(device, name: str, when: str = "start") -> Ceilings:
-    """A bf16 matmul and a device copy, best of a few: achievable FLOP/s and bytes/s. The
-    repetitions' summaries (their spread says how steady the bound is) and, on a CPU, how long
-    this process waited for a processor meanwhile go into ``detail``."""
+def measure_ceilings(device, name: str, when: str = "start", dtype: torch.dtype = torch.bfloat16) -> Ceilings:
+    """A matmul (on a GPU in ``dtype``, bf16 by default; on a CPU in fp32, the CPU path's) and a
+    device copy, best of a few: achievable FLOP/s and bytes/s. The repetitions' summaries
+    (their spread says how steady the bound is) and, on a CPU, how long this process waited for a
+    processor meanwhile go into ``detail``."""
     from .timing import HostWait, summarize
 
     device = torch.device(device)
     gpu = device.type == "cuda"
     n = 8192 if gpu else 512
     reps = 10
-    # a CPU's matmul in fp32: what the CPU path multiplies in (ops.host_gemm), and fast on every
-    # x86 CPU (bf16 is ~180x slower without AVX-512 BF16)
-    dt = torch.bfloat16 if gpu else torch.float32
+    # a CPU's matmul in fp32 whatever the workloads' dtype: what the CPU path multiplies in
+    # (ops.host_gemm), and fast on every x86 CPU (bf16 is ~180x slower without AVX-512 BF16)
+    dt = dtype if gpu else torch.float32
     with HostWait() as hw:
         a = torch.randn(n, n, device=device, dtype=dt)
         b = torch.randn(n, n, device=device, dtype=dt)
@@ -203,7 +205,7 @@ def measure_ceilings(device, name: str, when: str = "start") -> Ceilings:
     flops = 2 * n ** 3 / (min(mm) * 1e-3)
     bw = 2 * nbytes / (min(cp) * 1e-3)
     del a, b, c, src, dst
-    detail = {"when": when, "matmul": f"{n}^3 {str(dt).replace('torch.', '')}", "matmul_ms": summarize(mm),
+    detail = {"when": when, "matmul_dtype": str(dt).replace("torch.", ""), "matmul_n": n, "matmul_ms": summarize(mm),
               "copy_ms": summarize(cp),
               "host_wait": None if gpu else hw.fraction}
     return Ceilings(name, flops, bw, "measured", detail)

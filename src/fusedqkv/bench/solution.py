@@ -233,13 +233,15 @@ def {ENTRY_FN}(
 
 
 def build_solution(name: Optional[str] = None, author: str = "fusedqkv",
-                   definition: str = problem.DEFAULT_DEFINITION, root: Optional[Path] = None) -> dict:
-    """The solution dict; ExportError if the package cannot be shipped self-contained."""
+                   definition: str = problem.DEFAULT_DEFINITION, root: Optional[Path] = None,
+                   modules: Optional[dict] = None) -> dict:
+    """The solution dict; ExportError if the package cannot be shipped self-contained.
+    ``modules``: ``shipped_modules(root)`` where the caller already has them."""
     defn = problem.load_definition(definition)
     sources = [{"path": f"{PKG}/__init__.py",
                 "content": '"""fusedqkv kernels and launchers (the solution\'s copy; imports only itself, '
                            'torch and triton)."""\n'}]
-    for rel, content in shipped_modules(root).items():
+    for rel, content in (shipped_modules(root) if modules is None else modules).items():
         sources.append({"path": f"{PKG}/{rel}", "content": content if content.strip() else "# (empty module)\n"})
     main = _main_source(defn)
     problems = self_containment_problems(ENTRY_FILE, main, own=(PKG,))

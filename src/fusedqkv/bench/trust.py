@@ -17,6 +17,10 @@ never clipped, when:
   delay, ``/proc/self/task/*/schedstat``; ``timing.HostWait``): other processes took cores the
   timed code wanted, so a wall clock measured them as well.
 
+A bound row (the two-GEMM floor: a timing, not a score) is flagged ``floor_unsteady`` when it
+timed slower than the kernel it bounds: the floor is part of the kernel's work, so on a steady
+device it cannot be slower; its timing was not steady and fused/floor there is no bound.
+
 Why these thresholds, and why the timing flags are CPU-only: a process alone on its cores
 waits for a CPU close to never, while the thread that shares a core with another process's busy
 loop waits about half the time -- 0.10 sits well between. A spread of half the median
@@ -48,6 +52,8 @@ FLAGS = {
     "baseline_noisy": f"the baseline's spread (p80 - p20) / median > {NOISE_SPREAD}",
     "host_busy": f"host busy while timed: a thread waited for a CPU > {HOST_WAIT:.0%} of the wall time",
     "baseline_host_busy": f"host busy while the baseline was timed (run-queue wait > {HOST_WAIT:.0%})",
+    "floor_unsteady": "the two-GEMM floor (a bound) timed slower than the kernel it bounds: its timing is "
+                      "unsteady, and fused/floor there is no bound",
 }
 
 
@@ -91,6 +97,13 @@ def bound_flags(ceilings: dict, cpu: bool) -> list:
         s = spread(m.get(key))
         if (s is not None and s > NOISE_SPREAD) or (cpu and (m.get("host_wait") or 0.0) > HOST_WAIT):
             return ["bound_unsteady"]
+    return []
+
+
+def floor_flags(floor_ms: Optional[float], kernel_ms: Optional[float]) -> list:
+    """``floor_unsteady`` when a bound's time is above the time of the kernel it bounds."""
+    if floor_ms is not None and kernel_ms is not None and floor_ms > kernel_ms:
+        return ["floor_unsteady"]
     return []
 
 
