@@ -31,7 +31,7 @@ SLOW_NN_FLOPS = 0.1e9
 # SLOW_NN_FLOPS (the bound: under 2 minutes)
 ORACLE_NN_BUDGET = 6.0e9
 # the measured rates (FLOP/s) of each layout on that host, for the predicted seconds
-SLOW_RATES = {"NN": 0.1e9, "TN": 3.3e9, "NT": 19e9, "TT": 3.3e9, "S": 0.1e9}
+SLOW_RATES = {"NN": 0.1e9, "TN": 3.3e9, "NT": 19e9, "TT": 3.3e9}
 
 
 class HalfGemmError(AssertionError):
@@ -84,7 +84,8 @@ class Tally:
         return sum(f for (dt, la), f in self.flops.items() if dt in HALF and (lay is None or la == lay))
 
     def predicted_s(self) -> float:
-        return sum(f / SLOW_RATES[la] for (dt, la), f in self.flops.items() if dt in HALF)
+        # a strided operand (S) or a batched one takes the slowest measured rate
+        return sum(f / SLOW_RATES.get(la, SLOW_NN_FLOPS) for (dt, la), f in self.flops.items() if dt in HALF)
 
     def rows(self):
         return sorted(((str(dt).replace("torch.", ""), la, f, self.calls[(dt, la)])

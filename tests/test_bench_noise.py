@@ -28,8 +28,10 @@ from fusedqkv.bench import records, timing, trust
 # reduced and quick: one workload of 16 tokens, 0.2 s of calls per implementation; the same protocol
 # for every run. (Flags are per workload, the ranking per run: a second workload gave a second sample
 # of the same flags for about as much time again, loaded runs taking twice as long as quiet ones.)
+# --dtype float32: the runs' repetitions follow the clock, so their GEMM work follows the host's speed;
+# in fp32 it is fast on every CPU (bf16 is ~180x slower without AVX-512 BF16: tests/_gemm_audit.py)
 ARGS = ["bench", "--device", "cpu", "--quick", "--workloads", "11", "--max-tokens", "16", "--warmup", "3",
-        "--time-budget", "0.2", "--quiet"]
+        "--time-budget", "0.2", "--dtype", "float32", "--quiet"]
 
 
 def _cores() -> int:

@@ -150,11 +150,11 @@ def _reference_solution() -> dict:
 
 def test_isolated_run_passes_a_self_contained_solution_and_blocks_fusedqkv():
     sol = _reference_solution()
-    res = solution.check_solution(sol, max_tokens=8, workloads=(2,), triton_tokens=0)
+    res = solution.check_solution(sol, max_tokens=4, workloads=(2,), triton_tokens=0)
     assert len(res) == 1 and res[0]["passed"] and res[0]["blocked_fusedqkv"] and res[0]["returned_none"], res
     assert res[0]["installed_loaded"] == []
     sol["sources"][0]["content"] = "import fusedqkv\n" + sol["sources"][0]["content"]
-    res = solution.check_solution(sol, max_tokens=8, workloads=(2,), triton_tokens=0)
+    res = solution.check_solution(sol, max_tokens=4, workloads=(2,), triton_tokens=0)
     assert not res[0]["passed"]
     assert "ModuleNotFoundError: isolation: 'fusedqkv' imported" in solution.describe_failure(res[0])
 
@@ -232,5 +232,5 @@ def test_broken_solution_fails_the_check():
         if s["path"] == "main.py":  # writes nothing: outputs stay NaN
             s["content"] = s["content"].replace("    gqa_qkv_rope_qk_norm_backward(\n",
                                                 "    0 and gqa_qkv_rope_qk_norm_backward(\n")
-    res = solution.check_solution(sol, max_tokens=8, workloads=(2,), triton_tokens=0)
+    res = solution.check_solution(sol, max_tokens=4, workloads=(2,), triton_tokens=0)
     assert not res[0]["passed"] and "non-finite" in solution.describe_failure(res[0])

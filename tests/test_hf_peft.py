@@ -261,3 +261,39 @@ def test_rows_views_follow_the_fused_weight():
         attn.q_proj.weight = nn.Parameter(torch.zeros(1))
     m.to(torch.float64)
     assert attn.q_proj.weight.dtype == torch.float64 and attn.q_proj.weight.data_ptr() == attn.qkv_proj.weight.data_ptr()
+
+
+def test_trl_sft_trainer_with_peft_config_trains_like_unfused(tmp_path):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def tokenizer(vocab):  # a word-level tokenizer over the tiny vocabulary (nothing downloaded)
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t0")
+
+    def losses(fused, out):
+        m = build(family("qwen3"), bias=True)
+        if fused:
+            fusedqkv.apply_to(m)
+        g = torch.Generator().manual_seed(0)
+        rows = [torch.randint(3, m.config.vocab_size, (12,), generator=g).tolist() for _ in range(20)]
+        args = trl.SFTConfig(output_dir=str(out), max_steps=5, per_device_train_batch_size=4, learning_rate=1e-2,
+                             logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, data_seed=0,
+                             bf16=False, fp16=False, disable_tqdm=True)
+        torch.manual_seed(1)
+        trainer = trl.SFTTrainer(model=m, args=args, train_dataset=Dataset.from_dict({"input_ids": rows}),
+                                 processing_class=tokenizer(m.config.vocab_size),
+                                 peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        trainer.train()
+        if fused:  # the adapters sit on the rows of the fused projection
+            attn = next(mod for mod in trainer.model.modules() if hasattr(mod, "_fusedqkv"))
+            assert type(attn.q_proj.base_layer) is ProjectionRows
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    want = losses(False, tmp_path / "unfused")
+    got = losses(True, tmp_path / "fused")
+    assert len(got) == len(want) == 5
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5 * max(abs(x) for x in want)

@@ -359,7 +359,7 @@ def run_isolated(sol: dict, cases: list, device_type: str = "cpu", timeout: floa
         return torch.load(tmp / "report.pt", weights_only=True)
 
 
-def check_solution(sol: dict, device="cpu", max_tokens: int = 16, workloads=(2, 13), triton_tokens: int = 4,
+def check_solution(sol: dict, device="cpu", max_tokens: int = 4, workloads=(2, 13), triton_tokens: int = 4,
                    triton_workload: int = 13, timeout: float = 900) -> list:
     """Run the exported solution in isolation (``run_isolated``) against the reference.
 
