@@ -27,9 +27,9 @@ HALF = (torch.bfloat16, torch.float16)
 
 # the slowest measured rate of a half-precision NN GEMM on an AVX2-only host (under load)
 SLOW_NN_FLOPS = 0.1e9
-# the official reference's half-precision NN FLOPs over the whole suite: 6 GFLOP, 60 s at
-# SLOW_NN_FLOPS (the bound: under 2 minutes)
-ORACLE_NN_BUDGET = 6.0e9
+# the official reference's half-precision NN FLOPs over the whole suite: 10 GFLOP, 100 s at
+# SLOW_NN_FLOPS (under 2 minutes; its TN GEMMs, as many FLOPs at ~3.3 GFLOP/s, add ~3 s)
+ORACLE_NN_BUDGET = 10.0e9
 # the measured rates (FLOP/s) of each layout on that host, for the predicted seconds
 SLOW_RATES = {"NN": 0.1e9, "TN": 3.3e9, "NT": 19e9, "TT": 3.3e9}
 

@@ -48,7 +48,7 @@ class _Page(HTMLParser):
 def gpu_like(tmp_path_factory):
     """A real (CPU) run of the harness dressed as a GPU run: kernel span primary with CUDA events
     beside it, a two-GEMM floor, one implementation erroring on one workload."""
-    cfg = harness.BenchConfig(device="cpu", workloads=["2", "13"], reps=1, warmup=0, max_tokens=8, progress=False)
+    cfg = harness.BenchConfig(device="cpu", workloads=["2", "13"], reps=1, warmup=0, max_tokens=2, progress=False)
     res = harness.run_bench(cfg)
     res = copy.deepcopy(res)
     res.update(cpu_run=False, hardware="NVIDIA H200", primary_timer="kernel_span", statistic="median")

@@ -147,7 +147,7 @@ def bad_bound_run():
                                                                                     {**steady, "when": when}))
         mp.setattr(roofline, "roofline", lambda defn, axes, ceil, dtype=None: {**real_roofline(defn, axes, ceil),
                                                                               "sol_ms": SOL_MS})
-        cfg = harness.BenchConfig(device="cpu", workloads=["2", "11", "13"], max_tokens=4, progress=False)
+        cfg = harness.BenchConfig(device="cpu", workloads=["2", "11", "13"], max_tokens=2, progress=False)
         res = harness.run_bench(cfg)
     assert not seq
     return res
