@@ -111,9 +111,9 @@ def main() -> int:
                     lambda bl=bl: bl.launch(None, ptrs, stream))
             if p.lt_dx is not None:
                 cases["  ctypes call, no arguments"] = cublaslt._find_library().cublasLtGetVersion
-                cases["  planned cuBLASLt dX"] = lambda: p.lt_dx(dq2.data_ptr(), a[6].data_ptr(), out[0].data_ptr(),
+                cases["  planned cuBLASLt dX"] = lambda: p.lt_dx(dq.data_ptr(), a[6].data_ptr(), out[0].data_ptr(),
                                                                   stream)
-                cases["  torch.mm dX (out=)"] = lambda: torch.mm(dq2, a[6], out=dx)
+                cases["  torch.mm dX (out=)"] = lambda: torch.mm(dq, a[6], out=dx)
         # allocating the six outputs (the call without out=), three ways
         specs = [(shape, dt) for _, shape, dt in p.out_specs]
         likes = (a[3], a[4], a[5], a[6], a[7], a[8])  # hidden_states, cos, sin, W, wq, wk: the outputs' dtypes

@@ -13,6 +13,10 @@ any host.
   the CPU path).
 * :data:`ORACLE` -- the tally of the official reference's calls over the session (conftest
   counts them), checked against :data:`ORACLE_NN_BUDGET`.
+
+``FUSEDQKV_GEMM_AUDIT=FILE python -m pytest`` tallies every test (a measurement, not a test run:
+torch.compile refuses a dispatch mode, so the compile tests fail under it). GEMMs in module-scoped
+fixtures and in subprocesses are not in the per-test table; the oracle's tally has them all.
 """
 
 from __future__ import annotations
