@@ -127,9 +127,13 @@ def _hooks(m: nn.Module) -> list:
     return [kind for kind, hooks in kinds if hooks]
 
 
-def _lora_layer_class():
+def unwrap_lora(m) -> tuple:
+    """``(lora, base)``: a PEFT ``lora.Linear`` (exactly that class; PEFT is imported wherever one
+    exists) and the module under it, or ``(None, m)``."""
     mod = sys.modules.get("peft.tuners.lora.layer")
-    return getattr(mod, "Linear", None) if mod is not None else None
+    if mod is not None and type(m) is getattr(mod, "Linear", None):
+        return m, m.base_layer
+    return None, m
 
 
 def _describe(m) -> str:
@@ -152,13 +156,9 @@ def projection_slots(attn, projs: tuple) -> list:
     if hooked or "forward" in fused.__dict__:
         raise UnsupportedModuleError(f"fusedqkv: {where}.qkv_proj has a {hooked[0] if hooked else 'replaced forward'}; "
                                      f"the fused block never calls the module, so it would not run")
-    lora_cls = _lora_layer_class()
     out = []
     for name in projs:
-        m = attn._modules.get(name)
-        lora = None
-        if lora_cls is not None and type(m) is lora_cls:
-            lora, m = m, m.base_layer
+        lora, m = unwrap_lora(attn._modules.get(name))
         if type(m) is not ProjectionRows or m.fused is not fused:
             what = _describe(lora if lora is not None else m)
             if lora is not None:

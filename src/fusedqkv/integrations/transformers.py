@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..autograd import gqa_qkv_rope_qk_norm
-from .fused_projection import FusedQKVProjection, ProjectionRows, UnsupportedModuleError, projection_slots
+from .fused_projection import FusedQKVProjection, ProjectionRows, UnsupportedModuleError, projection_slots, unwrap_lora
 from .peft import lora_residual
 from ..ops.validation import MAX_HEAD_DIM as _MAX_HEAD_DIM
 
@@ -663,11 +663,8 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
 
 
 def _base_linear(p):
-    """The nn.Linear under a PEFT LoRA layer (``lora.Linear``), or ``p``."""
-    mod = sys.modules.get("peft.tuners.lora.layer")
-    if mod is not None and type(p) is getattr(mod, "Linear", None):
-        return p.base_layer
-    return p
+    """The module under a PEFT LoRA layer (``lora.Linear``), or ``p``."""
+    return unwrap_lora(p)[1]
 
 
 def _check_linear(path: str, p, hidden: int) -> nn.Linear:
@@ -795,10 +792,10 @@ def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
     proj = FusedQKVProjection(weight, bias, spec.split)
     proj.train(q.training)
     rows, start = {}, 0
-    for name, slot, n in zip(spec.projs, slots, spec.split):
+    for name, slot, base, n in zip(spec.projs, slots, projs, spec.split):
         r = ProjectionRows(proj, start, start + n)
-        r.train(slot.training)
-        if slot is not projs[spec.projs.index(name)]:  # a PEFT LoRA layer: its adapters stay, over the rows
+        r.train(base.training)
+        if slot is not base:  # a PEFT LoRA layer: its adapters stay, over the rows
             slot._modules["base_layer"] = r
             r = slot
         rows[name] = r
@@ -887,4 +884,4 @@ def apply_to(model: nn.Module) -> int:
     return len(todo)
 
 
-__all__ = ["apply_to", "UnsupportedModelError", "SUPPORTED", "UNSUPPORTED", "fused_class"]
+__all__ = ["apply_to", "UnsupportedModelError", "UnsupportedModuleError", "SUPPORTED", "UNSUPPORTED", "fused_class"]
