@@ -178,36 +178,52 @@ def _times_ms(fn, device: torch.device, reps: int) -> list:
     return out
 
 
+CPU_SLOW_MATMUL_S = 0.05  # a CPU's bf16 512^3 matmul slower than this (< 5.4 GFLOP/s) is left out of its bound
+
+
 def measure_ceilings(device, name: str, when: str = "start", dtype: torch.dtype = torch.bfloat16) -> Ceilings:
-    """A matmul (on a GPU in ``dtype``, bf16 by default; on a CPU in fp32, the CPU path's) and a
-    device copy, best of a few: achievable FLOP/s and bytes/s. The repetitions' summaries
-    (their spread says how steady the bound is) and, on a CPU, how long this process waited for a
-    processor meanwhile go into ``detail``."""
+    """A matmul and a device copy, best of a few: achievable FLOP/s and bytes/s. On a GPU the
+    matmul is in ``dtype`` (bf16 by default); on a CPU the faster of fp32 (what the CPU path
+    multiplies in, fast on every x86 CPU) and bf16 (the reference's, where it is fast: one probe
+    call, since without AVX-512 BF16 it is ~180x slower than fp32 and would take minutes). The
+    repetitions' summaries (their spread says how steady the bound is) and, on a CPU, how long this
+    process waited for a processor meanwhile go into ``detail``."""
     from .timing import HostWait, summarize
 
     device = torch.device(device)
     gpu = device.type == "cuda"
     n = 8192 if gpu else 512
     reps = 10
-    # a CPU's matmul in fp32 whatever the workloads' dtype: what the CPU path multiplies in
-    # (ops.host_gemm), and fast on every x86 CPU (bf16 is ~180x slower without AVX-512 BF16)
-    dt = dtype if gpu else torch.float32
+    matmuls = {}
     with HostWait() as hw:
-        a = torch.randn(n, n, device=device, dtype=dt)
-        b = torch.randn(n, n, device=device, dtype=dt)
-        c = torch.empty(n, n, device=device, dtype=dt)
-        mm = _times_ms(lambda: torch.mm(a, b, out=c), device, reps=reps)
+        for dt in ([dtype] if gpu else [torch.float32, torch.bfloat16]):
+            a = torch.randn(n, n, device=device, dtype=dt)
+            b = torch.randn(n, n, device=device, dtype=dt)
+            c = torch.empty(n, n, device=device, dtype=dt)
+            if not gpu and dt == torch.bfloat16:
+                torch.mm(a, b, out=c)  # the first call JITs (oneDNN)
+                t0 = time.perf_counter()
+                torch.mm(a, b, out=c)
+                if time.perf_counter() - t0 > CPU_SLOW_MATMUL_S:
+                    matmuls[dt] = None  # measured slow: not this CPU's bound
+                    continue
+            matmuls[dt] = _times_ms(lambda: torch.mm(a, b, out=c), device, reps=reps)
+            del a, b, c
         nbytes = (1 << 30) if gpu else (64 << 20)
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         src.fill_(1)
         cp = _times_ms(lambda: dst.copy_(src), device, reps=reps)
-    flops = 2 * n ** 3 / (min(mm) * 1e-3)
+    best = min((dt for dt, ms in matmuls.items() if ms), key=lambda dt: min(matmuls[dt]))
+    flops = 2 * n ** 3 / (min(matmuls[best]) * 1e-3)
     bw = 2 * nbytes / (min(cp) * 1e-3)
-    del a, b, c, src, dst
-    detail = {"when": when, "matmul_dtype": str(dt).replace("torch.", ""), "matmul_n": n, "matmul_ms": summarize(mm),
-              "copy_ms": summarize(cp),
-              "host_wait": None if gpu else hw.fraction}
+    del src, dst
+    label = lambda dt: str(dt).replace("torch.", "")  # noqa: E731
+    detail = {"when": when, "matmul_dtype": label(best), "matmul_n": n, "matmul_ms": summarize(matmuls[best]),
+              "copy_ms": summarize(cp), "host_wait": None if gpu else hw.fraction}
+    if not gpu:
+        detail["matmul_ms_by_dtype"] = {label(dt): (summarize(ms) if ms else f"left out: one call > {CPU_SLOW_MATMUL_S} s")
+                                        for dt, ms in matmuls.items()}
     return Ceilings(name, flops, bw, "measured", detail)
 
 
