@@ -675,7 +675,9 @@ def run_bench(cfg: BenchConfig, plan: Optional[Plan] = None) -> dict:
     hw = env["hardwareName"]
     # a CPU measures the faster of an fp32 and a bf16 matmul (roofline.measure_ceilings)
     mm_dtype = cast or torch.bfloat16
-    mm_label = "fp32 or bf16, the faster" if cpu else str(mm_dtype).replace("torch.", "").replace("bfloat16", "bf16")
+    mm_label = str(mm_dtype).replace("torch.", "").replace("bfloat16", "bf16")
+    if cpu and cast is None:
+        mm_label = "fp32 or bf16, the faster"
     ceil = None if (cpu or cfg.measure_ceilings) else roofline.datasheet_ceilings(hw)
     measured = None
     if ceil is None or cfg.measure_ceilings:
