@@ -70,8 +70,7 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-import _gemm_audit  # noqa: E402
+import _gemm_audit  # noqa: E402  (the tests' folder is on sys.path: pytest puts a conftest's there)
 from fusedqkv.bench import problem as _problem  # noqa: E402
 
 _load_official_reference = _problem.load_official_reference

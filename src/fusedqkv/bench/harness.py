@@ -46,12 +46,12 @@ CPU_MAX_TOKENS = 128
 CPU_BUDGET_S = 1.0
 CPU_QUICK_BUDGET_S = 0.3
 # A CPU run with neither --max-tokens/--workloads nor --reps/--time-budget fits its timed calls
-# into this many seconds: it measures one call of each implementation at CPU_PROBE_TOKENS and
-# cuts tokens (CPU_TOKEN_STEPS), then the per-call budget, to fit (calibrate_cpu). The README's
+# into this many seconds: it measures one call of each implementation at CPU_PROBE_POINTS tokens
+# and cuts tokens (CPU_TOKEN_STEPS), then the per-call budget, to fit (calibrate_cpu). The README's
 # main job is then ~3 minutes with its install, on any x86 CPU.
 CPU_RUN_BUDGET_S = 90.0
 CPU_QUICK_RUN_BUDGET_S = 20.0
-CPU_PROBE_TOKENS = 16
+CPU_PROBE_POINTS = (1, 8)  # tokens of the calibration's calls (after one warm-up call at the first)
 CPU_TOKEN_STEPS = (128, 96, 64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
 CPU_MIN_BUDGET_S = 0.05
 
@@ -493,9 +493,6 @@ def _call_model(by_tokens: dict):
     b = max(0.0, (hi - lo) / (t_hi - t_lo)) / 1e3
     a = max(0.0, lo / 1e3 - b * t_lo)
     return lambda tokens: 1.15 * (a + b * tokens)
-
-
-CPU_PROBE_POINTS = (1, 8)  # tokens of the calibration's calls (after one warm-up call at the first)
 
 
 def calibrate_cpu(pl: "Plan", cfg: "BenchConfig", ctx: "Context", impls: list, prog: "Progress") -> tuple:

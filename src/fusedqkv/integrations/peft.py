@@ -90,12 +90,12 @@ def lora_residual(hidden_states: torch.Tensor, slots: list, rows: tuple, n_tot: 
     b_rows = torch.zeros((n_tot, sum(ranks)), dtype=dt, device=x.device)
     bias = None
     col = 0
-    for (row, n, a, A, B, s, _), r in zip(order, ranks):
+    for (row, n, _, _, B, s, _), r in zip(order, ranks):
         b_rows[row:row + n, col:col + r] = B.weight * s
         if B.bias is not None:  # lora_bias=True
             if bias is None:
                 bias = torch.zeros(n_tot, dtype=dt, device=x.device)
-            bias = bias.index_add(0, torch.arange(row, row + n, device=x.device), B.bias * s)
+            bias[row:row + n] += B.bias * s
         col += r
     r2d = u.reshape(-1, u.shape[-1])
     out = torch.addmm(bias, r2d, b_rows.t()) if bias is not None else r2d @ b_rows.t()
