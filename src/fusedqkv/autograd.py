@@ -30,6 +30,7 @@ import torch
 
 from .ops.training_backward import training_backward
 from .ops.training_forward import forward_plan, run_forward
+from .ops import fp8 as _fp8
 from .ops import validation as V
 from .ops.gqa_forward import Variant, validate_forward_inputs
 
@@ -63,11 +64,11 @@ def _fwd_impl(hidden_states: Tensor, qkv_weight: Tensor, q_norm_weight: Optional
               k_norm_weight: Optional[Tensor], cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float,
               norm_after_rope: bool, backend: str, qkv_bias: Optional[Tensor] = None, q_gate: bool = False,
               interleaved: bool = False, all_heads: bool = False, v_norm: bool = False,
-              qkv_residual: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              qkv_residual: Optional[Tensor] = None, fp8: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     plan = forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                         num_kv_heads, eps, _position(norm_after_rope), backend, qkv_bias, q_gate,
                         "interleaved" if interleaved else "neox", "all_heads" if all_heads else "head", v_norm,
-                        qkv_residual is not None)
+                        qkv_residual is not None, fp8)
     q, k, qkv, rq, rk, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                        qkv_bias, qkv_residual)
     # a custom op returns tensors: an empty one stands for v when it is a view of qkv
@@ -80,13 +81,13 @@ def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Ten
               need_hidden_grad: bool, need_weight_grad: bool, need_cos_sin_grad: bool,
               backend: str, need_bias_grad: bool = False, grad_gate: Optional[Tensor] = None, q_gate: bool = False,
               interleaved: bool = False, all_heads: bool = False, v_norm: bool = False,
-              need_residual_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              need_residual_grad: bool = False, fp8: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     d = qkv.shape[2] // ((2 * num_heads if q_gate else num_heads) + 2 * num_kv_heads)
     variant = _variant_of(q_gate, interleaved, all_heads, v_norm, q_norm_weight is not None, cos.shape[2], d)
     out = training_backward(
         grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads,
         num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad, need_cos_sin_grad, backend,
-        need_bias_grad, grad_gate if q_gate else None, variant, keep_dqkv=need_residual_grad)
+        need_bias_grad, grad_gate if q_gate else None, variant, keep_dqkv=need_residual_grad, fp8_key=fp8)
     g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = out[:7]
     # a custom op returns tensors: empty ones stand for the gradients not needed (or absent)
     empty = qkv_weight.new_empty
@@ -106,7 +107,7 @@ _bwd_op = torch.library.custom_op("fusedqkv::gqa_qkv_rope_qk_norm_bwd", mutates_
 @_fwd_op.register_fake
 def _fwd_fake(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
               norm_after_rope, backend, qkv_bias=None, q_gate=False, interleaved=False, all_heads=False,
-              v_norm=False, qkv_residual=None):
+              v_norm=False, qkv_residual=None, fp8=""):
     B, S, _ = hidden_states.shape
     n_tot = qkv_weight.shape[0]
     D = n_tot // ((2 * num_heads if q_gate else num_heads) + 2 * num_kv_heads)
@@ -124,7 +125,7 @@ def _fwd_fake(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
 def _bwd_fake(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight,
               cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad,
               need_cos_sin_grad, backend, need_bias_grad=False, grad_gate=None, q_gate=False, interleaved=False,
-              all_heads=False, v_norm=False, need_residual_grad=False):
+              all_heads=False, v_norm=False, need_residual_grad=False, fp8=""):
     B, S, n_tot = qkv.shape
     rot = cos.shape[2]
     g_x = hidden_states.new_empty(tuple(hidden_states.shape) if need_hidden_grad else _EMPTY_SHAPE)
@@ -166,20 +167,20 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
     then sums its gradient over the batch). ``qkv_bias`` and ``qkv_residual`` optional (None;
     the residual's gradient is dQKV); the norm weights None
     for unweighted norms. ``meta``: ``(num_heads, num_kv_heads, eps, norm_after_rope, backend,
-    plan, variant)``, one argument (``apply`` costs host time per argument); ``plan`` the
+    plan, variant, fp8)``, one argument (``apply`` costs host time per argument); ``plan`` the
     forward's plan (eager calls), or None (under torch.compile: the custom ops); ``variant`` the
-    block's :class:`~fusedqkv.ops.gqa_forward.Variant`."""
+    block's :class:`~fusedqkv.ops.gqa_forward.Variant`; ``fp8`` an FP8 recipe's key, "" for none."""
 
     @staticmethod
     def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta):
-        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant = meta
+        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, fp8 = meta
         if plan is not None:
             q, k, qkv, _, _, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                              cos, sin, qkv_bias, qkv_residual)
         else:
             q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                        cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,
-                                       *_op_flags(variant), qkv_residual)
+                                       *_op_flags(variant), qkv_residual, fp8)
         B, S, n_tot = qkv.shape
         nq = 2 * num_heads if variant.q_gate else num_heads
         heads = qkv.view(B, S, nq + 2 * num_kv_heads, n_tot // (nq + 2 * num_kv_heads))
@@ -195,16 +196,16 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v, grad_gate=None):
         hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv = ctx.saved_tensors
-        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant = ctx.meta
+        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, fp8 = ctx.meta
         need = ctx.needs_input_grad
         need_cs = bool(need[4] or need[5])
         need_b, need_res = bool(need[6]), bool(need[7])
         args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
                 num_heads, num_kv_heads, eps, norm_after_rope, bool(need[0]), bool(need[1]), need_cs, backend, need_b)
         if plan is not None and not torch.compiler.is_compiling():
-            out = training_backward(*args, grad_gate, variant, keep_dqkv=need_res)
+            out = training_backward(*args, grad_gate, variant, keep_dqkv=need_res, fp8_key=fp8)
         else:
-            out = _call(_bwd_op, _bwd_impl, *args, grad_gate, *_op_flags(variant), need_res)
+            out = _call(_bwd_op, _bwd_impl, *args, grad_gate, *_op_flags(variant), need_res, fp8)
         g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = out[:7]
         return (g_x if need[0] else None, g_w if need[1] else None, g_qw if need[2] else None,
                 g_kw if need[3] else None, g_cos if need[4] else None, g_sin if need[5] else None,
@@ -223,7 +224,7 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
                          num_kv_heads, eps=1e-6, qk_norm_position="after_rope", backend: Optional[str] = None,
                          qkv_bias: Optional[Tensor] = None, norm_weight_offset: float = 0.0, q_gate: bool = False,
                          rope_style: str = "neox", norm_scope: str = "head", v_norm: bool = False,
-                         qkv_residual: Optional[Tensor] = None):
+                         qkv_residual: Optional[Tensor] = None, fp8=None):
     """QKV projection + RoPE + RMSNorm of q and k, differentiable.
 
     hidden_states ``[batch, seq, hidden]``; qkv_weight ``[(num_heads + 2*num_kv_heads)*head_dim,
@@ -239,6 +240,10 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     ``qkv_residual``: optional ``[batch, seq, qkv rows]`` tensor added to the projection output
     before RoPE and the norms (``x W^T [+ b] + r``; hidden_states' dtype): the LoRA update of
     :mod:`fusedqkv.integrations.peft`. Its gradient is dQKV.
+    ``fp8``: the projection's three GEMMs in FP8 (``torch._scaled_mm``), scaled and cast as
+    torchao's ``Float8Linear`` does for the recipe: ``"tensorwise"``, ``"rowwise"`` or
+    ``"rowwise_with_gw_hp"`` (dW in high precision), or an :class:`~fusedqkv.ops.fp8.Fp8Recipe`;
+    None (default): no FP8. RoPE and the norms stay in hidden_states' dtype. CUDA needs sm_89+.
 
     The block's variants: ``q_norm_weight=None`` and ``k_norm_weight=None``: unweighted norms
     (Llama 4, nanochat); ``rope_style="interleaved"``: RoPE pairs ``(2i, 2i+1)`` (GPT-J / Llama 4;
@@ -271,7 +276,8 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
             return gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                         num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
                                         qk_norm_position=qk_norm_position, backend=backend, qkv_bias=qkv_bias,
-                                        norm_weight_offset=norm_weight_offset, qkv_residual=qkv_residual, **options)
+                                        norm_weight_offset=norm_weight_offset, qkv_residual=qkv_residual,
+                                        fp8=fp8, **options)
     if norm_weight_offset != 0.0 or type(norm_weight_offset) not in (float, int):
         offset = V.require_number("norm_weight_offset", norm_weight_offset)
         if offset != 0.0:
@@ -286,17 +292,21 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
             q_norm_weight = q_norm_weight.float() + offset
             k_norm_weight = k_norm_weight.float() + offset
     backend = _backend_arg(backend)
+    fp8_recipe = _fp8.recipe(fp8)
+    fp8_key = "" if fp8_recipe is None else fp8_recipe.key
     if torch.compiler.is_compiling():  # traced: plain validation, then the custom ops
         sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                      num_heads, num_kv_heads, eps, qk_norm_position, **options)
         if qkv_bias is not None:
             V.require_shape("qkv_bias", qkv_bias, (sz["qkv"],), "[(num_heads + 2*num_kv_heads)*head_dim]")
+        if fp8_recipe is not None:
+            _fp8.check_supported(sz["device"], sz["hidden"], sz["qkv"])
         plan = None
         b, s, rot = sz["batch"], sz["seq"], sz["rot"]
     else:
         plan = forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                             num_kv_heads, eps, qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope,
-                            v_norm, qkv_residual is not None)
+                            v_norm, qkv_residual is not None, fp8_key)
         sz = plan.sz
         b, s, rot = plan.cs_shape
     if qkv_residual is not None:
@@ -308,4 +318,4 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     return GQAQKVRoPEQKNormFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias,
                                           qkv_residual,
                                           (sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"],
-                                           backend, plan, sz["variant"]))
+                                           backend, plan, sz["variant"], fp8_key))

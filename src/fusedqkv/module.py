@@ -18,6 +18,7 @@ from torch import nn
 
 from .autograd import gqa_qkv_rope_qk_norm
 from .ops import validation as V
+from .ops.fp8 import recipe as fp8_recipe
 from .ops.gqa_forward import NORM_SCOPES, ROPE_STYLES, _require_bool, _require_choice, _require_int, \
     norm_after_rope_from_position
 
@@ -89,14 +90,22 @@ class _BlockParams(nn.Module):
 class GQAQKVRoPEQKNorm(_BlockParams):
     """QKV projection + RoPE + per-head RMSNorm of q and k, fused (one GEMM + one Triton
     kernel forward; one Triton kernel + two GEMMs backward). ``torch.compile``-safe.
-    Returns ``(q, k, v)``, with ``q_gate=True`` ``(q, k, v, gate)``."""
+    Returns ``(q, k, v)``, with ``q_gate=True`` ``(q, k, v, gate)``. ``fp8``: the projection's
+    GEMMs in FP8 with torchao's recipe of that name (see :func:`fusedqkv.gqa_qkv_rope_qk_norm`)."""
+
+    def __init__(self, *args, fp8=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fp8 = fp8_recipe(fp8)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.fp8 is None else f", fp8={self.fp8.key!r}")
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return gqa_qkv_rope_qk_norm(
             hidden_states, self.qkv_weight, self.q_norm_weight, self.k_norm_weight, cos, sin,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, eps=self.eps,
             qk_norm_position=self.qk_norm_position, qkv_bias=self.qkv_bias,
-            norm_weight_offset=self.norm_weight_offset, **self._variant_kwargs())
+            norm_weight_offset=self.norm_weight_offset, fp8=self.fp8, **self._variant_kwargs())
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

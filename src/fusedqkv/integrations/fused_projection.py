@@ -157,8 +157,16 @@ def projection_slots(attn, projs: tuple) -> list:
         raise UnsupportedModuleError(f"fusedqkv: {where}.qkv_proj has a {hooked[0] if hooked else 'replaced forward'}; "
                                      f"the fused block never calls the module, so it would not run")
     out = []
+    start = 0
     for name in projs:
         lora, m = unwrap_lora(attn._modules.get(name))
+        stop = start + (m.out_features if isinstance(m, nn.Linear) else 0)
+        if lora is None and _is_float8_linear(m) and not _hooks(m) and "forward" not in m.__dict__:
+            _check_float8_rows(where, name, m, fused, start, stop)
+            out.append((name, m, None))
+            start = stop
+            continue
+        start = stop
         if type(m) is not ProjectionRows or m.fused is not fused:
             what = _describe(lora if lora is not None else m)
             if lora is not None:
@@ -180,10 +188,57 @@ def projection_slots(attn, projs: tuple) -> list:
     return out
 
 
+def _is_float8_linear(m) -> bool:
+    mod = sys.modules.get("torchao.float8.float8_linear")
+    return mod is not None and type(m) is getattr(mod, "Float8Linear", None)
+
+
+def _check_float8_rows(where: str, name: str, m, fused, start: int, stop: int) -> None:
+    """A torchao ``Float8Linear`` in a rows module's place (``convert_to_float8_training`` after
+    ``apply_to``) is computed by the fused block only over the fused rows themselves."""
+    for attr in ("weight", "bias"):
+        src, got = getattr(fused, attr), getattr(m, attr)
+        if src is None and got is None:
+            continue
+        ok = (src is not None and got is not None and type(got.data) is torch.Tensor
+              and tuple(got.shape) == (stop - start, *src.shape[1:])
+              and got.data_ptr() == src.data_ptr() + start * src.stride(0) * src.element_size())
+        if not ok:
+            raise UnsupportedModuleError(
+                f"fusedqkv: {where}.{name} is a torchao Float8Linear whose {attr} is not rows {start}:{stop} of "
+                f"qkv_proj.{attr} (a {type(got.data).__name__ if got is not None else 'None'}); the fused block "
+                f"computes only the Float8Linear that convert_to_float8_training made of apply_to's rows")
+
+
+def slots_fp8_recipe(attn, slots: list, given):
+    """The FP8 recipe of a fused forward: ``given`` (``apply_to(fp8=...)``), or the torchao
+    ``Float8Linear`` layers' in the rows' places (all of them, one recipe); a mix raises."""
+    from ..ops.fp8 import recipe_of_torchao_config
+
+    where = type(attn).__name__
+    f8 = [(name, m) for name, m, _ in slots if _is_float8_linear(m)]
+    if not f8:
+        return given
+    if len(f8) != len(slots):
+        plain = [name for name, m, _ in slots if not _is_float8_linear(m)]
+        raise UnsupportedModuleError(
+            f"fusedqkv: {where}.{f8[0][0]} is a torchao Float8Linear but {', '.join(plain)} is not; the fused "
+            f"projection is one GEMM: convert all of {', '.join(name for name, _, _ in slots)} or none")
+    recipes = {name: recipe_of_torchao_config(m.config, f"{where}.{name}") for name, m in f8}
+    if len(set(recipes.values())) > 1:
+        raise UnsupportedModuleError(f"fusedqkv: {where}: the Float8Linear layers of {', '.join(recipes)} have "
+                                     f"different float8 configs; the fused projection is one GEMM, one recipe")
+    got = next(iter(recipes.values()))
+    if given is not None and given != got:
+        raise UnsupportedModuleError(f"fusedqkv: {where}: apply_to(fp8={given.key!r}) but the Float8Linear layers "
+                                     f"in q/k/v_proj's places have the recipe {got.key!r}")
+    return got
+
+
 def _hint(m) -> str:
     mod = type(m).__module__
     if mod.startswith("torchao.float8"):
-        return "; fusedqkv has no FP8 path yet: exclude these modules from the conversion (module_filter_fn)"
+        return "; fusedqkv runs torchao's Float8Linear over apply_to's rows only, unwrapped and unhooked"
     if mod.startswith("peft."):
         return "; of PEFT's methods fusedqkv computes LoRA (lora.Linear) only"
     if mod.startswith("bitsandbytes"):

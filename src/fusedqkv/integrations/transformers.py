@@ -39,7 +39,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..autograd import gqa_qkv_rope_qk_norm
-from .fused_projection import FusedQKVProjection, ProjectionRows, UnsupportedModuleError, projection_slots, unwrap_lora
+from ..ops.fp8 import check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config
+from .fused_projection import (FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _is_float8_linear,
+                               projection_slots, slots_fp8_recipe, unwrap_lora)
 from .peft import lora_residual
 from ..ops.validation import MAX_HEAD_DIM as _MAX_HEAD_DIM
 
@@ -350,6 +352,7 @@ class _FusedAttention:
         proj = self.qkv_proj
         w, b = proj.weight, proj.bias
         residual = lora_residual(hidden_states, slots, spec.split, w.shape[0])
+        fp8 = slots_fp8_recipe(self, slots, spec.block_kwargs.get("fp8"))
         if spec.k_eq_v:
             # v = the k projection: the block's V rows are the K rows again (one parameter, the
             # gradients of both uses summed by autograd)
@@ -365,7 +368,7 @@ class _FusedAttention:
         # under autocast the block casts its inputs as HF's Linear would (gqa_qkv_rope_qk_norm)
         out = gqa_qkv_rope_qk_norm(hidden_states, w, wq, wk, cos, sin, num_heads=spec.num_heads,
                                    num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, qkv_residual=residual,
-                                   **spec.block_kwargs)
+                                   **dict(spec.block_kwargs, fp8=fp8))
         if arch.q_gate:
             return out
         q, k, v = out
@@ -411,6 +414,10 @@ class _FusedAttention:
         pos = kw.pop("qk_norm_position").replace("_", " ")
         if not kw["norm_weight_offset"]:
             del kw["norm_weight_offset"]
+        if kw.get("fp8") is None:
+            kw.pop("fp8", None)
+        else:
+            kw["fp8"] = kw["fp8"].key
         opts = "".join(f", {k}={v}" for k, v in kw.items())
         return (f"fusedqkv: {FUSED_NAME} = [{' | '.join(s.projs)}] + RMSNorm {pos} (num_heads={s.num_heads}, "
                 f"num_kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, eps={s.eps}{opts})")
@@ -679,7 +686,7 @@ def _check_linear(path: str, p, hidden: int) -> nn.Linear:
                 raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {kind} has forward hooks, which the fused "
                                             f"block would not run")
         p = base
-    elif type(p) is not nn.Linear:
+    elif type(p) is not nn.Linear and not _is_float8_linear(p):
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path} is a {type(p).__name__}; only a plain torch.nn.Linear (or a PEFT LoRA layer over "
             f"one) can be fused (apply fusedqkv before wrapping projections: quantization, tensor parallel)")
@@ -772,6 +779,19 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
                                 ("norm_scope", arch.norm_scope, "head"), ("v_norm", arch.v_norm is not None, False)):
         if value != default:
             opts.append((key, value))
+    f8 = [name for name, p in zip(names, projs) if _is_float8_linear(p)]
+    if f8:  # torchao's convert_to_float8_training before apply_to: the fused projection runs their recipe
+        if len(f8) != len(projs):
+            raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {', '.join(f8)} are torchao Float8Linear layers "
+                                        f"and the others of {', '.join(names)} are not; one fused GEMM, one recipe")
+        try:
+            recipes = {recipe_of_torchao_config(p.config, f"{path}.{name}") for name, p in zip(names, projs)}
+        except ValueError as e:
+            raise UnsupportedModelError(f"fusedqkv.apply_to: {e}") from None
+        if len(recipes) != 1:
+            raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: the Float8Linear layers of {', '.join(names)} "
+                                        f"have different float8 configs; one fused GEMM, one recipe")
+        opts.append(("fp8", recipes.pop()))
     split = tuple(p.weight.shape[0] for p in projs)
     return FusedSpec(hq, hkv, d, eps_q, names, split, dict(opts), k_eq_v, tuple(attn._modules))
 
@@ -824,7 +844,7 @@ def _supported_classes() -> dict:
     return out
 
 
-def apply_to(model: nn.Module) -> int:
+def apply_to(model: nn.Module, *, fp8=None) -> int:
     """Fuse the attention input blocks (q/k/v projection + RoPE + RMSNorm of q and k) of a
     built ``transformers`` model in place; returns the number of attention layers fused by
     this call (0 when called again on a fused model).
@@ -838,7 +858,14 @@ def apply_to(model: nn.Module) -> int:
     ``torch.compile``, PEFT). ``state_dict()`` keeps HF's keys and values; ``load_state_dict``
     takes HF state dicts. Raises :class:`UnsupportedModelError` (a ``ValueError``) naming the
     architecture, module or setting that cannot be fused, before changing anything.
+
+    ``fp8``: the fused projections' GEMMs in FP8 with torchao's recipe of that name
+    (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``; see
+    :func:`fusedqkv.gqa_qkv_rope_qk_norm`). torchao's ``convert_to_float8_training`` after
+    ``apply_to`` turns q/k/v_proj into ``Float8Linear`` layers over the fused rows: the fused
+    block then runs their recipe (the three must agree).
     """
+    recipe = fp8_recipe(fp8)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module (a transformers model), got {type(model).__name__}")
     if "transformers" not in sys.modules:
@@ -875,6 +902,18 @@ def apply_to(model: nn.Module) -> int:
             + f"; it has no attention module of a supported family: {_supported_names()}")
     # all checks first (nothing changes when one module cannot be fused), then the patch
     specs = [_validate(path, m, arch) for path, m, arch in todo]
+    if recipe is not None:
+        for (path, m, _), spec in zip(todo, specs):
+            rows = sum(spec.split) + (spec.split[1] if spec.k_eq_v else 0)
+            try:  # the sizes only: the device is checked where the block runs
+                fp8_check_supported(torch.device("cpu"), getattr(m, spec.projs[0]).in_features, rows)
+            except ValueError as e:
+                raise UnsupportedModelError(f"fusedqkv.apply_to: {name} {path}: {e}") from None
+            had = spec.block_kwargs.get("fp8")
+            if had is not None and had != recipe:
+                raise UnsupportedModelError(f"fusedqkv.apply_to: {name} {path}: fp8={recipe.key!r} but q/k/v_proj are "
+                                            f"torchao Float8Linear layers of the recipe {had.key!r}")
+            spec.block_kwargs["fp8"] = recipe
     for (_, m, _), spec in zip(todo, specs):
         _fuse(m, spec)
     oversized = [(p, r) for p, a, r in skipped if _OVERSIZED in r]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import host_gemm
+from . import fp8, host_gemm
 from .cublaslt import plan_matmul
 from .device import current_stream
 from .variant import PLAIN, heads_of
@@ -31,8 +31,9 @@ CALL_ENTRIES = ("grad_q", "grad_k", "grad_v", "saved_q", "saved_k", "q_norm_weig
 class TrainingBackwardPlan:
     """The training block's backward of one signature."""
 
-    def __init__(self, cfg, sizes, need, stage=None, table=None, aligned=True, lt_dx=None, lt_dw=None):
+    def __init__(self, cfg, sizes, need, stage=None, table=None, aligned=True, lt_dx=None, lt_dw=None, fp8=None):
         self.cfg, self.stage, self.table, self.aligned = cfg, stage, table, aligned
+        self.fp8 = fp8  # an ops.fp8.Fp8Recipe: dX and dW in FP8 (or dW in bf16, as the recipe says)
         self.lt_dx, self.lt_dw = lt_dx, lt_dw  # dX and dW as planned cuBLASLt calls, or None
         (self.B, self.S, self.hq, self.hkv, self.D, self.hidden, self.dtype, self.device, self.eps,
          self.norm_after_rope, self.variant) = sizes
@@ -101,12 +102,17 @@ class TrainingBackwardPlan:
                 launch.launch(tensors, ptrs, stream)
         g_w = None
         lt_ok = addr is not None and not (hidden_states.data_ptr() | qkv_weight.data_ptr()) & 15
-        if self.need_x:
+        if self.fp8 is not None:
+            if self.need_x:
+                fp8.grad_input(dqkv, qkv_weight, self.fp8, out=g_x.view(M, self.hidden))
+            if self.need_w:
+                g_w = fp8.grad_weight(dqkv, hidden_states.reshape(M, self.hidden), self.fp8)
+        elif self.need_x:
             if self.lt_dx is not None and lt_ok:
                 self.lt_dx(addr["dqkv"], qkv_weight.data_ptr(), addr["grad_hidden_states"], stream)
             else:
                 host_gemm.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
-        if self.need_w:
+        if self.need_w and self.fp8 is None:
             if self.lt_dw is not None and lt_ok:
                 g_w = torch.empty((self.n_tot, self.hidden), dtype=dt, device=dev)
                 self.lt_dw(addr["dqkv"], hidden_states.data_ptr(), g_w.data_ptr(), stream)
@@ -123,7 +129,7 @@ class TrainingBackwardPlan:
 
 def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight,
                             cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend,
-                            need_b=False, grad_gate=None, variant=PLAIN, *, cfg) -> TrainingBackwardPlan:
+                            need_b=False, grad_gate=None, variant=PLAIN, fp8_key="", *, cfg) -> TrainingBackwardPlan:
     B, S, n_tot = qkv.shape
     hq, hkv = num_heads, num_kv_heads
     nq = 2 * hq if variant.q_gate else hq
@@ -132,9 +138,10 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
     dt, dev = qkv.dtype, qkv.device
     sizes = (B, S, hq, hkv, D, hidden_states.shape[-1], dt, dev, eps, norm_after_rope, variant)
     need = (need_x, need_w, need_cs, need_b)
+    recipe = fp8.recipe(fp8_key)
     backend = pick_backend(dev, None if backend in (None, "auto") else backend)
     if backend == "torch" or B * S == 0:
-        return TrainingBackwardPlan(cfg, sizes, need)
+        return TrainingBackwardPlan(cfg, sizes, need, fp8=recipe)
     gq, gk, gv = (g if g.dtype == dt else g.to(dt) for g in (grad_q, grad_k, grad_v))
     saved_q, saved_k, saved_v = heads_of(qkv, hq, hkv, D, variant.q_gate)[:3]
     M = B * S
@@ -166,14 +173,14 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
     aligned = all(t.data_ptr() % 16 == 0 for t in (gq, gk, gv, qkv, q_norm_weight, k_norm_weight, cos, sin,
                                                     like["grad_gate"]) if t is not None)
     lt_dx = lt_dw = None
-    if aligned and qkv_weight.dtype == dt and hidden_states.dtype == dt:
+    if recipe is None and aligned and qkv_weight.dtype == dt and hidden_states.dtype == dt:
         hidden = hidden_states.shape[-1]
         x2d = as_matrix(hidden_states, M, hidden)
         if need_x:  # g_x [M, hidden] and g_w [n_tot, hidden]: allocated contiguous by the run
             lt_dx = plan_matmul(dt, dev, M, hidden, n_tot, dqkv.stride(), qkv_weight.stride(), (hidden, 1), cfg)
         if need_w and x2d is not None:
             lt_dw = plan_matmul(dt, dev, n_tot, hidden, M, dqkv.t().stride(), x2d.stride(), (hidden, 1), cfg)
-    return TrainingBackwardPlan(cfg, sizes, need, stage, table, aligned, lt_dx, lt_dw)
+    return TrainingBackwardPlan(cfg, sizes, need, stage, table, aligned, lt_dx, lt_dw, recipe)
 
 
 PLANS = PlanCache("training_backward", build_training_backward)
@@ -181,20 +188,21 @@ PLANS = PlanCache("training_backward", build_training_backward)
 
 def training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
                       num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b=False,
-                      grad_gate=None, variant=PLAIN, keep_dqkv=False):
+                      grad_gate=None, variant=PLAIN, keep_dqkv=False, fp8_key=""):
     """The training block's gradients (see :class:`TrainingBackwardPlan`). ``q_norm_weight``/
     ``k_norm_weight`` None: unweighted norms (their gradients None); ``grad_gate`` with a gate;
-    ``keep_dqkv``: dQKV appended (see :meth:`TrainingBackwardPlan.run`)."""
+    ``keep_dqkv``: dQKV appended (see :meth:`TrainingBackwardPlan.run`); ``fp8_key``: the forward's
+    FP8 recipe (:mod:`fusedqkv.ops.fp8`), "" for none."""
     tensors = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, cos, sin)
     if q_norm_weight is not None:
         tensors += (q_norm_weight, k_norm_weight)
     if grad_gate is not None:
         tensors += (grad_gate,)
     scalars = (num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b, variant,
-               q_norm_weight is None, grad_gate is None)
+               q_norm_weight is None, grad_gate is None, fp8_key)
     build_args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
                   num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b, grad_gate,
-                  variant)
+                  variant, fp8_key)
     call = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, grad_gate)
     plan = PLANS.lookup(tensors, scalars, build_args)
     try:

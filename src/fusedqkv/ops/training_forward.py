@@ -13,6 +13,7 @@ import torch
 
 from . import config as _config
 from . import host_gemm
+from . import fp8
 from . import validation as V
 from .cublaslt import lt_matmul
 from .device import current_stream
@@ -29,8 +30,9 @@ STAGE_ENTRIES = ("qkv", "q_norm_weight", "k_norm_weight", "cos", "sin", "q", "k"
 class ForwardPlan:
     """The training block's forward of one input signature."""
 
-    def __init__(self, cfg, sz, backend, launch=None, table=None, aligned=True, lt_qkv=None, fused=None):
+    def __init__(self, cfg, sz, backend, launch=None, table=None, aligned=True, lt_qkv=None, fused=None, fp8=None):
         self.cfg, self.sz, self.backend, self.launch, self.table, self.aligned = cfg, sz, backend, launch, table, aligned
+        self.fp8 = fp8  # an ops.fp8.Fp8Recipe: the GEMM in FP8 (then no cuBLASLt plan, no one-launch forward)
         self.lt_qkv = lt_qkv  # qkv = x W^T as a planned cuBLASLt call (no bias, aligned plans), or None
         # the whole forward as one Hopper launch (ops/qkv_rope_norm_gemm.FusedGemmForward; launch and table
         # are its bound launch), or None
@@ -52,7 +54,11 @@ class ForwardPlan:
             return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
         lt, launch = self.lt_qkv, self.launch
         bound = launch is not None and launch.bound
-        if lt is not None and bound:
+        if self.fp8 is not None:
+            qkv = fp8.forward(hidden_states.reshape(self.M, self.hidden), qkv_weight, self.fp8).view(self.qkv_shape)
+            if qkv_bias is not None:  # after the GEMM, as Float8Linear adds it
+                qkv.add_(qkv_bias)
+        elif lt is not None and bound:
             x_ptr, w_ptr = hidden_states.data_ptr(), qkv_weight.data_ptr()
             if (x_ptr | w_ptr) & 15:
                 raise Misaligned
@@ -112,7 +118,7 @@ class ForwardPlan:
 
 def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
                   eps, qk_norm_position, backend, qkv_bias=None, q_gate=False, rope_style="neox", norm_scope="head",
-                  v_norm=False, residual=False, *, cfg) -> ForwardPlan:
+                  v_norm=False, residual=False, fp8_key="", *, cfg) -> ForwardPlan:
     """Validate the forward's arguments fully (clear errors) and plan it."""
     sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                                  num_kv_heads, eps, qk_norm_position, q_gate=q_gate, rope_style=rope_style,
@@ -126,14 +132,17 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
         V.require_same_dtype([("qkv_weight", qkv_weight), ("qkv_bias", qkv_bias)])
         V.require_same_device([("qkv_weight", qkv_weight), ("qkv_bias", qkv_bias)])
     device = sz["device"]
+    recipe = fp8.recipe(fp8_key)
+    if recipe is not None:
+        fp8.check_supported(device, sz["hidden"], sz["qkv"])
     backend = pick_backend(device, None if backend in (None, "auto") else backend)
     M = sz["batch"] * sz["seq"]
     if backend == "torch" or M == 0:
-        return ForwardPlan(cfg, sz, backend)
+        return ForwardPlan(cfg, sz, backend, fp8=recipe)
     b, s, d, rot = sz["batch"], sz["seq"], sz["head_dim"], sz["rot"]
     aligned = all(t.data_ptr() % 16 == 0 for t in (q_norm_weight, k_norm_weight, cos, sin) if t is not None)
     # the one-launch forward has no point between its GEMM and its stage where a residual could be added
-    fused = None if residual else plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg,
+    fused = None if residual or recipe is not None else plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg,
                                                       (cos, sin, q_norm_weight, k_norm_weight))
     qkv = torch.empty((b, s, sz["qkv"]), dtype=sz["dtype"], device=device)
     q, k, rq, rk, v = forward_outputs(b, s, num_heads, num_kv_heads, d, sz["dtype"], device, variant.v_norm)
@@ -150,9 +159,9 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
                                 slots[9])
     table.release()
     lt_qkv = None
-    if qkv_bias is None and aligned and hidden_states.data_ptr() % 16 == 0 and qkv_weight.data_ptr() % 16 == 0:
+    if recipe is None and qkv_bias is None and aligned and hidden_states.data_ptr() % 16 == 0 and qkv_weight.data_ptr() % 16 == 0:
         lt_qkv = lt_matmul(as_matrix(hidden_states, M, sz["hidden"]), qkv_weight.t(), qkv.view(M, sz["qkv"]), cfg)
-    return ForwardPlan(cfg, sz, backend, launch, table, aligned, lt_qkv)
+    return ForwardPlan(cfg, sz, backend, launch, table, aligned, lt_qkv, fp8=recipe)
 
 
 PLANS = PlanCache("training_forward", build_forward)
@@ -170,16 +179,17 @@ def _guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, 
 
 def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
                  qk_norm_position, backend, qkv_bias=None, q_gate=False, rope_style="neox", norm_scope="head",
-                 v_norm=False, residual=False) -> ForwardPlan:
+                 v_norm=False, residual=False, fp8_key="") -> ForwardPlan:
     """The forward's plan (validating the arguments on a miss). ``q_norm_weight``/``k_norm_weight``
-    None: unweighted norms. ``residual``: the calls pass a ``qkv_residual``."""
+    None: unweighted norms. ``residual``: the calls pass a ``qkv_residual``. ``fp8_key``: an FP8
+    recipe's key (:mod:`fusedqkv.ops.fp8`), "" for none."""
     tensors = _guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
     args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
-            qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope, v_norm, residual)
+            qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope, v_norm, residual, fp8_key)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or type(eps) not in (float, int):
         return build_forward(*args, cfg=_config.current())
     scalars = (num_heads, num_kv_heads, eps, qk_norm_position, backend, qkv_bias is not None, q_norm_weight is None,
-               q_gate, rope_style, norm_scope, v_norm, residual)
+               q_gate, rope_style, norm_scope, v_norm, residual, fp8_key)
     return PLANS.lookup(tensors, scalars, args)
 
 
@@ -194,10 +204,11 @@ def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_n
         options = (var.q_gate, "interleaved" if var.interleaved else "neox", "all_heads" if var.all_heads else "head",
                    var.v_norm)
         residual = qkv_residual is not None
+        key = "" if plan.fp8 is None else plan.fp8.key
         args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"], sz["num_kv_heads"],
-                sz["eps"], position, plan.backend, qkv_bias, *options, residual)
+                sz["eps"], position, plan.backend, qkv_bias, *options, residual, key)
         scalars = (sz["num_heads"], sz["num_kv_heads"], sz["eps"], position, plan.backend, qkv_bias is not None,
-                   q_norm_weight is None, *options, residual)
+                   q_norm_weight is None, *options, residual, key)
         own = PLANS.full_lookup(list(_guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                               qkv_bias)), scalars, args, remember=False)
         return own.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual)

@@ -1,0 +1,105 @@
+"""FP8 casts of the block's GEMM operands, scaled as torchao's float8 scales them.
+
+A scale is ``fp8_max / max(amax, 1e-12)`` formed in fp64 and rounded to fp32 (torchao's
+``amax_to_scale``), optionally rounded down to a power of two (the rowwise recipes); the
+data is ``clamp(x * scale, -fp8_max, fp8_max)`` cast with round-to-nearest-even; the GEMM
+takes the reciprocal of the scale.
+
+* ``rowwise_cast_kernel``: one scale per row of ``x [R, C]``, data row-major ``[R, C]``;
+  one program per ``ROWS`` rows (an amax loop over the row, then a cast loop).
+* ``tile_amax_kernel``: the amax of each ``[BR, BC]`` tile's columns, ``part [cdiv(R, BR), C]``
+  (per-column scales reduce it; a tensor's scale is its max).
+* ``cast_kernel``: one scale per column (from ``part``) or one for the tensor (``amax``),
+  data row-major ``[R, C]`` or transposed ``[C, R_pad]`` (the column-major operand a scaled
+  GEMM needs; columns ``R..R_pad`` written as zeros: a GEMM's inner dimension padded to 16).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scale_of(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    scale = (FP8_MAX / tl.maximum(amax.to(tl.float64), 1e-12)).to(tl.float32)
+    if POW2:  # 2^floor(log2(scale)): the exponent bits alone (scale > 0, normal)
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def rowwise_cast_kernel(x_ptr, y_ptr, inv_ptr, R, C, stride_xr, stride_yr, FP8_MAX: tl.constexpr,
+                        POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < R
+    cols = tl.arange(0, BLOCK_C)
+    x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
+    amax = tl.zeros([ROWS], tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        m = rmask[:, None] & (c0 + cols < C)[None, :]
+        x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
+    scale = _scale_of(amax, FP8_MAX, POW2)
+    y_row = y_ptr + rows.to(tl.int64)[:, None] * stride_yr
+    for c0 in range(0, C, BLOCK_C):
+        m = rmask[:, None] & (c0 + cols < C)[None, :]
+        x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
+        tl.store(y_row + c0 + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(inv_ptr + rows, tl.div_rn(tl.full([ROWS], 1.0, tl.float32), scale), mask=rmask)
+
+
+@triton.jit
+def tile_amax_kernel(x_ptr, part_ptr, R, C, stride_xr, BR: tl.constexpr, BC: tl.constexpr):
+    pr, pc = tl.program_id(0), tl.program_id(1)
+    rows = pr * BR + tl.arange(0, BR)
+    cols = pc * BC + tl.arange(0, BC)
+    m = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :], mask=m, other=0.0)
+    tl.store(part_ptr + pr * C + cols, tl.max(tl.abs(x.to(tl.float32)), 0), mask=cols < C)
+
+
+@triton.jit
+def cast_kernel(x_ptr, y_ptr, part_ptr, inv_ptr, R, R_pad, C, stride_xr, n_part, PER_COLUMN: tl.constexpr,
+                TRANSPOSE: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr, BR: tl.constexpr,
+                BC: tl.constexpr, BP: tl.constexpr):
+    pr, pc = tl.program_id(0), tl.program_id(1)
+    rows = pr * BR + tl.arange(0, BR)
+    cols = pc * BC + tl.arange(0, BC)
+    cmask = cols < C
+    if PER_COLUMN:  # the column's amax over every row block's
+        amax = tl.zeros([BC], tl.float32)
+        for p0 in range(0, n_part, BP):
+            ps = p0 + tl.arange(0, BP)
+            t = tl.load(part_ptr + ps[:, None] * C + cols[None, :], mask=(ps < n_part)[:, None] & cmask[None, :],
+                        other=0.0)
+            amax = tl.maximum(amax, tl.max(t, 0))
+        scale = _scale_of(amax, FP8_MAX, POW2)
+        if pr == 0:
+            tl.store(inv_ptr + cols, tl.div_rn(tl.full([BC], 1.0, tl.float32), scale), mask=cmask)
+        scale = scale[None, :]
+    else:  # the tensor's amax, reduced beforehand
+        scale = _scale_of(tl.load(part_ptr), FP8_MAX, POW2)
+        if (pr == 0) & (pc == 0):
+            tl.store(inv_ptr, tl.div_rn(1.0, scale))
+    m = (rows < R)[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX).to(y_ptr.dtype.element_ty)
+    if TRANSPOSE:  # y [C, R_pad]: rows R..R_pad of x (masked to 0) become zero columns
+        mt = (rows < R_pad)[:, None] & cmask[None, :]
+        tl.store(y_ptr + cols.to(tl.int64)[None, :] * R_pad + rows[:, None], y, mask=mt)
+    else:
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], y, mask=m)
+
+
+@triton.jit
+def outer_scale_kernel(y_ptr, a_ptr, b_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
+    """``y[r, c] *= a[r] * b[c]`` in fp32, rounded once to y's dtype (a rowwise scaled GEMM run
+    as a unit-scaled one, then scaled: torchao's way without fast accumulation)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    rm, cm = rows < R, cols < C
+    m = rm[:, None] & cm[None, :]
+    ptr = y_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :]
+    s = tl.load(a_ptr + rows, mask=rm, other=0.0)[:, None] * tl.load(b_ptr + cols, mask=cm, other=0.0)[None, :]
+    y = tl.load(ptr, mask=m, other=0.0).to(tl.float32)
+    tl.store(ptr, (y * s).to(y_ptr.dtype.element_ty), mask=m)

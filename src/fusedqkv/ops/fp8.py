@@ -1,0 +1,334 @@
+"""FP8 training of the block's projection: torchao's float8 recipes as data, the casts of the
+three GEMMs' operands, and the scaled GEMMs (``torch._scaled_mm``: cuBLASLt on the GPU).
+
+The block's RoPE/norm stage is unchanged (bf16 in, bf16 out): FP8 changes its three GEMMs,
+
+* forward ``qkv = x W^T``: x scaled per token, W per output row (rowwise recipes);
+* ``dX = dQKV W``: dQKV per token, W per input column;
+* ``dW = dQKV^T X``: dQKV and X per channel, over the tokens (or in bf16: ``rowwise_with_gw_hp``),
+
+each operand scaled and cast as torchao's ``Float8Linear`` casts it for the same recipe
+(:data:`RECIPES`, or :func:`recipe_of_torchao_config` for a ``Float8LinearConfig``), so the
+projection's output equals ``Float8Linear``'s for the same inputs. On CUDA the casts are
+Triton kernels (:mod:`fusedqkv.kernels.fp8_cast`: a cast reads its operand once, a transposed
+or per-channel cast twice); elsewhere (CPU) torch ops that follow torchao's own steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from . import device as _device
+from .launch import next_pow2
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+EPS = 1e-12  # torchao's amax floor
+_NAMES = {E4M3: "e4m3", E5M2: "e5m2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    """How one GEMM operand is cast: ``dtype`` None leaves it in high precision; otherwise one
+    scale for the tensor (``tensorwise``) or one per row/column along the GEMM's inner dimension."""
+
+    dtype: Optional[torch.dtype] = E4M3
+    tensorwise: bool = False
+
+    def __str__(self) -> str:
+        return "hp" if self.dtype is None else f"{_NAMES[self.dtype]}/{'tensor' if self.tensorwise else 'axis'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """torchao's ``Float8LinearConfig`` fields that decide the block's numerics, per GEMM role."""
+
+    name: str
+    input: Cast                      # forward: x
+    weight: Cast                     # forward: W
+    grad_output: Cast                # dX: dQKV
+    weight_for_grad_input: Cast      # dX: W
+    input_for_grad_weight: Cast      # dW: x
+    grad_output_for_grad_weight: Cast  # dW: dQKV
+    round_scales_to_power_of_2: bool = False
+    fast_accum: tuple = (True, False, False)  # forward, dX, dW (torchao's gemm configs' defaults)
+
+    def __post_init__(self):
+        for a, b, gemm in ((self.input, self.weight, "the forward GEMM"),
+                           (self.grad_output, self.weight_for_grad_input, "the dX GEMM"),
+                           (self.grad_output_for_grad_weight, self.input_for_grad_weight, "the dW GEMM")):
+            if (a.dtype is None) != (b.dtype is None):
+                raise ValueError(f"fp8 recipe {self.name!r}: {gemm} has one operand in FP8 and one in high "
+                                 f"precision ({a}, {b}); expected both or neither")
+        if self.input.dtype is None or self.grad_output.dtype is None:
+            raise ValueError(f"fp8 recipe {self.name!r}: the forward and dX GEMMs in high precision are not an "
+                             "FP8 recipe; use fp8=None")
+
+    @property
+    def key(self) -> str:
+        """The recipe as one string (the custom ops' argument): its name where it is one of :data:`RECIPES`."""
+        if RECIPES.get(self.name) == self:
+            return self.name
+        roles = ",".join(str(getattr(self, f.name)) for f in dataclasses.fields(self)[1:7])
+        return f"custom:{roles}:{int(self.round_scales_to_power_of_2)}:{''.join(str(int(b)) for b in self.fast_accum)}"
+
+
+_A, _T, _HP = Cast(E4M3, False), Cast(E4M3, True), Cast(None)
+RECIPES = {
+    # torchao's Float8LinearRecipeName values, field by field (tests compare them with torchao's)
+    "tensorwise": Fp8Recipe("tensorwise", _T, _T, Cast(E5M2, True), _T, _T, Cast(E5M2, True), False),
+    "rowwise": Fp8Recipe("rowwise", _A, _A, _A, _A, _A, _A, True),
+    "rowwise_with_gw_hp": Fp8Recipe("rowwise_with_gw_hp", _A, _A, _A, _T, _HP, _HP, True),
+}
+
+
+def _parse_cast(text: str) -> Cast:
+    if text == "hp":
+        return _HP
+    dt, _, gran = text.partition("/")
+    return Cast({v: k for k, v in _NAMES.items()}[dt], gran == "tensor")
+
+
+def recipe(fp8) -> Optional[Fp8Recipe]:
+    """``fp8`` as a recipe: None (bf16), a name of :data:`RECIPES`, a recipe's ``key``, or an
+    :class:`Fp8Recipe`; anything else is a ValueError naming the argument."""
+    if fp8 is None or fp8 == "":
+        return None
+    if isinstance(fp8, Fp8Recipe):
+        return fp8
+    if isinstance(fp8, str):
+        if fp8 in RECIPES:
+            return RECIPES[fp8]
+        if fp8.startswith("custom:"):
+            try:
+                _, roles, pow2, fast = fp8.split(":")
+                casts = [_parse_cast(r) for r in roles.split(",")]
+                return Fp8Recipe("custom", *casts, bool(int(pow2)), tuple(c == "1" for c in fast))
+            except (ValueError, KeyError, TypeError):
+                pass
+        if fp8 == "mxfp8":
+            raise ValueError("fp8: 'mxfp8' (e8m0 block scales) needs Blackwell (sm_100) and is not built; expected "
+                             f"None or one of {sorted(RECIPES)}")
+    raise ValueError(f"fp8: expected None, one of {sorted(RECIPES)} or an Fp8Recipe, got {fp8!r}")
+
+
+def recipe_of_torchao_config(config, where: str = "Float8Linear") -> Fp8Recipe:
+    """The recipe a torchao ``Float8LinearConfig`` describes; what the block cannot honour
+    (emulation, FSDP2's float8 all-gather) raises ``ValueError`` naming the field."""
+    if getattr(config, "emulate", False):
+        raise ValueError(f"{where}: torchao's config has emulate=True (FP8 emulated in high precision); the fused "
+                         "block runs real FP8 GEMMs only")
+    if getattr(config, "enable_fsdp_float8_all_gather", False):
+        raise ValueError(f"{where}: torchao's enable_fsdp_float8_all_gather=True is not supported by the fused "
+                         "block (its weight is the fused qkv parameter, all-gathered in high precision)")
+
+    def cast(cc) -> Cast:
+        if cc.scaling_type.value == "disabled":
+            return _HP
+        return Cast(cc.target_dtype, cc.scaling_granularity.value == "tensorwise")
+
+    roles = (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output,
+             config.cast_config_weight_for_grad_input, config.cast_config_input_for_grad_weight,
+             config.cast_config_grad_output_for_grad_weight)
+    fast = (config.gemm_config_output.use_fast_accum, config.gemm_config_grad_input.use_fast_accum,
+            config.gemm_config_grad_weight.use_fast_accum)
+    got = Fp8Recipe("custom", *(cast(c) for c in roles), bool(config.round_scales_to_power_of_2), fast)
+    for r in RECIPES.values():
+        if dataclasses.replace(got, name=r.name) == r:
+            return r
+    return got
+
+
+def check_supported(device: torch.device, hidden: int, n_tot: int) -> None:
+    """ValueError where the scaled GEMMs cannot run: FP8 GEMMs need sm_89+ on CUDA, and
+    inner and outer sizes that are multiples of 16."""
+    if device.type == "cuda" and _device.capability(device) < (8, 9):
+        major, minor = _device.capability(device)
+        raise ValueError(f"fp8: FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
+    for name, n in (("hidden_states' last dimension (hidden)", hidden), ("qkv_weight's rows", n_tot)):
+        if n % 16:
+            raise ValueError(f"fp8: {name} must be a multiple of 16 for FP8 GEMMs, got {n}")
+
+
+# ------------------------------------------------------------------------ the casts
+
+
+def _scale_torch(amax: torch.Tensor, dtype, pow2: bool) -> torch.Tensor:
+    # torchao's amax_to_scale: fp64 division, fp32 result, then 2^floor(log2) for the rowwise recipes
+    scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def cast_torch(t: torch.Tensor, cast: Cast, dim: int, pow2: bool):
+    """(data, inverse scale) of 2-D ``t``: scales along ``dim`` (-1: one per row, 0: one per
+    column) or one for the tensor; data in ``t``'s layout. torchao's own steps, op by op."""
+    amax = t.abs().max() if cast.tensorwise else torch.amax(t.abs(), dim=dim, keepdim=True)
+    scale = _scale_torch(amax, cast.dtype, pow2)
+    fmax = torch.finfo(cast.dtype).max
+    data = (t.to(torch.float32) * scale).clamp(min=-fmax, max=fmax).to(cast.dtype)
+    return data, scale.reciprocal()
+
+
+_ROWS, _BLOCK_C = 4, 1024   # rowwise cast: rows per program, columns per step
+_BR, _BC, _BP = 64, 64, 64  # tile amax / cast tiles; partial rows reduced per step
+
+
+def _rowwise_triton(t: torch.Tensor, cast: Cast, pow2: bool):
+    from ..kernels.fp8_cast import rowwise_cast_kernel
+
+    R, C = t.shape
+    y = torch.empty((R, C), dtype=cast.dtype, device=t.device)
+    inv = torch.empty((R, 1), dtype=torch.float32, device=t.device)
+    rowwise_cast_kernel[(triton_cdiv(R, _ROWS),)](t, y, inv, R, C, t.stride(0), y.stride(0),
+                                                  FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, ROWS=_ROWS,
+                                                  BLOCK_C=min(_BLOCK_C, next_pow2(C)), num_warps=4)
+    return y, inv
+
+
+def _part_triton(t: torch.Tensor) -> torch.Tensor:
+    from ..kernels.fp8_cast import tile_amax_kernel
+
+    R, C = t.shape
+    part = torch.empty((triton_cdiv(R, _BR), C), dtype=torch.float32, device=t.device)
+    tile_amax_kernel[(part.shape[0], triton_cdiv(C, _BC))](t, part, R, C, t.stride(0), BR=_BR, BC=_BC, num_warps=4)
+    return part
+
+
+def _cast_triton(t: torch.Tensor, cast: Cast, pow2: bool, transpose: bool, pad_to: int = 1):
+    """Per-column or tensorwise cast; ``transpose``: data ``[C, R_pad]`` (``R_pad`` = R rounded
+    up to ``pad_to``, the padding zeros)."""
+    from ..kernels.fp8_cast import cast_kernel
+
+    R, C = t.shape
+    part = _part_triton(t)
+    per_column = not cast.tensorwise
+    if per_column:
+        inv = torch.empty((1, C), dtype=torch.float32, device=t.device)
+    else:
+        part = part.amax().reshape(1)  # the tensor's amax (deterministic: a max)
+        inv = torch.empty((), dtype=torch.float32, device=t.device)
+    R_pad = -(-R // pad_to) * pad_to if transpose else R
+    y = torch.empty((C, R_pad) if transpose else (R, C), dtype=cast.dtype, device=t.device)
+    cast_kernel[(triton_cdiv(R_pad, _BR), triton_cdiv(C, _BC))](
+        t, y, part, inv, R, R_pad, C, t.stride(0), part.shape[0] if per_column else 1, PER_COLUMN=per_column,
+        TRANSPOSE=transpose, FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, BR=_BR, BC=_BC, BP=_BP, num_warps=4)
+    return y, inv
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _triton(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def cast_rows(t: torch.Tensor, cast: Cast, pow2: bool):
+    """(data ``[R, C]`` row-major, inverse scale ``[R, 1]`` or ``[]``): scales over each row
+    (the operand whose rows are the GEMM's output rows, inner dimension C)."""
+    if _triton(t):
+        if t.stride(1) != 1:
+            t = t.contiguous()
+        if cast.tensorwise:
+            return _cast_triton(t, cast, pow2, transpose=False)
+        return _rowwise_triton(t, cast, pow2)
+    return cast_torch(t, cast, -1, pow2)
+
+
+def cast_columns_t(t: torch.Tensor, cast: Cast, pow2: bool, pad_to: int = 1):
+    """(data of ``t^T``, ``[C, R_pad]`` row-major; inverse scale ``[1, C]`` or ``[]``): scales over
+    each column of ``t`` (the GEMM's inner dimension is R; padded with zeros to ``pad_to``)."""
+    if _triton(t):
+        if t.stride(1) != 1:
+            t = t.contiguous()
+        return _cast_triton(t, cast, pow2, transpose=True, pad_to=pad_to)
+    data, inv = cast_torch(t, cast, 0, pow2)
+    return data.t().contiguous(), inv
+
+
+def cast_columns(t: torch.Tensor, cast: Cast, pow2: bool):
+    """(data ``[R, C]`` column-major (a transposed view), inverse scale ``[1, C]`` or ``[]``):
+    scales over each column (the second operand of a GEMM whose inner dimension is R)."""
+    data_t, inv = cast_columns_t(t, cast, pow2)
+    return data_t.t(), inv
+
+
+# ------------------------------------------------------------------------ the GEMMs
+
+
+def _inner_pad(t: torch.Tensor) -> int:
+    return 16 if t.is_cuda else 1  # cuBLASLt's FP8 GEMMs take inner dimensions in multiples of 16
+
+
+def _mm(a, sa, b, sb, out_dtype, fast, out=None):
+    """``torch._scaled_mm`` as torchao's ``addmm_float8_unwrapped`` calls it: a rowwise-scaled GEMM
+    without fast accumulation runs unit-scaled and is scaled afterwards (the CUTLASS rowwise
+    kernel is slow without it); rowwise GEMMs write bf16 (fp16/fp32 outputs converted after)."""
+    if (sa.dim() == 0) != (sb.dim() == 0):  # one axiswise, one tensorwise: the scalar repeated (as torchao does)
+        if sa.dim() == 0:
+            sa = sa.repeat(a.shape[0]).reshape(-1, 1)
+        else:
+            sb = sb.repeat(b.shape[1]).reshape(1, -1)
+    rowwise = sa.dim() == 2 and tuple(sa.shape) == (a.shape[0], 1) and tuple(sb.shape) == (1, b.shape[1])
+    post = None
+    if rowwise and not fast:
+        post, sa = (sa, sb), sa.new_ones(())
+        sb = sa
+    dt = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
+    y = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=dt, use_fast_accum=fast,
+                         out=out if out is not None and out.dtype == dt else None)
+    if post is not None:
+        _outer_scale(y, *post)
+    if dt != out_dtype:
+        y = y.to(out_dtype)
+        if out is not None:
+            out.copy_(y)
+            y = out
+    return y
+
+
+def _outer_scale(y: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor) -> None:
+    """``y *= a_inv b_inv`` (``[R, 1]`` times ``[1, C]``, in fp32, y rounded once)."""
+    if y.is_cuda and y.is_contiguous():
+        from ..kernels.fp8_cast import outer_scale_kernel
+
+        R, C = y.shape
+        outer_scale_kernel[(triton_cdiv(R, _BR), triton_cdiv(C, _BC))](y, a_inv, b_inv, R, C, BR=_BR, BC=_BC,
+                                                                      num_warps=4)
+    else:
+        y *= a_inv * b_inv
+
+
+def _col_scale(inv: torch.Tensor) -> torch.Tensor:
+    """A scale of b's columns as ``_scaled_mm`` takes it: ``[1, N]`` (from ``[N, 1]``) or ``[]``."""
+    return inv if inv.dim() == 0 else inv.reshape(1, -1)
+
+
+def forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x W^T`` ``[M, N]`` in x's dtype, both operands cast per ``r``."""
+    xa, xs = cast_rows(x2d, r.input, r.round_scales_to_power_of_2)
+    wa, ws = cast_rows(w, r.weight, r.round_scales_to_power_of_2)  # W's rows: the output's columns
+    return _mm(xa, xs, wa.t(), _col_scale(ws), x2d.dtype, r.fast_accum[0], out)
+
+
+def grad_input(g2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``dX = dQKV W`` ``[M, K]``."""
+    ga, gs = cast_rows(g2d, r.grad_output, r.round_scales_to_power_of_2)
+    wb, ws = cast_columns(w, r.weight_for_grad_input, r.round_scales_to_power_of_2)
+    return _mm(ga, gs, wb, ws, g2d.dtype, r.fast_accum[1], out)
+
+
+def grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, r: Fp8Recipe) -> torch.Tensor:
+    """``dW = dQKV^T X`` ``[N, K]``: in FP8 (both cast per channel, over the tokens), or in
+    high precision where the recipe says so (``torch.mm``, as torchao runs it)."""
+    if r.grad_output_for_grad_weight.dtype is None:
+        from . import host_gemm
+
+        return host_gemm.mm(g2d.t(), x2d)
+    pow2, pad = r.round_scales_to_power_of_2, _inner_pad(g2d)
+    ga, gs = cast_columns_t(g2d, r.grad_output_for_grad_weight, pow2, pad)  # [N, M_pad], [1, N]
+    xb, xs = cast_columns_t(x2d, r.input_for_grad_weight, pow2, pad)        # [K, M_pad], [1, K]
+    return _mm(ga, gs if gs.dim() == 0 else gs.reshape(-1, 1), xb.t(), xs, g2d.dtype, r.fast_accum[2])
