@@ -47,6 +47,9 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
 * ``tma_matmul_kernel`` (``ops/projection``, sm_90 and sm_100a only): the chain's dX and dW and the
   hybrid's dW configurations, with and without the norm-weight finish, NPROG from 1 up.
 * ``l2_flush_kernel`` (the benchmark harness).
+* the FP8 casts (``ops/fp8``, ``kernels/fp8_cast``; sm_90 and both Blackwells): rowwise, tile amax,
+  the per-column/tensorwise cast (transposed or not) and the outer scale, pairwise over the
+  activation dtype, the FP8 format, the power-of-two scales and the integer modes.
 * ``qkv_rope_norm_gemm_sm90_kernel`` (Gluon, ``ops/qkv_rope_norm_gemm``; sm_90 only: wgmma, setmaxnreg):
   the launcher's tile (``TILE``, maxnreg ``MAXNREG``), head_dim 128, bf16/fp16, either norm position,
   weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
@@ -496,10 +499,49 @@ def gemm_jobs() -> list:
     return jobs
 
 
+# the FP8 casts (ops/fp8.py, kernels/fp8_cast.py): FP8 GEMMs from sm_89 on, so the Hopper and Blackwell targets;
+# the launchers' tiles (ROWS 4 x BLOCK_C up to 1024; 64 x 64 tiles, 64 partial rows a step), both FP8 formats
+FP8_TARGETS = (90, 100, 120)
+FP8_KERNELS = {
+    "fp8_rowwise": ("rowwise_cast_kernel", dict(ROWS=4, BLOCK_C=1024), ("x_ptr", "y_ptr", "inv_ptr")),
+    "fp8_tile_amax": ("tile_amax_kernel", dict(BR=64, BC=64), ("x_ptr", "part_ptr")),
+    "fp8_cast": ("cast_kernel", dict(BR=64, BC=64, BP=64), ("x_ptr", "y_ptr", "part_ptr", "inv_ptr")),
+    "fp8_outer_scale": ("outer_scale_kernel", dict(BR=64, BC=64), ("y_ptr", "a_ptr", "b_ptr")),
+}
+
+
+def _fp8_job(family, cc, ints, src="bf16", f8="fp8e4nv", pow2=True, per_column=True, transpose=True, level="cubin",
+             one=None):
+    name, consts, ptrs = FP8_KERNELS[family]
+    consts = dict(consts)
+    fmax = {"fp8e4nv": 448.0, "fp8e5": 57344.0}[f8]
+    if family in ("fp8_rowwise", "fp8_cast"):
+        consts.update(FP8_MAX=fmax, POW2=pow2)
+    if family == "fp8_cast":
+        consts.update(PER_COLUMN=per_column, TRANSPOSE=transpose)
+    types = dict(x_ptr="*" + src, y_ptr="*" + (src if family == "fp8_outer_scale" else f8), inv_ptr="*fp32",
+                 part_ptr="*fp32", a_ptr="*fp32", b_ptr="*fp32")
+    return dict(kernel=f"fp8_cast.{name}", cc=cc, consts=consts, types={k: types[k] for k in ptrs}, ints=ints,
+                one=one, options={"num_warps": 4}, level=level,
+                label=f"{family} sm{cc} {src}->{f8} pow2={pow2} col={per_column} t={transpose} ints={ints}"
+                      f"{'' if one is None else ' one=' + one}")
+
+
+def fp8_jobs() -> list:
+    jobs = []
+    for family in FP8_KERNELS:
+        axes = dict(cc=FP8_TARGETS, ints=INT_MODES, src=("bf16", "fp16", "fp32"), f8=("fp8e4nv", "fp8e5"),
+                    pow2=(True, False))
+        if family == "fp8_cast":
+            axes.update(per_column=(True, False), transpose=(True, False))
+        jobs += [_fp8_job(family, **r) for r in pairwise(axes, seed=3)]
+    return jobs
+
+
 def full_jobs() -> list:
     """Every constexpr value (pairwise), each job compiled to a cubin."""
     return (stage_jobs() + stage_all_heads_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs() + matmul_jobs()
-            + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)] + gemm_jobs())
+            + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)] + gemm_jobs() + fp8_jobs())
 
 
 def one_at_a_time_jobs(kernel_args: dict) -> list:
@@ -516,6 +558,7 @@ def one_at_a_time_jobs(kernel_args: dict) -> list:
         _matmul_job("chain_dw", "bf16", True, "sms", "plain", level="ttir"),
         _matmul_job("chain_dx", "bf16", False, "sms", "plain", level="ttir"),
         _flush_job("plain", level="ttir"),
+        *(_fp8_job(family, 90, "plain", level="ttir") for family in FP8_KERNELS),
         _gemm_job("bf16", True, True, True, "plain", "plain", level="ttir"),
     ]
     jobs = []

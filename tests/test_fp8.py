@@ -274,3 +274,25 @@ def test_a_partial_or_mixed_float8_conversion_is_refused():
     convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("rowwise"))
     with pytest.raises(UnsupportedModuleError, match="apply_to\\(fp8='tensorwise'\\)"):
         m(batch())
+
+
+def test_benchmark_smoke_run(tmp_path):
+    from _scripts import load_benchmark
+
+    import json
+
+    bench = load_benchmark("bench_fp8")
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) in (0, 1)  # CPU times mean nothing
+    row = json.loads((tmp_path / "bench_fp8.json").read_text())["rows"][0]
+    assert set(row["ms"]) == set(bench.PROVIDERS)
+    # the numerics criterion holds on the CPU too (the same casts and GEMM arithmetic)
+    assert row["error_ratio"] <= 1.1 and all(e["fused"] < 0.1 for e in row["errors"].values())
+
+
+def test_head_parallel_refuses_an_fp8_block():
+    pytest.importorskip("torch.distributed.tensor")
+    from fusedqkv.distributed import HeadParallelQKV
+
+    blk = fusedqkv.GQAQKVRoPEQKNorm(64, 4, 2, 16, fp8="rowwise")
+    with pytest.raises(NotImplementedError, match="fp8='rowwise'"):
+        HeadParallelQKV()._apply(blk, None)

@@ -593,6 +593,9 @@ class HeadParallelQKV(ParallelStyle):
             raise NotImplementedError(
                 f"HeadParallelQKV: expected a fusedqkv.GQAQKVRoPEQKNorm or ReferenceGQAQKVRoPEQKNorm, got "
                 f"{base.__name__} (its forward is not known to the head-parallel plan)")
+        if getattr(module, "fp8", None) is not None:
+            raise NotImplementedError(f"HeadParallelQKV: {base.__name__} has fp8={module.fp8.key!r}; the head-parallel "
+                                      "plan runs bf16 GEMMs only (FP8 with tensor parallelism is not built)")
         plain = dict(q_gate=False, rope_style="neox", norm_scope="head", v_norm=False)
         variant = {k: v for k, v in module._variant_kwargs().items() if v != plain[k]}
         if module.q_norm_weight is None:
