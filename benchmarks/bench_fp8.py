@@ -205,7 +205,7 @@ def main(argv=None) -> int:
         configs, rows, sizes, args.reps = SMOKE_CONFIGS, [("smoke", 32)], {32: (2, 16)}, 1
     else:
         device, dtype, backend = torch.device("cuda"), torch.bfloat16, "inductor"
-        configs, sizes = CONFIGS, dict(SIZES, **{32768: (1, 32768)})
+        configs, sizes = CONFIGS, {**SIZES, 32768: (1, 32768)}
         rows = ROWS if args.rows == "all" else [ROWS[int(i)] for i in args.rows.split(",")]
     flusher = timing.L2Flusher(device) if device.type == "cuda" else None
     out = []

@@ -500,13 +500,13 @@ def gemm_jobs() -> list:
 
 
 # the FP8 casts (ops/fp8.py, kernels/fp8_cast.py): FP8 GEMMs from sm_89 on, so the Hopper and Blackwell targets;
-# the launchers' tiles (ROWS 4 x BLOCK_C up to 1024; 64 x 64 tiles, 64 partial rows a step), both FP8 formats
+# the launchers' tiles (ROWS 4 x BLOCK_C up to 1024; 128 x 64 tiles, 64 partial rows a step), both FP8 formats
 FP8_TARGETS = (90, 100, 120)
 FP8_KERNELS = {
     "fp8_rowwise": ("rowwise_cast_kernel", dict(ROWS=4, BLOCK_C=1024), ("x_ptr", "y_ptr", "inv_ptr")),
-    "fp8_tile_amax": ("tile_amax_kernel", dict(BR=64, BC=64), ("x_ptr", "part_ptr")),
-    "fp8_cast": ("cast_kernel", dict(BR=64, BC=64, BP=64), ("x_ptr", "y_ptr", "part_ptr", "inv_ptr")),
-    "fp8_outer_scale": ("outer_scale_kernel", dict(BR=64, BC=64), ("y_ptr", "a_ptr", "b_ptr")),
+    "fp8_tile_amax": ("tile_amax_kernel", dict(BR=128, BC=64), ("x_ptr", "part_ptr")),
+    "fp8_cast": ("cast_kernel", dict(BR=128, BC=64, BP=64), ("x_ptr", "y_ptr", "part_ptr", "inv_ptr")),
+    "fp8_outer_scale": ("outer_scale_kernel", dict(BR=128, BC=64), ("y_ptr", "a_ptr", "b_ptr")),
 }
 
 

@@ -84,9 +84,10 @@ def cast_kernel(x_ptr, y_ptr, part_ptr, inv_ptr, R, R_pad, C, stride_xr, n_part,
     m = (rows < R)[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :], mask=m, other=0.0).to(tl.float32)
     y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX).to(y_ptr.dtype.element_ty)
-    if TRANSPOSE:  # y [C, R_pad]: rows R..R_pad of x (masked to 0) become zero columns
-        mt = (rows < R_pad)[:, None] & cmask[None, :]
-        tl.store(y_ptr + cols.to(tl.int64)[None, :] * R_pad + rows[:, None], y, mask=mt)
+    if TRANSPOSE:  # y [C, R_pad]: rows R..R_pad of x (masked to 0) become zero columns; the tile transposed
+        # in registers so that the store runs along y's rows (coalesced)
+        mt = cmask[:, None] & (rows < R_pad)[None, :]
+        tl.store(y_ptr + cols.to(tl.int64)[:, None] * R_pad + rows[None, :], tl.trans(y), mask=mt)
     else:
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], y, mask=m)
 

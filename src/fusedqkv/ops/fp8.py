@@ -173,7 +173,7 @@ def cast_torch(t: torch.Tensor, cast: Cast, dim: int, pow2: bool):
 
 
 _ROWS, _BLOCK_C = 4, 1024   # rowwise cast: rows per program, columns per step
-_BR, _BC, _BP = 64, 64, 64  # tile amax / cast tiles; partial rows reduced per step
+_BR, _BC, _BP = 128, 64, 64  # tile amax / cast tiles; partial rows reduced per step
 
 
 def _rowwise_triton(t: torch.Tensor, cast: Cast, pow2: bool):
