@@ -102,8 +102,12 @@ def draw_case(seed: int, index: int, caps: dict, api=None, plain=False) -> dict:
     opt_train.update(q_gate=rng.random() < 0.2, rope_style="interleaved" if rng.random() < 0.2 else "neox",
                      rot_div=rng.choice([1, 1, 1, 2, 4]), norm_weight=rng.random() >= 0.15,
                      norm_scope="all_heads" if rng.random() < 0.15 else "head", v_norm=rng.random() < 0.2)
+    fp8_draw = rng.choice([None, None, None, "rowwise", "tensorwise", "rowwise_with_gw_hp"])  # (drawn last, as above)
     if plain:
         opt_train.update(q_gate=False, rope_style="neox", rot_div=1, norm_scope="head", v_norm=False)
+    # the FP8 projection (issue 35) where its GEMMs take the sizes: hidden and qkv rows multiples of 16
+    rows = ((2 if opt_train["q_gate"] else 1) * hq + 2 * hkv) * d
+    opt_train["fp8"] = fp8_draw if caps.get("fp8", True) and hidden % 16 == 0 and rows % 16 == 0 else None
     case["api"] = api or case["api"]
     case.update(opt_091 if case["api"] == "091" else opt_train)
     return case
@@ -112,7 +116,7 @@ def draw_case(seed: int, index: int, caps: dict, api=None, plain=False) -> dict:
 def case_line(case: dict) -> str:
     keys = ["api", "batch", "seq", "num_heads", "num_kv_heads", "head_dim", "hidden", "dtype", "layout"]
     extra = [k for k in ("position", "cos_grad", "cos_broadcast", "frozen", "rstd_3d", "norm_fp32", "rstd_fp32", "out",
-                         "q_gate", "v_norm") if case.get(k) not in (None, False, "none")]
+                         "q_gate", "v_norm", "fp8") if case.get(k) not in (None, False, "none")]
     extra += [k for k, plain in (("rope_style", "neox"), ("norm_scope", "head"), ("rot_div", 1), ("norm_weight", True))
               if case.get(k, plain) != plain]
     return " ".join(f"{k}={case[k]}" for k in keys) + "".join(
@@ -298,6 +302,57 @@ def _reference_block(x, w, wq, wk, cos, sin, hq, hkv, eps, position, **variant):
     return reference_block(x, w, wq, wk, cos, sin, hq, hkv, eps, position == "after_rope", **variant)
 
 
+def _fp8_reference_projection(recipe_name):
+    """``x W^T`` with the recipe's FP8 GEMMs, the operands cast by torch ops in torchao's steps
+    (``ops.fp8.cast_torch``: not the Triton casts under test) and multiplied by ``torch._scaled_mm``
+    as the block issues it: an autograd function (dX, dW by the recipe)."""
+    import torch
+
+    from fusedqkv.ops import fp8
+
+    r = fp8.RECIPES[recipe_name]
+    pow2 = r.round_scales_to_power_of_2
+
+    def rows(t, cast):
+        return fp8.cast_torch(t, cast, -1, pow2)
+
+    def cols_t(t, cast, pad):
+        data, inv = fp8.cast_torch(t, cast, 0, pow2)
+        data = data.t().contiguous()
+        if pad and data.shape[1] % 16:
+            data = torch.nn.functional.pad(data.view(torch.uint8), (0, -data.shape[1] % 16)).view(data.dtype)
+        return data, inv
+
+    def col(inv):
+        return inv if inv.dim() == 0 else inv.reshape(1, -1)
+
+    class Fp8Projection(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x2, w):
+            ctx.save_for_backward(x2, w)
+            xa, xs = rows(x2, r.input)
+            wa, ws = rows(w, r.weight)
+            return fp8._mm(xa, xs, wa.t(), col(ws), x2.dtype, r.fast_accum[0])
+
+        @staticmethod
+        def backward(ctx, g):
+            x2, w = ctx.saved_tensors
+            g = g.contiguous()
+            ga, gs = rows(g, r.grad_output)
+            wt, ws = cols_t(w, r.weight_for_grad_input, False)
+            dx = fp8._mm(ga, gs, wt.t(), ws, g.dtype, r.fast_accum[1])
+            if r.grad_output_for_grad_weight.dtype is None:
+                dw = (g.t().float() @ x2.float()).to(g.dtype)
+            else:
+                gt, gts = cols_t(g, r.grad_output_for_grad_weight, x2.is_cuda)
+                xt, xts = cols_t(x2, r.input_for_grad_weight, x2.is_cuda)
+                dw = fp8._mm(gt, gts if gts.dim() == 0 else gts.reshape(-1, 1), xt.t(), xts, g.dtype,
+                             r.fast_accum[2])
+            return dx, dw
+
+    return Fp8Projection.apply
+
+
 def _rotary_width(d: int, rot_div: int) -> int:
     """Partial rotary: head_dim / rot_div rounded down to an even size (at least 2)."""
     rot = d // rot_div
@@ -346,12 +401,21 @@ def check_train(case, device, backend, fused_forward="auto") -> dict:
              + (["grad_q_norm_weight", "grad_k_norm_weight"] if weighted else [])
              + (["grad_cos", "grad_sin"] if need["cs"] else []))
 
+    recipe = case.get("fp8")
+    project = _fp8_reference_projection(recipe) if recipe else None
+
     def run(impl, t_dtype=None):
         (lx, lw, lq, lk, lc, ls), wrt = leaves(t_dtype)
         if impl == "ours":
             outs = fusedqkv.gqa_qkv_rope_qk_norm(lx, lw, lq, lk, lc, ls, num_heads=hq, num_kv_heads=hkv,
                                                  eps=case["eps"], qk_norm_position=case["position"], backend=backend,
-                                                 **variant)
+                                                 fp8=recipe, **variant)
+        elif recipe:  # the reference FP8 projection (in the activations' dtype), then the reference stage
+            # in t_dtype through an identity projection (exact: one product per output)
+            qkv = project(lx.reshape(b * s, h).to(dt), lw.to(dt)).view(b, s, nqkv)
+            eye = torch.eye(nqkv, device=qkv.device, dtype=t_dtype or dt)
+            outs = _reference_block(qkv.to(t_dtype or dt), eye, lq, lk, lc, ls, hq, hkv, case["eps"],
+                                    case["position"], **variant)
         else:
             outs = _reference_block(lx, lw, lq, lk, lc, ls, hq, hkv, case["eps"], case["position"], **variant)
         go = [g.to(o.dtype) if g.dtype != o.dtype else g for g, o in zip(grads, outs)]

@@ -296,3 +296,27 @@ def test_head_parallel_refuses_an_fp8_block():
     blk = fusedqkv.GQAQKVRoPEQKNorm(64, 4, 2, 16, fp8="rowwise")
     with pytest.raises(NotImplementedError, match="fp8='rowwise'"):
         HeadParallelQKV()._apply(blk, None)
+
+
+def test_every_variant_runs_its_projection_in_fp8():
+    """The block's variants (gated q, partial and interleaved RoPE, unweighted norms, the norm
+    across heads, v normed) with each recipe, through gpu_fuzz's check (the reference: torchao's
+    casts in torch ops, torch._scaled_mm, then the reference stage; three-way rule against float64)."""
+    from _scripts import load_benchmark
+
+    fuzz = load_benchmark("gpu_fuzz")
+    caps = dict(max_tokens=40, max_hidden=128, max_heads=8, head_dims=[16, 32])
+    want = {"q_gate": lambda c: c["q_gate"], "v_norm": lambda c: c["v_norm"],
+            "all_heads": lambda c: c["norm_scope"] == "all_heads", "interleaved": lambda c: c["rope_style"] != "neox",
+            "partial": lambda c: c["rot_div"] > 1, "unweighted": lambda c: not c["norm_weight"]}
+    picked, seen = [], set()
+    for i in range(2000):
+        c = fuzz.draw_case(11, i, caps, api="train")
+        new = {(k, c["fp8"]) for k, f in want.items() if c["fp8"] and f(c)} - seen
+        if new:
+            picked.append(c)
+            seen |= new
+    assert {k for k, _ in seen} == set(want)
+    for c in picked:
+        res = fuzz.check_train(c, torch.device("cpu"), None)
+        assert res["ok"], (fuzz.case_line(c), {k: v for k, v in res["outputs"].items() if not v["passed"]})

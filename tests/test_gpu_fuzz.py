@@ -45,6 +45,10 @@ def test_cases_are_reproducible_and_within_the_caps():
     assert {c["api"] for c in cases} == {"091", "train"}
     assert {c["layout"] for c in cases} == set(fuzz.LAYOUTS)
     assert {c["dtype"] for c in cases} == {"bf16", "fp16", "fp32"}
+    # the FP8 projection's recipes, only where its GEMMs take the sizes
+    train = [c for c in cases if c["api"] == "train"]
+    assert {c["fp8"] for c in train} == {None, "rowwise", "tensorwise", "rowwise_with_gw_hp"}
+    assert all(c["hidden"] % 16 == 0 for c in train if c["fp8"])
 
 
 @needs_pack
