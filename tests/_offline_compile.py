@@ -500,10 +500,12 @@ def gemm_jobs() -> list:
 
 
 # the FP8 casts (ops/fp8.py, kernels/fp8_cast.py): FP8 GEMMs from sm_89 on, so the Hopper and Blackwell targets;
-# the launchers' tiles (ROWS 4 x BLOCK_C up to 1024; 128 x 64 tiles, 64 partial rows a step), both FP8 formats
+# the launchers' tiles (ROWS 4 x BLOCK_C 1024, or one whole row of up to 8192; 128 x 64 tiles, 64 partial rows a step), both FP8 formats
 FP8_TARGETS = (90, 100, 120)
 FP8_KERNELS = {
-    "fp8_rowwise": ("rowwise_cast_kernel", dict(ROWS=4, BLOCK_C=1024), ("x_ptr", "y_ptr", "inv_ptr")),
+    "fp8_rowwise": ("rowwise_cast_kernel", dict(ROWS=4, BLOCK_C=1024, WHOLE_ROW=False), ("x_ptr", "y_ptr", "inv_ptr")),
+    "fp8_rowwise_whole": ("rowwise_cast_kernel", dict(ROWS=1, BLOCK_C=8192, WHOLE_ROW=True),
+                          ("x_ptr", "y_ptr", "inv_ptr")),
     "fp8_tile_amax": ("tile_amax_kernel", dict(BR=128, BC=64), ("x_ptr", "part_ptr")),
     "fp8_cast": ("cast_kernel", dict(BR=128, BC=64, BP=64), ("x_ptr", "y_ptr", "part_ptr", "inv_ptr")),
     "fp8_outer_scale": ("outer_scale_kernel", dict(BR=128, BC=64), ("y_ptr", "a_ptr", "b_ptr")),
@@ -515,14 +517,14 @@ def _fp8_job(family, cc, ints, src="bf16", f8="fp8e4nv", pow2=True, per_column=T
     name, consts, ptrs = FP8_KERNELS[family]
     consts = dict(consts)
     fmax = {"fp8e4nv": 448.0, "fp8e5": 57344.0}[f8]
-    if family in ("fp8_rowwise", "fp8_cast"):
+    if family in ("fp8_rowwise", "fp8_rowwise_whole", "fp8_cast"):
         consts.update(FP8_MAX=fmax, POW2=pow2)
     if family == "fp8_cast":
         consts.update(PER_COLUMN=per_column, TRANSPOSE=transpose)
     types = dict(x_ptr="*" + src, y_ptr="*" + (src if family == "fp8_outer_scale" else f8), inv_ptr="*fp32",
                  part_ptr="*fp32", a_ptr="*fp32", b_ptr="*fp32")
     return dict(kernel=f"fp8_cast.{name}", cc=cc, consts=consts, types={k: types[k] for k in ptrs}, ints=ints,
-                one=one, options={"num_warps": 4}, level=level,
+                one=one, options={"num_warps": 8 if family == "fp8_rowwise_whole" else 4}, level=level,
                 label=f"{family} sm{cc} {src}->{f8} pow2={pow2} col={per_column} t={transpose} ints={ints}"
                       f"{'' if one is None else ' one=' + one}")
 

@@ -320,3 +320,16 @@ def test_every_variant_runs_its_projection_in_fp8():
     for c in picked:
         res = fuzz.check_train(c, torch.device("cpu"), None)
         assert res["ok"], (fuzz.case_line(c), {k: v for k, v in res["outputs"].items() if not v["passed"]})
+
+
+def test_rowwise_cast_of_rows_longer_than_the_register_tile(interpret, monkeypatch):
+    """Rows beyond _WHOLE_ROW_MAX: the amax loop and the cast loop over column chunks."""
+    monkeypatch.setattr(fp8, "_WHOLE_ROW_MAX", 64)
+    monkeypatch.setattr(fp8, "_BLOCK_C", 32)
+    torch.manual_seed(5)
+    t = (torch.randn(9, 100) * torch.logspace(-2, 2, 100)).to(torch.bfloat16)
+    for cast in (fp8.Cast(fp8.E4M3), fp8.Cast(fp8.E5M2)):
+        data, inv = fp8._rowwise_triton(t, cast, True)
+        want, want_inv = fp8.cast_torch(t, cast, -1, True)
+        assert torch.equal(inv, want_inv)
+        _same_up_to_interpreter_cast(data, want)

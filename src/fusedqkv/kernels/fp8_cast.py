@@ -6,7 +6,8 @@ data is ``clamp(x * scale, -fp8_max, fp8_max)`` cast with round-to-nearest-even;
 takes the reciprocal of the scale.
 
 * ``rowwise_cast_kernel``: one scale per row of ``x [R, C]``, data row-major ``[R, C]``;
-  one program per ``ROWS`` rows (an amax loop over the row, then a cast loop).
+  one program per ``ROWS`` rows: the whole row in registers up to 8192 columns (one read),
+  else an amax loop over the row, then a cast loop.
 * ``tile_amax_kernel``: the amax of each ``[BR, BC]`` tile's columns, ``part [cdiv(R, BR), C]``
   (per-column scales reduce it; a tensor's scale is its max).
 * ``cast_kernel``: one scale per column (from ``part``) or one for the tensor (``amax``),
@@ -28,23 +29,30 @@ def _scale_of(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 @triton.jit
 def rowwise_cast_kernel(x_ptr, y_ptr, inv_ptr, R, C, stride_xr, stride_yr, FP8_MAX: tl.constexpr,
-                        POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+                        POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, WHOLE_ROW: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < R
     cols = tl.arange(0, BLOCK_C)
     x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
-    amax = tl.zeros([ROWS], tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        m = rmask[:, None] & (c0 + cols < C)[None, :]
-        x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
-    scale = _scale_of(amax, FP8_MAX, POW2)
     y_row = y_ptr + rows.to(tl.int64)[:, None] * stride_yr
-    for c0 in range(0, C, BLOCK_C):
-        m = rmask[:, None] & (c0 + cols < C)[None, :]
-        x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if WHOLE_ROW:  # BLOCK_C >= C: the rows stay in registers between the amax and the cast (one read)
+        m = rmask[:, None] & (cols < C)[None, :]
+        x = tl.load(x_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        scale = _scale_of(tl.max(tl.abs(x), 1), FP8_MAX, POW2)
         y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
-        tl.store(y_row + c0 + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+    else:
+        amax = tl.zeros([ROWS], tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            m = rmask[:, None] & (c0 + cols < C)[None, :]
+            x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
+        scale = _scale_of(amax, FP8_MAX, POW2)
+        for c0 in range(0, C, BLOCK_C):
+            m = rmask[:, None] & (c0 + cols < C)[None, :]
+            x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
+            tl.store(y_row + c0 + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     tl.store(inv_ptr + rows, tl.div_rn(tl.full([ROWS], 1.0, tl.float32), scale), mask=rmask)
 
 

@@ -172,7 +172,8 @@ def cast_torch(t: torch.Tensor, cast: Cast, dim: int, pow2: bool):
     return data, scale.reciprocal()
 
 
-_ROWS, _BLOCK_C = 4, 1024   # rowwise cast: rows per program, columns per step
+_WHOLE_ROW_MAX = 8192       # rowwise cast: a row this long (padded to a power of two) stays in registers
+_ROWS, _BLOCK_C = 4, 1024   # rowwise cast of longer rows: rows per program, columns per step
 _BR, _BC, _BP = 128, 64, 64  # tile amax / cast tiles; partial rows reduced per step
 
 
@@ -182,9 +183,15 @@ def _rowwise_triton(t: torch.Tensor, cast: Cast, pow2: bool):
     R, C = t.shape
     y = torch.empty((R, C), dtype=cast.dtype, device=t.device)
     inv = torch.empty((R, 1), dtype=torch.float32, device=t.device)
-    rowwise_cast_kernel[(triton_cdiv(R, _ROWS),)](t, y, inv, R, C, t.stride(0), y.stride(0),
-                                                  FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, ROWS=_ROWS,
-                                                  BLOCK_C=min(_BLOCK_C, next_pow2(C)), num_warps=4)
+    whole = next_pow2(C) <= _WHOLE_ROW_MAX
+    if whole:  # one row per program from 2048 columns on (<= 32 fp32 values per thread at 8 warps)
+        block, rows = next_pow2(C), 1 if C > 2048 else max(1, 2048 // next_pow2(C))
+        warps = 8 if block >= 4096 else 4
+    else:
+        block, rows, warps = _BLOCK_C, _ROWS, 4
+    rowwise_cast_kernel[(triton_cdiv(R, rows),)](t, y, inv, R, C, t.stride(0), y.stride(0),
+                                                 FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, ROWS=rows,
+                                                 BLOCK_C=block, WHOLE_ROW=whole, num_warps=warps)
     return y, inv
 
 
@@ -263,6 +270,12 @@ def _inner_pad(t: torch.Tensor) -> int:
     return 16 if t.is_cuda else 1  # cuBLASLt's FP8 GEMMs take inner dimensions in multiples of 16
 
 
+# session 17 A/B: rowwise scales in cuBLASLt's epilogue (outer-vector scaling) for the GEMMs without
+# fast accumulation, instead of torchao's unit-scaled GEMM + a scaling pass (the same values with
+# power-of-two scales, up to the GEMM's accumulation order)
+ROWWISE_IN_EPILOGUE = False
+
+
 def _mm(a, sa, b, sb, out_dtype, fast, out=None):
     """``torch._scaled_mm`` as torchao's ``addmm_float8_unwrapped`` calls it: a rowwise-scaled GEMM
     without fast accumulation runs unit-scaled and is scaled afterwards (the CUTLASS rowwise
@@ -274,7 +287,7 @@ def _mm(a, sa, b, sb, out_dtype, fast, out=None):
             sb = sb.repeat(b.shape[1]).reshape(1, -1)
     rowwise = sa.dim() == 2 and tuple(sa.shape) == (a.shape[0], 1) and tuple(sb.shape) == (1, b.shape[1])
     post = None
-    if rowwise and not fast:
+    if rowwise and not fast and not ROWWISE_IN_EPILOGUE:
         post, sa = (sa, sb), sa.new_ones(())
         sb = sa
     dt = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
