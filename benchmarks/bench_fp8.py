@@ -7,9 +7,9 @@ weights and inputs (bf16 activations and weights, all trainable):
   torchao       torchao's Float8Linear (rowwise) on the fused q/k/v weight, then HF's RMSNorm and
                 RoPE, under torch.compile (inductor, one static compile per size)
   bf16_floor    the three GEMMs through cuBLAS: x W^T, dQKV W, dQKV^T X
-  fp8_floor     the three torch._scaled_mm calls of the rowwise recipe on operands cast beforehand
-                (forward rowwise-scaled with fast accumulation; dX and dW unit-scaled without it,
-                as torchao runs them): no cast, no scaling pass, no stage
+  fp8_floor     the three torch._scaled_mm calls of the rowwise recipe on operands cast beforehand,
+                as the block issues them (rowwise scales in cuBLASLt's epilogue; fast accumulation in
+                the forward only): no cast, no stage
 
 Each fwd+bwd call is ``torch.autograd.grad`` of q, k, v (fixed output gradients) with respect to
 hidden_states, the weight and the norm weights; each provider captured as a CUDA graph (inputs and
@@ -157,16 +157,15 @@ class Row:
         xa, xs = fp8.cast_rows(x2, r.input, True)
         wa, ws = fp8.cast_rows(w, r.weight, True)
         ga, gs = fp8.cast_rows(dqkv, r.grad_output, True)
-        wb, _ = fp8.cast_columns(w, r.weight_for_grad_input, True)
-        gt, _ = fp8.cast_columns_t(dqkv, r.grad_output_for_grad_weight, True, 16)
-        xt, _ = fp8.cast_columns_t(x2, r.input_for_grad_weight, True, 16)
-        one = torch.ones((), device=x2.device)
-        ws = ws.reshape(1, -1)
+        wb, wbs = fp8.cast_columns(w, r.weight_for_grad_input, True)
+        gt, gts = fp8.cast_columns_t(dqkv, r.grad_output_for_grad_weight, True, 16)
+        xt, xts = fp8.cast_columns_t(x2, r.input_for_grad_weight, True, 16)
+        ws, gts = ws.reshape(1, -1), gts.reshape(-1, 1)
 
         def call():
             qkv = torch._scaled_mm(xa, wa.t(), scale_a=xs, scale_b=ws, out_dtype=x2.dtype, use_fast_accum=True)
-            dx = torch._scaled_mm(ga, wb, scale_a=one, scale_b=one, out_dtype=x2.dtype)
-            dw = torch._scaled_mm(gt, xt.t(), scale_a=one, scale_b=one, out_dtype=x2.dtype)
+            dx = torch._scaled_mm(ga, wb, scale_a=gs, scale_b=wbs, out_dtype=x2.dtype)
+            dw = torch._scaled_mm(gt, xt.t(), scale_a=gts, scale_b=xts, out_dtype=x2.dtype)
             return qkv, dx, dw
         return call
 

@@ -332,7 +332,7 @@ def _fp8_reference_projection(recipe_name):
             ctx.save_for_backward(x2, w)
             xa, xs = rows(x2, r.input)
             wa, ws = rows(w, r.weight)
-            return fp8._mm(xa, xs, wa.t(), col(ws), x2.dtype, r.fast_accum[0])
+            return fp8._mm(xa, xs, wa.t(), col(ws), x2.dtype, r.fast_accum[0], pow2)
 
         @staticmethod
         def backward(ctx, g):
@@ -340,14 +340,14 @@ def _fp8_reference_projection(recipe_name):
             g = g.contiguous()
             ga, gs = rows(g, r.grad_output)
             wt, ws = cols_t(w, r.weight_for_grad_input, False)
-            dx = fp8._mm(ga, gs, wt.t(), ws, g.dtype, r.fast_accum[1])
+            dx = fp8._mm(ga, gs, wt.t(), ws, g.dtype, r.fast_accum[1], pow2)
             if r.grad_output_for_grad_weight.dtype is None:
                 dw = (g.t().float() @ x2.float()).to(g.dtype)
             else:
                 gt, gts = cols_t(g, r.grad_output_for_grad_weight, x2.is_cuda)
                 xt, xts = cols_t(x2, r.input_for_grad_weight, x2.is_cuda)
                 dw = fp8._mm(gt, gts if gts.dim() == 0 else gts.reshape(-1, 1), xt.t(), xts, g.dtype,
-                             r.fast_accum[2])
+                             r.fast_accum[2], pow2)
             return dx, dw
 
     return Fp8Projection.apply
