@@ -258,6 +258,11 @@ def test_torchao_conversion_in_either_order_runs_its_recipe_in_the_block(order):
     m(ids).logits.float().pow(2).mean().backward()
     grads = {n: p.grad for n, p in m.named_parameters() if "layers.0.self_attn" in n}
     assert grads["model.layers.0.self_attn.qkv_proj.weight"] is not None
+    assert list(m.state_dict()) == list(_tiny_qwen3().state_dict())  # HF's keys either way
+    if order == "convert_after_apply_to":  # the Float8Linear's weight: a view of the fused rows (README)
+        assert grads["model.layers.0.self_attn.q_proj.weight"] is None
+    else:
+        assert not any(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) for n in grads)
 
 
 def test_a_partial_or_mixed_float8_conversion_is_refused():
