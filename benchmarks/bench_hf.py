@@ -42,6 +42,13 @@ in every stack, after apply_to in the fused ones; targets 12 % (qwen3_8b, 4 laye
     PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/bench_hf.py --family qwen3 --layers 28 --lora 16 \
         --lora-init random --stacks hf-fp32,hf,hf+fusedqkv --steps 30 --out $OUT/lora06b
 
+--fp8 RECIPE (issue 35; not run yet): torchao float8 training (convert_to_float8_training) of every
+linear but lm_head in the bf16 stacks, and apply_to(model, fp8=RECIPE) with q/k/v left to the block in
+the fused ones (torchao carried as a wheel):
+
+    PYTHONPATH=src:/tmp/site TRITON_INTERPRET=0 python3 benchmarks/bench_hf.py --family qwen3_8b --fp8 rowwise \
+        --stacks "hf-fp32,hf,compile(hf),compile(hf+fusedqkv)" --steps 100 --out $OUT/fp8_8b
+
 Device (Liger carried as a wheel in .whl/, found there when liger_kernel is not installed):
 
     PYTHONPATH=src python3 benchmarks/bench_hf.py --out benchmarks/results/<run>/hf
@@ -237,9 +244,17 @@ def run_stack(stack, args, cfg_kw, data, device):
     n_fused = 0
     if "liger" in stack:
         getattr(lt, fam.liger)(model=model)
+    fp8 = args.fp8 if stack != "hf-fp32" else None
     if "fusedqkv" in stack:
-        n_fused = fusedqkv.apply_to(model)
+        n_fused = fusedqkv.apply_to(model, fp8=fp8)
         assert n_fused == cfg_kw["num_hidden_layers"], n_fused
+    if fp8:  # torchao's float8 on every linear but the output layer (as torchtitan); fused q/k/v: the block's
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        def convert(mod, fqn):
+            name = fqn.split(".")[-1]
+            return name != "lm_head" and ("fusedqkv" not in stack or name not in ("q_proj", "k_proj", "v_proj"))
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(fp8), module_filter_fn=convert)
     if args.lora:  # after apply_to (the README's order); the same adapter values in every stack
         from peft import LoraConfig, get_peft_model
 
@@ -446,6 +461,9 @@ def main(argv=None):
                         "fine-tuning (default)")
     p.add_argument("--lora-init", default="peft", choices=["peft", "random"],
                    help="peft: PEFT's init (B = 0); random: B ~ 0.01 N(0, 1) as well")
+    p.add_argument("--fp8", default=None, choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+                   help="torchao float8 training of every linear but lm_head in the bf16 stacks; +fusedqkv stacks: "
+                        "apply_to(model, fp8=...) and q/k/v left to the block (needs torchao)")
     p.add_argument("--tiny", action="store_true", help="tiny model, batch 2 x seq 64, 6 steps: the CPU check")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--plot", metavar="JSON",

@@ -86,3 +86,15 @@ def test_qwen3_5_full_size_config():
         248320, 4096, 16, 4, 256)
     assert cfg.layer_types == ["full_attention"] * 6 and cfg.rope_parameters["partial_rotary_factor"] == 0.25
     assert bench.family_config("qwen3", tiny=False, layers=4) == bench.QWEN3_06B  # qwen3 as before
+
+
+def test_tiny_fp8_run_converts_every_linear_and_fuses_q_k_v_in_fp8(tmp_path):
+    pytest.importorskip("torchao.float8")
+    bench = load_bench()
+    rc = bench.main(["--tiny", "--steps", "2", "--device", "cpu", "--fp8", "rowwise", "--stacks", "hf,hf+fusedqkv",
+                     "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "bench_hf.json").read_text())
+    assert rc == 0 and report["results"]["hf+fusedqkv"]["layers_fused"] == 2
+    # FP8 in both stacks: the first losses agree within FP8's noise, not bf16's alone
+    hf, fused = report["results"]["hf"]["losses"], report["results"]["hf+fusedqkv"]["losses"]
+    assert abs(hf[0] - fused[0]) < 5e-2
