@@ -166,13 +166,14 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
     then sums its gradient over the batch). ``qkv_bias`` and ``qkv_residual`` optional (None;
     the residual's gradient is dQKV); the norm weights None
     for unweighted norms. ``meta``: ``(num_heads, num_kv_heads, eps, norm_after_rope, backend,
-    plan, variant)``, one argument (``apply`` costs host time per argument); ``plan`` the
-    forward's plan (eager calls), or None (under torch.compile: the custom ops); ``variant`` the
-    block's :class:`~fusedqkv.ops.gqa_forward.Variant`."""
+    plan, variant, weight_source)``, one argument (``apply`` costs host time per argument); ``plan``
+    the forward's plan (eager calls), or None (under torch.compile: the custom ops); ``variant`` the
+    block's :class:`~fusedqkv.ops.gqa_forward.Variant`; ``weight_source`` None, or a callable that
+    gives qkv_weight again in the backward (which then does not keep it)."""
 
     @staticmethod
     def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta):
-        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant = meta
+        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, source = meta
         if plan is not None:
             q, k, qkv, _, _, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                              cos, sin, qkv_bias, qkv_residual)
@@ -186,7 +187,8 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
         if not variant.v_norm:
             v = heads[:, :, nq + num_kv_heads:].transpose(1, 2)
         # rstd is not kept: the backward recomputes it from qkv (and v's norm from its columns)
-        ctx.save_for_backward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv)
+        ctx.save_for_backward(hidden_states, None if source is not None else qkv_weight, q_norm_weight,
+                              k_norm_weight, cos, sin, qkv)
         ctx.meta = meta
         if variant.q_gate:  # the gate: the second half of each query head's columns, unnormed
             return q, k, v, heads[:, :, 1:nq:2]
@@ -195,7 +197,9 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v, grad_gate=None):
         hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv = ctx.saved_tensors
-        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant = ctx.meta
+        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, source = ctx.meta
+        if source is not None:  # rebuilt rather than held since the forward (QLoRA's dequantized weight)
+            qkv_weight = source()
         need = ctx.needs_input_grad
         need_cs = bool(need[4] or need[5])
         need_b, need_res = bool(need[6]), bool(need[7])
@@ -223,7 +227,7 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
                          num_kv_heads, eps=1e-6, qk_norm_position="after_rope", backend: Optional[str] = None,
                          qkv_bias: Optional[Tensor] = None, norm_weight_offset: float = 0.0, q_gate: bool = False,
                          rope_style: str = "neox", norm_scope: str = "head", v_norm: bool = False,
-                         qkv_residual: Optional[Tensor] = None):
+                         qkv_residual: Optional[Tensor] = None, qkv_weight_source=None):
     """QKV projection + RoPE + RMSNorm of q and k, differentiable.
 
     hidden_states ``[batch, seq, hidden]``; qkv_weight ``[(num_heads + 2*num_kv_heads)*head_dim,
@@ -239,6 +243,11 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     ``qkv_residual``: optional ``[batch, seq, qkv rows]`` tensor added to the projection output
     before RoPE and the norms (``x W^T [+ b] + r``; hidden_states' dtype): the LoRA update of
     :mod:`fusedqkv.integrations.peft`. Its gradient is dQKV.
+    ``qkv_weight_source``: optional callable returning qkv_weight again (the same values, shape,
+    dtype and device; called once in the backward), for a frozen qkv_weight that is cheaper to
+    rebuild than to keep between forward and backward: the 4-bit weights of
+    :mod:`fusedqkv.integrations.qlora`, dequantized into a reused workspace. Under torch.compile
+    qkv_weight is kept as usual.
 
     The block's variants: ``q_norm_weight=None`` and ``k_norm_weight=None``: unweighted norms
     (Llama 4, nanochat); ``rope_style="interleaved"``: RoPE pairs ``(2i, 2i+1)`` (GPT-J / Llama 4;
@@ -268,10 +277,14 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
             t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             for t in (hidden_states, qkv_weight, qkv_bias, cos, sin, qkv_residual))
         with torch.autocast(dev_type, enabled=False):
+            if qkv_weight_source is not None and isinstance(qkv_weight, torch.Tensor):
+                src, want = qkv_weight_source, qkv_weight.dtype
+                qkv_weight_source = lambda: src().to(want)  # noqa: E731 - what the cast above gave
             return gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                         num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
                                         qk_norm_position=qk_norm_position, backend=backend, qkv_bias=qkv_bias,
-                                        norm_weight_offset=norm_weight_offset, qkv_residual=qkv_residual, **options)
+                                        norm_weight_offset=norm_weight_offset, qkv_residual=qkv_residual,
+                                        qkv_weight_source=qkv_weight_source, **options)
     if norm_weight_offset != 0.0 or type(norm_weight_offset) not in (float, int):
         offset = V.require_number("norm_weight_offset", norm_weight_offset)
         if offset != 0.0:
@@ -301,6 +314,15 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
         b, s, rot = plan.cs_shape
     if qkv_residual is not None:
         _check_residual(qkv_residual, hidden_states, sz)
+    if qkv_weight_source is not None:
+        if not callable(qkv_weight_source):
+            raise TypeError(f"qkv_weight_source: expected a callable returning qkv_weight, got "
+                            f"{type(qkv_weight_source).__name__}")
+        if qkv_weight.requires_grad:
+            raise ValueError("qkv_weight_source: qkv_weight requires grad; a rebuilt weight must be frozen "
+                             "(its gradient would not reach the tensor the source rebuilds it from)")
+        if torch.compiler.is_compiling():
+            qkv_weight_source = None  # traced: the graph keeps qkv_weight
     if cos.shape[0] != b:
         cos = cos.expand(b, s, rot)
     if sin.shape[0] != b:
@@ -308,4 +330,4 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     return GQAQKVRoPEQKNormFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias,
                                           qkv_residual,
                                           (sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"],
-                                           backend, plan, sz["variant"]))
+                                           backend, plan, sz["variant"], qkv_weight_source))
