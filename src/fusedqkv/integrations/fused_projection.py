@@ -191,7 +191,7 @@ def _check_unhooked(where: str, name: str, lora, m) -> None:
 
 
 def _quantized_slots(attn, projs: tuple, where: str) -> list:
-    from .qlora import is_4bit
+    from .qlora import check_4bit, is_4bit
 
     out = []
     for name in projs:
@@ -205,6 +205,7 @@ def _quantized_slots(attn, projs: tuple, where: str) -> list:
                 f"the fused block computes {name} as a bitsandbytes Linear4bit, plain or under a PEFT LoRA layer, "
                 f"and cannot compute this module (it would be bypassed)" + _hint(lora if lora is not None else m))
         _check_unhooked(where, name, lora, m)
+        check_4bit(f"{where}.{name}", m, m.in_features, UnsupportedModuleError)
         out.append((name, m, lora))
     return out
 

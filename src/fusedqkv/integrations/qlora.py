@@ -72,6 +72,9 @@ def check_4bit(path: str, m, hidden: int, error) -> None:
                     f"[{m.out_features}, {hidden}] (hidden_size from the config)")
     if qs.quant_type not in ("nf4", "fp4"):
         raise error(f"fusedqkv: {path}: 4-bit quant_type {qs.quant_type!r}; expected 'nf4' or 'fp4'")
+    if getattr(qs, "packing_format_for_cpu", False):
+        raise error(f"fusedqkv: {path}: the 4-bit weight was repacked for bitsandbytes' CPU inference kernel (an "
+                    f"eval-mode call without grad on a CPU); dequantize_4bit does not read that layout")
 
 
 def block_dtype(hidden_states: torch.Tensor) -> torch.dtype:
