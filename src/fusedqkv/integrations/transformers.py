@@ -40,7 +40,7 @@ from torch.nn import functional as F
 
 from ..autograd import gqa_qkv_rope_qk_norm
 from .fused_projection import FusedQKVProjection, ProjectionRows, UnsupportedModuleError, projection_slots, unwrap_lora
-from .peft import lora_residual
+from .peft import lora_operands
 from . import qlora
 from ..ops.validation import MAX_HEAD_DIM as _MAX_HEAD_DIM
 
@@ -364,7 +364,8 @@ class _FusedAttention:
             proj = self.qkv_proj
             w, b = proj.weight, proj.bias
             n_rows = w.shape[0]
-        residual = lora_residual(hidden_states, slots, spec.split, n_rows)
+        # the adapters inside the block (in place), or as a residual of the projection output
+        residual, lora = lora_operands(hidden_states, slots, spec.split, n_rows, inplace=not spec.k_eq_v)
         if spec.k_eq_v and spec.quantized:
             if residual is not None:
                 residual = torch.cat([residual, residual[..., spec.split[0]:]], -1)
@@ -383,7 +384,7 @@ class _FusedAttention:
         # under autocast the block casts its inputs as HF's Linear would (gqa_qkv_rope_qk_norm)
         out = gqa_qkv_rope_qk_norm(hidden_states, w, wq, wk, cos, sin, num_heads=spec.num_heads,
                                    num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, qkv_residual=residual,
-                                   qkv_weight_source=source, **spec.block_kwargs)
+                                   qkv_weight_source=source, qkv_lora=lora, **spec.block_kwargs)
         if arch.q_gate:
             return out
         q, k, v = out
