@@ -297,3 +297,83 @@ def test_trl_sft_trainer_with_peft_config_trains_like_unfused(tmp_path):
     got = losses(True, tmp_path / "fused")
     assert len(got) == len(want) == 5
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5 * max(abs(x) for x in want)
+
+
+# ------------------------------------------------------------------ the adapters inside the op
+
+
+def _block_call(attn, x, residual, lora):
+    spec = attn._fusedqkv
+    cos, sin = (t.expand(x.shape[0], -1, -1) for t in attn._test_rope)
+    return fusedqkv.gqa_qkv_rope_qk_norm(x, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight, cos, sin,
+                                         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
+                                         qkv_residual=residual, qkv_lora=lora, **spec.block_kwargs)
+
+
+def test_in_place_lora_op_matches_the_residual_path():
+    """qkv_lora (the adapters' GEMMs accumulated into the projection output and dX in place, dA/dB
+    from the op's backward) against qkv_residual (R = U B^T through autograd) on the same layers:
+    two adapters, one with a live dropout, frozen and trainable B."""
+    from fusedqkv.integrations.fused_projection import projection_slots
+    from fusedqkv.integrations.peft import lora_operands, lora_residual
+    from fusedqkv.ops.lora import LoRAUpdate
+
+    m, _ = _fused_qwen3()
+    m = get_peft_model(m, _lora("all-linear"))
+    m.add_adapter("drop", _lora(["q_proj", "v_proj"], lora_dropout=0.3))
+    m.base_model.set_adapter(["default", "drop"])
+    m.train()
+    attn = next(mod for mod in m.modules() if hasattr(mod, "_fusedqkv"))
+    attn.k_proj.lora_B["default"].weight.requires_grad_(False)
+    spec = attn._fusedqkv
+    d = spec.head_dim
+    ang = torch.arange(7)[None, :, None] / 10 ** (torch.arange(d) % (d // 2) / (d // 2))
+    attn._test_rope = (ang.cos(), ang.sin())
+    slots = projection_slots(attn, spec.projs)
+    named = [(n, p) for n, p in attn.named_parameters() if p.requires_grad and "o_proj" not in n]
+    params = [p for _, p in named]
+    x0 = torch.randn(2, 7, m.config.hidden_size)
+    results = []
+    for inplace in (True, False):
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(3)
+        if inplace:
+            residual, lora = lora_operands(x, slots, spec.split, sum(spec.split))
+            assert residual is None and isinstance(lora, LoRAUpdate) and len(lora.xds) == 2
+        else:
+            residual, lora = lora_residual(x, slots, spec.split, sum(spec.split)), None
+        q, k, v = _block_call(attn, x, residual, lora)
+        loss = (q * q.detach()).sum() + k.sum() + (v * 0.5).pow(2).sum()
+        results.append([q, k, v] + list(torch.autograd.grad(loss, [x] + params)))
+    assert any("lora_B.drop" in n for n, _ in named) and not any(".k_proj.lora_B.default" in n for n, _ in named)
+    for name, a, b in zip(["q", "k", "v", "x"] + [n for n, _ in named], *results):
+        assert _rel(a, b) <= 1e-6, name
+
+
+def test_bf16_model_with_fp32_adapters_takes_the_residual():
+    """PEFT's default (autocast_adapter_dtype) keeps fp32 adapters on a bf16 model: PEFT rounds their
+    update to bf16 before adding it, which the in-place op would not; the residual path does, and
+    matches PEFT (the three-way rule against the same model in fp32)."""
+    from fusedqkv.integrations.fused_projection import projection_slots
+    from fusedqkv.integrations.peft import lora_operands
+
+    base = build(family("qwen3"), bias=True).to(torch.bfloat16)
+    torch.manual_seed(10)
+    ref = get_peft_model(copy.deepcopy(base), _lora("all-linear"))
+    m = copy.deepcopy(base)
+    fusedqkv.apply_to(m)
+    m = get_peft_model(m, _lora("all-linear"))
+    set_peft_model_state_dict(m, get_peft_model_state_dict(ref))
+    attn = next(mod for mod in m.modules() if hasattr(mod, "_fusedqkv"))
+    assert attn.q_proj.lora_A["default"].weight.dtype == torch.float32
+    x = torch.randn(1, 3, m.config.hidden_size, dtype=torch.bfloat16)
+    residual, lora = lora_operands(x, projection_slots(attn, attn._fusedqkv.projs), attn._fusedqkv.split,
+                                   sum(attn._fusedqkv.split))
+    assert lora is None and residual.dtype == torch.bfloat16
+    ids = _ids(m.config.vocab_size, 7)
+    got, g = _step(m, ids)
+    want, w = _step(ref, ids)
+    want32, w32 = _step(copy.deepcopy(ref).float(), ids)
+    assert _rel(got, want32) <= 2 * _rel(want, want32) + 1e-3
+    for n in w32:
+        assert _rel(g[n], w32[n]) <= 2 * _rel(w[n], w32[n]) + 1e-2, n
