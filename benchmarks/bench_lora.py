@@ -5,8 +5,11 @@ the base weights frozen, on the nine rows of bench_module.py (its three block co
   peft_eager    PEFT's lora.Linear for q_proj, k_proj and v_proj (its own forward: base GEMM +
                 lora_B(lora_A(x)) * scaling) and HF's RMSNorm and RoPE in eager PyTorch
   peft_compile  torch.compile of the same function (inductor, one static compile per size)
-  fusedqkv      fusedqkv.integrations.peft.lora_residual over the same PEFT layers (one A GEMM,
-                one B GEMM over the fused rows) into gqa_qkv_rope_qk_norm(qkv_residual=...)
+  fusedqkv      fusedqkv.integrations.peft.lora_operands over the same PEFT layers: the adapters
+                inside the op (gqa_qkv_rope_qk_norm(qkv_lora=...)): one A GEMM, qkv += s U_p B_p^T
+                in place before the stage, dX += dU A in place, dA/dB from the op's backward
+  fused_residual  session 16's path: lora_residual (R = U B_rows^T, B laid out per call, through
+                autograd) into gqa_qkv_rope_qk_norm(qkv_residual=R)
   floor         the GEMMs alone through cuBLAS: base forward x W^T, base dX = dQKV W, and the
                 LoRA GEMMs (U = x A^T, qkv += U_p B_p^T, dU_p = dQKV_p B_p, dB_p = dQKV_p^T U_p,
                 dA = dU^T x, dX += dU A)
@@ -61,11 +64,11 @@ from bench_module import CONFIGS, SIZES, rope_cos_sin  # noqa: E402
 
 from fusedqkv import gqa_qkv_rope_qk_norm  # noqa: E402
 from fusedqkv.bench import timing  # noqa: E402
-from fusedqkv.integrations.peft import lora_residual  # noqa: E402
+from fusedqkv.integrations.peft import lora_operands, lora_residual  # noqa: E402
 from fusedqkv.integrations import qlora as fq_qlora  # noqa: E402
 from fusedqkv.ops.internals import raise_compile_limits  # noqa: E402
 
-PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "floor")
+PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_residual", "floor")
 QLORA_PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_dense", "floor")
 SMOKE_CONFIGS = {"smoke": dict(hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm_position="before_rope")}
 EPS = 1e-6
@@ -168,6 +171,13 @@ class Row:
 
     def fused_qkv(self, x):
         cfg = self.cfg
+        residual, lora = lora_operands(x, self.slots, self.split, self.n)
+        return gqa_qkv_rope_qk_norm(x, self.w, self.wq, self.wk, self.cos, self.sin, num_heads=cfg["num_heads"],
+                                    num_kv_heads=cfg["num_kv_heads"], eps=EPS,
+                                    qk_norm_position=cfg["qk_norm_position"], qkv_residual=residual, qkv_lora=lora)
+
+    def fused_residual_qkv(self, x):
+        cfg = self.cfg
         residual = lora_residual(x, self.slots, self.split, self.n)
         return gqa_qkv_rope_qk_norm(x, self.w, self.wq, self.wk, self.cos, self.sin, num_heads=cfg["num_heads"],
                                     num_kv_heads=cfg["num_kv_heads"], eps=EPS,
@@ -175,10 +185,10 @@ class Row:
 
     def fused_qlora_qkv(self, x):
         cfg = self.cfg
-        residual = lora_residual(x, self.slots, self.split, self.n)
+        residual, lora = lora_operands(x, self.slots, self.split, self.n)
         return gqa_qkv_rope_qk_norm(x, self.source(), self.wq, self.wk, self.cos, self.sin, num_heads=cfg["num_heads"],
                                     num_kv_heads=cfg["num_kv_heads"], eps=EPS,
-                                    qk_norm_position=cfg["qk_norm_position"], qkv_residual=residual,
+                                    qk_norm_position=cfg["qk_norm_position"], qkv_residual=residual, qkv_lora=lora,
                                     qkv_weight_source=self.source)
 
     def fwd_bwd(self, qkv_fn):
@@ -324,9 +334,10 @@ def main() -> int:
             row = Row(configs[cname], b, s, args.rank, device, dtype)
             compiled = torch.compile(row.peft_qkv, backend=backend)
             fns = {"peft_eager": row.fwd_bwd(row.peft_qkv), "peft_compile": row.fwd_bwd(compiled),
-                   "fusedqkv": row.fwd_bwd(row.fused_qkv), "floor": row.floor()}
+                   "fusedqkv": row.fwd_bwd(row.fused_qkv), "fused_residual": row.fwd_bwd(row.fused_residual_qkv),
+                   "floor": row.floor()}
             ref = fns["peft_eager"]()
-            check = {p: max_rel(fns[p](), ref) for p in ("peft_compile", "fusedqkv")}
+            check = {p: max_rel(fns[p](), ref) for p in ("peft_compile", "fusedqkv", "fused_residual")}
             if device.type == "cuda":
                 from bench_families import time_graphs_interleaved
 
@@ -341,7 +352,8 @@ def main() -> int:
             r = dict(config=cname, tokens=tokens, batch=b, seq=s, rank=args.rank, ms=med, max_rel_vs_eager=check,
                      fused_over_eager=med["fusedqkv"] / med["peft_eager"],
                      fused_over_compile=med["fusedqkv"] / med["peft_compile"],
-                     fused_over_floor=med["fusedqkv"] / med["floor"])
+                     fused_over_floor=med["fusedqkv"] / med["floor"],
+                     residual_over_floor=med["fused_residual"] / med["floor"])
             r["pass"] = (r["fused_over_eager"] <= 0.5 and r["fused_over_compile"] < 1.0 and r["fused_over_floor"] <= 1.10)
             rows.append(r)
             log(f"{cname} {tokens}: " + ", ".join(f"{p} {med[p]:.3f} ms" for p in PROVIDERS))
@@ -353,13 +365,14 @@ def main() -> int:
     with open(os.path.join(args.out, "bench_lora.json"), "w") as f:
         json.dump(dict(env=env, rows=rows, criteria="fused/eager <= 0.5, fused < compile, fused/floor <= 1.10"), f,
                   indent=1)
-    print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'floor':>8} "
-          f"{'f/eager':>7} {'f/comp':>7} {'f/floor':>7} {'err':>8} pass")
+    print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'f_resid':>8} {'floor':>8} "
+          f"{'f/eager':>7} {'f/comp':>7} {'f/floor':>7} {'r/floor':>7} {'err':>8} pass")
     for r in rows:
         m = r["ms"]
         print(f"{r['config']:<22} {r['tokens']:>6} {m['peft_eager']:8.3f} {m['peft_compile']:8.3f} "
-              f"{m['fusedqkv']:8.3f} {m['floor']:8.3f} {r['fused_over_eager']:7.3f} {r['fused_over_compile']:7.3f} "
-              f"{r['fused_over_floor']:7.3f} {r['max_rel_vs_eager']['fusedqkv']:8.1e} {r['pass']}")
+              f"{m['fusedqkv']:8.3f} {m['fused_residual']:8.3f} {m['floor']:8.3f} {r['fused_over_eager']:7.3f} "
+              f"{r['fused_over_compile']:7.3f} {r['fused_over_floor']:7.3f} {r['residual_over_floor']:7.3f} "
+              f"{r['max_rel_vs_eager']['fusedqkv']:8.1e} {r['pass']}")
     return 0 if all(r["pass"] for r in rows) else 1
 
 
