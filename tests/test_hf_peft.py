@@ -302,15 +302,16 @@ def test_trl_sft_trainer_with_peft_config_trains_like_unfused(tmp_path):
 # ------------------------------------------------------------------ the adapters inside the op
 
 
-def _block_call(attn, x, residual, lora):
+def _block_call(attn, x, residual, lora, backend=None):
     spec = attn._fusedqkv
     cos, sin = (t.expand(x.shape[0], -1, -1) for t in attn._test_rope)
     return fusedqkv.gqa_qkv_rope_qk_norm(x, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight, cos, sin,
                                          num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
-                                         qkv_residual=residual, qkv_lora=lora, **spec.block_kwargs)
+                                         qkv_residual=residual, qkv_lora=lora, backend=backend, **spec.block_kwargs)
 
 
-def test_in_place_lora_op_matches_the_residual_path():
+@pytest.mark.parametrize("backend", [None, "triton"])  # the CPU path, and the Triton stages (interpreted)
+def test_in_place_lora_op_matches_the_residual_path(backend):
     """qkv_lora (the adapters' GEMMs accumulated into the projection output and dX in place, dA/dB
     from the op's backward) against qkv_residual (R = U B^T through autograd) on the same layers:
     two adapters, one with a live dropout, frozen and trainable B."""
@@ -342,7 +343,7 @@ def test_in_place_lora_op_matches_the_residual_path():
             assert residual is None and isinstance(lora, LoRAUpdate) and len(lora.xds) == 2
         else:
             residual, lora = lora_residual(x, slots, spec.split, sum(spec.split)), None
-        q, k, v = _block_call(attn, x, residual, lora)
+        q, k, v = _block_call(attn, x, residual, lora, backend)
         loss = (q * q.detach()).sum() + k.sum() + (v * 0.5).pow(2).sum()
         results.append([q, k, v] + list(torch.autograd.grad(loss, [x] + params)))
     assert any("lora_B.drop" in n for n, _ in named) and not any(".k_proj.lora_B.default" in n for n, _ in named)
