@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -21,30 +20,9 @@ import fusedqkv  # noqa: E402
 from fusedqkv.integrations import qlora  # noqa: E402
 
 import _hf_families as H  # noqa: E402
+from _lora_checks import dense_copy, rel as _rel  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def _dense_fp32(m):
-    """The model with every bitsandbytes 4-bit layer replaced by an fp32 nn.Linear of its
-    dequantized weight, everything in fp32."""
-    m = copy.deepcopy(m)
-    for mod in list(m.modules()):
-        for name, child in list(mod.named_children()):
-            if type(child) is bnb.nn.Linear4bit:
-                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="cuda")
-                with torch.no_grad():
-                    lin.weight.copy_(bnb.functional.dequantize_4bit(child.weight.data, child.weight.quant_state))
-                    if child.bias is not None:
-                        lin.bias.copy_(child.bias)
-                lin.requires_grad_(False)
-                setattr(mod, name, lin)
-    return m.float()
 
 
 @cuda
@@ -69,7 +47,7 @@ def test_gpu_qlora_bf16_three_way(tmp_path, order):
         m = get_peft_model(m, copy.deepcopy(cfg))
         fusedqkv.apply_to(m)
     set_peft_model_state_dict(m, get_peft_model_state_dict(ref))
-    ref32 = _dense_fp32(ref)
+    ref32 = dense_copy(ref).float()
     ids = H.batch(2, 24).cuda()
     out = {}
     for name, model in (("fused", m), ("eager", ref), ("fp32", ref32)):

@@ -16,6 +16,7 @@ import fusedqkv  # noqa: E402
 from fusedqkv.integrations.fused_projection import ProjectionRows, UnsupportedModuleError  # noqa: E402
 
 from _hf_families import build, family  # noqa: E402
+from _lora_checks import rel as _rel, step as _step  # noqa: E402
 
 # Qwen3 (the common recipe), Qwen3.5 (gated q: its q_proj rows are [q | gate] per head, and the
 # LoRA B rows follow them as in HF; partial rotary), OLMo 3 (the norm across heads), GLM-4.5
@@ -48,19 +49,6 @@ def _pair(fam_name, config, order, seed=0):
         m = get_peft_model(m, copy.deepcopy(config))
         set_peft_model_state_dict(m, get_peft_model_state_dict(ref))
     return m, ref, base
-
-
-def _step(m, ids):
-    m.zero_grad(set_to_none=True)
-    out = m(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
-
-
-def _rel(a, b):
-    """The relative error ||a - b|| / ||b|| (Frobenius, in float64)."""
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 @pytest.mark.parametrize("order", ["apply_first", "peft_first"])

@@ -21,6 +21,7 @@ import fusedqkv  # noqa: E402
 from fusedqkv.integrations.fused_projection import UnsupportedModuleError  # noqa: E402
 
 from _hf_families import build, family, fused_modules  # noqa: E402
+from _lora_checks import dense_copy, rel as _rel, step as _step  # noqa: E402
 
 TOL = 1e-5
 
@@ -89,23 +90,11 @@ def _ids(vocab, seed=0):
     return torch.randint(3, vocab, (2, 7), generator=torch.Generator().manual_seed(seed))
 
 
-def _step(m, ids):
-    m.zero_grad(set_to_none=True)
-    out = m(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
-
-
 def _logits(m, ids):
     # in training mode (dropout 0: the same function): bitsandbytes' CPU inference path (eval, no
     # grad) repacks the 4-bit weight for its AVX-512 kernel, which fails on these tiny shapes
     m.train()
     return m(input_ids=ids).logits
-
-
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 CASES = [("qwen3", "nf4"), ("qwen3", "fp4"), ("qwen3_5_text", "nf4"), ("olmo3", "nf4"), ("glm4_moe", "nf4")]
@@ -127,30 +116,11 @@ def test_qlora_logits_and_adapter_gradients_match_peft(checkpoints, fam, quant_t
         # OLMo 3's norm across heads: a gradient fp32 itself resolves worse than TOL (test_hf_peft):
         # the three-way rule against the same QLoRA model in float64 (the 4-bit weights dequantized
         # to the same values)
-        w64 = _float64_grads(ref, ids)
+        _, w64 = _step(dense_copy(ref).double(), ids)
     for name in w:
         assert g[name] is not None, name
         if name in ill:
             assert _rel(g[name], w64[name]) <= 2 * _rel(w[name], w64[name]) + TOL, name
-
-
-def _float64_grads(ref, ids):
-    """The reference's adapter gradients with every dense weight, the adapters and the dequantized
-    4-bit weights in float64 (plain Linear layers: bitsandbytes has no float64 4-bit product)."""
-    m = copy.deepcopy(ref)
-    for name, mod in list(m.named_modules()):
-        for child_name, child in list(mod.named_children()):
-            if type(child) is bnb.nn.Linear4bit:
-                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                with torch.no_grad():
-                    lin.weight.copy_(bnb.functional.dequantize_4bit(child.weight.data, child.weight.quant_state))
-                    if child.bias is not None:
-                        lin.bias.copy_(child.bias)
-                lin.requires_grad_(False)
-                setattr(mod, child_name, lin)
-    m.double()
-    _, g = _step(m, ids)
-    return g
 
 
 def test_qlora_q_v_subset_and_dropout(checkpoints):
