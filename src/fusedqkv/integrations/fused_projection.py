@@ -11,7 +11,9 @@
 * :func:`projection_slots`: at every fused forward, what sits in those places. A PEFT LoRA layer
   over the rows is computed (:mod:`fusedqkv.integrations.peft`); anything else that replaces,
   wraps or hooks them raises :class:`UnsupportedModuleError` naming it: the fused block reads
-  the weights itself, so such a module would otherwise never run.
+  the weights itself, so such a module would otherwise never run. Over bitsandbytes 4-bit q/k/v
+  (:mod:`fusedqkv.integrations.qlora`) there are no rows modules and no ``qkv_proj``: the slots
+  are the 4-bit layers themselves, plain or under PEFT's ``lora.bnb.Linear4bit``.
 """
 
 from __future__ import annotations
