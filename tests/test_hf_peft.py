@@ -366,3 +366,27 @@ def test_bf16_model_with_fp32_adapters_takes_the_residual():
     assert _rel(got, want32) <= 2 * _rel(want, want32) + 1e-3
     for n in w32:
         assert _rel(g[n], w32[n]) <= 2 * _rel(w[n], w32[n]) + 1e-2, n
+
+
+def test_autocast_runs_the_in_place_op_like_peft():
+    """Under autocast (the Trainer's bf16=True) PEFT's fp32 adapters compute in bf16, as the block
+    does: the in-place op runs, and matches PEFT under autocast by the three-way rule against the
+    model without autocast (fp32)."""
+    from fusedqkv.integrations.fused_projection import projection_slots
+    from fusedqkv.integrations.peft import lora_operands
+    from fusedqkv.ops.lora import LoRAUpdate
+
+    m, ref, _ = _pair("qwen3", _lora("all-linear"), "apply_first")
+    attn = next(mod for mod in m.modules() if hasattr(mod, "_fusedqkv"))
+    ids = _ids(m.config.vocab_size, 8)
+    want32, w32 = _step(ref, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.randn(1, 3, m.config.hidden_size)
+        _, lora = lora_operands(x, projection_slots(attn, attn._fusedqkv.projs), attn._fusedqkv.split,
+                                sum(attn._fusedqkv.split))
+        assert isinstance(lora, LoRAUpdate) and lora.dtype == torch.bfloat16
+        got, g = _step(m, ids)
+        want, w = _step(ref, ids)
+    assert _rel(got, want32) <= 2 * _rel(want, want32) + 1e-3
+    for n in w32:
+        assert _rel(g[n], w32[n]) <= 2 * _rel(w[n], w32[n]) + 1e-2, n
