@@ -66,8 +66,13 @@ def test_gpu_qlora_bf16_three_way(tmp_path, order):
 
 @cuda
 def test_gpu_qlora_block_under_cuda_graph():
-    """The workspace during capture is the call's own (device.workspace), the backward dequantizes
-    into another: replays equal the eager call, and no kept workspace is created by the capture."""
+    """The QLoRA block with its adapters inside the op (qkv_lora) captured as a CUDA graph: the
+    dequantization workspace during capture is the call's own (device.workspace), the backward
+    dequantizes into another; replays equal the eager call (outputs, dX, every dA and dB), and no
+    kept buffer is created by the capture."""
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+    from fusedqkv.integrations.peft import lora_operands
     from fusedqkv.ops import device as D
 
     torch.manual_seed(0)
@@ -80,6 +85,15 @@ def test_gpu_qlora_block_under_cuda_graph():
                                        compress_statistics=True)
         bases.append(lin.cuda())
     src = qlora.DequantizedQKV(bases, torch.bfloat16, torch.device("cuda"))
+    slots = []
+    for name, base in zip(("q_proj", "k_proj", "v_proj"), bases):
+        lora = LoraLinear4bit(base, "default", LoraConfig(r=8, lora_alpha=16, init_lora_weights=False), r=8,
+                              lora_alpha=16, init_lora_weights=False)
+        for mod in (lora.lora_A, lora.lora_B):
+            mod.to(device="cuda", dtype=torch.bfloat16)
+        slots.append((name, base, lora))
+    adapters = [p for _, _, lo in slots for p in (lo.lora_A["default"].weight, lo.lora_B["default"].weight)]
+    split = tuple(b.out_features for b in bases)
     x = torch.randn(2, 32, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     wq = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5
     wk = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5
@@ -88,9 +102,12 @@ def test_gpu_qlora_block_under_cuda_graph():
     gq = torch.randn(2, hq, 32, d, device="cuda", dtype=torch.bfloat16)
 
     def call():
+        residual, lora = lora_operands(x, slots, split, sum(split))
+        assert residual is None and lora is not None
         q, k, v = fusedqkv.gqa_qkv_rope_qk_norm(x, src(), wq, wk, cos, sin, num_heads=hq, num_kv_heads=hkv,
-                                                qk_norm_position="before_rope", qkv_weight_source=src)
-        return (q, k, v) + torch.autograd.grad((q, k, v), [x], (gq, torch.ones_like(k), torch.ones_like(v)))
+                                                qk_norm_position="before_rope", qkv_weight_source=src, qkv_lora=lora)
+        return (q, k, v) + torch.autograd.grad((q, k, v), [x] + adapters,
+                                               (gq, torch.ones_like(k), torch.ones_like(v)))
 
     want = [t.clone() for t in call()]
     side = torch.cuda.Stream()

@@ -208,3 +208,15 @@ def test_a_replaced_or_hooked_4bit_projection_is_refused(checkpoints, what):
         match = r"v_proj has a forward hook"
     with pytest.raises(UnsupportedModuleError, match=match):
         m(input_ids=_ids(m.config.vocab_size))
+
+
+def test_unquantized_4bit_layers_are_refused_by_apply_to():
+    m = build(family("qwen3"), bias=True)
+    attn = m.model.layers[0].self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        old = attn._modules[name]
+        attn._modules[name] = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=True,
+                                                compute_dtype=torch.float32)  # never moved: not quantized
+    with pytest.raises(fusedqkv.UnsupportedModelError, match=r"q_proj \(Linear4bit\) has no quantization state"):
+        fusedqkv.apply_to(m)
+    assert not fused_modules(m)

@@ -55,10 +55,13 @@ REFUSED_8BIT = ("bitsandbytes Linear8bitLt computes LLM.int8() (the activations 
 def quant_state(m):
     """The 4-bit layer's QuantState (restored from the module where FSDP dropped it, as
     bitsandbytes' forward does), or None."""
-    fix = getattr(_bnb_nn(), "fix_4bit_weight_quant_state_from_module", None)
-    if fix is not None:
-        fix(m)
-    return getattr(m.weight, "quant_state", None)
+    qs = getattr(m.weight, "quant_state", None)
+    if qs is None and getattr(m, "quant_state", None) is not None:  # the module kept a copy
+        fix = getattr(_bnb_nn(), "fix_4bit_weight_quant_state_from_module", None)
+        if fix is not None:
+            fix(m)
+            qs = getattr(m.weight, "quant_state", None)
+    return qs
 
 
 def check_4bit(path: str, m, hidden: int, error) -> None:
