@@ -86,3 +86,19 @@ def test_qwen3_5_full_size_config():
         248320, 4096, 16, 4, 256)
     assert cfg.layer_types == ["full_attention"] * 6 and cfg.rope_parameters["partial_rotary_factor"] == 0.25
     assert bench.family_config("qwen3", tiny=False, layers=4) == bench.QWEN3_06B  # qwen3 as before
+
+
+def test_tiny_qlora_run(tmp_path, capsys):
+    """--lora --qlora nf4: the decoder's linears 4-bit before apply_to, the fused stack over them
+    (skipped without bitsandbytes)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    bench = load_bench()
+    rc = bench.main(["--tiny", "--steps", "2", "--device", "cpu", "--lora", "4", "--qlora", "nf4", "--lora-init",
+                     "random", "--stacks", "hf,hf+fusedqkv", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "bench_hf.json").read_text())
+    assert report["config"]["lora"]["qlora"] == "nf4" and "linear layers nf4 4-bit" in out
+    assert rc == 0 and report["passed"] and report["results"]["hf+fusedqkv"]["layers_fused"] == 2
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--qlora", "nf4", "--device", "cpu", "--out", str(tmp_path)])
