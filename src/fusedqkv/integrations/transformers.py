@@ -4,6 +4,8 @@ For every supported attention module of the model it
 
 * joins ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj`` (an ``nn.Linear`` whose weight
   rows are ``[Q | K | V]``, with the biases where the config has them), in ``q_proj``'s place;
+  bitsandbytes 4-bit q/k/v stay as they are instead (dequantized per call into that layout:
+  :mod:`fusedqkv.integrations.qlora`);
 * swaps the module's class for a subclass whose ``forward`` computes q, k, v (and the output
   gate of gated-query families) with :func:`fusedqkv.gqa_qkv_rope_qk_norm` (projection + RoPE +
   RMSNorm, one GEMM and one fused kernel forward, the fused backward) and hands them to the
@@ -882,8 +884,10 @@ def apply_to(model: nn.Module) -> int:
 
     Call it before creating the optimizer (the projection weights become one new parameter,
     ``<attention>.qkv_proj.weight``) and before wrapping the model (DDP/FSDP,
-    ``torch.compile``, PEFT). ``state_dict()`` keeps HF's keys and values; ``load_state_dict``
-    takes HF state dicts. Raises :class:`UnsupportedModelError` (a ``ValueError``) naming the
+    ``torch.compile``); PEFT LoRA may come before or after. ``state_dict()`` keeps HF's keys and
+    values; ``load_state_dict`` takes HF state dicts. On a model loaded 4-bit (bitsandbytes
+    ``Linear4bit`` q/k/v: QLoRA) the projections stay as they are, no new parameter, and each
+    forward dequantizes them into the fused layout (:mod:`fusedqkv.integrations.qlora`). Raises :class:`UnsupportedModelError` (a ``ValueError``) naming the
     architecture, module or setting that cannot be fused, before changing anything.
     """
     if not isinstance(model, nn.Module):
