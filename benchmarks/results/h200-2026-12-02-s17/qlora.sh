@@ -8,14 +8,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   >/dev/null 2>&1 && export PYTHONPATH=src:/tmp/site
 python3 -c "import bitsandbytes, peft; print('bitsandbytes', bitsandbytes.__version__, 'peft', peft.__version__)"
 t0=$(date +%s)
-timeout 90 python3 benchmarks/bench_lora.py --out $OUT/lora --reps 20 > $OUT/lora.txt 2>&1
+timeout 85 python3 benchmarks/bench_lora.py --out $OUT/lora --reps 20 > $OUT/lora.txt 2>&1
 echo "bench_lora rc=$? $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
-timeout 60 python3 benchmarks/bench_lora.py --qlora nf4 --configs 091_h4096_q32_kv8,h5120_q64_kv8 --out $OUT/qlora \
+timeout 70 python3 benchmarks/bench_lora.py --qlora nf4 --configs 091_h4096_q32_kv8,h5120_q64_kv8 --out $OUT/qlora \
   --reps 20 > $OUT/qlora.txt 2>&1
 echo "bench_lora --qlora nf4 rc=$? $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
-timeout 25 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_qlora.py > $OUT/gpu_qlora_tests.txt 2>&1
+timeout 20 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_qlora.py > $OUT/gpu_qlora_tests.txt 2>&1
 echo "test_gpu_qlora rc=$? $(( $(date +%s) - t0 )) s: $(tail -1 $OUT/gpu_qlora_tests.txt)"
 grep -E "failed:|Error" $OUT/qlora.txt | head -4
 tail -10 $OUT/lora.txt
