@@ -220,3 +220,18 @@ def test_unquantized_4bit_layers_are_refused_by_apply_to():
     with pytest.raises(fusedqkv.UnsupportedModelError, match=r"q_proj \(Linear4bit\) has no quantization state"):
         fusedqkv.apply_to(m)
     assert not fused_modules(m)
+
+
+def test_qlora_under_autocast_matches_peft(checkpoints):
+    """Under bf16 autocast (the Trainer's bf16=True) the block dequantizes into bf16 and runs the
+    adapters in bf16, as PEFT's QLoRA does there: the three-way rule against the run without
+    autocast (fp32)."""
+    m, ref = _pair(checkpoints("qwen3"), "apply_first")
+    ids = _ids(m.config.vocab_size, 6)
+    want32, w32 = _step(ref, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, g = _step(m, ids)
+        want, w = _step(ref, ids)
+    assert _rel(got, want32) <= 2 * _rel(want, want32) + 1e-3
+    for n in w32:
+        assert _rel(g[n], w32[n]) <= 2 * _rel(w[n], w32[n]) + 1e-2, n
