@@ -49,6 +49,12 @@ the fused ones (torchao carried as a wheel):
     PYTHONPATH=src:/tmp/site TRITON_INTERPRET=0 python3 benchmarks/bench_hf.py --family qwen3_8b --fp8 rowwise \
         --stacks "hf-fp32,hf,compile(hf),compile(hf+fusedqkv)" --steps 100 --out $OUT/fp8_8b
 
+--qlora nf4 (with --lora): QLoRA, every decoder linear bitsandbytes 4-bit (double quantisation,
+compute dtype the stack's) before apply_to, as a model loaded with BitsAndBytesConfig is:
+
+    PYTHONPATH=src:/tmp/site TRITON_INTERPRET=0 python3 benchmarks/bench_hf.py --family qwen3_8b --lora 16 \
+        --qlora nf4 --lora-init random --stacks hf-fp32,hf,hf+fusedqkv --steps 30 --out $OUT/qlora8b
+
 Device (Liger carried as a wheel in .whl/, found there when liger_kernel is not installed):
 
     PYTHONPATH=src python3 benchmarks/bench_hf.py --out benchmarks/results/<run>/hf
@@ -231,6 +237,30 @@ def build_model(cfg_kw, dtype, device, attn, seed, family="qwen3"):
     return model.to(dtype).train()
 
 
+def quantize_4bit(model, quant_type: str, compute_dtype) -> int:
+    """--qlora: every nn.Linear of the decoder (not lm_head) as a bitsandbytes 4-bit layer quantized
+    from its weights on its device, double quantisation, as BitsAndBytesConfig(load_in_4bit=True,
+    bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=True) loads a checkpoint; returns
+    how many."""
+    import bitsandbytes as bnb
+
+    n = 0
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            if type(child) is not torch.nn.Linear or name == "lm_head":
+                continue
+            w = child.weight
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=compute_dtype, quant_type=quant_type, compress_statistics=True,
+                                  device="meta")
+            q.weight = bnb.nn.Params4bit(w.data, requires_grad=False, quant_type=quant_type, compress_statistics=True)
+            if child.bias is not None:
+                q.bias = child.bias
+            setattr(mod, name, q.to(w.device))  # quantizes
+            n += 1
+    return n
+
+
 def run_stack(stack, args, cfg_kw, data, device):
     import fusedqkv
 
@@ -241,6 +271,8 @@ def run_stack(stack, args, cfg_kw, data, device):
         if lt is None:
             raise RuntimeError("liger_kernel is not installed and no .whl/liger_kernel-*.whl was found")
     model = build_model(cfg_kw, dtype, device, args.attn, args.seed, args.family)
+    if args.qlora:  # before apply_to, as a model loaded quantized is
+        log(f"{stack}: {quantize_4bit(model, args.qlora, dtype)} linear layers {args.qlora} 4-bit")
     n_fused = 0
     if "liger" in stack:
         getattr(lt, fam.liger)(model=model)
@@ -464,6 +496,9 @@ def main(argv=None):
     p.add_argument("--fp8", default=None, choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
                    help="torchao float8 training of every linear but lm_head in the bf16 stacks; +fusedqkv stacks: "
                         "apply_to(model, fp8=...) and q/k/v left to the block (needs torchao)")
+    p.add_argument("--qlora", choices=("nf4", "fp4"), default=None,
+                   help="with --lora: QLoRA, the decoder's linear layers bitsandbytes 4-bit (double quantisation, "
+                        "the stack's dtype as compute dtype)")
     p.add_argument("--tiny", action="store_true", help="tiny model, batch 2 x seq 64, 6 steps: the CPU check")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--plot", metavar="JSON",
@@ -506,6 +541,8 @@ def main(argv=None):
     min_reduction = LORA_MIN_STEP_REDUCTION.get(args.family, 0.0) if args.lora else fam.min_step_reduction
     if args.lora < 0:
         p.error(f"--lora must be >= 0, got {args.lora}")
+    if args.qlora and not args.lora:
+        p.error("--qlora needs --lora R (QLoRA trains adapters over the frozen 4-bit weights)")
     model_label = (f"{fam.label}-shaped, {cfg_kw['num_hidden_layers']} layers"
                    + (", every layer full attention" if fam.all_full_attention else ""))
     report = dict(config=dict(model="tiny " + fam.label.split("-")[0] if args.tiny else model_label,
@@ -516,7 +553,7 @@ def main(argv=None):
                               params="bf16 (hf-fp32: fp32, same initial values)",
                               compile_backend=args.compile_backend, min_step_reduction=min_reduction,
                               lora=dict(r=args.lora, alpha=2 * args.lora, target_modules="all-linear",
-                                        init=args.lora_init) if args.lora else None),
+                                        init=args.lora_init, qlora=args.qlora) if args.lora else None),
                   env=env_info(device), results={})
     for stack in stacks:
         log(f"{stack}: {args.steps} steps")

@@ -5,8 +5,11 @@ the base weights frozen, on the nine rows of bench_module.py (its three block co
   peft_eager    PEFT's lora.Linear for q_proj, k_proj and v_proj (its own forward: base GEMM +
                 lora_B(lora_A(x)) * scaling) and HF's RMSNorm and RoPE in eager PyTorch
   peft_compile  torch.compile of the same function (inductor, one static compile per size)
-  fusedqkv      fusedqkv.integrations.peft.lora_residual over the same PEFT layers (one A GEMM,
-                one B GEMM over the fused rows) into gqa_qkv_rope_qk_norm(qkv_residual=...)
+  fusedqkv      fusedqkv.integrations.peft.lora_operands over the same PEFT layers: the adapters
+                inside the op (gqa_qkv_rope_qk_norm(qkv_lora=...)): one A GEMM, qkv += s U_p B_p^T
+                in place before the stage, dX += dU A in place, dA/dB from the op's backward
+  fused_residual  session 16's path: lora_residual (R = U B_rows^T, B laid out per call, through
+                autograd) into gqa_qkv_rope_qk_norm(qkv_residual=R)
   floor         the GEMMs alone through cuBLAS: base forward x W^T, base dX = dQKV W, and the
                 LoRA GEMMs (U = x A^T, qkv += U_p B_p^T, dU_p = dQKV_p B_p, dB_p = dQKV_p^T U_p,
                 dA = dU^T x, dX += dU A)
@@ -20,10 +23,28 @@ bench_module's job; here max |diff| relative to max |ref|, reported).
 
 Done criteria per row (issue 34): fusedqkv <= 0.5x peft_eager, < peft_compile, <= 1.10x floor.
 
+``--qlora nf4`` (or ``fp4``): QLoRA (issue 34 step 3). q/k/v are bitsandbytes 4-bit layers
+(double quantisation, compute dtype bf16) quantized from the same weights, under PEFT's
+``lora.bnb.Linear4bit``; the providers then are
+
+  peft_eager    PEFT QLoRA as it runs unfused (bitsandbytes' matmul_4bit: dequantize + GEMM per
+                projection, forward and backward) and HF's RMSNorm and RoPE
+  peft_compile  torch.compile of that (reported as failed where it does not compile or capture)
+  fusedqkv      fusedqkv.integrations.qlora: the three dequantized into one workspace, the fused
+                path, dequantized again in the backward (qkv_weight_source)
+  fused_dense   fusedqkv's LoRA path on the dense weight the 4-bit ones dequantize to (fusedqkv
+                minus this: what the two dequantizations cost)
+  floor         the dense GEMM floor above (no dequantization)
+
+and a row "pays" where fusedqkv is faster than peft_eager and than peft_compile (where it runs):
+the issue's rule is that a fused QLoRA path that does not pay on the H200 raises instead.
+
     PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/bench_lora.py --out $OUT/lora
+    PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/bench_lora.py --qlora nf4 --out $OUT/qlora
     PYTHONPATH=src TRITON_INTERPRET=1 python3 benchmarks/bench_lora.py --smoke --out /tmp/lora   # CPU check
 
-Needs peft (carried as a wheel on the device). Prints a table last; writes --out/bench_lora.json.
+Needs peft (and bitsandbytes for --qlora; carried as wheels on the device). Prints a table last;
+writes --out/bench_lora.json (--qlora: bench_qlora.json).
 """
 
 from __future__ import annotations
@@ -43,10 +64,12 @@ from bench_module import CONFIGS, SIZES, rope_cos_sin  # noqa: E402
 
 from fusedqkv import gqa_qkv_rope_qk_norm  # noqa: E402
 from fusedqkv.bench import timing  # noqa: E402
-from fusedqkv.integrations.peft import lora_residual  # noqa: E402
+from fusedqkv.integrations.peft import lora_operands, lora_residual  # noqa: E402
+from fusedqkv.integrations import qlora as fq_qlora  # noqa: E402
 from fusedqkv.ops.internals import raise_compile_limits  # noqa: E402
 
-PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "floor")
+PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_residual", "floor")
+QLORA_PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_dense", "floor")
 SMOKE_CONFIGS = {"smoke": dict(hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm_position="before_rope")}
 EPS = 1e-6
 
@@ -71,7 +94,7 @@ class Row:
     """One configuration at one size: the frozen base weights, PEFT LoRA layers over them and the
     inputs, shared by every provider."""
 
-    def __init__(self, cfg, b, s, rank, device, dtype, seed=0):
+    def __init__(self, cfg, b, s, rank, device, dtype, seed=0, quant_type=None):
         from peft import LoraConfig
         from peft.tuners.lora.layer import Linear as LoraLinear
 
@@ -82,8 +105,15 @@ class Row:
         self.n = sum(self.split)
         self.w = (torch.randn(self.n, hidden, device=device, dtype=dtype) / hidden ** 0.5).requires_grad_(False)
         self.loras = []
+        self.bases4 = []  # --qlora: the bitsandbytes layers
         start = 0
         for name, rows in zip(("q_proj", "k_proj", "v_proj"), self.split):
+            if quant_type is not None:
+                base, lora = self._qlora_layer(self.w[start:start + rows], quant_type, rank, device, dtype)
+                self.bases4.append(base)
+                self.loras.append((name, lora))
+                start += rows
+                continue
             base = nn.Linear(hidden, rows, bias=False, device=device, dtype=dtype)
             base.weight = nn.Parameter(self.w[start:start + rows], requires_grad=False)  # a view: one weight
             config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, init_lora_weights=False)
@@ -92,6 +122,9 @@ class Row:
             lora.to(device=device, dtype=dtype)
             self.loras.append((name, lora))
             start += rows
+        if self.bases4:  # the dense weight the 4-bit ones dequantize to: fused_dense's and the floor's
+            self.source = fq_qlora.DequantizedQKV(self.bases4, dtype, device)
+            self.w = self.source().clone()
         self.adapters = [p for _, lo in self.loras for p in (lo.lora_A["default"].weight, lo.lora_B["default"].weight)]
         self.wq = (1 + 0.1 * torch.randn(d, device=device)).to(dtype)
         self.wk = (1 + 0.1 * torch.randn(d, device=device)).to(dtype)
@@ -101,6 +134,28 @@ class Row:
         self.gk = torch.randn(b, hkv, s, d, device=device, dtype=dtype)
         self.gv = torch.randn(b, hkv, s, d, device=device, dtype=dtype)
         self.slots = [(name, None, lo) for name, lo in self.loras]
+
+    @staticmethod
+    def _qlora_layer(w, quant_type, rank, device, dtype):
+        """A bitsandbytes 4-bit layer quantized from ``w`` (double quantisation, compute dtype
+        ``dtype``, as BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True) builds
+        it) under PEFT's QLoRA layer."""
+        import bitsandbytes as bnb
+        from peft import LoraConfig
+        from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+        rows, hidden = w.shape
+        base = bnb.nn.Linear4bit(hidden, rows, bias=False, compute_dtype=dtype, quant_type=quant_type,
+                                 compress_statistics=True)
+        base.weight = bnb.nn.Params4bit(w.detach().cpu(), requires_grad=False, quant_type=quant_type,
+                                        compress_statistics=True)
+        base = base.to(device)  # quantizes
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, init_lora_weights=False)
+        lora = LoraLinear4bit(base, "default", config, r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                              init_lora_weights=False)
+        for mod in (lora.lora_A, lora.lora_B):
+            mod.to(device=device, dtype=dtype)
+        return base, lora
 
     def peft_qkv(self, x):
         cfg, b, s = self.cfg, self.b, self.s
@@ -116,10 +171,25 @@ class Row:
 
     def fused_qkv(self, x):
         cfg = self.cfg
+        residual, lora = lora_operands(x, self.slots, self.split, self.n)
+        return gqa_qkv_rope_qk_norm(x, self.w, self.wq, self.wk, self.cos, self.sin, num_heads=cfg["num_heads"],
+                                    num_kv_heads=cfg["num_kv_heads"], eps=EPS,
+                                    qk_norm_position=cfg["qk_norm_position"], qkv_residual=residual, qkv_lora=lora)
+
+    def fused_residual_qkv(self, x):
+        cfg = self.cfg
         residual = lora_residual(x, self.slots, self.split, self.n)
         return gqa_qkv_rope_qk_norm(x, self.w, self.wq, self.wk, self.cos, self.sin, num_heads=cfg["num_heads"],
                                     num_kv_heads=cfg["num_kv_heads"], eps=EPS,
                                     qk_norm_position=cfg["qk_norm_position"], qkv_residual=residual)
+
+    def fused_qlora_qkv(self, x):
+        cfg = self.cfg
+        residual, lora = lora_operands(x, self.slots, self.split, self.n)
+        return gqa_qkv_rope_qk_norm(x, self.source(), self.wq, self.wk, self.cos, self.sin, num_heads=cfg["num_heads"],
+                                    num_kv_heads=cfg["num_kv_heads"], eps=EPS,
+                                    qk_norm_position=cfg["qk_norm_position"], qkv_residual=residual, qkv_lora=lora,
+                                    qkv_weight_source=self.source)
 
     def fwd_bwd(self, qkv_fn):
         def call():
@@ -160,6 +230,82 @@ def max_rel(got, want) -> float:
                for g, w in zip(got, want))
 
 
+def capturable(fns: dict) -> dict:
+    """{name: error}: the providers that fail a graph capture (each tried alone; the rest are timed)."""
+    from bench_families import capture_graph
+
+    bad = {}
+    for name, fn in fns.items():
+        try:
+            capture_graph(fn)
+        except Exception as e:  # noqa: BLE001 - reported in the table, not timed
+            bad[name] = f"{type(e).__name__}: {str(e)[:160]}"
+        torch.cuda.synchronize()
+    return bad
+
+
+def run_qlora(args, device, dtype, configs, sizes, backend, flusher, names) -> int:
+    rows = []
+    for cname in names:
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            b, s = sizes[tokens]
+            row = Row(configs[cname], b, s, args.rank, device, dtype, quant_type=args.qlora)
+            fns = {"peft_eager": row.fwd_bwd(row.peft_qkv), "fusedqkv": row.fwd_bwd(row.fused_qlora_qkv),
+                   "fused_dense": row.fwd_bwd(row.fused_qkv), "floor": row.floor()}
+            failed = {}
+            try:
+                compiled = torch.compile(row.peft_qkv, backend=backend)
+                fns["peft_compile"] = row.fwd_bwd(compiled)
+                fns["peft_compile"]()
+            except Exception as e:  # noqa: BLE001 - PEFT QLoRA may not compile: reported
+                fns.pop("peft_compile", None)
+                failed["peft_compile"] = f"compile: {type(e).__name__}: {str(e)[:160]}"
+            ref = fns["peft_eager"]()
+            check = {p: max_rel(fns[p](), ref) for p in ("peft_compile", "fusedqkv", "fused_dense") if p in fns}
+            if device.type == "cuda":
+                from bench_families import time_graphs_interleaved
+
+                failed.update(capturable(fns))
+                timed = {p: fn for p, fn in fns.items() if p not in failed}
+                ms = time_graphs_interleaved(timed, args.reps, 3, flusher)
+            else:
+                ms = {}
+                for p, fn in fns.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    ms[p] = [(time.perf_counter() - t0) * 1e3]
+            med = {p: statistics.median(v) for p, v in ms.items()}
+            ratio = {f"fused_over_{p}": med["fusedqkv"] / med[p] for p in ("peft_eager", "peft_compile", "fused_dense",
+                                                                          "floor") if p in med}
+            r = dict(config=cname, tokens=tokens, batch=b, seq=s, rank=args.rank, quant_type=args.qlora, ms=med,
+                     failed=failed, max_rel_vs_eager=check, **ratio)
+            r["pays"] = "fusedqkv" in med and all(med["fusedqkv"] < med[p] for p in ("peft_eager", "peft_compile")
+                                                 if p in med)
+            rows.append(r)
+            log(f"qlora {args.qlora} {cname} {tokens}: " + ", ".join(f"{p} {med[p]:.3f} ms" for p in med)
+                + "".join(f"; {p} failed: {e}" for p, e in failed.items()))
+            del row, fns, ref
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+    with open(os.path.join(args.out, "bench_qlora.json"), "w") as f:
+        json.dump(dict(env=env, rows=rows, criteria="pays: fusedqkv < peft_eager and < peft_compile (where it runs)"),
+                  f, indent=1)
+    fmt = lambda v: f"{v:8.3f}" if v is not None else f"{'failed':>8}"  # noqa: E731
+    print(f"QLoRA {args.qlora} r={args.rank}, fwd+bwd, ms (median): fusedqkv (dequant + fused) vs PEFT QLoRA")
+    print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'f_dense':>8} {'floor':>8} "
+          f"{'f/eager':>7} {'f/comp':>7} {'f/dense':>7} {'err':>8} pays")
+    for r in rows:
+        m = r["ms"]
+        g = lambda k: r.get(k, float("nan"))  # noqa: E731
+        print(f"{r['config']:<22} {r['tokens']:>6} {fmt(m.get('peft_eager'))} {fmt(m.get('peft_compile'))} "
+              f"{fmt(m.get('fusedqkv'))} {fmt(m.get('fused_dense'))} {fmt(m.get('floor'))} "
+              f"{g('fused_over_peft_eager'):7.3f} {g('fused_over_peft_compile'):7.3f} {g('fused_over_fused_dense'):7.3f} "
+              f"{r['max_rel_vs_eager'].get('fusedqkv', float('nan')):8.1e} {r['pays']}")
+    return 0 if all(r["pays"] for r in rows) else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -168,6 +314,7 @@ def main() -> int:
     ap.add_argument("--configs", default="all")
     ap.add_argument("--tokens", default="512,2048,8192")
     ap.add_argument("--smoke", action="store_true", help="CPU run of the script's logic (no timing value)")
+    ap.add_argument("--qlora", choices=("nf4", "fp4"), help="QLoRA: q/k/v as bitsandbytes 4-bit layers")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     raise_compile_limits(64)
@@ -178,6 +325,8 @@ def main() -> int:
         device, dtype, configs, sizes, backend = torch.device("cuda"), torch.bfloat16, CONFIGS, SIZES, "inductor"
     flusher = timing.L2Flusher(device) if device.type == "cuda" else None
     names = list(configs) if args.configs == "all" else args.configs.split(",")
+    if args.qlora:
+        return run_qlora(args, device, dtype, configs, sizes, backend, flusher, names)
     rows = []
     for cname in names:
         for tokens in (int(t) for t in args.tokens.split(",")):
@@ -185,9 +334,10 @@ def main() -> int:
             row = Row(configs[cname], b, s, args.rank, device, dtype)
             compiled = torch.compile(row.peft_qkv, backend=backend)
             fns = {"peft_eager": row.fwd_bwd(row.peft_qkv), "peft_compile": row.fwd_bwd(compiled),
-                   "fusedqkv": row.fwd_bwd(row.fused_qkv), "floor": row.floor()}
+                   "fusedqkv": row.fwd_bwd(row.fused_qkv), "fused_residual": row.fwd_bwd(row.fused_residual_qkv),
+                   "floor": row.floor()}
             ref = fns["peft_eager"]()
-            check = {p: max_rel(fns[p](), ref) for p in ("peft_compile", "fusedqkv")}
+            check = {p: max_rel(fns[p](), ref) for p in ("peft_compile", "fusedqkv", "fused_residual")}
             if device.type == "cuda":
                 from bench_families import time_graphs_interleaved
 
@@ -202,7 +352,8 @@ def main() -> int:
             r = dict(config=cname, tokens=tokens, batch=b, seq=s, rank=args.rank, ms=med, max_rel_vs_eager=check,
                      fused_over_eager=med["fusedqkv"] / med["peft_eager"],
                      fused_over_compile=med["fusedqkv"] / med["peft_compile"],
-                     fused_over_floor=med["fusedqkv"] / med["floor"])
+                     fused_over_floor=med["fusedqkv"] / med["floor"],
+                     residual_over_floor=med["fused_residual"] / med["floor"])
             r["pass"] = (r["fused_over_eager"] <= 0.5 and r["fused_over_compile"] < 1.0 and r["fused_over_floor"] <= 1.10)
             rows.append(r)
             log(f"{cname} {tokens}: " + ", ".join(f"{p} {med[p]:.3f} ms" for p in PROVIDERS))
@@ -214,13 +365,14 @@ def main() -> int:
     with open(os.path.join(args.out, "bench_lora.json"), "w") as f:
         json.dump(dict(env=env, rows=rows, criteria="fused/eager <= 0.5, fused < compile, fused/floor <= 1.10"), f,
                   indent=1)
-    print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'floor':>8} "
-          f"{'f/eager':>7} {'f/comp':>7} {'f/floor':>7} {'err':>8} pass")
+    print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'f_resid':>8} {'floor':>8} "
+          f"{'f/eager':>7} {'f/comp':>7} {'f/floor':>7} {'r/floor':>7} {'err':>8} pass")
     for r in rows:
         m = r["ms"]
         print(f"{r['config']:<22} {r['tokens']:>6} {m['peft_eager']:8.3f} {m['peft_compile']:8.3f} "
-              f"{m['fusedqkv']:8.3f} {m['floor']:8.3f} {r['fused_over_eager']:7.3f} {r['fused_over_compile']:7.3f} "
-              f"{r['fused_over_floor']:7.3f} {r['max_rel_vs_eager']['fusedqkv']:8.1e} {r['pass']}")
+              f"{m['fusedqkv']:8.3f} {m['fused_residual']:8.3f} {m['floor']:8.3f} {r['fused_over_eager']:7.3f} "
+              f"{r['fused_over_compile']:7.3f} {r['fused_over_floor']:7.3f} {r['residual_over_floor']:7.3f} "
+              f"{r['max_rel_vs_eager']['fusedqkv']:8.1e} {r['pass']}")
     return 0 if all(r["pass"] for r in rows) else 1
 
 

@@ -213,6 +213,35 @@ def test_frozen_weight_and_no_input_grad():
     assert rel_err(m.k_norm_weight.grad, ref.k_norm_weight.grad) < 1e-4
 
 
+def test_weight_source_rebuilds_the_frozen_weight_in_the_backward():
+    """qkv_weight_source (QLoRA's dequantized weight): the backward calls it once instead of
+    keeping qkv_weight, with the same gradients; the forward's tensor may be overwritten meanwhile."""
+    m = make_block(32, 4, 2, 16, "before_rope", torch.float32)
+    w = m.qkv_weight.detach().clone()
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    cos, sin = rope_cos_sin(2, 5, 16, torch.float32)
+    kw = dict(num_heads=4, num_kv_heads=2, eps=1e-6, qk_norm_position="before_rope")
+    want = torch.autograd.grad(gqa_qkv_rope_qk_norm(x, w, m.q_norm_weight, m.k_norm_weight, cos, sin, **kw)[0].sum(),
+                               [x, m.q_norm_weight])
+    scratch, calls, saved = w.clone(), [], []
+
+    def source():
+        calls.append(1)
+        return scratch.copy_(w)
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.data_ptr()) or t, lambda t: t):
+        q = gqa_qkv_rope_qk_norm(x, source(), m.q_norm_weight, m.k_norm_weight, cos, sin, qkv_weight_source=source,
+                                 **kw)[0]
+    assert scratch.data_ptr() not in saved
+    scratch.zero_()  # another layer's weight in the workspace: the backward rebuilds its own
+    got = torch.autograd.grad(q.sum(), [x, m.q_norm_weight])
+    assert len(calls) == 2
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="qkv_weight_source: qkv_weight requires grad"):
+        gqa_qkv_rope_qk_norm(x, m.qkv_weight, m.q_norm_weight, m.k_norm_weight, cos, sin,
+                             qkv_weight_source=lambda: m.qkv_weight, **kw)
+
+
 def test_outputs_layout_and_non_contiguous_input():
     m = make_block(32, 4, 2, 64, "after_rope", torch.float32)
     base = torch.randn(5, 2, 64)

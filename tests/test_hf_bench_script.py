@@ -98,3 +98,19 @@ def test_tiny_fp8_run_converts_every_linear_and_fuses_q_k_v_in_fp8(tmp_path):
     # FP8 in both stacks: the first losses agree within FP8's noise, not bf16's alone
     hf, fused = report["results"]["hf"]["losses"], report["results"]["hf+fusedqkv"]["losses"]
     assert abs(hf[0] - fused[0]) < 5e-2
+
+
+def test_tiny_qlora_run(tmp_path, capsys):
+    """--lora --qlora nf4: the decoder's linears 4-bit before apply_to, the fused stack over them
+    (skipped without bitsandbytes)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    bench = load_bench()
+    rc = bench.main(["--tiny", "--steps", "2", "--device", "cpu", "--lora", "4", "--qlora", "nf4", "--lora-init",
+                     "random", "--stacks", "hf,hf+fusedqkv", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "bench_hf.json").read_text())
+    assert report["config"]["lora"]["qlora"] == "nf4" and "linear layers nf4 4-bit" in out
+    assert rc == 0 and report["passed"] and report["results"]["hf+fusedqkv"]["layers_fused"] == 2
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--qlora", "nf4", "--device", "cpu", "--out", str(tmp_path)])

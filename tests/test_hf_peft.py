@@ -16,6 +16,7 @@ import fusedqkv  # noqa: E402
 from fusedqkv.integrations.fused_projection import ProjectionRows, UnsupportedModuleError  # noqa: E402
 
 from _hf_families import build, family  # noqa: E402
+from _lora_checks import rel as _rel, step as _step  # noqa: E402
 
 # Qwen3 (the common recipe), Qwen3.5 (gated q: its q_proj rows are [q | gate] per head, and the
 # LoRA B rows follow them as in HF; partial rotary), OLMo 3 (the norm across heads), GLM-4.5
@@ -48,19 +49,6 @@ def _pair(fam_name, config, order, seed=0):
         m = get_peft_model(m, copy.deepcopy(config))
         set_peft_model_state_dict(m, get_peft_model_state_dict(ref))
     return m, ref, base
-
-
-def _step(m, ids):
-    m.zero_grad(set_to_none=True)
-    out = m(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
-
-
-def _rel(a, b):
-    """The relative error ||a - b|| / ||b|| (Frobenius, in float64)."""
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 @pytest.mark.parametrize("order", ["apply_first", "peft_first"])
@@ -228,11 +216,17 @@ def test_peft_on_the_fused_projection_by_name_is_refused_by_peft():
         get_peft_model(m, _lora(["qkv_proj"]))
 
 
-def test_torchao_float8_conversion_is_refused():
-    float8 = pytest.importorskip("torchao.float8")
-    m, _ = _fused_qwen3()
-    float8.convert_to_float8_training(m, module_filter_fn=lambda mod, fqn: "self_attn" in fqn and "o_proj" not in fqn)
-    with pytest.raises(UnsupportedModuleError, match=r"Float8Linear.*no FP8 path"):
+def test_a_float8_linear_not_over_the_fused_rows_is_refused():
+    """torchao's conversion of apply_to's rows runs in the block (tests/test_fp8.py); a Float8Linear
+    of weights of its own in q_proj's place would be bypassed: refused."""
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+
+    m, attn = _fused_qwen3()
+    old = attn.q_proj
+    own = torch.nn.Linear(old.in_features, old.out_features, bias=old.bias is not None)
+    attn._modules["q_proj"] = Float8Linear.from_float(own)
+    with pytest.raises(UnsupportedModuleError, match=r"q_proj is a torchao Float8Linear whose weight is not rows"):
         m(input_ids=_ids(m.config.vocab_size))
 
 
@@ -297,3 +291,108 @@ def test_trl_sft_trainer_with_peft_config_trains_like_unfused(tmp_path):
     got = losses(True, tmp_path / "fused")
     assert len(got) == len(want) == 5
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5 * max(abs(x) for x in want)
+
+
+# ------------------------------------------------------------------ the adapters inside the op
+
+
+def _block_call(attn, x, residual, lora, backend=None):
+    spec = attn._fusedqkv
+    cos, sin = (t.expand(x.shape[0], -1, -1) for t in attn._test_rope)
+    return fusedqkv.gqa_qkv_rope_qk_norm(x, attn.qkv_proj.weight, attn.q_norm.weight, attn.k_norm.weight, cos, sin,
+                                         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, eps=spec.eps,
+                                         qkv_residual=residual, qkv_lora=lora, backend=backend, **spec.block_kwargs)
+
+
+@pytest.mark.parametrize("backend", [None, "triton"])  # the CPU path, and the Triton stages (interpreted)
+def test_in_place_lora_op_matches_the_residual_path(backend):
+    """qkv_lora (the adapters' GEMMs accumulated into the projection output and dX in place, dA/dB
+    from the op's backward) against qkv_residual (R = U B^T through autograd) on the same layers:
+    two adapters, one with a live dropout, frozen and trainable B."""
+    from fusedqkv.integrations.fused_projection import projection_slots
+    from fusedqkv.integrations.peft import lora_operands, lora_residual
+    from fusedqkv.ops.lora import LoRAUpdate
+
+    m, _ = _fused_qwen3()
+    m = get_peft_model(m, _lora("all-linear"))
+    m.add_adapter("drop", _lora(["q_proj", "v_proj"], lora_dropout=0.3))
+    m.base_model.set_adapter(["default", "drop"])
+    m.train()
+    attn = next(mod for mod in m.modules() if hasattr(mod, "_fusedqkv"))
+    attn.k_proj.lora_B["default"].weight.requires_grad_(False)
+    spec = attn._fusedqkv
+    d = spec.head_dim
+    ang = torch.arange(7)[None, :, None] / 10 ** (torch.arange(d) % (d // 2) / (d // 2))
+    attn._test_rope = (ang.cos(), ang.sin())
+    slots = projection_slots(attn, spec.projs)
+    named = [(n, p) for n, p in attn.named_parameters() if p.requires_grad and "o_proj" not in n]
+    params = [p for _, p in named]
+    x0 = torch.randn(2, 7, m.config.hidden_size)
+    results = []
+    for inplace in (True, False):
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(3)
+        if inplace:
+            residual, lora = lora_operands(x, slots, spec.split, sum(spec.split))
+            assert residual is None and isinstance(lora, LoRAUpdate) and len(lora.xds) == 2
+        else:
+            residual, lora = lora_residual(x, slots, spec.split, sum(spec.split)), None
+        q, k, v = _block_call(attn, x, residual, lora, backend)
+        loss = (q * q.detach()).sum() + k.sum() + (v * 0.5).pow(2).sum()
+        results.append([q, k, v] + list(torch.autograd.grad(loss, [x] + params)))
+    assert any("lora_B.drop" in n for n, _ in named) and not any(".k_proj.lora_B.default" in n for n, _ in named)
+    for name, a, b in zip(["q", "k", "v", "x"] + [n for n, _ in named], *results):
+        assert _rel(a, b) <= 1e-6, name
+
+
+def test_bf16_model_with_fp32_adapters_takes_the_residual():
+    """PEFT's default (autocast_adapter_dtype) keeps fp32 adapters on a bf16 model: PEFT rounds their
+    update to bf16 before adding it, which the in-place op would not; the residual path does, and
+    matches PEFT (the three-way rule against the same model in fp32)."""
+    from fusedqkv.integrations.fused_projection import projection_slots
+    from fusedqkv.integrations.peft import lora_operands
+
+    base = build(family("qwen3"), bias=True).to(torch.bfloat16)
+    torch.manual_seed(10)
+    ref = get_peft_model(copy.deepcopy(base), _lora("all-linear"))
+    m = copy.deepcopy(base)
+    fusedqkv.apply_to(m)
+    m = get_peft_model(m, _lora("all-linear"))
+    set_peft_model_state_dict(m, get_peft_model_state_dict(ref))
+    attn = next(mod for mod in m.modules() if hasattr(mod, "_fusedqkv"))
+    assert attn.q_proj.lora_A["default"].weight.dtype == torch.float32
+    x = torch.randn(1, 3, m.config.hidden_size, dtype=torch.bfloat16)
+    residual, lora = lora_operands(x, projection_slots(attn, attn._fusedqkv.projs), attn._fusedqkv.split,
+                                   sum(attn._fusedqkv.split))
+    assert lora is None and residual.dtype == torch.bfloat16
+    ids = _ids(m.config.vocab_size, 7)
+    got, g = _step(m, ids)
+    want, w = _step(ref, ids)
+    want32, w32 = _step(copy.deepcopy(ref).float(), ids)
+    assert _rel(got, want32) <= 2 * _rel(want, want32) + 1e-3
+    for n in w32:
+        assert _rel(g[n], w32[n]) <= 2 * _rel(w[n], w32[n]) + 1e-2, n
+
+
+def test_autocast_runs_the_in_place_op_like_peft():
+    """Under autocast (the Trainer's bf16=True) PEFT's fp32 adapters compute in bf16, as the block
+    does: the in-place op runs, and matches PEFT under autocast by the three-way rule against the
+    model without autocast (fp32)."""
+    from fusedqkv.integrations.fused_projection import projection_slots
+    from fusedqkv.integrations.peft import lora_operands
+    from fusedqkv.ops.lora import LoRAUpdate
+
+    m, ref, _ = _pair("qwen3", _lora("all-linear"), "apply_first")
+    attn = next(mod for mod in m.modules() if hasattr(mod, "_fusedqkv"))
+    ids = _ids(m.config.vocab_size, 8)
+    want32, w32 = _step(ref, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.randn(1, 3, m.config.hidden_size)
+        _, lora = lora_operands(x, projection_slots(attn, attn._fusedqkv.projs), attn._fusedqkv.split,
+                                sum(attn._fusedqkv.split))
+        assert isinstance(lora, LoRAUpdate) and lora.dtype == torch.bfloat16
+        got, g = _step(m, ids)
+        want, w = _step(ref, ids)
+    assert _rel(got, want32) <= 2 * _rel(want, want32) + 1e-3
+    for n in w32:
+        assert _rel(g[n], w32[n]) <= 2 * _rel(w[n], w32[n]) + 1e-2, n

@@ -33,6 +33,7 @@ from .ops.training_forward import forward_plan, run_forward
 from .ops import fp8 as _fp8
 from .ops import validation as V
 from .ops.gqa_forward import Variant, validate_forward_inputs
+from .ops.lora import LoRAUpdate
 
 Tensor = torch.Tensor
 
@@ -167,49 +168,101 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
     then sums its gradient over the batch). ``qkv_bias`` and ``qkv_residual`` optional (None;
     the residual's gradient is dQKV); the norm weights None
     for unweighted norms. ``meta``: ``(num_heads, num_kv_heads, eps, norm_after_rope, backend,
-    plan, variant, fp8)``, one argument (``apply`` costs host time per argument); ``plan`` the
-    forward's plan (eager calls), or None (under torch.compile: the custom ops); ``variant`` the
-    block's :class:`~fusedqkv.ops.gqa_forward.Variant`; ``fp8`` an FP8 recipe's key, "" for none."""
+    plan, variant, weight_source, fp8)``, one argument (``apply`` costs host time per argument);
+    ``plan`` the forward's plan (eager calls), or None (under torch.compile: the custom ops);
+    ``variant`` the block's :class:`~fusedqkv.ops.gqa_forward.Variant`; ``weight_source`` None, or a
+    callable that gives qkv_weight again in the backward (which then does not keep it); ``fp8`` an
+    FP8 recipe's key (:mod:`fusedqkv.ops.fp8`), "" for none."""
 
     @staticmethod
     def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta):
-        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, fp8 = meta
-        if plan is not None:
-            q, k, qkv, _, _, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
-                                             cos, sin, qkv_bias, qkv_residual)
-        else:
-            q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
-                                       cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,
-                                       *_op_flags(variant), qkv_residual, fp8)
-        B, S, n_tot = qkv.shape
-        nq = 2 * num_heads if variant.q_gate else num_heads
-        heads = qkv.view(B, S, nq + 2 * num_kv_heads, n_tot // (nq + 2 * num_kv_heads))
-        if not variant.v_norm:
-            v = heads[:, :, nq + num_kv_heads:].transpose(1, 2)
-        # rstd is not kept: the backward recomputes it from qkv (and v's norm from its columns)
-        ctx.save_for_backward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv)
-        ctx.meta = meta
-        if variant.q_gate:  # the gate: the second half of each query head's columns, unnormed
-            return q, k, v, heads[:, :, 1:nq:2]
-        return q, k, v
+        return _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias,
+                        qkv_residual, meta)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v, grad_gate=None):
-        hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv = ctx.saved_tensors
-        num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, fp8 = ctx.meta
         need = ctx.needs_input_grad
-        need_cs = bool(need[4] or need[5])
-        need_b, need_res = bool(need[6]), bool(need[7])
-        args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
-                num_heads, num_kv_heads, eps, norm_after_rope, bool(need[0]), bool(need[1]), need_cs, backend, need_b)
-        if plan is not None and not torch.compiler.is_compiling():
-            out = training_backward(*args, grad_gate, variant, keep_dqkv=need_res, fp8_key=fp8)
-        else:
-            out = _call(_bwd_op, _bwd_impl, *args, grad_gate, *_op_flags(variant), need_res, fp8)
+        need_res = bool(need[7])
+        out = _backward(ctx, ctx.saved_tensors, grad_q, grad_k, grad_v, grad_gate, need[:7], need_res)
         g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b = out[:7]
         return (g_x if need[0] else None, g_w if need[1] else None, g_qw if need[2] else None,
                 g_kw if need[3] else None, g_cos if need[4] else None, g_sin if need[5] else None,
-                g_b if need_b else None, out[7] if need_res else None, None)
+                g_b if need[6] else None, out[7] if need_res else None, None)
+
+
+class GQAQKVRoPEQKNormLoRAFunction(torch.autograd.Function):
+    """The block with LoRA adapters inside (:class:`fusedqkv.ops.lora.LoRAUpdate`): (hidden_states,
+    qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, lora, meta, *lora.params) -> as
+    :class:`GQAQKVRoPEQKNormFunction`. The adapters' update is accumulated into the projection
+    output before the stage, their share of dX into the block's dX; the backward returns dA, dB
+    (and the dropout inputs' gradients) itself. Eager calls only (``meta``'s plan set)."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, lora, meta,
+                *params):
+        x2d = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out = _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, None, meta,
+                       lambda qkv: lora.forward(qkv.view(x2d.shape[0], -1), x2d))
+        ctx.lora = lora
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v, grad_gate=None):
+        need = ctx.needs_input_grad
+        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor one time
+        g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b, dqkv = _backward(ctx, saved, grad_q, grad_k, grad_v, grad_gate,
+                                                                  need[:7], True)
+        x = saved[0]
+        m = dqkv.shape[0] * dqkv.shape[1]
+        grads = ctx.lora.backward(dqkv.view(m, -1), g_x.view(m, -1) if need[0] else None, x.reshape(m, -1),
+                                  list(need[9:]))
+        ctx.lora = None
+        return (g_x if need[0] else None, g_w if need[1] else None, g_qw if need[2] else None,
+                g_kw if need[3] else None, g_cos if need[4] else None, g_sin if need[5] else None,
+                g_b if need[6] else None, None, None, *grads)
+
+
+def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta,
+             qkv_update=None):
+    """The Functions' forward: (q, k, v[, gate]); ``qkv_update``: applied to the projection
+    output in place before the stage (eager plans only)."""
+    num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, source, fp8 = meta
+    if plan is not None:
+        q, k, qkv, _, _, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
+                                         cos, sin, qkv_bias, qkv_residual, qkv_update)
+    else:
+        q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
+                                   cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,
+                                   *_op_flags(variant), qkv_residual, fp8)
+    B, S, n_tot = qkv.shape
+    nq = 2 * num_heads if variant.q_gate else num_heads
+    heads = qkv.view(B, S, nq + 2 * num_kv_heads, n_tot // (nq + 2 * num_kv_heads))
+    if not variant.v_norm:
+        v = heads[:, :, nq + num_kv_heads:].transpose(1, 2)
+    # rstd is not kept: the backward recomputes it from qkv (and v's norm from its columns)
+    ctx.save_for_backward(hidden_states, None if source is not None else qkv_weight, q_norm_weight,
+                          k_norm_weight, cos, sin, qkv)
+    ctx.meta = meta
+    if variant.q_gate:  # the gate: the second half of each query head's columns, unnormed
+        return q, k, v, heads[:, :, 1:nq:2]
+    return q, k, v
+
+
+def _backward(ctx, saved, grad_q, grad_k, grad_v, grad_gate, need: tuple, keep_dqkv: bool) -> tuple:
+    """The Functions' backward: ``(g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b[, dqkv])`` for ``need``,
+    the needs of (hidden_states, qkv_weight, q/k norm weights, cos, sin, qkv_bias); ``saved``:
+    ``ctx.saved_tensors``."""
+    hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv = saved
+    num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, source, fp8 = ctx.meta
+    if source is not None:  # rebuilt rather than held since the forward (QLoRA's dequantized weight)
+        qkv_weight = source()
+    need_cs = bool(need[4] or need[5])
+    args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
+            num_heads, num_kv_heads, eps, norm_after_rope, bool(need[0]), bool(need[1]), need_cs, backend,
+            bool(need[6]))
+    if plan is not None and not torch.compiler.is_compiling():
+        return training_backward(*args, grad_gate, variant, keep_dqkv=keep_dqkv, fp8_key=fp8)
+    return _call(_bwd_op, _bwd_impl, *args, grad_gate, *_op_flags(variant), keep_dqkv, fp8)
 
 
 def _check_residual(r, hidden_states, sz) -> None:
@@ -220,11 +273,21 @@ def _check_residual(r, hidden_states, sz) -> None:
     V.require_same_device([("hidden_states", hidden_states), ("qkv_residual", r)])
 
 
+def _check_lora(lora, hidden_states, sz) -> None:
+    if not isinstance(lora, LoRAUpdate):
+        raise TypeError(f"qkv_lora: expected a fusedqkv.ops.lora.LoRAUpdate, got {type(lora).__name__}")
+    if lora.n_tot != sz["qkv"] or lora.dtype != hidden_states.dtype:
+        raise ValueError(f"qkv_lora: built for {lora.n_tot} rows in {lora.dtype}; this call has {sz['qkv']} rows in "
+                         f"{hidden_states.dtype}")
+    if lora.device != hidden_states.device:
+        raise ValueError(f"qkv_lora: its adapters are on {lora.device}, hidden_states on {hidden_states.device}")
+
+
 def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, *, num_heads,
                          num_kv_heads, eps=1e-6, qk_norm_position="after_rope", backend: Optional[str] = None,
                          qkv_bias: Optional[Tensor] = None, norm_weight_offset: float = 0.0, q_gate: bool = False,
                          rope_style: str = "neox", norm_scope: str = "head", v_norm: bool = False,
-                         qkv_residual: Optional[Tensor] = None, fp8=None):
+                         qkv_residual: Optional[Tensor] = None, qkv_weight_source=None, qkv_lora=None, fp8=None):
     """QKV projection + RoPE + RMSNorm of q and k, differentiable.
 
     hidden_states ``[batch, seq, hidden]``; qkv_weight ``[(num_heads + 2*num_kv_heads)*head_dim,
@@ -240,6 +303,15 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     ``qkv_residual``: optional ``[batch, seq, qkv rows]`` tensor added to the projection output
     before RoPE and the norms (``x W^T [+ b] + r``; hidden_states' dtype): the LoRA update of
     :mod:`fusedqkv.integrations.peft`. Its gradient is dQKV.
+    ``qkv_weight_source``: optional callable returning qkv_weight again (the same values, shape,
+    dtype and device; called once in the backward), for a frozen qkv_weight that is cheaper to
+    rebuild than to keep between forward and backward: the 4-bit weights of
+    :mod:`fusedqkv.integrations.qlora`, dequantized into a reused workspace. Under torch.compile
+    qkv_weight is kept as usual.
+    ``qkv_lora``: optional :class:`fusedqkv.ops.lora.LoRAUpdate` (eager calls; instead of a
+    ``qkv_residual``): LoRA adapters computed inside the block, their update accumulated into the
+    projection output in place and their share of dX into dX; the adapters' gradients come from
+    the block's backward (:func:`fusedqkv.integrations.peft.lora_operands` builds it).
     ``fp8``: the projection's three GEMMs in FP8 (``torch._scaled_mm``), scaled and cast as
     torchao's ``Float8Linear`` does for the recipe: ``"tensorwise"``, ``"rowwise"`` or
     ``"rowwise_with_gw_hp"`` (dW in high precision), or an :class:`~fusedqkv.ops.fp8.Fp8Recipe`;
@@ -273,11 +345,15 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
             t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             for t in (hidden_states, qkv_weight, qkv_bias, cos, sin, qkv_residual))
         with torch.autocast(dev_type, enabled=False):
+            if qkv_weight_source is not None and isinstance(qkv_weight, torch.Tensor):
+                src, want = qkv_weight_source, qkv_weight.dtype
+                qkv_weight_source = lambda: src().to(want)  # noqa: E731 - what the cast above gave
             return gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                         num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
                                         qk_norm_position=qk_norm_position, backend=backend, qkv_bias=qkv_bias,
                                         norm_weight_offset=norm_weight_offset, qkv_residual=qkv_residual,
-                                        fp8=fp8, **options)
+                                        qkv_weight_source=qkv_weight_source, qkv_lora=qkv_lora, fp8=fp8,
+                                        **options)
     if norm_weight_offset != 0.0 or type(norm_weight_offset) not in (float, int):
         offset = V.require_number("norm_weight_offset", norm_weight_offset)
         if offset != 0.0:
@@ -294,6 +370,9 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     backend = _backend_arg(backend)
     fp8_recipe = _fp8.recipe(fp8)
     fp8_key = "" if fp8_recipe is None else fp8_recipe.key
+    if qkv_lora is not None and (qkv_residual is not None or torch.compiler.is_compiling()):
+        raise ValueError("qkv_lora: " + ("give qkv_residual or qkv_lora, not both" if qkv_residual is not None else
+                                         "eager calls only; under torch.compile pass the update as qkv_residual"))
     if torch.compiler.is_compiling():  # traced: plain validation, then the custom ops
         sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                      num_heads, num_kv_heads, eps, qk_norm_position, **options)
@@ -306,16 +385,29 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     else:
         plan = forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                             num_kv_heads, eps, qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope,
-                            v_norm, qkv_residual is not None, fp8_key)
+                            v_norm, qkv_residual is not None or qkv_lora is not None, fp8_key)
         sz = plan.sz
         b, s, rot = plan.cs_shape
     if qkv_residual is not None:
         _check_residual(qkv_residual, hidden_states, sz)
+    if qkv_weight_source is not None:
+        if not callable(qkv_weight_source):
+            raise TypeError(f"qkv_weight_source: expected a callable returning qkv_weight, got "
+                            f"{type(qkv_weight_source).__name__}")
+        if qkv_weight.requires_grad:
+            raise ValueError("qkv_weight_source: qkv_weight requires grad; a rebuilt weight must be frozen "
+                             "(its gradient would not reach the tensor the source rebuilds it from)")
+        if torch.compiler.is_compiling():
+            qkv_weight_source = None  # traced: the graph keeps qkv_weight
     if cos.shape[0] != b:
         cos = cos.expand(b, s, rot)
     if sin.shape[0] != b:
         sin = sin.expand(b, s, rot)
+    meta = (sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"], backend, plan, sz["variant"],
+            qkv_weight_source, fp8_key)
+    if qkv_lora is not None:
+        _check_lora(qkv_lora, hidden_states, sz)
+        return GQAQKVRoPEQKNormLoRAFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
+                                                  qkv_bias, qkv_lora, meta, *qkv_lora.params)
     return GQAQKVRoPEQKNormFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias,
-                                          qkv_residual,
-                                          (sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"],
-                                           backend, plan, sz["variant"], fp8_key))
+                                          qkv_residual, meta)

@@ -11,7 +11,9 @@
 * :func:`projection_slots`: at every fused forward, what sits in those places. A PEFT LoRA layer
   over the rows is computed (:mod:`fusedqkv.integrations.peft`); anything else that replaces,
   wraps or hooks them raises :class:`UnsupportedModuleError` naming it: the fused block reads
-  the weights itself, so such a module would otherwise never run.
+  the weights itself, so such a module would otherwise never run. Over bitsandbytes 4-bit q/k/v
+  (:mod:`fusedqkv.integrations.qlora`) there are no rows modules and no ``qkv_proj``: the slots
+  are the 4-bit layers themselves, plain or under PEFT's ``lora.bnb.Linear4bit``.
 """
 
 from __future__ import annotations
@@ -128,11 +130,13 @@ def _hooks(m: nn.Module) -> list:
 
 
 def unwrap_lora(m) -> tuple:
-    """``(lora, base)``: a PEFT ``lora.Linear`` (exactly that class; PEFT is imported wherever one
-    exists) and the module under it, or ``(None, m)``."""
-    mod = sys.modules.get("peft.tuners.lora.layer")
-    if mod is not None and type(m) is getattr(mod, "Linear", None):
-        return m, m.base_layer
+    """``(lora, base)``: a PEFT ``lora.Linear`` or, over a bitsandbytes 4-bit layer, PEFT's
+    ``lora.bnb.Linear4bit`` (exactly those classes; PEFT is imported wherever one exists) and the
+    module under it, or ``(None, m)``."""
+    for module, cls in (("peft.tuners.lora.layer", "Linear"), ("peft.tuners.lora.bnb", "Linear4bit")):
+        mod = sys.modules.get(module)
+        if mod is not None and type(m) is getattr(mod, cls, None):
+            return m, m.base_layer
     return None, m
 
 
@@ -141,11 +145,15 @@ def _describe(m) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def projection_slots(attn, projs: tuple) -> list:
+def projection_slots(attn, projs: tuple, quantized: bool = False) -> list:
     """What computes each fused projection: ``[(name, rows module, LoRA layer or None)]``, after
     checking that ``qkv_proj`` and the rows modules are the ones ``apply_to`` put there, unhooked,
-    or PEFT LoRA layers over them (raises :class:`UnsupportedModuleError` naming anything else)."""
+    or PEFT LoRA layers over them (raises :class:`UnsupportedModuleError` naming anything else).
+    ``quantized``: an attention fused over bitsandbytes 4-bit q/k/v (:mod:`.qlora`): those layers
+    are the rows modules, and there is no ``qkv_proj``."""
     where = type(attn).__name__
+    if quantized:
+        return _quantized_slots(attn, projs, where)
     fused = attn._modules.get("qkv_proj")
     if type(fused) is not FusedQKVProjection:
         raise UnsupportedModuleError(
@@ -175,14 +183,7 @@ def projection_slots(attn, projs: tuple) -> list:
                 f"fusedqkv: {where}.{name} is a {what}; the fused block computes {name} as rows of qkv_proj, "
                 f"plain or under a PEFT LoRA layer, and cannot compute this module (it would be bypassed)" +
                 _hint(lora if lora is not None else m))
-        for mod, label in ((lora, f"{name}"), (m, f"{name}" + (".base_layer" if lora is not None else ""))):
-            if mod is None:
-                continue
-            hooked = _hooks(mod)
-            if hooked or "forward" in mod.__dict__:
-                raise UnsupportedModuleError(
-                    f"fusedqkv: {where}.{label} has a {hooked[0] if hooked else 'replaced forward'} "
-                    f"({_describe(mod)}); the fused block never calls the module, so it would not run")
+        _check_unhooked(where, name, lora, m)
         m.sync()
         out.append((name, m, lora))
     return out
@@ -235,6 +236,37 @@ def slots_fp8_recipe(attn, slots: list, given):
     return got
 
 
+def _check_unhooked(where: str, name: str, lora, m) -> None:
+    for mod, label in ((lora, f"{name}"), (m, f"{name}" + (".base_layer" if lora is not None else ""))):
+        if mod is None:
+            continue
+        hooked = _hooks(mod)
+        if hooked or "forward" in mod.__dict__:
+            raise UnsupportedModuleError(
+                f"fusedqkv: {where}.{label} has a {hooked[0] if hooked else 'replaced forward'} "
+                f"({_describe(mod)}); the fused block never calls the module, so it would not run")
+
+
+def _quantized_slots(attn, projs: tuple, where: str) -> list:
+    from .qlora import check_4bit, is_4bit
+
+    out = []
+    for name in projs:
+        lora, m = unwrap_lora(attn._modules.get(name))
+        if not is_4bit(m):
+            what = _describe(lora if lora is not None else m)
+            if lora is not None:
+                what += f" over a {_describe(m)}"
+            raise UnsupportedModuleError(
+                f"fusedqkv: {where}.{name} is a {what}; this attention was fused over bitsandbytes 4-bit q/k/v, and "
+                f"the fused block computes {name} as a bitsandbytes Linear4bit, plain or under a PEFT LoRA layer, "
+                f"and cannot compute this module (it would be bypassed)" + _hint(lora if lora is not None else m))
+        _check_unhooked(where, name, lora, m)
+        check_4bit(f"{where}.{name}", m, m.in_features, UnsupportedModuleError)
+        out.append((name, m, lora))
+    return out
+
+
 def _hint(m) -> str:
     mod = type(m).__module__
     if mod.startswith("torchao.float8"):
@@ -242,5 +274,10 @@ def _hint(m) -> str:
     if mod.startswith("peft."):
         return "; of PEFT's methods fusedqkv computes LoRA (lora.Linear) only"
     if mod.startswith("bitsandbytes"):
-        return "; a quantised q/k/v projection cannot be fused: do not call apply_to on this model"
+        from .qlora import REFUSED_8BIT, is_8bit
+
+        if is_8bit(m):
+            return "; " + REFUSED_8BIT
+        return ("; fusedqkv fuses 4-bit q/k/v only when apply_to finds them quantized (load the model with a "
+                "BitsAndBytesConfig, then call apply_to)")
     return ""

@@ -1,5 +1,7 @@
-"""PEFT LoRA inside the fused block: the adapters of q_proj/k_proj/v_proj as one residual of the
-fused projection output, added before RoPE and the norms.
+"""PEFT LoRA inside the fused block: the adapters of q_proj/k_proj/v_proj computed by the block
+(:func:`lora_operands`): accumulated into the fused projection output before RoPE and the norms,
+with their gradients from the block's backward (:mod:`fusedqkv.ops.lora`), or as one residual
+of that output where the in-place op does not apply (:func:`lora_residual`).
 
 For the projections ``p`` that carry a PEFT ``lora.Linear`` (over :class:`ProjectionRows`) and
 each of its active adapters ``a``, PEFT computes ``base(x) + lora_B(lora_A(dropout(x))) * s``.
@@ -12,7 +14,12 @@ Here the base is the block's one GEMM on the fused weight and the adapters are
   LoRA biases of ``lora_bias=True`` added), whose rows outside the targeted projections are 0;
 
 and R goes to :func:`fusedqkv.gqa_qkv_rope_qk_norm` as ``qkv_residual`` (its gradient is dQKV,
-from which autograd forms dA, dB and the adapters' share of dX). A frozen base weight gets no dW
+from which autograd forms dA, dB and the adapters' share of dX). The in-place op
+(``qkv_lora``, :class:`fusedqkv.ops.lora.LoRAUpdate`) computes the same GEMMs without R: ``qkv +=
+U B^T`` and ``dX += dU A`` in place, B used as it is (no layout per call). It applies to eager
+calls whose adapters compute in the block's dtype (the same dtype, or autocast on), without
+``lora_bias`` and without Gemma 4's shared K/V; the rest (fp32 adapters beside bf16 activations:
+PEFT rounds their update to bf16 before adding it) take the residual. A frozen base weight gets no dW
 GEMM. PEFT's state is followed per call: ``active_adapters``, ``disable_adapters``, ``merged``
 (the base weight then holds the update), per-module ranks and scalings (``rank_pattern``,
 ``alpha_pattern``, ``use_rslora``). DoRA and PEFT's other LoRA variants raise
@@ -26,6 +33,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..ops.lora import LoRAUpdate
 from .fused_projection import UnsupportedModuleError
 
 
@@ -59,23 +67,61 @@ def _live(dropout: nn.Module) -> bool:
     return True  # another module: apply it as PEFT would
 
 
-def lora_residual(hidden_states: torch.Tensor, slots: list, rows: tuple, n_tot: int) -> Optional[torch.Tensor]:
-    """The adapters' ``[batch, seq, n_tot]`` update of the fused projection output, or None when
-    no adapter applies. ``slots``: :func:`~fusedqkv.integrations.fused_projection.projection_slots`;
-    ``rows``: each projection's row count, in the same order."""
-    pairs = []  # (row start, rows, adapter, A, B, s, dropout)
+def _pairs(slots: list, rows: tuple) -> list:
+    """``[(row start, rows, adapter, A, B, s, dropout)]`` of every active adapter, in q, k, v order
+    (one dtype: raises otherwise)."""
+    pairs = []
     start = 0
     for (name, _, lora), n in zip(slots, rows):
         if lora is not None:
             for a, A, B, s, drop in _adapters(name, lora):
                 pairs.append((start, n, a, A, B, s, drop))
         start += n
+    if pairs:
+        dt = pairs[0][3].weight.dtype
+        if any(p[3].weight.dtype != dt or p[4].weight.dtype != dt for p in pairs):
+            raise UnsupportedModuleError(f"fusedqkv: the q/k/v LoRA adapters have different dtypes "
+                                         f"({sorted({str(p[3].weight.dtype) for p in pairs})}); one update needs one")
+    return pairs
+
+
+def _block_dtype(hidden_states: torch.Tensor) -> torch.dtype:
+    dev = hidden_states.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return hidden_states.dtype
+
+
+def lora_operands(hidden_states: torch.Tensor, slots: list, rows: tuple, n_tot: int, inplace: bool = True) -> tuple:
+    """``(qkv_residual, qkv_lora)`` for :func:`fusedqkv.gqa_qkv_rope_qk_norm`: ``(None, LoRAUpdate)``
+    where the in-place op applies (see the module's docstring), ``(residual, None)`` where not,
+    ``(None, None)`` when no adapter applies. ``inplace=False``: the residual always."""
+    pairs = _pairs(slots, rows)
     if not pairs:
-        return None
+        return None, None
+    dt = _block_dtype(hidden_states)
+    adapter_dt = pairs[0][3].weight.dtype
+    compute_dt = dt if torch.is_autocast_enabled(hidden_states.device.type) else adapter_dt
+    if (not inplace or torch.compiler.is_compiling() or compute_dt != dt
+            or any(p[4].bias is not None for p in pairs)):
+        return _residual(hidden_states, pairs, n_tot), None
+    shared = [p for p in pairs if not _live(p[6])]
+    own = [p for p in pairs if _live(p[6])]
+    xds = [p[6](hidden_states) for p in own]  # PEFT's masks, in its order (q, k, v; adapters)
+    ops = [(p[0], p[1], p[3].weight, p[4].weight, p[5], i < len(shared)) for i, p in enumerate(shared + own)]
+    return None, LoRAUpdate(ops, xds, n_tot, dt)
+
+
+def lora_residual(hidden_states: torch.Tensor, slots: list, rows: tuple, n_tot: int) -> Optional[torch.Tensor]:
+    """The adapters' ``[batch, seq, n_tot]`` update of the fused projection output, or None when
+    no adapter applies. ``slots``: :func:`~fusedqkv.integrations.fused_projection.projection_slots`;
+    ``rows``: each projection's row count, in the same order."""
+    pairs = _pairs(slots, rows)
+    return _residual(hidden_states, pairs, n_tot) if pairs else None
+
+
+def _residual(hidden_states: torch.Tensor, pairs: list, n_tot: int) -> torch.Tensor:
     dt = pairs[0][3].weight.dtype
-    if any(p[3].weight.dtype != dt or p[4].weight.dtype != dt for p in pairs):
-        raise UnsupportedModuleError(f"fusedqkv: the q/k/v LoRA adapters have different dtypes "
-                                     f"({sorted({str(p[3].weight.dtype) for p in pairs})}); one residual needs one")
     x = hidden_states.to(dt)
     shared = [p for p in pairs if not _live(p[6])]
     own = [p for p in pairs if _live(p[6])]

@@ -4,6 +4,8 @@ For every supported attention module of the model it
 
 * joins ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj`` (an ``nn.Linear`` whose weight
   rows are ``[Q | K | V]``, with the biases where the config has them), in ``q_proj``'s place;
+  bitsandbytes 4-bit q/k/v stay as they are instead (dequantized per call into that layout:
+  :mod:`fusedqkv.integrations.qlora`);
 * swaps the module's class for a subclass whose ``forward`` computes q, k, v (and the output
   gate of gated-query families) with :func:`fusedqkv.gqa_qkv_rope_qk_norm` (projection + RoPE +
   RMSNorm, one GEMM and one fused kernel forward, the fused backward) and hands them to the
@@ -42,7 +44,8 @@ from ..autograd import gqa_qkv_rope_qk_norm
 from ..ops.fp8 import check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config
 from .fused_projection import (FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _is_float8_linear,
                                projection_slots, slots_fp8_recipe, unwrap_lora)
-from .peft import lora_residual
+from .peft import lora_operands
+from . import qlora
 from ..ops.validation import MAX_HEAD_DIM as _MAX_HEAD_DIM
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -317,6 +320,7 @@ class FusedSpec:
     block_kwargs: dict          # gqa_qkv_rope_qk_norm's keyword arguments beyond the sizes
     k_eq_v: bool                # v is the raw k projection (no v_proj; Gemma 4)
     hf_children: tuple          # the HF module's child names in order (its state-dict order)
+    quantized: bool = False     # q/k/v are bitsandbytes 4-bit layers, kept in place (integrations.qlora)
 
 
 FUSED_NAME = "qkv_proj"
@@ -348,12 +352,29 @@ class _FusedAttention:
             cos, sin = cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
         # what sits in q/k/v_proj's places: the rows apply_to left, or PEFT LoRA layers over them
         # (anything else raises: it would be bypassed)
-        slots = projection_slots(self, spec.projs)
-        proj = self.qkv_proj
-        w, b = proj.weight, proj.bias
-        residual = lora_residual(hidden_states, slots, spec.split, w.shape[0])
+        slots = projection_slots(self, spec.projs, spec.quantized)
+        source = None
+        if spec.quantized:
+            # the fused weight dequantized into one workspace per call, rebuilt again by the backward
+            # (qkv_weight_source) rather than held; Gemma 4's shared K/V: the K layer twice
+            bases = [m for _, m, _ in slots] + ([slots[1][1]] if spec.k_eq_v else [])
+            dt = qlora.block_dtype(hidden_states)
+            source = qlora.DequantizedQKV(bases, dt, hidden_states.device)
+            w, b = source(), qlora.fused_bias(bases, dt)
+            if torch.compiler.is_compiling():
+                source = None
+            n_rows = sum(spec.split)
+        else:
+            proj = self.qkv_proj
+            w, b = proj.weight, proj.bias
+            n_rows = w.shape[0]
+        # the adapters inside the block (in place), or as a residual of the projection output
+        residual, lora = lora_operands(hidden_states, slots, spec.split, n_rows, inplace=not spec.k_eq_v)
         fp8 = slots_fp8_recipe(self, slots, spec.block_kwargs.get("fp8"))
-        if spec.k_eq_v:
+        if spec.k_eq_v and spec.quantized:
+            if residual is not None:
+                residual = torch.cat([residual, residual[..., spec.split[0]:]], -1)
+        elif spec.k_eq_v:
             # v = the k projection: the block's V rows are the K rows again (one parameter, the
             # gradients of both uses summed by autograd)
             q_rows = spec.split[0]
@@ -368,7 +389,7 @@ class _FusedAttention:
         # under autocast the block casts its inputs as HF's Linear would (gqa_qkv_rope_qk_norm)
         out = gqa_qkv_rope_qk_norm(hidden_states, w, wq, wk, cos, sin, num_heads=spec.num_heads,
                                    num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, qkv_residual=residual,
-                                   **dict(spec.block_kwargs, fp8=fp8))
+                                   qkv_weight_source=source, qkv_lora=lora, **dict(spec.block_kwargs, fp8=fp8))
         if arch.q_gate:
             return out
         q, k, v = out
@@ -674,8 +695,17 @@ def _base_linear(p):
     return unwrap_lora(p)[1]
 
 
-def _check_linear(path: str, p, hidden: int) -> nn.Linear:
+def _check_linear(path: str, p, hidden: int) -> nn.Module:
     base = _base_linear(p)
+    if qlora.is_8bit(base):
+        raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {qlora.REFUSED_8BIT}")
+    if qlora.is_4bit(base):  # QLoRA: the quantized layer stays, dequantized per call (integrations.qlora)
+        for hooked, kind in ((p, "the LoRA layer"), (base, "its base layer")):
+            if hooked._forward_hooks or hooked._forward_pre_hooks:
+                raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {kind} has forward hooks, which the fused "
+                                            f"block would not run")
+        qlora.check_4bit(path, base, hidden, UnsupportedModelError)
+        return base
     if base is not p:  # a PEFT LoRA layer: its adapters are computed in the block (integrations.peft)
         if type(base) is not nn.Linear:
             raise UnsupportedModelError(
@@ -688,8 +718,9 @@ def _check_linear(path: str, p, hidden: int) -> nn.Linear:
         p = base
     elif type(p) is not nn.Linear and not _is_float8_linear(p):
         raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path} is a {type(p).__name__}; only a plain torch.nn.Linear (or a PEFT LoRA layer over "
-            f"one) can be fused (apply fusedqkv before wrapping projections: quantization, tensor parallel)")
+            f"fusedqkv.apply_to: {path} is a {type(p).__name__}; only a plain torch.nn.Linear or a bitsandbytes "
+            f"Linear4bit (or a PEFT LoRA layer over one) can be fused (apply fusedqkv before wrapping projections "
+            f"otherwise: tensor parallel)")
     w = p.weight
     if type(w.data) is not torch.Tensor or w.is_meta:
         raise UnsupportedModelError(
@@ -727,11 +758,18 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
         projs.append(_check_linear(f"{path}.{name}", p, cfg.hidden_size))
     if k_eq_v and attn._modules.get("v_proj") is not None:
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path} has a v_proj although {arch.k_eq_v} is set")
-    q_rows, k_rows = projs[0].weight.shape[0], projs[1].weight.shape[0]
-    q_per_head = 2 * d if arch.q_gate else d
-    if q_rows % q_per_head or k_rows % d or any(p.weight.shape[0] != k_rows for p in projs[2:]):
+    quantized = [qlora.is_4bit(p) for p in projs]
+    if any(quantized) and not all(quantized):
         raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {what}: q/k/v_proj have {[p.weight.shape[0] for p in projs]} rows; expected "
+            f"fusedqkv.apply_to: {path}: only some of q/k/v_proj are bitsandbytes 4-bit layers "
+            f"({[type(p).__name__ for p in projs]}); the fused block takes all dense or all 4-bit")
+    quantized = all(quantized)
+    n_rows = [p.out_features if quantized else p.weight.shape[0] for p in projs]
+    q_rows, k_rows = n_rows[0], n_rows[1]
+    q_per_head = 2 * d if arch.q_gate else d
+    if q_rows % q_per_head or k_rows % d or any(n != k_rows for n in n_rows[2:]):
+        raise UnsupportedModelError(
+            f"fusedqkv.apply_to: {what}: q/k/v_proj have {n_rows} rows; expected "
             f"multiples of {q_per_head} (q" + (": [q | gate] per head" if arch.q_gate else "")
             + f") and {d} (k, v) with k and v equal")
     hq, hkv = q_rows // q_per_head, k_rows // d
@@ -739,7 +777,11 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
         raise UnsupportedModelError(f"fusedqkv.apply_to: {what}: num_heads={hq} (q_proj rows) is not a multiple of "
                                     f"num_kv_heads={hkv} (k_proj rows)")
     ws = [p.weight for p in projs]
-    if len({(w.dtype, w.device, w.requires_grad) for w in ws}) != 1:
+    if quantized:  # the packed weights: their device; the dequantized dtype is the block's, per call
+        if len({w.device for w in ws}) != 1 or any(w.requires_grad for w in ws):
+            raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: the 4-bit q/k/v_proj weights are on different "
+                                        f"devices or require grad ({[(str(w.device), w.requires_grad) for w in ws]})")
+    elif len({(w.dtype, w.device, w.requires_grad) for w in ws}) != 1:
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path}: q/k/v_proj weights differ in dtype, device or requires_grad "
             f"({[(str(w.dtype), str(w.device), w.requires_grad) for w in ws]}); one fused parameter needs one")
@@ -747,7 +789,8 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
     if any(b is None for b in biases) and not all(b is None for b in biases):
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: only some of q/k/v_proj have a bias")
     if biases[0] is not None and (len({(b.dtype, b.device, b.requires_grad) for b in biases}) != 1
-                                  or (biases[0].dtype, biases[0].device) != (ws[0].dtype, ws[0].device)):
+                                  or biases[0].device != ws[0].device
+                                  or (not quantized and biases[0].dtype != ws[0].dtype)):
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: the q/k/v_proj biases differ in dtype, device or "
                                     f"requires_grad from each other, or in dtype/device from the weights")
     if arch.norm_weight:
@@ -792,13 +835,19 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
             raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: the Float8Linear layers of {', '.join(names)} "
                                         f"have different float8 configs; one fused GEMM, one recipe")
         opts.append(("fp8", recipes.pop()))
-    split = tuple(p.weight.shape[0] for p in projs)
-    return FusedSpec(hq, hkv, d, eps_q, names, split, dict(opts), k_eq_v, tuple(attn._modules))
+    split = tuple(n_rows)
+    return FusedSpec(hq, hkv, d, eps_q, names, split, dict(opts), k_eq_v, tuple(attn._modules), quantized)
 
 
 def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
     """Patch one validated attention module in place: ``qkv_proj`` (the joined weights) before
-    q_proj, and q/k/v_proj as rows of it (a PEFT LoRA layer there keeps its adapters, over the rows)."""
+    q_proj, and q/k/v_proj as rows of it (a PEFT LoRA layer there keeps its adapters, over the rows).
+    4-bit q/k/v stay as they are (no fused parameter: each forward dequantizes them; their state
+    dict is bitsandbytes' own, so no state-dict hooks)."""
+    if spec.quantized:
+        attn._fusedqkv = spec
+        attn.__class__ = fused_class(type(attn))
+        return
     slots = [attn._modules[name] for name in spec.projs]
     projs = [_base_linear(m) for m in slots]
     q = projs[0]
@@ -855,8 +904,10 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
 
     Call it before creating the optimizer (the projection weights become one new parameter,
     ``<attention>.qkv_proj.weight``) and before wrapping the model (DDP/FSDP,
-    ``torch.compile``, PEFT). ``state_dict()`` keeps HF's keys and values; ``load_state_dict``
-    takes HF state dicts. Raises :class:`UnsupportedModelError` (a ``ValueError``) naming the
+    ``torch.compile``); PEFT LoRA may come before or after. ``state_dict()`` keeps HF's keys and
+    values; ``load_state_dict`` takes HF state dicts. On a model loaded 4-bit (bitsandbytes
+    ``Linear4bit`` q/k/v: QLoRA) the projections stay as they are, no new parameter, and each
+    forward dequantizes them into the fused layout (:mod:`fusedqkv.integrations.qlora`). Raises :class:`UnsupportedModelError` (a ``ValueError``) naming the
     architecture, module or setting that cannot be fused, before changing anything.
 
     ``fp8``: the fused projections' GEMMs in FP8 with torchao's recipe of that name
@@ -904,6 +955,9 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
     specs = [_validate(path, m, arch) for path, m, arch in todo]
     if recipe is not None:
         for (path, m, _), spec in zip(todo, specs):
+            if spec.quantized:
+                raise UnsupportedModelError(f"fusedqkv.apply_to: {name} {path}: fp8={recipe.key!r} with bitsandbytes "
+                                            f"4-bit q/k/v; FP8 GEMMs over dequantized 4-bit weights are not built")
             rows = sum(spec.split) + (spec.split[1] if spec.k_eq_v else 0)
             try:  # the sizes only: the device is checked where the block runs
                 fp8_check_supported(torch.device("cpu"), getattr(m, spec.projs[0]).in_features, rows)

@@ -45,10 +45,13 @@ class ForwardPlan:
         self.device, self.dtype = sz["device"], sz["dtype"]
         self.variant = sz["variant"]
 
-    def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias=None, qkv_residual=None):
+    def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias=None, qkv_residual=None,
+            qkv_update=None):
         """(q, k, qkv, rstd_q, rstd_k, v); cos/sin ``[batch, seq, rot]`` (expanded); v None unless
         the variant norms it. ``qkv_residual`` (plans built with one): ``[batch, seq, qkv]`` added to
-        the projection output before RoPE and the norms (a LoRA update)."""
+        the projection output before RoPE and the norms (a LoRA update); ``qkv_update`` (plans built
+        with a residual): a callable that changes the projection output in place there instead (the
+        LoRA GEMMs accumulating into it: :mod:`fusedqkv.ops.lora`)."""
         sz = self.sz
         if self.fused is not None:
             return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
@@ -71,6 +74,8 @@ class ForwardPlan:
                                   qkv_weight.t()).view(self.qkv_shape)
         if qkv_residual is not None:
             qkv.add_(qkv_residual)
+        elif qkv_update is not None:
+            qkv_update(qkv)
         if launch is None:
             q, k, rq, rk, v = forward_torch(qkv, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"],
                                             sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"], self.variant)
@@ -194,16 +199,17 @@ def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, s
 
 
 def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                qkv_bias=None, qkv_residual=None):
+                qkv_bias=None, qkv_residual=None, qkv_update=None):
     """``plan.run``; a call whose addresses the plan was not specialised for gets its own plan."""
     try:
-        return plan.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual)
+        return plan.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual,
+                        qkv_update)
     except Misaligned:
         sz, var = plan.sz, plan.variant
         position = "after_rope" if sz["norm_after_rope"] else "before_rope"
         options = (var.q_gate, "interleaved" if var.interleaved else "neox", "all_heads" if var.all_heads else "head",
                    var.v_norm)
-        residual = qkv_residual is not None
+        residual = qkv_residual is not None or qkv_update is not None
         key = "" if plan.fp8 is None else plan.fp8.key
         args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"], sz["num_kv_heads"],
                 sz["eps"], position, plan.backend, qkv_bias, *options, residual, key)
@@ -211,4 +217,5 @@ def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_n
                    q_norm_weight is None, *options, residual, key)
         own = PLANS.full_lookup(list(_guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                               qkv_bias)), scalars, args, remember=False)
-        return own.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual)
+        return own.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual,
+                       qkv_update)

@@ -1,0 +1,102 @@
+"""The LoRA GEMMs of the fused block, accumulated in place (issue 34): the adapters' update goes
+into the projection output and their share of dX into the dX buffer, with no residual tensor of
+their own and no sum of two dX parts.
+
+For pairs ``i`` (a projection's adapter: A_i ``[r_i, hidden]``, B_i ``[rows_i, r_i]``, scaling
+``s_i``, rows ``[row_i, row_i + rows_i)`` of the fused output), the shared pairs (identity dropout:
+their input is x) first, then one per live dropout (input ``xd_i``, PEFT's own mask):
+
+* forward: ``U = [x A_shared^T | xd_i A_i^T ...]`` (one GEMM for the shared pairs, A_shared the
+  concatenated A), then per pair ``qkv[:, rows_i] += s_i U_i B_i^T`` in place (beta = 1, on the
+  column block of qkv: cuBLAS takes its leading dimension, no copy);
+* backward, from dQKV: ``dU_i = s_i dQKV[:, rows_i] B_i`` into the column block of dU;
+  ``dB_i = s_i dQKV[:, rows_i]^T U_i``; ``dA_shared = dU_shared^T x`` (split per pair: views);
+  ``dA_i = dU_i^T xd_i``; ``dX += dU_shared A_shared`` in place; ``dxd_i = dU_i A_i``.
+
+B is used as the parameter it is (no layout per call). Nothing is kept between calls: a cache
+keyed by ``_version`` would go stale under fused optimizers (``torch._fused_adamw_``, the HF
+Trainer's default, updates parameters without bumping their version).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def _into(out: Tensor, a: Tensor, b: Tensor, alpha: float) -> None:
+    """``out = alpha * a @ b`` (out a strided block of a larger matrix)."""
+    torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
+
+
+class LoRAUpdate:
+    """One call's adapters: ``pairs`` ``[(row, rows, A, B, scaling, shared)]`` (A, B the
+    parameters: ``[r, hidden]``, ``[rows, r]``), the shared ones first; ``xds`` the inputs of the
+    live-dropout pairs, in order; ``n_tot`` the fused rows; ``dtype`` the block's (every GEMM's:
+    the adapters are cast to it where autocast runs them in it)."""
+
+    def __init__(self, pairs: list, xds: list, n_tot: int, dtype: torch.dtype):
+        self.pairs, self.xds, self.n_tot, self.dtype = pairs, xds, n_tot, dtype
+        self.n_shared = sum(1 for p in pairs if p[5])
+        self.ranks = [p[2].shape[0] for p in pairs]
+        self.cols = [sum(self.ranks[:i]) for i in range(len(pairs))]
+        self.r_shared = sum(self.ranks[:self.n_shared])
+        self.device = pairs[0][2].device
+        self.u = self.a_shared = None
+
+    @property
+    def params(self) -> list:
+        """The op's differentiable inputs: every A, every B, then the dropout inputs."""
+        return [p[2] for p in self.pairs] + [p[3] for p in self.pairs] + list(self.xds)
+
+    def _w(self, t: Tensor) -> Tensor:
+        t = t.detach()
+        return t if t.dtype == self.dtype else t.to(self.dtype)
+
+    def forward(self, qkv2d: Tensor, x2d: Tensor) -> None:
+        """``qkv2d += U B^T`` per pair, in place; keeps U (and A_shared) for the backward."""
+        m = qkv2d.shape[0]
+        us = []
+        if self.n_shared:
+            shared = [self._w(p[2]) for p in self.pairs[:self.n_shared]]
+            self.a_shared = shared[0] if len(shared) == 1 else torch.cat(shared)
+            us.append(x2d @ self.a_shared.t())
+        for (_, _, A, _, _, _), xd in zip(self.pairs[self.n_shared:], self.xds):
+            us.append(self._w(xd).reshape(m, -1) @ self._w(A).t())
+        self.u = u = us[0] if len(us) == 1 else torch.cat(us, 1)
+        for (row, rows, _, B, s, _), c, r in zip(self.pairs, self.cols, self.ranks):
+            qkv2d[:, row:row + rows].addmm_(u[:, c:c + r], self._w(B).t(), alpha=s)
+
+    def backward(self, dqkv2d: Tensor, g_x2d: Optional[Tensor], x2d: Tensor, needs: list) -> list:
+        """Gradients of :attr:`params` (None where ``needs`` says not needed); ``g_x2d += dU_shared
+        A_shared`` in place when given."""
+        u, n, m = self.u, len(self.pairs), dqkv2d.shape[0]
+        du = torch.empty((m, u.shape[1]), dtype=self.dtype, device=dqkv2d.device)
+        for (row, rows, _, B, s, _), c, r in zip(self.pairs, self.cols, self.ranks):
+            _into(du[:, c:c + r], dqkv2d[:, row:row + rows], self._w(B), s)
+        grads: list = [None] * (2 * n + len(self.xds))
+        if self.n_shared and any(needs[:self.n_shared]):
+            da = du[:, :self.r_shared].t() @ x2d
+        for i, ((row, rows, A, B, s, shared), c, r) in enumerate(zip(self.pairs, self.cols, self.ranks)):
+            if needs[n + i]:
+                db = torch.empty((rows, r), dtype=self.dtype, device=dqkv2d.device)
+                _into(db, dqkv2d[:, row:row + rows].t(), u[:, c:c + r], s)
+                grads[n + i] = db if db.dtype == B.dtype else db.to(B.dtype)
+            if needs[i]:
+                if shared:
+                    g = da[c:c + r]
+                else:
+                    g = du[:, c:c + r].t() @ self._w(self.xds[i - self.n_shared]).reshape(m, -1)
+                grads[i] = g if g.dtype == A.dtype else g.to(A.dtype)
+        if g_x2d is not None and self.n_shared:
+            g_x2d.addmm_(du[:, :self.r_shared], self.a_shared)
+        for j, ((_, _, A, _, _, _), xd) in enumerate(zip(self.pairs[self.n_shared:], self.xds)):
+            if needs[2 * n + j]:
+                c, r = self.cols[self.n_shared + j], self.ranks[self.n_shared + j]
+                g = (du[:, c:c + r] @ self._w(A)).view(xd.shape)
+                grads[2 * n + j] = g if g.dtype == xd.dtype else g.to(xd.dtype)
+        self.u = self.a_shared = None
+        return grads

@@ -1,0 +1,41 @@
+"""What the LoRA and QLoRA tests share: one training step's logits and trainable gradients, the
+relative error they are compared by, and a QLoRA model's dense twin."""
+
+import copy
+
+import torch
+from torch import nn
+
+
+def step(m, ids):
+    """(logits, {name: grad}) of one loss.backward() from zeroed gradients."""
+    m.zero_grad(set_to_none=True)
+    out = m(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+
+
+def rel(a, b):
+    """The relative error ||a - b|| / ||b|| (Frobenius, in float64)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def dense_copy(m):
+    """A deep copy of ``m`` with every bitsandbytes 4-bit layer replaced by a frozen nn.Linear of
+    its dequantized weight (bitsandbytes has no fp32/fp64 product of its own to compare with)."""
+    import bitsandbytes as bnb
+
+    m = copy.deepcopy(m)
+    for mod in list(m.modules()):
+        for name, child in list(mod.named_children()):
+            if type(child) is bnb.nn.Linear4bit:
+                w = bnb.functional.dequantize_4bit(child.weight.data, child.weight.quant_state)
+                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device=w.device)
+                with torch.no_grad():
+                    lin.weight.copy_(w)
+                    if child.bias is not None:
+                        lin.bias.copy_(child.bias)
+                lin.requires_grad_(False)
+                setattr(mod, name, lin)
+    return m

@@ -1,0 +1,127 @@
+"""QLoRA in the fused block on the GPU (integrations.qlora with the Triton stages, bitsandbytes'
+CUDA dequantization into the workspace in place): a tiny Qwen3 loaded 4-bit NF4 (double
+quantisation, bf16 compute) under PEFT, fused against unfused by the three-way rule against the
+same model in fp32 (the 4-bit weights dequantized to dense fp32 layers); and the fused QLoRA
+block's forward+backward captured as a CUDA graph, replayed equal to eager. Skipped without a
+CUDA GPU or bitsandbytes."""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+bnb = pytest.importorskip("bitsandbytes")
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+
+import fusedqkv  # noqa: E402
+from fusedqkv.integrations import qlora  # noqa: E402
+
+import _hf_families as H  # noqa: E402
+from _lora_checks import dense_copy, rel as _rel  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+def test_gpu_qlora_bf16_three_way(tmp_path, order):
+    H.build(H.family("qwen3"), bias=True, dtype=torch.bfloat16).save_pretrained(tmp_path / "m")
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.bfloat16)
+
+    def load():  # bf16 activations (prepare_model_for_kbit_training would upcast them to fp32)
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "m", quantization_config=q, device_map="cuda",
+                                                    dtype=torch.bfloat16)
+
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    torch.manual_seed(3)
+    ref = get_peft_model(load(), copy.deepcopy(cfg))
+    m = load()
+    if order == "apply_first":
+        fusedqkv.apply_to(m)
+        m = get_peft_model(m, copy.deepcopy(cfg))
+    else:
+        m = get_peft_model(m, copy.deepcopy(cfg))
+        fusedqkv.apply_to(m)
+    set_peft_model_state_dict(m, get_peft_model_state_dict(ref))
+    ref32 = dense_copy(ref).float()
+    ids = H.batch(2, 24).cuda()
+    out = {}
+    for name, model in (("fused", m), ("eager", ref), ("fp32", ref32)):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        o = model(input_ids=ids, labels=ids)
+        o.loss.backward()
+        out[name] = (o.logits.float(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad})
+    assert H.fused_modules(m) and "qkv_proj" not in H.fused_modules(m)[0]._modules
+    (lf, gf), (le, ge), (l32, g32) = out["fused"], out["eager"], out["fp32"]
+    assert _rel(lf, l32) <= 2 * _rel(le, l32) + 1e-3
+    assert sorted(gf) == sorted(g32)
+    for n in g32:
+        assert _rel(gf[n], g32[n]) <= 2 * _rel(ge[n], g32[n]) + 1e-2, n
+
+
+@cuda
+def test_gpu_qlora_block_under_cuda_graph():
+    """The QLoRA block with its adapters inside the op (qkv_lora) captured as a CUDA graph: the
+    dequantization workspace during capture is the call's own (device.workspace), the backward
+    dequantizes into another; replays equal the eager call (outputs, dX, every dA and dB), and no
+    kept buffer is created by the capture."""
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+    from fusedqkv.integrations.peft import lora_operands
+    from fusedqkv.ops import device as D
+
+    torch.manual_seed(0)
+    hidden, hq, hkv, d = 256, 4, 2, 64
+    bases = []
+    for rows in (hq * d, hkv * d, hkv * d):
+        lin = bnb.nn.Linear4bit(hidden, rows, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                                compress_statistics=True)
+        lin.weight = bnb.nn.Params4bit(torch.randn(rows, hidden) / 16, requires_grad=False, quant_type="nf4",
+                                       compress_statistics=True)
+        bases.append(lin.cuda())
+    src = qlora.DequantizedQKV(bases, torch.bfloat16, torch.device("cuda"))
+    slots = []
+    for name, base in zip(("q_proj", "k_proj", "v_proj"), bases):
+        lora = LoraLinear4bit(base, "default", LoraConfig(r=8, lora_alpha=16, init_lora_weights=False), r=8,
+                              lora_alpha=16, init_lora_weights=False)
+        for mod in (lora.lora_A, lora.lora_B):
+            mod.to(device="cuda", dtype=torch.bfloat16)
+        slots.append((name, base, lora))
+    adapters = [p for _, _, lo in slots for p in (lo.lora_A["default"].weight, lo.lora_B["default"].weight)]
+    split = tuple(b.out_features for b in bases)
+    x = torch.randn(2, 32, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    wq = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5
+    wk = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5
+    ang = torch.arange(32, device="cuda")[None, :, None] / 100 ** (torch.arange(d, device="cuda") % (d // 2) / (d // 2))
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    gq = torch.randn(2, hq, 32, d, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        residual, lora = lora_operands(x, slots, split, sum(split))
+        assert residual is None and lora is not None
+        q, k, v = fusedqkv.gqa_qkv_rope_qk_norm(x, src(), wq, wk, cos, sin, num_heads=hq, num_kv_heads=hkv,
+                                                qk_norm_position="before_rope", qkv_weight_source=src, qkv_lora=lora)
+        return (q, k, v) + torch.autograd.grad((q, k, v), [x] + adapters,
+                                               (gq, torch.ones_like(k), torch.ones_like(v)))
+
+    want = [t.clone() for t in call()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    kept = [(b["kind"], b["stream"], b["bytes"]) for b in D.info()["buffers"]]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = call()
+    assert [(b["kind"], b["stream"], b["bytes"]) for b in D.info()["buffers"]] == kept
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
