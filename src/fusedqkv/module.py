@@ -48,6 +48,8 @@ class _BlockParams(nn.Module):
         self.q_gate = _require_bool("q_gate", q_gate)
         self.rope_style = _require_choice("rope_style", rope_style, ROPE_STYLES, "'neox' or 'interleaved'")
         self.norm_scope = _require_choice("norm_scope", norm_scope, NORM_SCOPES, "'head' or 'all_heads'")
+        if self.norm_scope == "all_heads":
+            V.require_all_heads_head_dim(head_dim)
         self.v_norm = _require_bool("v_norm", v_norm)
         if not _require_bool("norm_weight", norm_weight) and self.norm_weight_offset:
             raise ValueError(f"norm_weight_offset: {self.norm_weight_offset} needs norm weights (norm_weight=False "

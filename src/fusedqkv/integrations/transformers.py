@@ -30,7 +30,6 @@ import dataclasses
 import importlib
 import inspect
 import sys
-import warnings
 from collections import OrderedDict
 from typing import Callable, Optional
 
@@ -41,7 +40,7 @@ from torch.nn import functional as F
 from ..autograd import gqa_qkv_rope_qk_norm
 from .fused_projection import FusedQKVProjection, ProjectionRows, UnsupportedModuleError, projection_slots, unwrap_lora
 from .peft import lora_residual
-from ..ops.validation import MAX_HEAD_DIM as _MAX_HEAD_DIM
+from ..ops.validation import ALL_HEADS_MAX_HEAD_DIM as _ALL_HEADS_MAX_HEAD_DIM, MAX_HEAD_DIM as _MAX_HEAD_DIM
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TF = "transformers.models."
@@ -156,17 +155,6 @@ def _skip_kv_shared(attn) -> Optional[str]:
     if getattr(attn, "is_kv_shared_layer", False):
         return "a KV-shared layer (it reuses an earlier layer's k/v and has no k_proj/v_proj)"
     return None
-
-
-# the reason of a layer left unfused for its head size: apply_to warns about those layers
-_OVERSIZED = "is above the block's"
-
-
-def _skip_gemma4(attn) -> Optional[str]:
-    reason = _skip_kv_shared(attn)
-    if reason is None and isinstance(attn.head_dim, int) and attn.head_dim > _MAX_HEAD_DIM:
-        reason = f"head_dim={attn.head_dim} (global layer) {_OVERSIZED} {_MAX_HEAD_DIM}"
-    return reason
 
 
 def _skip_llama4(attn) -> Optional[str]:
@@ -285,7 +273,7 @@ SUPPORTED = (
     # v norm (Gemma 3n / 4: weight w, unweighted v RMSNorm; KV-shared layers stay HF's)
     _row("gemma3n_text", "gemma3n.modeling_gemma3n", "Gemma3nTextAttention", "Gemma3nRMSNorm", **_GEMMA_N),
     _row("gemma4_text", "gemma4.modeling_gemma4", "Gemma4TextAttention", "Gemma4RMSNorm",
-         **dict(_GEMMA_N, skip=_skip_gemma4, k_eq_v="use_alternative_attention")),
+         **dict(_GEMMA_N, k_eq_v="use_alternative_attention")),
 )
 
 # families with a QK norm the block does not compute (named in apply_to's error)
@@ -707,9 +695,11 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
     cfg = attn.config
     d = attn.head_dim
     what = f"{path} ({type(attn).__name__}, model_type {getattr(cfg, 'model_type', '?')!r})"
-    if not (isinstance(d, int) and d % 2 == 0 and 0 < d <= _MAX_HEAD_DIM):
+    limit = _ALL_HEADS_MAX_HEAD_DIM if arch.norm_scope == "all_heads" else _MAX_HEAD_DIM
+    if not (isinstance(d, int) and d % 2 == 0 and 0 < d <= limit):
         raise UnsupportedModelError(f"fusedqkv.apply_to: {what}: head_dim={d}; the fused block needs an even "
-                                    f"head_dim <= {_MAX_HEAD_DIM}")
+                                    f"head_dim <= {limit}" + (" with its norm over all heads" if
+                                                              arch.norm_scope == "all_heads" else ""))
     k_eq_v = bool(arch.k_eq_v and getattr(attn, arch.k_eq_v))
     names = ("q_proj", "k_proj") if k_eq_v else ("q_proj", "k_proj", "v_proj")
     projs = []
@@ -877,10 +867,6 @@ def apply_to(model: nn.Module) -> int:
     specs = [_validate(path, m, arch) for path, m, arch in todo]
     for (_, m, _), spec in zip(todo, specs):
         _fuse(m, spec)
-    oversized = [(p, r) for p, a, r in skipped if _OVERSIZED in r]
-    if oversized and todo:
-        warnings.warn(f"fusedqkv.apply_to: {len(oversized)} attention layers stay unfused: "
-                      f"{oversized[0][0]}: {oversized[0][1]}", stacklevel=2)
     return len(todo)
 
 

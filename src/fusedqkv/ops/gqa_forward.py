@@ -153,6 +153,8 @@ def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_wei
     d_src = (f"head_dim from qkv_weight's {n_tot} rows / {heads_tot} heads"
              + (f" and from {d_from}" if d_norm is not None else ""))
     V.require_head_config(hq, hkv, d, "from num_heads, num_kv_heads and qkv_weight")
+    if all_heads:
+        V.require_all_heads_head_dim(d, "from num_heads, num_kv_heads and qkv_weight")
     if weighted:
         if all_heads:
             V.require_shape("q_norm_weight", q_norm_weight, (hq * d,), "[num_heads*head_dim] for norm_scope='all_heads'")
