@@ -152,6 +152,7 @@ VARIANTS = {
     "partial_interleaved": dict(rot=4, interleaved=True),
     "gate": dict(q_gate=True, rot=4),
     "v_norm": dict(v_norm=True),
+    "k_eq_v": dict(v_norm=True, k_eq_v=True),
     "all_heads": dict(all_heads=True),
     "all_heads_partial": dict(all_heads=True, rot=4),
     "all_heads_combo": dict(all_heads=True, norm_weight=False, q_gate=True, v_norm=True, interleaved=True, rot=2),
@@ -300,7 +301,7 @@ def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one
     norm = "fp32" if norm_fp32 else act
     block_t = 1 if var.all_heads else max(1, min(32, 1024 // _p2(d // 2)))
     consts = dict(D=d, BLOCK_T=block_t, GROUP=group, NORM_AFTER_ROPE=nar, D_P2=_p2(d), **var.constexprs(d),
-                  ALL_HEADS=var.all_heads, **var.head_tiles(*heads))
+                  ALL_HEADS=var.all_heads, **var.head_tiles(*heads), K_EQ_V=var.k_eq_v)
     warps = all_heads_warps(*heads, var.rotary(d) // 2, 32) if var.all_heads else (8 if group == 8 else 4)
     types = {n: "*" + act for n in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr")}
     types.update({n: "*" + norm if var.norm_weight else "*" + act for n in ("wq_ptr", "wk_ptr")})
@@ -525,7 +526,7 @@ def wide_head_jobs() -> list:
             # the training stage as Gemma 4 runs it: weighted norms before RoPE, v normed, no grad_cos/sin
             _stage_job(cc, "train_before_nocs", "all4", d, "bf16", heads, "div16", variant="v_norm"),
             _stage_job(cc, "091", "group8", d, "bf16", heads, "plain"),
-            _fwd_job(cc, d, "bf16", 4, False, "div16", variant="v_norm"),
+            _fwd_job(cc, d, "bf16", 4, False, "div16", variant="k_eq_v"),
             _matmul_job("hybrid_dw", "bf16", True, "per_sm", "div16", fin_d=d, cc=cc),
         ]
     jobs += [

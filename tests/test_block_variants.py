@@ -36,11 +36,16 @@ VARIANTS = {
     "all_heads_unweighted_partial": dict(all_heads=True, norm_weight=False, rot=2),
     "everything": dict(all_heads=True, q_gate=True, interleaved=True, v_norm=True, rot=2),
 }
+# v the raw k projection (Gemma 4's global layers): the training API's (the stages see v's columns as k's)
+K_EQ_V_VARIANTS = {
+    "k_eq_v": dict(k_eq_v=True, v_norm=True),
+    "k_eq_v_gate_partial": dict(k_eq_v=True, q_gate=True, rot=4),
+}
 B, S, HQ, HKV, D = 2, 3, 4, 2, 16
 
 
 def make_variant(name: str, d: int = D) -> Variant:
-    kw = dict(VARIANTS[name])
+    kw = dict(VARIANTS[name] if name in VARIANTS else K_EQ_V_VARIANTS[name])
     if "rot" in kw:
         kw["rot"] = d // kw["rot"]
     return Variant(**kw)
@@ -48,7 +53,7 @@ def make_variant(name: str, d: int = D) -> Variant:
 
 def api_options(v: Variant) -> dict:
     return dict(q_gate=v.q_gate, rope_style="interleaved" if v.interleaved else "neox",
-                norm_scope="all_heads" if v.all_heads else "head", v_norm=v.v_norm)
+                norm_scope="all_heads" if v.all_heads else "head", v_norm=v.v_norm, k_eq_v=v.k_eq_v)
 
 
 def _stage_inputs(v: Variant, seed: int, b=B, s=S, hq=HQ, hkv=HKV, d=D):
@@ -227,16 +232,17 @@ API_CASES = [
     ("all_heads", "before_rope", True),
     ("all_heads_unweighted_partial", "after_rope", True),
     ("everything", "before_rope", True),
+    ("k_eq_v", "before_rope", True),
+    ("k_eq_v_gate_partial", "after_rope", True),
 ]
 
 
 def _api_run(v: Variant, position, cos_grad, backend, seed=0, hidden=24, bias=False, b=B, s=S, hq=HQ, hkv=HKV,
              d=D):
     g = torch.Generator().manual_seed(seed)
-    nq = 2 * hq if v.q_gate else hq
     x = torch.randn(b, s, hidden, generator=g, dtype=torch.float64)
-    w = torch.randn((nq + 2 * hkv) * d, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5
-    bv = torch.randn((nq + 2 * hkv) * d, generator=g, dtype=torch.float64) if bias else None
+    w = torch.randn(v.qkv_heads(hq, hkv) * d, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5
+    bv = torch.randn(v.qkv_heads(hq, hkv) * d, generator=g, dtype=torch.float64) if bias else None
     ang = torch.randn(1, s, v.rotary(d), generator=g, dtype=torch.float64) * 3  # shared by the batch
     cos, sin = ang.cos(), ang.sin()
     ws = []
@@ -268,7 +274,7 @@ def _api_run(v: Variant, position, cos_grad, backend, seed=0, hidden=24, bias=Fa
 def test_training_api_matches_reference_fp32(name, position, cos_grad, backend):
     """Outputs (q, k, v[, gate]) and every gradient (x, qkv_weight[, norm weights][, cos, sin][, bias])."""
     v = make_variant(name)
-    ours, ref = _api_run(v, position, cos_grad, backend, seed=len(name), bias=name == "everything")
+    ours, ref = _api_run(v, position, cos_grad, backend, seed=len(name), bias=name in ("everything", "k_eq_v"))
     assert len(ours) == len(ref)
     for i, (a, r) in enumerate(zip(ours, ref)):
         assert a.dtype == torch.float32 and a.shape == r.shape, i
@@ -280,9 +286,9 @@ def test_training_api_matches_reference_fp32(name, position, cos_grad, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_training_api_at_head_dim_512_matches_reference_fp32(backend):
-    """Gemma 4's global-layer block at head_dim 512 (weighted norms before RoPE, v normed) through the
-    training API: outputs and every gradient (x, qkv_weight, norm weights, cos, sin)."""
-    ours, ref = _api_run(make_variant("v_norm"), "before_rope", True, backend, seed=3, hidden=16,
+    """Gemma 4's global-layer block at head_dim 512 (weighted norms before RoPE, v the raw k, normed)
+    through the training API: outputs and every gradient (x, qkv_weight, norm weights, cos, sin)."""
+    ours, ref = _api_run(make_variant("k_eq_v"), "before_rope", True, backend, seed=3, hidden=16,
                          **{k: v for k, v in WIDE.items()})
     assert len(ours) == len(ref) == 9
     for i, (a, r) in enumerate(zip(ours, ref)):
@@ -355,6 +361,15 @@ def test_opcheck_custom_ops_with_variant_flags():
     gg = torch.randn(1, 3, 2, 8, generator=g)
     torch.library.opcheck(bwd, (gq, gk, gv, x, w, qkv, None, None, cos, sin, 2, 1, 1e-6, False, True, True, True,
                                 "auto", False, gg, True, True, True, True))
+    # k_eq_v (no V rows), with a residual and its gradient
+    w = w[:(2 * 2 + 1) * 8]
+    r = torch.randn(1, 3, w.shape[0], generator=g)
+    args = (x, w, None, None, cos, sin, 2, 1, 1e-6, False, "auto", None, True, True, False, True, r, True)
+    torch.library.opcheck(fwd, args)
+    q, k, qkv, _, _, vn = fwd(*args)
+    assert qkv.shape == (1, 3, w.shape[0])
+    torch.library.opcheck(bwd, (gq, gk, gv, x, w, qkv, None, None, cos, sin, 2, 1, 1e-6, False, True, True, True,
+                                "auto", False, gg, True, True, False, True, True, True))
 
 
 # ------------------------------------------------------------------------------ errors
@@ -386,6 +401,10 @@ def _call(**change):
     (dict(norm_scope="token"), ValueError, r"^norm_scope: expected 'head'"),
     (dict(q_gate=1), TypeError, r"^q_gate: expected a bool"),
     (dict(v_norm="yes"), TypeError, r"^v_norm: expected a bool"),
+    (dict(k_eq_v=1), TypeError, r"^k_eq_v: expected a bool"),
+    # k_eq_v: [Q | K] rows; the block's [Q | K | V] weight is a head too many
+    (dict(k_eq_v=True), ValueError, r"^qkv_weight: expected shape \[\(num_heads \+ num_kv_heads\)\*head_dim, "
+                                    r"hidden_size\] = \[\(2 \+ 1\)\*8, 16\] = \[24, 16\] \(k_eq_v: rows \[Q \| K\]"),
 ])
 def test_impossible_combinations_raise_clear_errors(change, exc, pattern):
     with pytest.raises(exc, match=pattern):

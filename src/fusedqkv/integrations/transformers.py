@@ -337,15 +337,8 @@ class _FusedAttention:
         slots = projection_slots(self, spec.projs)
         proj = self.qkv_proj
         w, b = proj.weight, proj.bias
+        # (k_eq_v: rows [Q | K], the block takes v from the k projection: its k_eq_v in block_kwargs)
         residual = lora_residual(hidden_states, slots, spec.split, w.shape[0])
-        if spec.k_eq_v:
-            # v = the k projection: the block's V rows are the K rows again (one parameter, the
-            # gradients of both uses summed by autograd)
-            q_rows = spec.split[0]
-            w = torch.cat([w, w[q_rows:]])
-            b = torch.cat([b, b[q_rows:]]) if b is not None else None
-            if residual is not None:
-                residual = torch.cat([residual, residual[..., q_rows:]], -1)
         if arch.norm_weight:
             wq, wk = getattr(self, arch.q_norm).weight, getattr(self, arch.k_norm).weight
         else:
@@ -759,7 +752,8 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
     opts = [("qk_norm_position", arch.qk_norm_position), ("norm_weight_offset", off)]
     # the new switches only where used, so that the families of the original block need nothing more
     for key, value, default in (("q_gate", arch.q_gate, False), ("rope_style", arch.rope_style, "neox"),
-                                ("norm_scope", arch.norm_scope, "head"), ("v_norm", arch.v_norm is not None, False)):
+                                ("norm_scope", arch.norm_scope, "head"), ("v_norm", arch.v_norm is not None, False),
+                                ("k_eq_v", k_eq_v, False)):
         if value != default:
             opts.append((key, value))
     split = tuple(p.weight.shape[0] for p in projs)
