@@ -1,7 +1,8 @@
 """head_dim 512 (Gemma 4's global layers, issue 38) on the GPU: the stages at Gemma 4 31B's heads (32
 query, 4 KV) in each layout the launcher picks at 512 (4-token blocks: head groups of 8 and of 16,
 every head of a block), Gemma 4's block (weighted norms before RoPE, v normed) against the torch
-backend and bitwise repeatable; the training API in bf16 against float64 by the three-way rule;
+backend and bitwise repeatable; the training API (v the raw k, ``k_eq_v``) in bf16 against float64
+by the three-way rule;
 and the 091 entry point at 512 on each products path (the PDL chain, the hybrid, cuBLAS) against
 its torch backend. Skipped without a CUDA GPU (the CPU tests: test_block_variants.py,
 test_091_backward.py)."""
@@ -68,14 +69,14 @@ def test_stages_match_torch_backend_and_repeat(b, s, dtype):
 @cuda
 @pytest.mark.parametrize("b,s", [(1, 40), (2, 1100)])
 def test_training_api_bf16_three_way(b, s):
-    """Gemma 4's global block through the training API (cuBLAS + the stages: the one-launch forward
-    refuses head_dim 512), bf16: every output and gradient at most twice as far from float64 as the
-    reference block in bf16, plus 1e-3 of the float64 maximum."""
+    """Gemma 4's global block through the training API (v the raw k: rows [Q | K]; cuBLAS + the
+    stages: the one-launch forward refuses head_dim 512), bf16: every output and gradient at most
+    twice as far from float64 as the reference block in bf16, plus 1e-3 of the float64 maximum."""
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(s)
     hidden = 1024
     x = torch.randn(b, s, hidden, device=dev, generator=g, dtype=torch.float64)
-    w = torch.randn((HQ + 2 * HKV) * D, hidden, device=dev, generator=g, dtype=torch.float64) / hidden ** 0.5
+    w = torch.randn((HQ + HKV) * D, hidden, device=dev, generator=g, dtype=torch.float64) / hidden ** 0.5
     wq, wk = (1 + 0.2 * torch.randn(D, device=dev, generator=g, dtype=torch.float64) for _ in range(2))
     ang = torch.rand(1, s, D // 2, device=dev, generator=g, dtype=torch.float64) * 6.3
     cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
@@ -89,12 +90,13 @@ def test_training_api_bf16_three_way(b, s):
         return [o.detach().double() for o in out] + [t.double() for t in grads]
 
     def ref(*a):
-        return reference_block(*a, HQ, HKV, 1e-6, False, v_norm=True)
+        return reference_block(*a, HQ, HKV, 1e-6, False, v_norm=True, k_eq_v=True)
 
     exact = run(torch.float64, ref)
     eager = run(torch.bfloat16, ref)
     ours = run(torch.bfloat16, lambda *a: gqa_qkv_rope_qk_norm(*a, num_heads=HQ, num_kv_heads=HKV, eps=1e-6,
-                                                                qk_norm_position="before_rope", v_norm=True))
+                                                                qk_norm_position="before_rope", v_norm=True,
+                                                                k_eq_v=True))
     for i, (o, e, r) in enumerate(zip(ours, eager, exact)):
         scale = float(r.abs().max())
         assert float((o - r).abs().max()) <= 2 * float((e - r).abs().max()) + 1e-3 * scale, i
