@@ -17,7 +17,7 @@ transposed inputs, then checks one of the two entry points:
   position; cos/sin trainable or frozen; frozen weight or input; the block's variants of issue
   25 drawn independently: a gated q, partial rotary at half or a quarter of head_dim,
   interleaved RoPE, unweighted norms, the norm over all heads (to head_dim 256, as the block), an
-  unweighted v norm) against
+  unweighted v norm, v the raw k projection: Gemma 4's ``k_eq_v``) against
   float64 autograd through a plain-PyTorch reference (``fusedqkv.module.reference_block``), by
   the three-way rule: for every output and gradient,
   max|ours - f64| <= 2 * max|eager - f64| + atol, eager being the same reference in the
@@ -110,8 +110,9 @@ def draw_case(seed: int, index: int, caps: dict, api=None, plain=False) -> dict:
     opt_train.update(q_gate=rng.random() < 0.2, rope_style="interleaved" if rng.random() < 0.2 else "neox",
                      rot_div=rng.choice([1, 1, 1, 2, 4]), norm_weight=rng.random() >= 0.15,
                      norm_scope="all_heads" if rng.random() < 0.15 else "head", v_norm=rng.random() < 0.2)
+    opt_train.update(k_eq_v=rng.random() < 0.2)  # (drawn last: the earlier draws of a seed stay)
     if plain:
-        opt_train.update(q_gate=False, rope_style="neox", rot_div=1, norm_scope="head", v_norm=False)
+        opt_train.update(q_gate=False, rope_style="neox", rot_div=1, norm_scope="head", v_norm=False, k_eq_v=False)
     if d > ALL_HEADS_MAX_HEAD_DIM:  # (after the draws: the other cases of a seed stay as they were)
         opt_train["norm_scope"] = "head"
     case["api"] = api or case["api"]
@@ -122,7 +123,7 @@ def draw_case(seed: int, index: int, caps: dict, api=None, plain=False) -> dict:
 def case_line(case: dict) -> str:
     keys = ["api", "batch", "seq", "num_heads", "num_kv_heads", "head_dim", "hidden", "dtype", "layout"]
     extra = [k for k in ("position", "cos_grad", "cos_broadcast", "frozen", "rstd_3d", "norm_fp32", "rstd_fp32", "out",
-                         "q_gate", "v_norm") if case.get(k) not in (None, False, "none")]
+                         "q_gate", "v_norm", "k_eq_v") if case.get(k) not in (None, False, "none")]
     extra += [k for k, plain in (("rope_style", "neox"), ("norm_scope", "head"), ("rot_div", 1), ("norm_weight", True))
               if case.get(k, plain) != plain]
     return " ".join(f"{k}={case[k]}" for k in keys) + "".join(
@@ -324,12 +325,13 @@ def check_train(case, device, backend, fused_forward="auto") -> dict:
     dt = _dtype(case["dtype"])
     ndt = torch.float32 if case["norm_fp32"] else dt
     variant = dict(q_gate=case.get("q_gate", False), rope_style=case.get("rope_style", "neox"),
-                   norm_scope=case.get("norm_scope", "head"), v_norm=case.get("v_norm", False))
+                   norm_scope=case.get("norm_scope", "head"), v_norm=case.get("v_norm", False),
+                   k_eq_v=case.get("k_eq_v", False))
     weighted = case.get("norm_weight", True)
     rot = _rotary_width(d, case.get("rot_div", 1))
     all_heads = variant["norm_scope"] == "all_heads"
     mk = Maker(case, device)
-    nqkv = ((2 * hq if variant["q_gate"] else hq) + 2 * hkv) * d
+    nqkv = ((2 * hq if variant["q_gate"] else hq) + (1 if variant["k_eq_v"] else 2) * hkv) * d
     x = mk.randn((b, s, h), dt)
     w = mk.randn((nqkv, h), dt, scale=1 / math.sqrt(h))
     wq = mk.randn((hq * d if all_heads else d,), ndt, scale=0.25, shift=1.0, layout="contiguous")

@@ -40,6 +40,7 @@ VARIANTS = {
 K_EQ_V_VARIANTS = {
     "k_eq_v": dict(k_eq_v=True, v_norm=True),
     "k_eq_v_gate_partial": dict(k_eq_v=True, q_gate=True, rot=4),
+    "k_eq_v_all_heads": dict(k_eq_v=True, all_heads=True, v_norm=True, interleaved=True),
 }
 B, S, HQ, HKV, D = 2, 3, 4, 2, 16
 
@@ -234,6 +235,7 @@ API_CASES = [
     ("everything", "before_rope", True),
     ("k_eq_v", "before_rope", True),
     ("k_eq_v_gate_partial", "after_rope", True),
+    ("k_eq_v_all_heads", "before_rope", False),
 ]
 
 
