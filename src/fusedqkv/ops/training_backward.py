@@ -6,7 +6,9 @@ where the stage does not fuse it, the norm-weight finish.
 ``training_backward`` finds or builds the plan of a call's signature and runs it. The block's
 variants (:class:`~fusedqkv.ops.gqa_forward.Variant`) are part of the key: the stage runs them
 in the training mode (unweighted norms: no norm-weight gradients; a gate: its gradient into
-dQKV's gate columns; v normed: its backward from the saved raw v).
+dQKV's gate columns; v normed: its backward from the saved raw v; v the raw k, ``k_eq_v``: the
+stage writes v's gradient into dQKV's value columns as usual, one add folds them into k's, and
+the GEMMs read the ``[Q | K]`` columns).
 """
 
 from __future__ import annotations
