@@ -1,5 +1,5 @@
-"""Issue 25 on the GPU: the attention input block of three Hugging Face families alone -- HF's own
-code, eager and under ``torch.compile``, against the same module after ``fusedqkv.apply_to``.
+"""Issues 25 and 38 on the GPU: the attention input block of four Hugging Face families alone -- HF's
+own code, eager and under ``torch.compile``, against the same module after ``fusedqkv.apply_to``.
 
 Shapes: one real HF attention module per family, built from transformers' own config class with
 the sizes of a released checkpoint's ``config.json`` (``SHAPES``):
@@ -12,6 +12,12 @@ the sizes of a released checkpoint's ``config.json`` (``SHAPES``):
   glm4_moe      GLM-4.5 (zai-org/GLM-4.5, 355B-A32B): hidden 5120, 96 / 8 heads of 128, use_qk_norm
                 (per head), partial rotary 0.5, q/k/v bias, theta 1e6, eps 1e-5 (GLM-4.5-Air has no
                 QK norm: nothing to fuse)
+  gemma4_text   a global (full-attention) layer of Gemma 4 31B (google/gemma-4-31B; hidden 5376, 32 heads,
+                4 global KV heads of global_head_dim 512 from its model card: issue 38): attention_k_eq_v
+                (no v_proj: v is the k projection), RMSNorm weight w on q and k, an unweighted v RMSNorm,
+                proportional RoPE (theta 1e6, a quarter of the dims rotated, cos/sin 512 wide), eps 1e-6.
+                transformers' Gemma4TextConfig defaults (hidden 2304, 8 / 4 heads, k_eq_v off) are no
+                released model's
 
 Providers, each producing what the attention backend consumes (q, k, v and, gated, the gate):
 
@@ -38,9 +44,13 @@ its recent load), the L2 flushed before each replay, median of --reps CUDA-event
 rows: --tokens (default 1x2048 and 4x2048). Criteria per row and mode: fusedqkv at least as fast
 as hf_compile, and at least 2x faster than hf_eager.
 
-Device (H200; ~3 minutes estimated, most of it the six static compiles):
+Device (H200; ~4 minutes estimated, most of it the eight static compiles):
 
     PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/bench_families.py --out $OUT/families
+
+Gemma 4's global layer alone (issue 38; ~1 minute):
+
+    PYTHONPATH=src TRITON_INTERPRET=0 python3 benchmarks/bench_families.py --families gemma4_text --out $OUT/gemma4
 
 CPU check of the script's logic (tiny shapes with the same switches, the torch path, compile with
 the aot_eager backend, no CUDA graphs, wall clock: no timing value, criteria not judged):
@@ -118,6 +128,24 @@ def olmo3_input_part(self, modeling, hidden_states, cos, sin):
     return query_states, key_states, value_states
 
 
+def gemma4_input_part(self, modeling, hidden_states, cos, sin):
+    # Gemma4TextAttention.forward (a layer that does not share another's KV)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query_states = self.q_proj(hidden_states).view(hidden_shape)
+    query_states = self.q_norm(query_states)
+    query_states = modeling.apply_rotary_pos_emb(query_states, cos, sin, unsqueeze_dim=2)
+    query_states = query_states.transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape)
+    value_states = self.v_proj(hidden_states).view(hidden_shape) if self.v_proj is not None else key_states
+    key_states = self.k_norm(key_states)
+    key_states = modeling.apply_rotary_pos_emb(key_states, cos, sin, unsqueeze_dim=2)
+    key_states = key_states.transpose(1, 2)
+    value_states = self.v_norm(value_states)
+    value_states = value_states.transpose(1, 2)
+    return query_states, key_states, value_states
+
+
 def glm4_moe_input_part(self, modeling, hidden_states, cos, sin):
     # Glm4MoeAttention.forward
     input_shape = hidden_states.shape[:-1]
@@ -159,6 +187,7 @@ class FamilyShape:
     positions: Callable = text_positions
     rotary_args: tuple = ()  # extra arguments of the rotary's forward (OLMo 3: the layer type)
     gated: bool = False
+    forward_kwargs: Callable = dict  # extra arguments of the attention's forward (Gemma 4: shared_kv_states)
 
 
 SHAPES = {
@@ -187,6 +216,19 @@ SHAPES = {
         switches=dict(rms_norm_eps=1e-5, attention_bias=True, use_qk_norm=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}),
         input_part=glm4_moe_input_part),
+    "gemma4_text": FamilyShape(
+        "gemma4_text", "google/gemma-4-31B", "Gemma4TextConfig", "gemma4.modeling_gemma4", "Gemma4TextAttention",
+        "Gemma4TextRotaryEmbedding",
+        sizes=dict(hidden_size=5376, num_attention_heads=32, num_key_value_heads=16, head_dim=256,
+                   global_head_dim=512, num_global_key_value_heads=4),
+        tiny=dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=512,
+                  num_global_key_value_heads=1),
+        switches=dict(rms_norm_eps=1e-6, attention_bias=False, attention_k_eq_v=True, layer_types=["full_attention"],
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                       "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                          "rope_theta": 1e6}}),
+        input_part=gemma4_input_part, rotary_args=("full_attention",),
+        forward_kwargs=lambda: dict(shared_kv_states={})),
 }
 # the tiny mRoPE sections must add up to the tiny rotary half (32 * 0.25 / 2 = 4)
 TINY_SWITCHES = {"qwen3_5_text": dict(rope_parameters=dict(SHAPES["qwen3_5_text"].switches["rope_parameters"],
@@ -245,10 +287,12 @@ def build_modules(shape: FamilyShape, config, device, seed=0) -> Modules:
 
 
 def hf_params(attn) -> dict:
-    """The input part's parameters by the fused names: {name: [tensors joined in that order]}."""
-    out = {"qkv_weight": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]}
+    """The input part's parameters by the fused names: {name: [tensors joined in that order]} (no
+    v_proj where v is the k projection: Gemma 4's global layers)."""
+    projs = [p for p in (attn.q_proj, attn.k_proj, attn.v_proj) if p is not None]
+    out = {"qkv_weight": [p.weight for p in projs]}
     if attn.q_proj.bias is not None:
-        out["qkv_bias"] = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        out["qkv_bias"] = [p.bias for p in projs]
     out["q_norm_weight"] = [attn.q_norm.weight]
     out["k_norm_weight"] = [attn.k_norm.weight]
     return out
@@ -356,7 +400,7 @@ def check_against_hf_forward(shape: FamilyShape, mods: Modules, row: Row) -> dic
     probe.config._attn_implementation = CAPTURE_BACKEND
     x, (cos, sin) = row.x[torch.bfloat16], row.cos_sin[torch.bfloat16]
     with torch.no_grad():
-        out, _ = probe(x, (cos, sin), None)
+        out, _ = probe(x, (cos, sin), None, **shape.forward_kwargs())
         ours = shape.input_part(mods.hf[torch.bfloat16], mods.modeling, x, cos, sin)
     theirs = [seen["q"], seen["k"], seen["v"]] + ([out] if shape.gated else [])
     mine = list(ours[:3]) + ([torch.sigmoid(ours[3])] if shape.gated else [])

@@ -1,9 +1,9 @@
 """Random-shape fuzz of fusedqkv's two entry points, for every device session (issue 15).
 
 Each case draws batch, seq (1 to a few thousand, odd values included, decode-like batches of
-one-token sequences), a head configuration (MHA, GQA, MQA, odd counts), head_dim 64/128/256,
-hidden size (odd ones too), fp32/bf16/fp16, and strided or transposed inputs, then checks one
-of the two entry points:
+one-token sequences), a head configuration (MHA, GQA, MQA, odd counts), head_dim 64/128/256/512
+(512: Gemma 4's global layers), hidden size (odd ones too), fp32/bf16/fp16, and strided or
+transposed inputs, then checks one of the two entry points:
 
 * ``091``: ``fusedqkv.gqa_qkv_rope_qk_norm_backward`` against the official reference of
   SOL-ExecBench 091 (``definition.json``'s ``reference``, from ``--problem-dir`` or
@@ -16,7 +16,8 @@ of the two entry points:
 * ``train``: ``fusedqkv.gqa_qkv_rope_qk_norm`` forward and autograd backward (either norm
   position; cos/sin trainable or frozen; frozen weight or input; the block's variants of issue
   25 drawn independently: a gated q, partial rotary at half or a quarter of head_dim,
-  interleaved RoPE, unweighted norms, the norm over all heads, an unweighted v norm) against
+  interleaved RoPE, unweighted norms, the norm over all heads (to head_dim 256, as the block), an
+  unweighted v norm, v the raw k projection: Gemma 4's ``k_eq_v``) against
   float64 autograd through a plain-PyTorch reference (``fusedqkv.module.reference_block``), by
   the three-way rule: for every output and gradient,
   max|ours - f64| <= 2 * max|eager - f64| + atol, eager being the same reference in the
@@ -35,6 +36,11 @@ and the one-launch Hopper forward at every size (``auto`` takes it only for larg
 
     PYTHONPATH=src python3 benchmarks/gpu_fuzz.py --api train --variant plain --head-dims 128 \
         --fused-forward on --cases 120 --out $OUT/fuzz_fused
+
+head_dim 512 alone (Gemma 4's global layers: both entry points, its variants among the draws)::
+
+    PYTHONPATH=src FUSEDQKV_SOL_EXECBENCH=shared/sol-execbench python3 benchmarks/gpu_fuzz.py --head-dims 512 \
+        --cases 40 --max-tokens 4096 --out $OUT/fuzz512
 
 CPU (Triton's interpreter, small sizes; what tests/test_gpu_fuzz.py runs)::
 
@@ -69,6 +75,8 @@ def draw_case(seed: int, index: int, caps: dict, api=None, plain=False) -> dict:
     """Case ``index`` of seed ``seed`` under the size caps (deterministic); ``api`` forces the entry
     point (the sizes stay those of the case); ``plain`` the block's plain variant (per-head weighted
     or unweighted norms, NeoX RoPE over the whole head: what the one-launch forward covers)."""
+    from fusedqkv.ops.validation import ALL_HEADS_MAX_HEAD_DIM
+
     rng = random.Random(f"fusedqkv-fuzz:{seed}:{index}")
     max_tokens = caps["max_tokens"]
     r = rng.random()
@@ -102,11 +110,14 @@ def draw_case(seed: int, index: int, caps: dict, api=None, plain=False) -> dict:
     opt_train.update(q_gate=rng.random() < 0.2, rope_style="interleaved" if rng.random() < 0.2 else "neox",
                      rot_div=rng.choice([1, 1, 1, 2, 4]), norm_weight=rng.random() >= 0.15,
                      norm_scope="all_heads" if rng.random() < 0.15 else "head", v_norm=rng.random() < 0.2)
+    opt_train.update(k_eq_v=rng.random() < 0.2)  # (drawn last: the earlier draws of a seed stay)
     fp8_draw = rng.choice([None, None, None, "rowwise", "tensorwise", "rowwise_with_gw_hp"])  # (drawn last, as above)
     if plain:
-        opt_train.update(q_gate=False, rope_style="neox", rot_div=1, norm_scope="head", v_norm=False)
+        opt_train.update(q_gate=False, rope_style="neox", rot_div=1, norm_scope="head", v_norm=False, k_eq_v=False)
+    if d > ALL_HEADS_MAX_HEAD_DIM:  # (after the draws: the other cases of a seed stay as they were)
+        opt_train["norm_scope"] = "head"
     # the FP8 projection (issue 35) where its GEMMs take the sizes: hidden and qkv rows multiples of 16
-    rows = ((2 if opt_train["q_gate"] else 1) * hq + 2 * hkv) * d
+    rows = ((2 if opt_train["q_gate"] else 1) * hq + (1 if opt_train["k_eq_v"] else 2) * hkv) * d
     opt_train["fp8"] = fp8_draw if caps.get("fp8", True) and hidden % 16 == 0 and rows % 16 == 0 else None
     case["api"] = api or case["api"]
     case.update(opt_091 if case["api"] == "091" else opt_train)
@@ -116,7 +127,7 @@ def draw_case(seed: int, index: int, caps: dict, api=None, plain=False) -> dict:
 def case_line(case: dict) -> str:
     keys = ["api", "batch", "seq", "num_heads", "num_kv_heads", "head_dim", "hidden", "dtype", "layout"]
     extra = [k for k in ("position", "cos_grad", "cos_broadcast", "frozen", "rstd_3d", "norm_fp32", "rstd_fp32", "out",
-                         "q_gate", "v_norm", "fp8") if case.get(k) not in (None, False, "none")]
+                         "q_gate", "v_norm", "k_eq_v", "fp8") if case.get(k) not in (None, False, "none")]
     extra += [k for k, plain in (("rope_style", "neox"), ("norm_scope", "head"), ("rot_div", 1), ("norm_weight", True))
               if case.get(k, plain) != plain]
     return " ".join(f"{k}={case[k]}" for k in keys) + "".join(
@@ -369,12 +380,13 @@ def check_train(case, device, backend, fused_forward="auto") -> dict:
     dt = _dtype(case["dtype"])
     ndt = torch.float32 if case["norm_fp32"] else dt
     variant = dict(q_gate=case.get("q_gate", False), rope_style=case.get("rope_style", "neox"),
-                   norm_scope=case.get("norm_scope", "head"), v_norm=case.get("v_norm", False))
+                   norm_scope=case.get("norm_scope", "head"), v_norm=case.get("v_norm", False),
+                   k_eq_v=case.get("k_eq_v", False))
     weighted = case.get("norm_weight", True)
     rot = _rotary_width(d, case.get("rot_div", 1))
     all_heads = variant["norm_scope"] == "all_heads"
     mk = Maker(case, device)
-    nqkv = ((2 * hq if variant["q_gate"] else hq) + 2 * hkv) * d
+    nqkv = ((2 * hq if variant["q_gate"] else hq) + (1 if variant["k_eq_v"] else 2) * hkv) * d
     x = mk.randn((b, s, h), dt)
     w = mk.randn((nqkv, h), dt, scale=1 / math.sqrt(h))
     wq = mk.randn((hq * d if all_heads else d,), ndt, scale=0.25, shift=1.0, layout="contiguous")
@@ -488,7 +500,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--max-hidden", type=int, default=4096)
     ap.add_argument("--max-heads", type=int, default=48)
-    ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--head-dims", default="64,128,256,512")
     ap.add_argument("--api", choices=["091", "train"], default=None, help="every case on this entry point")
     ap.add_argument("--variant", choices=["any", "plain"], default="any",
                     help="plain: every train case the block's plain variant (what the one-launch forward covers)")

@@ -122,9 +122,10 @@ FAMILIES = [
                                 laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=1, sliding_window=5,
                                 layer_types=["sliding_attention", "full_attention", "full_attention"],
                                 activation_sparsity_pattern=[0.0, 0.0, 0.0])),
-    # ... and head_dim 16 / 32 on sliding / full layers, whose v is the k projection (attention_k_eq_v)
+    # ... and head_dim 16 / 512 on sliding / full layers (512: the released models' global layers, with their
+    # proportional RoPE rotating a quarter of it), whose v is the k projection (attention_k_eq_v)
     Family("gemma4_text", dict(num_hidden_layers=3, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
-                               num_kv_shared_layers=1, sliding_window=5, global_head_dim=32, attention_k_eq_v=True,
+                               num_kv_shared_layers=1, sliding_window=5, global_head_dim=512, attention_k_eq_v=True,
                                num_global_key_value_heads=1,
                                layer_types=["sliding_attention", "full_attention", "full_attention"])),
     Family("qwen4_exp_text", dict(**MOE, **HYBRID, head_dim=32, shared_expert_intermediate_size=32, hc_count=2,

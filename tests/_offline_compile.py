@@ -100,6 +100,13 @@ def _p2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def finish_rows(d: int) -> int:
+    """The launchers' rows per step of a norm-weight finish at head_dim d (ops/rope_qk_norm)."""
+    from fusedqkv.ops.rope_qk_norm import finish_rows as rows
+
+    return rows(d)
+
+
 # ------------------------------------------------------------------------------ pairwise cover
 
 
@@ -148,6 +155,7 @@ VARIANTS = {
     "partial_interleaved": dict(rot=4, interleaved=True),
     "gate": dict(q_gate=True, rot=4),
     "v_norm": dict(v_norm=True),
+    "k_eq_v": dict(v_norm=True, k_eq_v=True),
     "all_heads": dict(all_heads=True),
     "all_heads_partial": dict(all_heads=True, rot=4),
     "all_heads_combo": dict(all_heads=True, norm_weight=False, q_gate=True, v_norm=True, interleaved=True, rot=2),
@@ -182,8 +190,7 @@ def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="
     gcs = exact or not mode.endswith("_nocs")
     fused = mode != "091_finish_outside" and var.norm_weight
     hq, hkv = heads
-    block_t, gsize, tma = {"all8": (8, 0, False), "all8_tma": (8, 0, True), "group16": (8, 16, False),
-                           "group16_tma": (8, 16, True), "group8": (4, 8, False)}[layout]
+    block_t, gsize, tma = STAGE_LAYOUTS[layout]
     grouped = gsize > 0
     num_warps = max(1, min(16, block_t * _p2(d // 2) // 128))
     act = _tt(dtype)
@@ -192,7 +199,8 @@ def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="
     half = d // 2
     n_tick = (1 if grouped else 0) + (1 if fused else 0)
     consts = dict(D=d, D_P2=_p2(d), BLOCK_T=block_t, HB=1, EXACT=exact,
-                  NORM_AFTER_ROPE=nar, SAVED_ROTATED=exact, GRAD_COS_SIN=gcs, FUSED_FINISH=fused, SUPER=32,
+                  NORM_AFTER_ROPE=nar, SAVED_ROTATED=exact, GRAD_COS_SIN=gcs, FUSED_FINISH=fused,
+                  SUPER=finish_rows(d),
                   RECOMPUTE_RSTD=not exact, PF=3, GROUPED=grouped,
                   NQG=-(-hq // gsize) if grouped else 1, NKG=-(-hkv // gsize) if grouped else 1,
                   GSIZE=max(gsize, 1), TMA=tma, LP2=cc >= 90, **var.constexprs(d))
@@ -218,6 +226,13 @@ def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="
              f"{'' if one is None else ' one=' + one}")
     return dict(kernel="rope_qk_norm.rope_qk_norm_bwd_kernel", cc=cc, consts=consts, types=types, ints=ints,
                 one=one, options=options, level=level, label=label)
+
+
+# (tokens per block, heads per group or 0, TMA) of the stage's layouts (ops/rope_qk_norm._launch_config);
+# above head_dim 256 the blocks of 8 tokens are 4 ("all4", "group16x4")
+STAGE_LAYOUTS = {"all8": (8, 0, False), "all8_tma": (8, 0, True), "group16": (8, 16, False),
+                 "group16_tma": (8, 16, True), "group8": (4, 8, False), "all4": (4, 0, False),
+                 "group16x4": (4, 16, False)}
 
 
 def _stage_valid(r):
@@ -289,7 +304,7 @@ def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one
     norm = "fp32" if norm_fp32 else act
     block_t = 1 if var.all_heads else max(1, min(32, 1024 // _p2(d // 2)))
     consts = dict(D=d, BLOCK_T=block_t, GROUP=group, NORM_AFTER_ROPE=nar, D_P2=_p2(d), **var.constexprs(d),
-                  ALL_HEADS=var.all_heads, **var.head_tiles(*heads))
+                  ALL_HEADS=var.all_heads, **var.head_tiles(*heads), K_EQ_V=var.k_eq_v)
     warps = all_heads_warps(*heads, var.rotary(d) // 2, 32) if var.all_heads else (8 if group == 8 else 4)
     types = {n: "*" + act for n in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "v_ptr")}
     types.update({n: "*" + norm if var.norm_weight else "*" + act for n in ("wq_ptr", "wk_ptr")})
@@ -344,7 +359,7 @@ def stage_all_heads_jobs() -> list:
 
 
 def _finish_job(cc, d, dtype, ints, level="cubin", one=None):
-    consts = dict(D=d, D_P2=_p2(d), BLOCK_R=32)
+    consts = dict(D=d, D_P2=_p2(d), BLOCK_R=finish_rows(d))
     types = {"wpart_ptr": "*fp32", "gwq_ptr": "*" + _tt(dtype), "gwk_ptr": "*" + _tt(dtype)}
     return dict(kernel="rope_qk_norm.rope_qk_norm_bwd_finish_kernel", cc=cc, consts=consts, types=types, ints=ints,
                 one=one, options={"num_warps": 4}, level=level,
@@ -392,7 +407,7 @@ def _matmul_job(use, dtype, finish, nprog, ints, fin_d=128, norm_fp32=False, lev
     act = _tt(dtype)
     consts = dict(BR=br, BC=bc, BK=bk, TRANS_A=trans_a, NPROG=nprog, PDL=True, TRIGGER=trigger,
                   WAIT_AT_END=wait_at_end, FINISH=finish, FIN_D=fin_d if finish else 1,
-                  FIN_D_P2=_p2(fin_d) if finish else 1)
+                  FIN_D_P2=_p2(fin_d) if finish else 1, FIN_ROWS=finish_rows(fin_d) if finish else 1)
     norm = "fp32" if norm_fp32 else act
     types = {"a_desc": f"tensordesc<{act}[{bk}, {br}]>" if trans_a else f"tensordesc<{act}[{br}, {bk}]>",
              "b_desc": f"tensordesc<{act}[{bk}, {bc}]>", "c_desc": f"tensordesc<{act}[{br}, {bc}]>",
@@ -540,10 +555,42 @@ def fp8_jobs() -> list:
     return jobs
 
 
+# head_dim 512 (Gemma 4's global layers), on the targets that train it (sm_90, sm_100a): the launchers'
+# specialisations there, not in the pairwise covers above (each compile costs the suite CPU time); their
+# cubins' stack frames are recorded (``no_spill``: test_gpu_targets holds them to none)
+WIDE_HEAD_DIM = 512
+
+
+def wide_head_jobs() -> list:
+    d = WIDE_HEAD_DIM
+    heads = (32, 4)  # Gemma 4 31B's global layers: 32 query heads, 4 KV heads
+    jobs = []
+    for cc in PRODUCT_TARGETS:
+        jobs += [
+            # the training stage as Gemma 4 runs it: weighted norms before RoPE, v normed, no grad_cos/sin
+            _stage_job(cc, "train_before_nocs", "all4", d, "bf16", heads, "div16", variant="v_norm"),
+            _stage_job(cc, "091", "group8", d, "bf16", heads, "plain"),
+            _fwd_job(cc, d, "bf16", 4, False, "div16", variant="k_eq_v"),
+            _matmul_job("hybrid_dw", "bf16", True, "per_sm", "div16", fin_d=d, cc=cc),
+        ]
+    jobs += [
+        _stage_job(90, "train_before", "group16x4", d, "fp16", heads, "plain", variant="v_norm"),
+        _stage_job(90, "train_after", "group8", d, "fp32", heads, "i64"),
+        _stage_job(90, "train_before", "group8", d, "bf16", heads, "plain", variant="gate"),
+        _fwd_job(90, d, "fp32", 1, True, "plain"),
+        _finish_job(90, d, "bf16", "plain"),
+        _matmul_job("chain_dw", "bf16", True, "sms", "plain", fin_d=d),
+    ]
+    for j in jobs:
+        j["no_spill"] = True
+    return jobs
+
+
 def full_jobs() -> list:
     """Every constexpr value (pairwise), each job compiled to a cubin."""
     return (stage_jobs() + stage_all_heads_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs() + matmul_jobs()
-            + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)] + gemm_jobs() + fp8_jobs())
+            + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)] + gemm_jobs() + fp8_jobs()
+            + wide_head_jobs())
 
 
 def one_at_a_time_jobs(kernel_args: dict) -> list:
@@ -651,7 +698,7 @@ def compile_job(job: dict) -> dict:
             ck = triton.compile(src, target=target, options=job["options"])
             res["info"] = {"shared": ck.metadata.shared, "bf16x2": "mul.rn.bf16x2" in ck.asm["ptx"],
                            "f16x2": "mul.rn.f16x2" in ck.asm["ptx"]}
-            if job["kernel"] == GEMM_KERNEL:  # its design needs no spills: the stack frame of the cubin
+            if job["kernel"] == GEMM_KERNEL or job.get("no_spill"):  # designed for no spills: the cubin's stack frame
                 res["info"]["stack"] = _cubin_stack_bytes(ck.asm["cubin"])
         res["ok"] = True
     except Exception as e:  # noqa: BLE001 - reported, with the job

@@ -55,6 +55,8 @@ INTERP_SHAPES = [
     (1, 2, 1, 3, 256),
     # 12 programs of 8 tokens (the interpreter's 4 "SMs")
     (1, 2, 1, 90, 32),
+    # head_dim 512 (Gemma 4's global layers): 4-token blocks, finishes of 16 rows per step
+    (1, 2, 1, 3, 512),
 ]
 
 

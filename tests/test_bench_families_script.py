@@ -1,4 +1,4 @@
-"""benchmarks/bench_families.py's logic on the CPU (issue 25): the --smoke run of the three
+"""benchmarks/bench_families.py's logic on the CPU (issues 25, 38): the --smoke run of the four
 families (tiny shapes, the torch path, compile through aot_eager, no CUDA graphs), the JSON and
 table it writes, a provider that fails its check not timed, the script's copy of HF's input part
 proved against HF's own forward, the released sizes' configs, and the option errors."""
@@ -22,7 +22,7 @@ def test_smoke_run_checks_times_and_writes_every_row(tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     report = json.loads((tmp_path / "bench_families.json").read_text())
     assert report["meta"]["smoke"] and report["checks_passed"] and report["passed"]
-    assert set(report["shapes"]) == set(bench.SHAPES) == {"qwen3_5_text", "olmo3", "glm4_moe"}
+    assert set(report["shapes"]) == set(bench.SHAPES) == {"qwen3_5_text", "olmo3", "glm4_moe", "gemma4_text"}
     assert all(c["bitwise_equal"] for c in report["hf_forward_checks"].values())
     assert [(r["family"], r["batch"], r["seq"]) for r in report["rows"]] == [
         (f, b, s) for f in bench.SHAPES for b, s in ((1, 12), (2, 8))]
@@ -73,9 +73,11 @@ def test_released_sizes_build_their_configs():
     heads = {}
     for fam, shape in bench.SHAPES.items():
         cfg = bench.build_config(shape, smoke=False)
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        heads[fam] = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, d)
-    assert heads == {"qwen3_5_text": (5120, 24, 4, 256), "olmo3": (4096, 32, 32, 128), "glm4_moe": (5120, 96, 8, 128)}
+        layer = getattr(cfg, "per_layer_config", {0: cfg})[0]  # Gemma 4: the layer's own head sizes
+        d = getattr(layer, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        heads[fam] = (cfg.hidden_size, cfg.num_attention_heads, layer.num_key_value_heads, d)
+    assert heads == {"qwen3_5_text": (5120, 24, 4, 256), "olmo3": (4096, 32, 32, 128), "glm4_moe": (5120, 96, 8, 128),
+                     "gemma4_text": (5376, 32, 4, 512)}
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -9,7 +9,9 @@ the norm over all heads, an unweighted v norm -- alone and combined, both norm p
 * the training API and the modules (fp32, every gradient including cos/sin) against
   ``reference_block`` in float64, both backends; one torch.compile(fullgraph=True) run and the
   custom ops' opcheck with the variants' flags;
-* clear errors for impossible combinations.
+* clear errors for impossible combinations;
+* head_dim 512 (Gemma 4's global layers; issue 38): the stages (both layouts), the gradcheck (fast
+  mode) and the training API on the variants Gemma 4 uses, at a few tokens and heads.
 """
 
 import pytest
@@ -34,11 +36,17 @@ VARIANTS = {
     "all_heads_unweighted_partial": dict(all_heads=True, norm_weight=False, rot=2),
     "everything": dict(all_heads=True, q_gate=True, interleaved=True, v_norm=True, rot=2),
 }
+# v the raw k projection (Gemma 4's global layers): the training API's (the stages see v's columns as k's)
+K_EQ_V_VARIANTS = {
+    "k_eq_v": dict(k_eq_v=True, v_norm=True),
+    "k_eq_v_gate_partial": dict(k_eq_v=True, q_gate=True, rot=4),
+    "k_eq_v_all_heads": dict(k_eq_v=True, all_heads=True, v_norm=True, interleaved=True),
+}
 B, S, HQ, HKV, D = 2, 3, 4, 2, 16
 
 
 def make_variant(name: str, d: int = D) -> Variant:
-    kw = dict(VARIANTS[name])
+    kw = dict(VARIANTS[name] if name in VARIANTS else K_EQ_V_VARIANTS[name])
     if "rot" in kw:
         kw["rot"] = d // kw["rot"]
     return Variant(**kw)
@@ -46,7 +54,7 @@ def make_variant(name: str, d: int = D) -> Variant:
 
 def api_options(v: Variant) -> dict:
     return dict(q_gate=v.q_gate, rope_style="interleaved" if v.interleaved else "neox",
-                norm_scope="all_heads" if v.all_heads else "head", v_norm=v.v_norm)
+                norm_scope="all_heads" if v.all_heads else "head", v_norm=v.v_norm, k_eq_v=v.k_eq_v)
 
 
 def _stage_inputs(v: Variant, seed: int, b=B, s=S, hq=HQ, hkv=HKV, d=D):
@@ -69,31 +77,30 @@ def _rel(a, r):
     return float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("after_rope", [True, False], ids=["after_rope", "before_rope"])
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_stages_match_reference_block_float64(name, after_rope):
-    v = make_variant(name)
-    x, wq, wk, cos, sin, g = _stage_inputs(v, seed=len(name))
+def _check_stages(v: Variant, after_rope: bool, seed: int, b=B, s=S, hq=HQ, hkv=HKV, d=D):
+    """Both stages on both backends against autograd through ``reference_block`` in float64 (the
+    projection the identity), and the backends against each other."""
+    x, wq, wk, cos, sin, g = _stage_inputs(v, seed, b, s, hq, hkv, d)
     leaves = [t.clone().requires_grad_() for t in (x, cos, sin)] + [
         t.clone().requires_grad_() for t in (wq, wk) if t is not None]
     lx, lcos, lsin = leaves[:3]
     lwq, lwk = leaves[3:] if v.norm_weight else (None, None)
     eye = torch.eye(x.shape[-1], dtype=torch.float64)  # the projection as the identity: its output is x
-    outs = reference_block(lx, eye, lwq, lwk, lcos, lsin, HQ, HKV, 1e-6, after_rope, **api_options(v))
+    outs = reference_block(lx, eye, lwq, lwk, lcos, lsin, hq, hkv, 1e-6, after_rope, **api_options(v))
     grads = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in outs]
     want = torch.autograd.grad(outs, leaves, grads)  # dQKV, grad_cos, grad_sin[, grad_wq, grad_wk]
 
     f = lambda t: None if t is None else t.detach().float()  # noqa: E731
     results = {}
     for backend in ("torch", "triton"):
-        q, k, _, _, vn = rope_qk_norm_forward(f(x), f(wq), f(wk), f(cos), f(sin), HQ, HKV, 1e-6, after_rope, v,
+        q, k, _, _, vn = rope_qk_norm_forward(f(x), f(wq), f(wk), f(cos), f(sin), hq, hkv, 1e-6, after_rope, v,
                                               backend)
         got_fwd = [q, k] + ([vn] if v.v_norm else [])
         for a, r in zip(got_fwd, outs):
             assert _rel(a, r.detach()) < 1e-5, (backend, "forward")
-        xq, xk, xv, _ = heads_of(f(x), HQ, HKV, D, v.q_gate)
-        dqkv = torch.empty(B * S, x.shape[-1])
-        gcos, gsin = torch.empty(B, S, v.rotary(D)), torch.empty(B, S, v.rotary(D))
+        xq, xk, xv, _ = heads_of(f(x), hq, hkv, d, v.q_gate)
+        dqkv = torch.empty(b * s, x.shape[-1])
+        gcos, gsin = torch.empty(b, s, v.rotary(d)), torch.empty(b, s, v.rotary(d))
         gwq = gwk = None
         if v.norm_weight:
             gwq, gwk = torch.empty(wq.shape), torch.empty(wk.shape)
@@ -103,12 +110,30 @@ def test_stages_match_reference_block_float64(name, after_rope):
                               exact=False, norm_after_rope=after_rope, saved_rotated=False, backend=backend, eps=1e-6,
                               variant=v, grad_gate=f(grads[3]).transpose(1, 2) if v.q_gate else None,
                               saved_v=xv if v.v_norm else None)
-        got = [dqkv.view(B, S, -1), gcos, gsin] + ([gwq, gwk] if v.norm_weight else [])
+        got = [dqkv.view(b, s, -1), gcos, gsin] + ([gwq, gwk] if v.norm_weight else [])
         for i, (a, r) in enumerate(zip(got, want)):
             assert _rel(a, r) < 2e-5, (backend, i, _rel(a, r))
         results[backend] = got_fwd + got
-    for i, (a, b) in enumerate(zip(results["torch"], results["triton"])):  # the two backends agree closely
-        assert _rel(b, a) < 1e-5, i
+    for i, (a, b_) in enumerate(zip(results["torch"], results["triton"])):  # the two backends agree closely
+        assert _rel(b_, a) < 1e-5, i
+
+
+@pytest.mark.parametrize("after_rope", [True, False], ids=["after_rope", "before_rope"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_stages_match_reference_block_float64(name, after_rope):
+    _check_stages(make_variant(name), after_rope, seed=len(name))
+
+
+# head_dim 512 (Gemma 4's global layers): weighted norms before RoPE with v normed (Gemma 4's block), the
+# plain block after RoPE, and the query/key variant path (gate, partial rotary); 2 blocks of 4 tokens
+WIDE = dict(b=1, s=5, hq=2, hkv=1, d=512)
+WIDE_CASES = [("v_norm", False), ("plain", True), ("gate_partial_v_norm", False)]
+
+
+@pytest.mark.parametrize("name, after_rope", WIDE_CASES, ids=[f"{n}-{'after' if a else 'before'}" for n, a in WIDE_CASES])
+def test_stages_at_head_dim_512_match_reference_block_float64(name, after_rope):
+    v = Variant() if name == "plain" else make_variant(name, WIDE["d"])
+    _check_stages(v, after_rope, seed=5, **WIDE)
 
 
 def test_stage_layouts_match_torch_backend():
@@ -167,12 +192,8 @@ class _TorchStages(torch.autograd.Function):
         return dqkv.view(qkv.shape), gwq, gwk, gcos, gsin, None
 
 
-@pytest.mark.parametrize("after_rope", [True, False], ids=["after_rope", "before_rope"])
-@pytest.mark.parametrize("name", ["plain", *VARIANTS])
-def test_torch_backend_gradcheck_float64(name, after_rope):
-    """gradcheck of the torch backend's backward stage against its forward stage, float64 (the
-    backends compute in fp64 for fp64 inputs), every input including cos/sin and the weights."""
-    hq, hkv, d = 2, 1, 8
+def _gradcheck(name: str, after_rope: bool, d: int, fast_mode: bool = False) -> bool:
+    hq, hkv = 2, 1
     v = Variant() if name == "plain" else make_variant(name, d)
     x, wq, wk, cos, sin, _ = _stage_inputs(v, 1, b=1, s=2, hq=hq, hkv=hkv, d=d)
     inputs = [x.requires_grad_(), cos.requires_grad_(), sin.requires_grad_()]
@@ -182,7 +203,21 @@ def test_torch_backend_gradcheck_float64(name, after_rope):
     def fn(qkv, c, s, *w):
         return _TorchStages.apply(qkv, *(w or (None, None)), c, s, (after_rope, v, hq, hkv, d))
 
-    assert torch.autograd.gradcheck(fn, tuple(inputs), eps=1e-6, atol=1e-7, rtol=1e-5)
+    return torch.autograd.gradcheck(fn, tuple(inputs), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=fast_mode)
+
+
+@pytest.mark.parametrize("after_rope", [True, False], ids=["after_rope", "before_rope"])
+@pytest.mark.parametrize("name", ["plain", *VARIANTS])
+def test_torch_backend_gradcheck_float64(name, after_rope):
+    """gradcheck of the torch backend's backward stage against its forward stage, float64 (the
+    backends compute in fp64 for fp64 inputs), every input including cos/sin and the weights."""
+    assert _gradcheck(name, after_rope, d=8)
+
+
+@pytest.mark.parametrize("name, after_rope", WIDE_CASES, ids=[f"{n}-{'after' if a else 'before'}" for n, a in WIDE_CASES])
+def test_torch_backend_gradcheck_float64_head_dim_512(name, after_rope):
+    """The gradcheck at head_dim 512, in fast mode (a random projection of the Jacobian: ~6k inputs)."""
+    assert _gradcheck(name, after_rope, d=512, fast_mode=True)
 
 
 # ------------------------------------------------------------------------------ the training API
@@ -198,27 +233,30 @@ API_CASES = [
     ("all_heads", "before_rope", True),
     ("all_heads_unweighted_partial", "after_rope", True),
     ("everything", "before_rope", True),
+    ("k_eq_v", "before_rope", True),
+    ("k_eq_v_gate_partial", "after_rope", True),
+    ("k_eq_v_all_heads", "before_rope", False),
 ]
 
 
-def _api_run(v: Variant, position, cos_grad, backend, seed=0, hidden=24, bias=False):
+def _api_run(v: Variant, position, cos_grad, backend, seed=0, hidden=24, bias=False, b=B, s=S, hq=HQ, hkv=HKV,
+             d=D):
     g = torch.Generator().manual_seed(seed)
-    nq = 2 * HQ if v.q_gate else HQ
-    x = torch.randn(B, S, hidden, generator=g, dtype=torch.float64)
-    w = torch.randn((nq + 2 * HKV) * D, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5
-    b = torch.randn((nq + 2 * HKV) * D, generator=g, dtype=torch.float64) if bias else None
-    ang = torch.randn(1, S, v.rotary(D), generator=g, dtype=torch.float64) * 3  # shared by the batch
+    x = torch.randn(b, s, hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(v.qkv_heads(hq, hkv) * d, hidden, generator=g, dtype=torch.float64) / hidden ** 0.5
+    bv = torch.randn(v.qkv_heads(hq, hkv) * d, generator=g, dtype=torch.float64) if bias else None
+    ang = torch.randn(1, s, v.rotary(d), generator=g, dtype=torch.float64) * 3  # shared by the batch
     cos, sin = ang.cos(), ang.sin()
     ws = []
     if v.norm_weight:
         ws = [1 + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
-              for n in ((HQ * D, HKV * D) if v.all_heads else (D, D))]
+              for n in ((hq * d, hkv * d) if v.all_heads else (d, d))]
     opts = api_options(v)
 
     def go(dtype, fn):
         leaves = [t.to(dtype).requires_grad_() for t in [x, w] + ws]
         cs = [t.to(dtype).requires_grad_(cos_grad) for t in (cos, sin)]
-        lb = None if b is None else b.to(dtype).requires_grad_()
+        lb = None if bv is None else bv.to(dtype).requires_grad_()
         wq, wk = leaves[2:] if ws else (None, None)
         out = fn(leaves[0], leaves[1], wq, wk, *cs, lb)
         gg = torch.Generator().manual_seed(seed + 1)
@@ -226,10 +264,10 @@ def _api_run(v: Variant, position, cos_grad, backend, seed=0, hidden=24, bias=Fa
         wrt = leaves + (cs if cos_grad else []) + ([lb] if bias else [])
         return [o.detach() for o in out] + list(torch.autograd.grad(out, wrt, grads))
 
-    ours = go(torch.float32, lambda *a: gqa_qkv_rope_qk_norm(*a[:6], num_heads=HQ, num_kv_heads=HKV, eps=1e-6,
+    ours = go(torch.float32, lambda *a: gqa_qkv_rope_qk_norm(*a[:6], num_heads=hq, num_kv_heads=hkv, eps=1e-6,
                                                              qk_norm_position=position, backend=backend,
                                                              qkv_bias=a[6], **opts))
-    ref = go(torch.float64, lambda *a: reference_block(*a[:6], HQ, HKV, 1e-6, position == "after_rope", a[6], **opts))
+    ref = go(torch.float64, lambda *a: reference_block(*a[:6], hq, hkv, 1e-6, position == "after_rope", a[6], **opts))
     return ours, ref
 
 
@@ -238,7 +276,7 @@ def _api_run(v: Variant, position, cos_grad, backend, seed=0, hidden=24, bias=Fa
 def test_training_api_matches_reference_fp32(name, position, cos_grad, backend):
     """Outputs (q, k, v[, gate]) and every gradient (x, qkv_weight[, norm weights][, cos, sin][, bias])."""
     v = make_variant(name)
-    ours, ref = _api_run(v, position, cos_grad, backend, seed=len(name), bias=name == "everything")
+    ours, ref = _api_run(v, position, cos_grad, backend, seed=len(name), bias=name in ("everything", "k_eq_v"))
     assert len(ours) == len(ref)
     for i, (a, r) in enumerate(zip(ours, ref)):
         assert a.dtype == torch.float32 and a.shape == r.shape, i
@@ -246,6 +284,27 @@ def test_training_api_matches_reference_fp32(name, position, cos_grad, backend):
     if v.q_gate:  # the gate is the unnormed second half of each query head's projection columns
         gate = ours[3]
         assert gate.shape == (B, S, HQ, D)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_training_api_at_head_dim_512_matches_reference_fp32(backend):
+    """Gemma 4's global-layer block at head_dim 512 (weighted norms before RoPE, v the raw k, normed)
+    through the training API: outputs and every gradient (x, qkv_weight, norm weights, cos, sin)."""
+    ours, ref = _api_run(make_variant("k_eq_v"), "before_rope", True, backend, seed=3, hidden=16,
+                         **{k: v for k, v in WIDE.items()})
+    assert len(ours) == len(ref) == 9
+    for i, (a, r) in enumerate(zip(ours, ref)):
+        assert a.dtype == torch.float32 and a.shape == r.shape, i
+        assert _rel(a, r) < 1e-4, (i, _rel(a, r))
+
+
+def test_stage_at_head_dim_512_every_head_of_a_block():
+    """The stage's other layout at head_dim 512: every query and key head of a 4-token block in one
+    program (the launcher's choice from ~1.6k tokens on an H200), against the reference."""
+    from fusedqkv.ops import config
+
+    with config.override(stage_tile=(4, 1, 0, 3, 0)):
+        _check_stages(make_variant("v_norm"), False, seed=6, **WIDE)
 
 
 def test_modules_with_variants_match_and_share_state_dicts():
@@ -304,6 +363,15 @@ def test_opcheck_custom_ops_with_variant_flags():
     gg = torch.randn(1, 3, 2, 8, generator=g)
     torch.library.opcheck(bwd, (gq, gk, gv, x, w, qkv, None, None, cos, sin, 2, 1, 1e-6, False, True, True, True,
                                 "auto", False, gg, True, True, True, True))
+    # k_eq_v (no V rows), with a residual and its gradient
+    w = w[:(2 * 2 + 1) * 8]
+    r = torch.randn(1, 3, w.shape[0], generator=g)
+    args = (x, w, None, None, cos, sin, 2, 1, 1e-6, False, "auto", None, True, True, False, True, r, True)
+    torch.library.opcheck(fwd, args)
+    q, k, qkv, _, _, vn = fwd(*args)
+    assert qkv.shape == (1, 3, w.shape[0])
+    torch.library.opcheck(bwd, (gq, gk, gv, x, w, qkv, None, None, cos, sin, 2, 1, 1e-6, False, True, True, True,
+                                "auto", False, gg, True, True, False, True, True, True))
 
 
 # ------------------------------------------------------------------------------ errors
@@ -335,6 +403,10 @@ def _call(**change):
     (dict(norm_scope="token"), ValueError, r"^norm_scope: expected 'head'"),
     (dict(q_gate=1), TypeError, r"^q_gate: expected a bool"),
     (dict(v_norm="yes"), TypeError, r"^v_norm: expected a bool"),
+    (dict(k_eq_v=1), TypeError, r"^k_eq_v: expected a bool"),
+    # k_eq_v: [Q | K] rows; the block's [Q | K | V] weight is a head too many
+    (dict(k_eq_v=True), ValueError, r"^qkv_weight: expected shape \[\(num_heads \+ num_kv_heads\)\*head_dim, "
+                                    r"hidden_size\] = \[\(2 \+ 1\)\*8, 16\] = \[24, 16\] \(k_eq_v: rows \[Q \| K\]"),
 ])
 def test_impossible_combinations_raise_clear_errors(change, exc, pattern):
     with pytest.raises(exc, match=pattern):

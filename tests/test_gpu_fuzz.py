@@ -52,6 +52,16 @@ def test_cases_are_reproducible_and_within_the_caps():
 
 
 @needs_pack
+def test_head_dim_512_cases_take_the_per_head_norm():
+    """head_dim 512 comes up with its variants (Gemma 4's: v normed, v the raw k), never the norm over all
+    heads (the block refuses it there)."""
+    caps = dict(max_tokens=64, max_hidden=128, max_heads=8, head_dims=[128, 512])
+    cases = [fuzz.draw_case(5, i, caps, api="train") for i in range(300)]
+    wide = [c for c in cases if c["head_dim"] == 512]
+    assert wide and all(c["norm_scope"] == "head" for c in wide)
+    assert any(c["v_norm"] and c["k_eq_v"] for c in wide) and any(c["norm_scope"] == "all_heads" for c in cases)
+
+
 def test_a_wrong_091_result_fails_the_run_with_a_replay_line(monkeypatch, tmp_path, capsys):
     real = fusedqkv.gqa_qkv_rope_qk_norm_backward
 

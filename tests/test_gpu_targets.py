@@ -194,6 +194,24 @@ def test_gemm_sm90_does_not_spill(compiled):
     assert checked >= len(gemm) // 2, "cuobjdump missing for most jobs"
 
 
+@pytest.mark.parametrize("cc", oc.PRODUCT_TARGETS)
+def test_head_dim_512_kernels_do_not_spill(compiled, cc):
+    """The launchers' head_dim 512 specialisations (Gemma 4's global layers: the stage's 4-token
+    tiles, the forward stage, the finishes at 16 rows per step, the products with the finish)
+    compile to cubins with no stack frame on sm_90 and sm_100a."""
+    jobs = [j for j in oc.wide_head_jobs() if j["cc"] == cc]
+    assert {j["label"].split()[0] for j in jobs} >= {"stage", "forward", "tma_matmul"}
+    checked = 0
+    for j in jobs:
+        r = compiled[j["label"]]
+        assert r["ok"], (j["label"], r["error"])
+        if r["info"].get("stack") is None:  # no cuobjdump beside that Triton
+            continue
+        assert r["info"]["stack"] == 0, (j["label"], r["info"])
+        checked += 1
+    assert checked == len(jobs), "cuobjdump missing"
+
+
 def test_blackwell_targets_compile_every_kernel(compiled):
     """sm_100a and sm_120a get offline compiles of every kernel the launchers select there: the
     stage, the forward stage, the finishes and the flush on both, the products on sm_100a."""
@@ -262,9 +280,16 @@ def test_job_list_follows_the_launchers(monkeypatch):
     from fusedqkv.ops import rope_qk_norm as stage
 
     monkeypatch.setattr(stage, "sm_count", lambda device: oc.H200_SMS)
-    layouts = {(8, 0), (8, 16), (4, 8)}  # all8 / all8_tma, group16 / group16_tma, group8
+    # all8 / all8_tma, group16 / group16_tma, group8; above head_dim 256 all4, group16x4, group8
+    narrow = {(8, 0), (8, 16), (4, 8)}
+    wide = {(4, 0), (4, 16), (4, 8)}
+    assert {oc.STAGE_LAYOUTS[n][:2] for n in oc.STAGE_LAYOUTS} == narrow | wide
+    assert {(j["consts"]["BLOCK_T"], j["consts"]["GSIZE"] if j["consts"]["GROUPED"] else 0)
+            for j in oc.wide_head_jobs() if j["kernel"].endswith("rope_qk_norm_bwd_kernel")} == wide
     for m in (1, 2, 3, 100, 1024, 1025, 3000, 3168, 3169, 100000):
-        for d in oc.HEAD_DIMS:
+        for d in oc.HEAD_DIMS + (oc.WIDE_HEAD_DIM,):
             block_t, hb, warps, pf, gsize = stage._launch_config(m, 32, 8, d, torch.device("cuda", 0))
-            assert (block_t, gsize) in layouts and hb == 1 and pf == 3, (m, d)
+            assert (block_t, gsize) in (narrow if d <= 256 else wide) and hb == 1 and pf == 3, (m, d)
             assert warps == max(1, min(16, block_t * oc._p2(d // 2) // 128)), (m, d)
+    # the finishes' rows per step: 32 to head_dim 256, 16 at 512 (the jobs take the launchers')
+    assert [stage.finish_rows(d) for d in (2, 128, 256, 512)] == [32, 32, 32, 16]

@@ -12,7 +12,6 @@ tested)."""
 import copy
 import pathlib
 import re
-import warnings
 
 import pytest
 import torch
@@ -199,20 +198,21 @@ def test_family_settings_without_a_block_are_named():
     assert not fused_modules(m)  # nothing changed
 
 
-def test_gemma4_global_layers_above_the_block_head_dim_stay_hf():
-    """Gemma 4's global layers (head_dim 512 in the released models) exceed the block's 256:
-    the sliding layers are fused, the global ones stay HF's, with a warning; outputs agree."""
+def test_gemma4_every_attention_layer_fused_global_head_dim_512():
+    """Gemma 4's global layers (head_dim 512, v the k projection, proportional RoPE) are fused like
+    its sliding layers; only the KV-shared layer stays HF's. A head_dim above the block's 512 is
+    refused naming the layer, before anything changes."""
     fam = H.family("gemma4_text")
-    ref = H.build(fam, global_head_dim=264)
-    m = copy.deepcopy(ref)
-    with pytest.warns(UserWarning, match=r"1 attention layers stay unfused: model.layers.1.self_attn: head_dim=264"):
-        assert fusedqkv.apply_to(m) == 1
-    ids = H.batch(2, 8)
-    with torch.no_grad():
-        torch.testing.assert_close(m(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert fusedqkv.apply_to(m) == 0  # nothing left, no warning again
+    m, _ = patched_pair(fam)
+    dims = {mod.layer_type: (mod._fusedqkv.head_dim, mod._fusedqkv.k_eq_v) for mod in fused_modules(m)}
+    assert dims == {"sliding_attention": (16, False), "full_attention": (512, True)}
+    unfused = [mod for mod in m.modules() if type(mod).__name__ == "Gemma4TextAttention"]
+    assert [mod.is_kv_shared_layer for mod in unfused] == [True]
+    big = H.build(fam, global_head_dim=520)
+    with pytest.raises(fqt.UnsupportedModelError, match=r"model.layers.1.self_attn .*head_dim=520; the fused block "
+                                                         r"needs an even head_dim <= 512"):
+        fusedqkv.apply_to(big)
+    assert not fused_modules(big)
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "olmo2", "llama4_text", "nanochat", "gemma4_text", "exaone4"])
@@ -222,7 +222,9 @@ def test_cpu_autocast_bf16_three_way(name):
     as far from the fp32 values (relative, Frobenius) as the unpatched model's under autocast,
     plus 1e-2."""
     fam = H.family(name)
-    m, ref = patched_pair(fam, fam.bias)
+    # Gemma 4's global layers at head_dim 32: at 512 unit-RMS q.k logits (scaling 1) are ~20 wide, a near
+    # one-hot softmax that bf16 roundings flip, so both models' gradients are 3-10% off fp32 at random
+    m, ref = patched_pair(fam, fam.bias, **(dict(global_head_dim=32) if name == "gemma4_text" else {}))
     exact = copy.deepcopy(ref)
     for x in (m, ref, exact):
         x.train()

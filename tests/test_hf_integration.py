@@ -340,8 +340,8 @@ def _expect_unchanged_error(m, match):
 
 
 def test_unsupported_configuration_is_named():
-    m = H.build("qwen3", head_dim=258)
-    _expect_unchanged_error(m, r"head_dim=258")
+    m = H.build("qwen3", head_dim=514)
+    _expect_unchanged_error(m, r"head_dim=514")
     m = H.build("qwen3")
 
     class LoRALinear(torch.nn.Linear):

@@ -172,8 +172,10 @@ def test_the_fused_forward_rule_reasons_and_setting():
     assert fused_gemm_unsupported(x, w, 128, 128, plain, None, (9, 0)) is None
     assert "sm_90" in fused_gemm_unsupported(x, w, 128, 128, plain, None, (10, 0))
     assert "head_dim" in fused_gemm_unsupported(x, w, 64, 64, plain, None, (9, 0))
+    assert "head_dim" in fused_gemm_unsupported(x, w, 512, 512, plain, None, (9, 0))  # Gemma 4: cuBLAS + the stage
     assert "partial" in fused_gemm_unsupported(x, w, 128, 64, plain, None, (9, 0))
-    for switches in (dict(q_gate=True), dict(interleaved=True), dict(all_heads=True), dict(v_norm=True)):
+    for switches in (dict(q_gate=True), dict(interleaved=True), dict(all_heads=True), dict(v_norm=True),
+                     dict(k_eq_v=True)):
         assert "variant" in fused_gemm_unsupported(x, w, 128, 128, Variant(**switches), None, (9, 0))
     assert "bias" in fused_gemm_unsupported(x, w, 128, 128, plain, torch.empty(768), (9, 0))
     assert "dtype" in fused_gemm_unsupported(x.float(), w.float(), 128, 128, plain, None, (9, 0))

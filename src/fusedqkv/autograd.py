@@ -56,20 +56,25 @@ def _position(norm_after_rope: bool) -> str:
 
 
 def _variant_of(q_gate: bool, interleaved: bool, all_heads: bool, v_norm: bool, weighted: bool, rot: int,
-                d: int) -> Variant:
+                d: int, k_eq_v: bool = False) -> Variant:
     return Variant(rot=0 if rot == d else rot, interleaved=interleaved, q_gate=q_gate, norm_weight=weighted,
-                   all_heads=all_heads, v_norm=v_norm)
+                   all_heads=all_heads, v_norm=v_norm, k_eq_v=k_eq_v)
+
+
+def _head_dim(n_cols: int, num_heads: int, num_kv_heads: int, q_gate: bool, k_eq_v: bool) -> int:
+    return n_cols // ((2 * num_heads if q_gate else num_heads) + (1 if k_eq_v else 2) * num_kv_heads)
 
 
 def _fwd_impl(hidden_states: Tensor, qkv_weight: Tensor, q_norm_weight: Optional[Tensor],
               k_norm_weight: Optional[Tensor], cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, eps: float,
               norm_after_rope: bool, backend: str, qkv_bias: Optional[Tensor] = None, q_gate: bool = False,
               interleaved: bool = False, all_heads: bool = False, v_norm: bool = False,
-              qkv_residual: Optional[Tensor] = None, fp8: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              qkv_residual: Optional[Tensor] = None, k_eq_v: bool = False,
+              fp8: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     plan = forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                         num_kv_heads, eps, _position(norm_after_rope), backend, qkv_bias, q_gate,
                         "interleaved" if interleaved else "neox", "all_heads" if all_heads else "head", v_norm,
-                        qkv_residual is not None, fp8)
+                        qkv_residual is not None, k_eq_v, fp8)
     q, k, qkv, rq, rk, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                        qkv_bias, qkv_residual)
     # a custom op returns tensors: an empty one stands for v when it is a view of qkv
@@ -82,9 +87,10 @@ def _bwd_impl(grad_q: Tensor, grad_k: Tensor, grad_v: Tensor, hidden_states: Ten
               need_hidden_grad: bool, need_weight_grad: bool, need_cos_sin_grad: bool,
               backend: str, need_bias_grad: bool = False, grad_gate: Optional[Tensor] = None, q_gate: bool = False,
               interleaved: bool = False, all_heads: bool = False, v_norm: bool = False,
-              need_residual_grad: bool = False, fp8: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    d = qkv.shape[2] // ((2 * num_heads if q_gate else num_heads) + 2 * num_kv_heads)
-    variant = _variant_of(q_gate, interleaved, all_heads, v_norm, q_norm_weight is not None, cos.shape[2], d)
+              need_residual_grad: bool = False, k_eq_v: bool = False,
+              fp8: str = "") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    d = _head_dim(qkv.shape[2], num_heads, num_kv_heads, q_gate, k_eq_v)
+    variant = _variant_of(q_gate, interleaved, all_heads, v_norm, q_norm_weight is not None, cos.shape[2], d, k_eq_v)
     out = training_backward(
         grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, num_heads,
         num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad, need_cos_sin_grad, backend,
@@ -108,10 +114,10 @@ _bwd_op = torch.library.custom_op("fusedqkv::gqa_qkv_rope_qk_norm_bwd", mutates_
 @_fwd_op.register_fake
 def _fwd_fake(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
               norm_after_rope, backend, qkv_bias=None, q_gate=False, interleaved=False, all_heads=False,
-              v_norm=False, qkv_residual=None, fp8=""):
+              v_norm=False, qkv_residual=None, k_eq_v=False, fp8=""):
     B, S, _ = hidden_states.shape
     n_tot = qkv_weight.shape[0]
-    D = n_tot // ((2 * num_heads if q_gate else num_heads) + 2 * num_kv_heads)
+    D = _head_dim(n_tot, num_heads, num_kv_heads, q_gate, k_eq_v)
     q = hidden_states.new_empty((B, S, num_heads, D)).transpose(1, 2)  # token-major, as the real op's
     k = hidden_states.new_empty((B, S, num_kv_heads, D)).transpose(1, 2)
     qkv = hidden_states.new_empty((B, S, n_tot))
@@ -126,7 +132,7 @@ def _fwd_fake(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
 def _bwd_fake(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight,
               cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, need_hidden_grad, need_weight_grad,
               need_cos_sin_grad, backend, need_bias_grad=False, grad_gate=None, q_gate=False, interleaved=False,
-              all_heads=False, v_norm=False, need_residual_grad=False, fp8=""):
+              all_heads=False, v_norm=False, need_residual_grad=False, k_eq_v=False, fp8=""):
     B, S, n_tot = qkv.shape
     rot = cos.shape[2]
     g_x = hidden_states.new_empty(tuple(hidden_states.shape) if need_hidden_grad else _EMPTY_SHAPE)
@@ -233,12 +239,14 @@ def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     else:
         q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                    cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,
-                                   *_op_flags(variant), qkv_residual, fp8)
+                                   *_op_flags(variant), qkv_residual, variant.k_eq_v, fp8)
     B, S, n_tot = qkv.shape
     nq = 2 * num_heads if variant.q_gate else num_heads
-    heads = qkv.view(B, S, nq + 2 * num_kv_heads, n_tot // (nq + 2 * num_kv_heads))
-    if not variant.v_norm:
-        v = heads[:, :, nq + num_kv_heads:].transpose(1, 2)
+    n_heads = variant.qkv_heads(num_heads, num_kv_heads)
+    heads = qkv.view(B, S, n_heads, n_tot // n_heads)
+    if not variant.v_norm:  # v: the value columns, or (k_eq_v) the raw k's
+        v0 = nq if variant.k_eq_v else nq + num_kv_heads
+        v = heads[:, :, v0:v0 + num_kv_heads].transpose(1, 2)
     # rstd is not kept: the backward recomputes it from qkv (and v's norm from its columns)
     ctx.save_for_backward(hidden_states, None if source is not None else qkv_weight, q_norm_weight,
                           k_norm_weight, cos, sin, qkv)
@@ -262,11 +270,15 @@ def _backward(ctx, saved, grad_q, grad_k, grad_v, grad_gate, need: tuple, keep_d
             bool(need[6]))
     if plan is not None and not torch.compiler.is_compiling():
         return training_backward(*args, grad_gate, variant, keep_dqkv=keep_dqkv, fp8_key=fp8)
-    return _call(_bwd_op, _bwd_impl, *args, grad_gate, *_op_flags(variant), keep_dqkv, fp8)
+    return _call(_bwd_op, _bwd_impl, *args, grad_gate, *_op_flags(variant), keep_dqkv, variant.k_eq_v, fp8)
+
+
+def _qkv_rows(variant: Variant) -> str:
+    return f"({'2*' if variant.q_gate else ''}num_heads + {'' if variant.k_eq_v else '2*'}num_kv_heads)*head_dim"
 
 
 def _check_residual(r, hidden_states, sz) -> None:
-    rows = "(2*num_heads + 2*num_kv_heads)*head_dim" if sz["variant"].q_gate else "(num_heads + 2*num_kv_heads)*head_dim"
+    rows = _qkv_rows(sz["variant"])
     V.require_tensor("qkv_residual", r)
     V.require_shape("qkv_residual", r, (sz["batch"], sz["seq"], sz["qkv"]), f"[batch, seq, {rows}]")
     V.require_same_dtype([("hidden_states", hidden_states), ("qkv_residual", r)])
@@ -287,7 +299,8 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
                          num_kv_heads, eps=1e-6, qk_norm_position="after_rope", backend: Optional[str] = None,
                          qkv_bias: Optional[Tensor] = None, norm_weight_offset: float = 0.0, q_gate: bool = False,
                          rope_style: str = "neox", norm_scope: str = "head", v_norm: bool = False,
-                         qkv_residual: Optional[Tensor] = None, qkv_weight_source=None, qkv_lora=None, fp8=None):
+                         qkv_residual: Optional[Tensor] = None, qkv_weight_source=None, qkv_lora=None,
+                         k_eq_v: bool = False, fp8=None):
     """QKV projection + RoPE + RMSNorm of q and k, differentiable.
 
     hidden_states ``[batch, seq, hidden]``; qkv_weight ``[(num_heads + 2*num_kv_heads)*head_dim,
@@ -324,8 +337,11 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     ``[num_kv_heads*head_dim]``); ``q_gate=True``: the Q rows of qkv_weight are per head
     ``[q | gate]`` (``2*num_heads`` blocks; Qwen3-Next), and the call returns ``(q, k, v, gate)``
     with gate ``[batch, seq, num_heads, head_dim]`` (a view of the projection output, unnormed);
-    ``v_norm=True``: v RMS-normed per head without a weight (Gemma 3n). An unsupported
-    combination raises ValueError naming the arguments.
+    ``v_norm=True``: v RMS-normed per head without a weight (Gemma 3n); ``k_eq_v=True``: v is the
+    raw k projection (Gemma 4's global layers, ``attention_k_eq_v``): qkv_weight (and the bias, the
+    residual) has rows ``[Q | K]`` only, ``(num_heads + num_kv_heads)*head_dim`` of them, and v is k
+    before its norm and RoPE (normed with ``v_norm``). An unsupported combination raises ValueError
+    naming the arguments.
 
     Returns ``(q, k, v)`` as ``[batch, heads, seq, head_dim]`` in hidden_states' dtype, laid out
     token-major as HF attention's are (``[batch, seq, heads, head_dim]`` in memory; v is a view
@@ -338,7 +354,7 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     autocast off inside: its GEMMs write preallocated outputs of one dtype.
     """
     dev_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
-    options = dict(q_gate=q_gate, rope_style=rope_style, norm_scope=norm_scope, v_norm=v_norm)
+    options = dict(q_gate=q_gate, rope_style=rope_style, norm_scope=norm_scope, v_norm=v_norm, k_eq_v=k_eq_v)
     if dev_type in ("cuda", "cpu") and torch.is_autocast_enabled(dev_type):
         dt = torch.get_autocast_dtype(dev_type)
         hidden_states, qkv_weight, qkv_bias, cos, sin, qkv_residual = (
@@ -377,7 +393,7 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
         sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                      num_heads, num_kv_heads, eps, qk_norm_position, **options)
         if qkv_bias is not None:
-            V.require_shape("qkv_bias", qkv_bias, (sz["qkv"],), "[(num_heads + 2*num_kv_heads)*head_dim]")
+            V.require_shape("qkv_bias", qkv_bias, (sz["qkv"],), f"[{_qkv_rows(sz['variant'])}]")
         if fp8_recipe is not None:
             _fp8.check_supported(sz["device"], sz["hidden"], sz["qkv"])
         plan = None
@@ -385,7 +401,7 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     else:
         plan = forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                             num_kv_heads, eps, qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope,
-                            v_norm, qkv_residual is not None or qkv_lora is not None, fp8_key)
+                            v_norm, qkv_residual is not None or qkv_lora is not None, k_eq_v, fp8_key)
         sz = plan.sz
         b, s, rot = plan.cs_shape
     if qkv_residual is not None:

@@ -49,6 +49,8 @@ class _BlockParams(nn.Module):
         self.q_gate = _require_bool("q_gate", q_gate)
         self.rope_style = _require_choice("rope_style", rope_style, ROPE_STYLES, "'neox' or 'interleaved'")
         self.norm_scope = _require_choice("norm_scope", norm_scope, NORM_SCOPES, "'head' or 'all_heads'")
+        if self.norm_scope == "all_heads":
+            V.require_all_heads_head_dim(head_dim)
         self.v_norm = _require_bool("v_norm", v_norm)
         if not _require_bool("norm_weight", norm_weight) and self.norm_weight_offset:
             raise ValueError(f"norm_weight_offset: {self.norm_weight_offset} needs norm weights (norm_weight=False "
@@ -147,21 +149,26 @@ def reference_block(hidden_states: torch.Tensor, qkv_weight: torch.Tensor, q_nor
                     k_norm_weight: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                     num_kv_heads: int, eps: float, norm_after_rope: bool, qkv_bias: Optional[torch.Tensor] = None,
                     norm_weight_offset: float = 0.0, *, q_gate: bool = False, rope_style: str = "neox",
-                    norm_scope: str = "head", v_norm: bool = False):
+                    norm_scope: str = "head", v_norm: bool = False, k_eq_v: bool = False):
     """The block in plain PyTorch, HF style (eager ops): ``(q, k, v)`` as ``[B, H, S, D]`` views of
     the projection output, rotated and normed in the given order; with ``q_gate`` also the gate
     ``[B, S, H, D]`` (Qwen3-Next: the Q projection viewed ``(.., H, 2D)`` and chunked).
     ``rope_style='interleaved'``: GPT-J pairs; cos/sin narrower than head_dim: partial rotary;
     norm weights None: unweighted norms; ``norm_scope='all_heads'``: OLMo 2's norm over all heads
-    of a token (weights ``[H*D]``); ``v_norm``: Gemma 3n's unweighted norm of v."""
+    of a token (weights ``[H*D]``); ``v_norm``: Gemma 3n's unweighted norm of v; ``k_eq_v``: Gemma 4's
+    v, the raw k (qkv_weight's rows ``[Q | K]``)."""
     B, S, _ = hidden_states.shape
     hq, hkv = num_heads, num_kv_heads
     nq = 2 * hq if q_gate else hq
-    d = qkv_weight.shape[0] // (nq + 2 * hkv)
+    d = qkv_weight.shape[0] // (nq + (1 if k_eq_v else 2) * hkv)
     off = norm_weight_offset
     interleaved = rope_style == "interleaved"
     qkv = nn.functional.linear(hidden_states, qkv_weight, qkv_bias)
-    q, k, v = qkv.split([nq * d, hkv * d, hkv * d], dim=-1)
+    if k_eq_v:
+        q, k = qkv.split([nq * d, hkv * d], dim=-1)
+        v = k
+    else:
+        q, k, v = qkv.split([nq * d, hkv * d, hkv * d], dim=-1)
     gate = None
     if q_gate:
         q, gate = torch.chunk(q.view(B, S, hq, 2 * d), 2, dim=-1)

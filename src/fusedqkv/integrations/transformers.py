@@ -32,7 +32,6 @@ import dataclasses
 import importlib
 import inspect
 import sys
-import warnings
 from collections import OrderedDict
 from typing import Callable, Optional
 
@@ -46,7 +45,7 @@ from .fused_projection import (FusedQKVProjection, ProjectionRows, UnsupportedMo
                                projection_slots, slots_fp8_recipe, unwrap_lora)
 from .peft import lora_operands
 from . import qlora
-from ..ops.validation import MAX_HEAD_DIM as _MAX_HEAD_DIM
+from ..ops.validation import ALL_HEADS_MAX_HEAD_DIM as _ALL_HEADS_MAX_HEAD_DIM, MAX_HEAD_DIM as _MAX_HEAD_DIM
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TF = "transformers.models."
@@ -161,17 +160,6 @@ def _skip_kv_shared(attn) -> Optional[str]:
     if getattr(attn, "is_kv_shared_layer", False):
         return "a KV-shared layer (it reuses an earlier layer's k/v and has no k_proj/v_proj)"
     return None
-
-
-# the reason of a layer left unfused for its head size: apply_to warns about those layers
-_OVERSIZED = "is above the block's"
-
-
-def _skip_gemma4(attn) -> Optional[str]:
-    reason = _skip_kv_shared(attn)
-    if reason is None and isinstance(attn.head_dim, int) and attn.head_dim > _MAX_HEAD_DIM:
-        reason = f"head_dim={attn.head_dim} (global layer) {_OVERSIZED} {_MAX_HEAD_DIM}"
-    return reason
 
 
 def _skip_llama4(attn) -> Optional[str]:
@@ -290,7 +278,7 @@ SUPPORTED = (
     # v norm (Gemma 3n / 4: weight w, unweighted v RMSNorm; KV-shared layers stay HF's)
     _row("gemma3n_text", "gemma3n.modeling_gemma3n", "Gemma3nTextAttention", "Gemma3nRMSNorm", **_GEMMA_N),
     _row("gemma4_text", "gemma4.modeling_gemma4", "Gemma4TextAttention", "Gemma4RMSNorm",
-         **dict(_GEMMA_N, skip=_skip_gemma4, k_eq_v="use_alternative_attention")),
+         **dict(_GEMMA_N, k_eq_v="use_alternative_attention")),
 )
 
 # families with a QK norm the block does not compute (named in apply_to's error)
@@ -356,8 +344,8 @@ class _FusedAttention:
         source = None
         if spec.quantized:
             # the fused weight dequantized into one workspace per call, rebuilt again by the backward
-            # (qkv_weight_source) rather than held; Gemma 4's shared K/V: the K layer twice
-            bases = [m for _, m, _ in slots] + ([slots[1][1]] if spec.k_eq_v else [])
+            # (qkv_weight_source) rather than held (k_eq_v: rows [Q | K], v taken from k in the block)
+            bases = [m for _, m, _ in slots]
             dt = qlora.block_dtype(hidden_states)
             source = qlora.DequantizedQKV(bases, dt, hidden_states.device)
             w, b = source(), qlora.fused_bias(bases, dt)
@@ -371,17 +359,7 @@ class _FusedAttention:
         # the adapters inside the block (in place), or as a residual of the projection output
         residual, lora = lora_operands(hidden_states, slots, spec.split, n_rows, inplace=not spec.k_eq_v)
         fp8 = slots_fp8_recipe(self, slots, spec.block_kwargs.get("fp8"))
-        if spec.k_eq_v and spec.quantized:
-            if residual is not None:
-                residual = torch.cat([residual, residual[..., spec.split[0]:]], -1)
-        elif spec.k_eq_v:
-            # v = the k projection: the block's V rows are the K rows again (one parameter, the
-            # gradients of both uses summed by autograd)
-            q_rows = spec.split[0]
-            w = torch.cat([w, w[q_rows:]])
-            b = torch.cat([b, b[q_rows:]]) if b is not None else None
-            if residual is not None:
-                residual = torch.cat([residual, residual[..., q_rows:]], -1)
+        # (k_eq_v: rows [Q | K], the block takes v from the k projection: its k_eq_v in block_kwargs)
         if arch.norm_weight:
             wq, wk = getattr(self, arch.q_norm).weight, getattr(self, arch.k_norm).weight
         else:
@@ -745,9 +723,11 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
     cfg = attn.config
     d = attn.head_dim
     what = f"{path} ({type(attn).__name__}, model_type {getattr(cfg, 'model_type', '?')!r})"
-    if not (isinstance(d, int) and d % 2 == 0 and 0 < d <= _MAX_HEAD_DIM):
+    limit = _ALL_HEADS_MAX_HEAD_DIM if arch.norm_scope == "all_heads" else _MAX_HEAD_DIM
+    if not (isinstance(d, int) and d % 2 == 0 and 0 < d <= limit):
         raise UnsupportedModelError(f"fusedqkv.apply_to: {what}: head_dim={d}; the fused block needs an even "
-                                    f"head_dim <= {_MAX_HEAD_DIM}")
+                                    f"head_dim <= {limit}" + (" with its norm over all heads" if
+                                                              arch.norm_scope == "all_heads" else ""))
     k_eq_v = bool(arch.k_eq_v and getattr(attn, arch.k_eq_v))
     names = ("q_proj", "k_proj") if k_eq_v else ("q_proj", "k_proj", "v_proj")
     projs = []
@@ -819,7 +799,8 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
     opts = [("qk_norm_position", arch.qk_norm_position), ("norm_weight_offset", off)]
     # the new switches only where used, so that the families of the original block need nothing more
     for key, value, default in (("q_gate", arch.q_gate, False), ("rope_style", arch.rope_style, "neox"),
-                                ("norm_scope", arch.norm_scope, "head"), ("v_norm", arch.v_norm is not None, False)):
+                                ("norm_scope", arch.norm_scope, "head"), ("v_norm", arch.v_norm is not None, False),
+                                ("k_eq_v", k_eq_v, False)):
         if value != default:
             opts.append((key, value))
     f8 = [name for name, p in zip(names, projs) if _is_float8_linear(p)]
@@ -958,7 +939,7 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
             if spec.quantized:
                 raise UnsupportedModelError(f"fusedqkv.apply_to: {name} {path}: fp8={recipe.key!r} with bitsandbytes "
                                             f"4-bit q/k/v; FP8 GEMMs over dequantized 4-bit weights are not built")
-            rows = sum(spec.split) + (spec.split[1] if spec.k_eq_v else 0)
+            rows = sum(spec.split)  # (k_eq_v: [Q | K])
             try:  # the sizes only: the device is checked where the block runs
                 fp8_check_supported(torch.device("cpu"), getattr(m, spec.projs[0]).in_features, rows)
             except ValueError as e:
@@ -970,10 +951,6 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
             spec.block_kwargs["fp8"] = recipe
     for (_, m, _), spec in zip(todo, specs):
         _fuse(m, spec)
-    oversized = [(p, r) for p, a, r in skipped if _OVERSIZED in r]
-    if oversized and todo:
-        warnings.warn(f"fusedqkv.apply_to: {len(oversized)} attention layers stay unfused: "
-                      f"{oversized[0][0]}: {oversized[0][1]}", stacklevel=2)
     return len(todo)
 
 

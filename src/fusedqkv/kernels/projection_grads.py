@@ -30,7 +30,7 @@ def tma_matmul_kernel(a_desc, b_desc, c_desc, R, C, K,
                       BR: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                       TRANS_A: tl.constexpr, NPROG: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
                       WAIT_AT_END: tl.constexpr, FINISH: tl.constexpr, FIN_D: tl.constexpr,
-                      FIN_D_P2: tl.constexpr):
+                      FIN_D_P2: tl.constexpr, FIN_ROWS: tl.constexpr):
     """Persistent C[R, C] = A . B through TMA descriptors, the whole K axis per tile (fp32,
     one rounding; no split, deterministic). ``TRANS_A``: ``a_desc`` addresses A^T ([K, R],
     blocks [BK, BR]) -- dW = dQKV^T . X reads dQKV as stored -- else A ([R, K], blocks
@@ -45,8 +45,8 @@ def tma_matmul_kernel(a_desc, b_desc, c_desc, R, C, K,
 
     ``FINISH``: the last program (it has no more tiles than any other) also sums the RoPE/QK-norm
     stage's norm-weight rows ``fin_part`` [fin_rows, 2, FIN_D] into the two norm-weight
-    gradients -- off the stage's critical path; the stage must have completed before this
-    kernel started reading (as for its operands)."""
+    gradients, FIN_ROWS rows per step -- off the stage's critical path; the stage must have
+    completed before this kernel started reading (as for its operands)."""
     if PDL and not WAIT_AT_END:
         tl.extra.cuda.gdc_wait()
     if TRIGGER:
@@ -55,7 +55,7 @@ def tma_matmul_kernel(a_desc, b_desc, c_desc, R, C, K,
     if FINISH:
         if pid == NPROG - 1:
             _finish_norm_weight(fin_part_ptr, fin_rows, fin_gwq_ptr, fin_sgwq, fin_gwk_ptr, fin_sgwk, FIN_D,
-                                FIN_D_P2, 32, ".cg")
+                                FIN_D_P2, FIN_ROWS, ".cg")
     n_c = tl.cdiv(C, BC)
     n_tiles = tl.cdiv(R, BR) * n_c
     k_steps = tl.cdiv(K, BK)

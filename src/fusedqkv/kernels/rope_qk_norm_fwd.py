@@ -29,6 +29,7 @@ Constexpr switches of the block's variants (all off: the plain per-head block ab
   gate is not touched here (the caller views it in ``qkv``).
 - ``V_NORM``: v is RMS-normed per head without a weight into ``v`` (groups after the key
   groups); otherwise v stays a view of ``qkv``.
+- ``K_EQ_V``: ``qkv`` has no value columns; v is the raw k (its norm reads the key columns).
 """
 
 import triton
@@ -200,7 +201,7 @@ def rope_qk_norm_fwd_kernel(
     BLOCK_T: tl.constexpr, GROUP: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
     PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
     ALL_HEADS: tl.constexpr, Q_GATE: tl.constexpr, V_NORM: tl.constexpr, D_P2: tl.constexpr,
-    HQ_P2: tl.constexpr, HKV_P2: tl.constexpr,
+    HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, K_EQ_V: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -240,7 +241,7 @@ def rope_qk_norm_fwd_kernel(
         if V_NORM:
             is_v = kg >= nkg
         if is_v:
-            _v_group_fwd(qkv_ptr, s_qkv_t, HQ * QHS + HKV * D, v_ptr, sv_b, sv_h, sv_s, sv_d,
+            _v_group_fwd(qkv_ptr, s_qkv_t, HQ * QHS + (0 if K_EQ_V else HKV * D), v_ptr, sv_b, sv_h, sv_s, sv_d,
                          tok64, b, s, tmask, eps, (kg - nkg) * GROUP, HKV, D, D_P2, GROUP)
         elif ALL_HEADS:
             _all_heads_fwd(qkv_ptr, s_qkv_t, HQ * QHS, D, wk_ptr, swk, k_ptr, sk_b, sk_h, sk_s, sk_d,

@@ -90,15 +90,16 @@ def _head_dim_of_norm_weights(q_norm_weight, k_norm_weight, hq: int, hkv: int, a
 
 def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                             num_heads, num_kv_heads, eps, qk_norm_position, *, q_gate=False, rope_style="neox",
-                            norm_scope="head", v_norm=False) -> dict:
+                            norm_scope="head", v_norm=False, k_eq_v=False) -> dict:
     """Check the public forward arguments; returns the derived sizes and the :class:`Variant`.
 
     cos/sin may be ``[batch, seq, rot]`` or ``[1, seq, rot]`` (shared by the batch), ``rot`` the
     rotary width (even, 2..head_dim; head_dim unless partial rotary). ``q_norm_weight`` and
-    ``k_norm_weight`` both None: unweighted norms.
+    ``k_norm_weight`` both None: unweighted norms. ``k_eq_v``: qkv_weight has no V rows (v is the raw k).
     """
     q_gate = _require_bool("q_gate", q_gate)
     v_norm = _require_bool("v_norm", v_norm)
+    k_eq_v = _require_bool("k_eq_v", k_eq_v)
     interleaved = _require_choice("rope_style", rope_style, ROPE_STYLES,
                                   "'neox' (rotate-half pairs (i, i + rot/2)) or 'interleaved' (pairs (2i, 2i+1))"
                                   ) == "interleaved"
@@ -126,13 +127,16 @@ def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_wei
     V.require_ndim("hidden_states", hidden_states, 3, "[batch, seq, hidden_size]")
     b, s, hidden = hidden_states.shape
     q_rows = "2*num_heads" if q_gate else "num_heads"
-    V.require_ndim("qkv_weight", qkv_weight, 2, f"[({q_rows} + 2*num_kv_heads)*head_dim, hidden_size]")
+    kv_rows, kv = ("num_kv_heads", 1) if k_eq_v else ("2*num_kv_heads", 2)  # k_eq_v: no V rows
+    V.require_ndim("qkv_weight", qkv_weight, 2, f"[({q_rows} + {kv_rows})*head_dim, hidden_size]")
     V.require_matching_hidden(hidden_states, qkv_weight)
     n_tot, w_hidden = qkv_weight.shape
     q_heads = 2 * hq if q_gate else hq
-    heads_tot = q_heads + 2 * hkv
+    heads_tot = q_heads + kv * hkv
     gate = " (q_gate: the Q rows are num_heads blocks of [q | gate], 2*head_dim rows each)" if q_gate else ""
-    expected_rows = f"[({q_rows} + 2*num_kv_heads)*head_dim, hidden_size]"
+    gate += " (k_eq_v: rows [Q | K], v is the raw k)" if k_eq_v else ""
+    expected_rows = f"[({q_rows} + {kv_rows})*head_dim, hidden_size]"
+    kv_n = f"{hkv}" if k_eq_v else f"2*{hkv}"
     # the head counts are the arguments; head_dim is the norm weights' where they give one, so a
     # qkv_weight a head short or long is named itself, not as a norm weight "of the wrong size"
     d_norm, d_from = _head_dim_of_norm_weights(q_norm_weight, k_norm_weight, hq, hkv, all_heads) if weighted \
@@ -141,18 +145,20 @@ def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_wei
         held = (f"; its {n_tot} rows are {n_tot // d_norm} heads of head_dim {d_norm}, not {heads_tot}"
                 if n_tot % d_norm == 0 else "")
         raise ValueError(
-            f"qkv_weight: expected shape {expected_rows} = [({q_heads} + 2*{hkv})*{d_norm}, {hidden}] = "
+            f"qkv_weight: expected shape {expected_rows} = [({q_heads} + {kv_n})*{d_norm}, {hidden}] = "
             f"[{heads_tot * d_norm}, {hidden}]{gate} (head counts from num_heads={hq} and num_kv_heads={hkv}, "
             f"head_dim from {d_from}), got [{', '.join(map(str, qkv_weight.shape))}]{held}")
     if w_hidden != hidden or n_tot % heads_tot != 0 or n_tot == 0:
         raise ValueError(
-            f"qkv_weight: expected shape {expected_rows} = [({q_heads} + 2*{hkv})*head_dim, {hidden}]{gate}, "
+            f"qkv_weight: expected shape {expected_rows} = [({q_heads} + {kv_n})*head_dim, {hidden}]{gate}, "
             f"got [{', '.join(map(str, qkv_weight.shape))}] (head counts from num_heads={hq} and "
             f"num_kv_heads={hkv}: {n_tot} rows are not a whole number of {heads_tot} heads)")
     d = n_tot // heads_tot
     d_src = (f"head_dim from qkv_weight's {n_tot} rows / {heads_tot} heads"
              + (f" and from {d_from}" if d_norm is not None else ""))
     V.require_head_config(hq, hkv, d, "from num_heads, num_kv_heads and qkv_weight")
+    if all_heads:
+        V.require_all_heads_head_dim(d, "from num_heads, num_kv_heads and qkv_weight")
     if weighted:
         if all_heads:
             V.require_shape("q_norm_weight", q_norm_weight, (hq * d,), "[num_heads*head_dim] for norm_scope='all_heads'")
@@ -176,7 +182,7 @@ def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_wei
     if rot > d and not weighted:
         # no norm weight says which is right: head_dim from the weight's rows, or cos/sin's width
         raise ValueError(
-            f"qkv_weight / cos: qkv_weight's {n_tot} rows give head_dim {d} ({n_tot} / ({q_heads} + 2*{hkv}) heads "
+            f"qkv_weight / cos: qkv_weight's {n_tot} rows give head_dim {d} ({n_tot} / ({q_heads} + {kv_n}) heads "
             f"from num_heads and num_kv_heads), narrower than cos/sin's rotary width {rot}; expected qkv_weight "
             f"[{heads_tot * rot}, {hidden}] for head_dim {rot}, or cos/sin of an even width up to {d} (partial rotary)")
     if rot % 2 or not 2 <= rot <= d:
@@ -187,7 +193,7 @@ def validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_wei
     dtype = V.require_same_dtype([("hidden_states", hidden_states), ("qkv_weight", qkv_weight), ("cos", cos), ("sin", sin)])
     device = V.require_same_device(named)
     variant = Variant(rot=0 if rot == d else rot, interleaved=interleaved, q_gate=q_gate, norm_weight=weighted,
-                      all_heads=all_heads, v_norm=v_norm)
+                      all_heads=all_heads, v_norm=v_norm, k_eq_v=k_eq_v)
     return dict(batch=b, seq=s, hidden=hidden, num_heads=hq, num_kv_heads=hkv, head_dim=d, qkv=n_tot,
                 eps=eps, norm_after_rope=norm_after_rope, dtype=dtype, device=device, variant=variant, rot=rot)
 
@@ -225,7 +231,7 @@ def plan_forward_stage(qkv: Ptr, wq: Optional[Ptr], wk: Optional[Ptr], cos: Ptr,
     gate) into q/k ``[B, H, S, D]`` and rstd ``[B, H, S]`` fp32; with ``variant.v_norm`` also v
     into ``v`` ``[B, Hkv, S, D]``. ``wq``/``wk`` None: unweighted norms."""
     B, S, n_tot = qkv.like.shape
-    D = n_tot // ((2 * hq if variant.q_gate else hq) + 2 * hkv)
+    D = n_tot // variant.qkv_heads(hq, hkv)
     M = B * S
     block_t, group, num_warps = cfg.forward_tile or forward_launch_config(M, hq, hkv, D, qkv.like.device)
     s_t = qkv.like.stride(1)
@@ -252,7 +258,7 @@ def plan_forward_stage(qkv: Ptr, wq: Optional[Ptr], wk: Optional[Ptr], cos: Ptr,
          float(eps), M, S, hq, hkv, nqg),
         dict(D=D, BLOCK_T=block_t, GROUP=group, NORM_AFTER_ROPE=bool(norm_after_rope), D_P2=_next_pow2(D),
              **variant.constexprs(D), ALL_HEADS=variant.all_heads, **variant.head_tiles(hq, hkv),
-             num_warps=num_warps),
+             K_EQ_V=variant.k_eq_v, num_warps=num_warps),
     )
 
 
@@ -264,7 +270,7 @@ def rope_qk_norm_forward(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope, v
     if backend == "torch":
         return forward_torch(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope, variant)
     B, S, n_tot = qkv.shape
-    D = n_tot // ((2 * hq if variant.q_gate else hq) + 2 * hkv)
+    D = n_tot // variant.qkv_heads(hq, hkv)
     q, k, rq, rk, v = forward_outputs(B, S, hq, hkv, D, qkv.dtype, qkv.device, variant.v_norm)
     table = Table()
     named = dict(qkv=qkv, q_norm_weight=wq, k_norm_weight=wk, cos=cos, sin=sin, q=q, k=k, rstd_q=rq, rstd_k=rk, v=v)
@@ -294,7 +300,7 @@ def forward_torch(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope, variant:
     """The forward stage on the torch backend: (q, k, rstd_q, rstd_k, v) as the Triton stage
     returns them (fp32 math, one rounding); v None unless ``variant.v_norm``."""
     B, S, n_tot = qkv.shape
-    D = n_tot // ((2 * hq if variant.q_gate else hq) + 2 * hkv)
+    D = n_tot // variant.qkv_heads(hq, hkv)
     q, k, rq, rk, v = forward_outputs(B, S, hq, hkv, D, qkv.dtype, qkv.device, variant.v_norm)
     _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, v, hq, hkv, D, eps, norm_after_rope, variant)
     return q, k, rq, rk, v
@@ -302,7 +308,7 @@ def forward_torch(qkv, wq, wk, cos, sin, hq, hkv, eps, norm_after_rope, variant:
 
 def _forward_torch(qkv, wq, wk, cos, sin, q, k, rq, rk, v, hq, hkv, D, eps, norm_after_rope, variant):
     rot, il = variant.rotary(D), variant.interleaved
-    xq, xk, xv, _ = heads_of(qkv, hq, hkv, D, variant.q_gate)
+    xq, xk, xv, _ = heads_of(qkv, hq, hkv, D, variant.q_gate, variant.k_eq_v)
     ct = torch.promote_types(qkv.dtype, torch.float32)  # fp32 math (fp64 for fp64 inputs: the gradient checks)
     c = pad_rotary(cos.to(ct), D, 1.0).unsqueeze(1)
     s = pad_rotary(sin.to(ct), D, 0.0).unsqueeze(1)

@@ -54,14 +54,15 @@ def tma_matmul(a: Ptr, b: Ptr, c: Ptr, *, trans_a: bool, config: tuple, sms: int
     if finish is not None:
         fin = (finish.part, finish.n_rows, finish.gwq, finish.gwq.like.stride(0), finish.gwk,
                finish.gwk.like.stride(0))
-        fin_d = finish.d
+        fin_d, fin_rows = finish.d, finish.rows
     else:  # placeholders the kernel never reads
-        fin, fin_d = (c, 0, c, 1, c, 1), 1
+        fin, fin_d, fin_rows = (c, 0, c, 1, c, 1), 1, 1
     return BoundLaunch(
         tma_matmul_kernel, (nprog,),
         (Desc(a, [bk, br] if trans_a else [br, bk]), Desc(b, [bk, bc]), Desc(c, [br, bc]), R, C, K, *fin),
         dict(BR=br, BC=bc, BK=bk, TRANS_A=trans_a, NPROG=nprog, PDL=pdl, TRIGGER=trigger and pdl,
              WAIT_AT_END=wait_at_end, FINISH=finish is not None, FIN_D=fin_d, FIN_D_P2=_next_pow2(fin_d),
+             FIN_ROWS=fin_rows,
              num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl),
     )
 

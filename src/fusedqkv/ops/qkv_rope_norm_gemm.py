@@ -46,7 +46,7 @@ def fused_gemm_unsupported(x, w, head_dim: int, rot: int, variant, bias, device_
         return "head_dim must be 128 (one head per 128-column tile)"
     if rot != head_dim:
         return "partial rotary"
-    if variant.q_gate or variant.interleaved or variant.all_heads or variant.v_norm:
+    if variant.q_gate or variant.interleaved or variant.all_heads or variant.v_norm or variant.k_eq_v:
         return "variant other than the plain per-head block"
     if bias is not None:
         return "qkv_bias"

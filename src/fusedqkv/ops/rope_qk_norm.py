@@ -46,13 +46,33 @@ def _launch_config(M: int, hq: int, hkv: int, d: int, device: torch.device) -> t
     heads of 8 tokens, or from 1k tokens down 8 heads of 4 tokens ("grouped"), so that there
     are enough of them; the last group of a block to finish sums the groups' partials.
     Measured on the H200: benchmarks/NOTES.md, v9c.
+
+    Above head_dim 256 blocks are capped at ``STAGE_TILE_ELEMENTS`` per tile (4 tokens at 512), so a
+    thread holds as many elements of a tile as at 256 (8 tokens of 512 took 16 warps, whose 128
+    registers per thread spilled: sm_90 offline, NOTES session 17).
     """
     sms = sm_count(device)
+    cap = max(1, STAGE_TILE_ELEMENTS // _next_pow2(d // 2))
     if -(-M // 8) >= 3 * sms:
-        return 8, 1, _warps_for(8, d, 4), PREFETCH, 0
-    if M > 1024:
-        return 8, 1, _warps_for(8, d, 4), PREFETCH, 16
-    return 4, 1, _warps_for(4, d, 4), PREFETCH, 8
+        block_t, group = min(8, cap), 0
+    elif M > 1024:
+        block_t, group = min(8, cap), 16
+    else:
+        block_t, group = min(4, cap), 8
+    return block_t, 1, _warps_for(block_t, d, 4), PREFETCH, group
+
+
+# The largest [tokens, head_dim/2] tile of the stage: 8 tokens of 256 (1024 elements), 4 of 512.
+STAGE_TILE_ELEMENTS = 1024
+# fp32 elements of one head set's tile of the norm-weight finish ([rows, head_dim]): 32 rows of 256
+# (the layout head_dim 256 compiles without spills, sm_90 offline); fewer rows above
+FINISH_TILE_ELEMENTS = 8192
+
+
+def finish_rows(d: int, most: int = 32) -> int:
+    """Rows of partials a norm-weight finish sums per step (a power of two, at most ``most``), so that
+    its [rows, head_dim] tiles stay within ``FINISH_TILE_ELEMENTS``: 32 to head_dim 256, 16 at 512."""
+    return max(1, min(most, FINISH_TILE_ELEMENTS // _next_pow2(d)))
 
 
 # Register cap of the stage kernel with 4 warps: four programs per SM. The 16-bit math took
@@ -218,10 +238,11 @@ class NormWeightFinish:
 
     def __init__(self, part: Ptr, n_rows: int, gwq: Ptr, gwk: Ptr, d: int):
         self.part, self.n_rows, self.gwq, self.gwk, self.d = part, n_rows, gwq, gwk, d
+        self.rows = finish_rows(d)  # partial rows summed per step (the Triton dW's finish too)
         self.launch = BoundLaunch(
             rope_qk_norm_bwd_finish_kernel, (1,),
             (part, n_rows, gwq, gwq.like.stride(0), gwk, gwk.like.stride(0)),
-            dict(D=d, D_P2=_next_pow2(d), BLOCK_R=32, num_warps=4))
+            dict(D=d, D_P2=_next_pow2(d), BLOCK_R=self.rows, num_warps=4))
 
 
 class AllHeadsNormWeightFinish:
@@ -301,7 +322,8 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
            and all(_tma_4d(t.like, D // 2) for t in (gq, xq, gk, xk)))
     # TMA: blocks of one sequence each (a box never spans two)
     n_prog = B * -(-S // block_t) if tma else -(-M // block_t)
-    n_sup = -(-n_prog // cfg.finish_super_rows)
+    super_rows = finish_rows(D, cfg.finish_super_rows)  # the fused finish's first level
+    n_sup = -(-n_prog // super_rows)
     # (no norm weight: no weight gradients)
     fused = cfg.fused_finish and not finish_outside and variant.norm_weight
     # The fused finish consumes the partials inside the kernel, so the dX output (written by the
@@ -335,7 +357,7 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
          *variant_tensor_args(gv, xk, gg, xv)),
         dict(D=D, D_P2=_next_pow2(D), BLOCK_T=block_t, HB=hb,
              EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
-             GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=cfg.finish_super_rows, RECOMPUTE_RSTD=recompute,
+             GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=super_rows, RECOMPUTE_RSTD=recompute,
              PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1), TMA=tma,
              LP2=sm90_or_newer(device), **variant.constexprs(D),
              # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA

@@ -6,7 +6,9 @@ where the stage does not fuse it, the norm-weight finish.
 ``training_backward`` finds or builds the plan of a call's signature and runs it. The block's
 variants (:class:`~fusedqkv.ops.gqa_forward.Variant`) are part of the key: the stage runs them
 in the training mode (unweighted norms: no norm-weight gradients; a gate: its gradient into
-dQKV's gate columns; v normed: its backward from the saved raw v).
+dQKV's gate columns; v normed: its backward from the saved raw v; v the raw k, ``k_eq_v``: the
+stage writes v's gradient into dQKV's value columns as usual, one add folds them into k's, and
+the GEMMs read the ``[Q | K]`` columns).
 """
 
 from __future__ import annotations
@@ -39,14 +41,17 @@ class TrainingBackwardPlan:
          self.norm_after_rope, self.variant) = sizes
         self.need_x, self.need_w, self.need_cs, self.need_b = need
         self.nq = 2 * self.hq if self.variant.q_gate else self.hq  # query column blocks (with the gate's)
-        self.M, self.n_tot = self.B * self.S, (self.nq + 2 * self.hkv) * self.D
+        # qkv's (and the weight's) columns; dQKV's: the stage writes v's gradient in columns of its own,
+        # which k_eq_v adds to k's before the GEMMs read the first n_tot
+        self.M, self.n_tot = self.B * self.S, self.variant.qkv_heads(self.hq, self.hkv) * self.D
+        self.n_dqkv = (self.nq + 2 * self.hkv) * self.D
         self.rot = self.variant.rotary(self.D)
         # bytes from qkv's start to its k and v columns
         self.k_offset = self.nq * self.D * self.dtype.itemsize
-        self.v_offset = (self.nq + self.hkv) * self.D * self.dtype.itemsize
+        self.v_offset = self.k_offset if self.variant.k_eq_v else (self.nq + self.hkv) * self.D * self.dtype.itemsize
 
     def _saved_heads(self, qkv):
-        return heads_of(qkv, self.hq, self.hkv, self.D, self.variant.q_gate)[:3]
+        return heads_of(qkv, self.hq, self.hkv, self.D, self.variant.q_gate, self.variant.k_eq_v)[:3]
 
     def run(self, grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
             grad_gate=None, keep_dqkv=False):
@@ -60,7 +65,7 @@ class TrainingBackwardPlan:
         if grad_gate is not None:
             gg = (grad_gate if grad_gate.dtype == dt else grad_gate.to(dt)).transpose(1, 2)  # [B, Hq, S, D]
         B, S = self.B, self.S
-        dqkv = torch.empty((M, self.n_tot), dtype=dt, device=dev)
+        dqkv = torch.empty((M, self.n_dqkv), dtype=dt, device=dev)
         g_qw = g_kw = None
         if q_norm_weight is not None:
             g_qw = torch.empty(q_norm_weight.shape, dtype=q_norm_weight.dtype, device=dev)
@@ -100,6 +105,10 @@ class TrainingBackwardPlan:
                 ptrs, tensors = None, self.table.tensors(named)
             for launch in launches:
                 launch.launch(tensors, ptrs, stream)
+        if self.variant.k_eq_v:  # v is k: its gradient joins k's (the GEMMs read the [Q | K] columns)
+            k0 = self.nq * self.D
+            dqkv[:, k0:k0 + self.hkv * self.D].add_(dqkv[:, k0 + self.hkv * self.D:])
+            dqkv = dqkv[:, :self.n_tot]
         g_w = None
         lt_ok = addr is not None and not (hidden_states.data_ptr() | qkv_weight.data_ptr()) & 15
         if self.fp8 is not None:
@@ -123,7 +132,8 @@ class TrainingBackwardPlan:
         if self.stage is not None and self.stage.finish is not None:
             self.stage.finish.launch.launch(tensors, ptrs, stream)
         if keep_dqkv:
-            return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b, dqkv.view(B, S, self.n_tot)
+            # (k_eq_v: the [Q | K] columns copied out of dQKV's rows, a tensor of its own as the custom op's)
+            return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b, dqkv.contiguous().view(B, S, self.n_tot)
         return g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b
 
 
@@ -133,7 +143,7 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
     B, S, n_tot = qkv.shape
     hq, hkv = num_heads, num_kv_heads
     nq = 2 * hq if variant.q_gate else hq
-    D = n_tot // (nq + 2 * hkv)
+    D = n_tot // variant.qkv_heads(hq, hkv)
     rot = variant.rotary(D)
     dt, dev = qkv.dtype, qkv.device
     sizes = (B, S, hq, hkv, D, hidden_states.shape[-1], dt, dev, eps, norm_after_rope, variant)
@@ -143,9 +153,10 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
     if backend == "torch" or B * S == 0:
         return TrainingBackwardPlan(cfg, sizes, need, fp8=recipe)
     gq, gk, gv = (g if g.dtype == dt else g.to(dt) for g in (grad_q, grad_k, grad_v))
-    saved_q, saved_k, saved_v = heads_of(qkv, hq, hkv, D, variant.q_gate)[:3]
+    saved_q, saved_k, saved_v = heads_of(qkv, hq, hkv, D, variant.q_gate, variant.k_eq_v)[:3]
     M = B * S
-    dqkv = torch.empty((M, n_tot), dtype=dt, device=dev)
+    dqkv = torch.empty((M, (nq + 2 * hkv) * D), dtype=dt, device=dev)  # v's gradient in columns of its own
+    dqk = dqkv[:, :n_tot]  # what the GEMMs read (k_eq_v: without those columns)
     weighted = q_norm_weight is not None
     like = dict(grad_q=gq, grad_k=gk, grad_v=gv, saved_q=saved_q, saved_k=saved_k, q_norm_weight=q_norm_weight,
                 k_norm_weight=k_norm_weight, cos=cos, sin=sin, dqkv=dqkv,
@@ -177,9 +188,9 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
         hidden = hidden_states.shape[-1]
         x2d = as_matrix(hidden_states, M, hidden)
         if need_x:  # g_x [M, hidden] and g_w [n_tot, hidden]: allocated contiguous by the run
-            lt_dx = plan_matmul(dt, dev, M, hidden, n_tot, dqkv.stride(), qkv_weight.stride(), (hidden, 1), cfg)
+            lt_dx = plan_matmul(dt, dev, M, hidden, n_tot, dqk.stride(), qkv_weight.stride(), (hidden, 1), cfg)
         if need_w and x2d is not None:
-            lt_dw = plan_matmul(dt, dev, n_tot, hidden, M, dqkv.t().stride(), x2d.stride(), (hidden, 1), cfg)
+            lt_dw = plan_matmul(dt, dev, n_tot, hidden, M, dqk.t().stride(), x2d.stride(), (hidden, 1), cfg)
     return TrainingBackwardPlan(cfg, sizes, need, stage, table, aligned, lt_dx, lt_dw, recipe)
 
 

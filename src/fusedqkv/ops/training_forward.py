@@ -3,7 +3,7 @@ call or ``torch.mm``) and the forward stage (RoPE + RMSNorm of q and k, :mod:`fu
 
 ``forward_plan`` finds or builds the plan of a call's signature (validating on a miss);
 ``run_forward`` runs it: ``(q, k, qkv, rstd_q, rstd_k, v)`` (v None unless the variant norms it).
-The block's variants (``q_gate``, ``rope_style``, ``norm_scope``, ``v_norm``; unweighted norms as
+The block's variants (``q_gate``, ``rope_style``, ``norm_scope``, ``v_norm``, ``k_eq_v``; unweighted norms as
 None weights; partial rotary from cos/sin's width) are part of the plan's key.
 """
 
@@ -123,14 +123,14 @@ class ForwardPlan:
 
 def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
                   eps, qk_norm_position, backend, qkv_bias=None, q_gate=False, rope_style="neox", norm_scope="head",
-                  v_norm=False, residual=False, fp8_key="", *, cfg) -> ForwardPlan:
+                  v_norm=False, residual=False, k_eq_v=False, fp8_key="", *, cfg) -> ForwardPlan:
     """Validate the forward's arguments fully (clear errors) and plan it."""
     sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads,
                                  num_kv_heads, eps, qk_norm_position, q_gate=q_gate, rope_style=rope_style,
-                                 norm_scope=norm_scope, v_norm=v_norm)
+                                 norm_scope=norm_scope, v_norm=v_norm, k_eq_v=k_eq_v)
     variant = sz["variant"]
     if qkv_bias is not None:
-        rows = "(2*num_heads + 2*num_kv_heads)*head_dim" if q_gate else "(num_heads + 2*num_kv_heads)*head_dim"
+        rows = (f"({'2*' if q_gate else ''}num_heads + {'' if variant.k_eq_v else '2*'}num_kv_heads)*head_dim")
         V.require_tensor("qkv_bias", qkv_bias)
         V.require_shape("qkv_bias", qkv_bias, (sz["qkv"],), f"[{rows}]")
         V.require_float_dtype("qkv_bias", qkv_bias)
@@ -184,17 +184,17 @@ def _guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, 
 
 def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
                  qk_norm_position, backend, qkv_bias=None, q_gate=False, rope_style="neox", norm_scope="head",
-                 v_norm=False, residual=False, fp8_key="") -> ForwardPlan:
+                 v_norm=False, residual=False, k_eq_v=False, fp8_key="") -> ForwardPlan:
     """The forward's plan (validating the arguments on a miss). ``q_norm_weight``/``k_norm_weight``
-    None: unweighted norms. ``residual``: the calls pass a ``qkv_residual``. ``fp8_key``: an FP8
-    recipe's key (:mod:`fusedqkv.ops.fp8`), "" for none."""
+    None: unweighted norms. ``residual``: the calls pass a ``qkv_residual``. ``k_eq_v``: no V rows.
+    ``fp8_key``: an FP8 recipe's key (:mod:`fusedqkv.ops.fp8`), "" for none."""
     tensors = _guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
     args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
-            qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope, v_norm, residual, fp8_key)
+            qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope, v_norm, residual, k_eq_v, fp8_key)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or type(eps) not in (float, int):
         return build_forward(*args, cfg=_config.current())
     scalars = (num_heads, num_kv_heads, eps, qk_norm_position, backend, qkv_bias is not None, q_norm_weight is None,
-               q_gate, rope_style, norm_scope, v_norm, residual, fp8_key)
+               q_gate, rope_style, norm_scope, v_norm, residual, k_eq_v, fp8_key)
     return PLANS.lookup(tensors, scalars, args)
 
 
@@ -212,9 +212,9 @@ def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_n
         residual = qkv_residual is not None or qkv_update is not None
         key = "" if plan.fp8 is None else plan.fp8.key
         args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"], sz["num_kv_heads"],
-                sz["eps"], position, plan.backend, qkv_bias, *options, residual, key)
+                sz["eps"], position, plan.backend, qkv_bias, *options, residual, var.k_eq_v, key)
         scalars = (sz["num_heads"], sz["num_kv_heads"], sz["eps"], position, plan.backend, qkv_bias is not None,
-                   q_norm_weight is None, *options, residual, key)
+                   q_norm_weight is None, *options, residual, var.k_eq_v, key)
         own = PLANS.full_lookup(list(_guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                               qkv_bias)), scalars, args, remember=False)
         return own.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual,

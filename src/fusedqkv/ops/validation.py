@@ -16,7 +16,10 @@ import torch
 from .internals import has_internal_overlap
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # Gemma 4's global layers
+# the norm over all heads of a token holds every head of it in one tile: above 256 (OLMo's are 128) the
+# stage spills kilobytes per thread (sm_90 offline, NOTES session 17)
+ALL_HEADS_MAX_HEAD_DIM = 256
 
 
 def _fmt_shape(shape: Iterable) -> str:
@@ -84,6 +87,14 @@ def require_head_config(num_heads: int, num_kv_heads: int, head_dim: int, where:
         )
     if head_dim % 2 != 0 or head_dim < 2 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim{at}: {head_dim} is not supported; expected an even size from 2 to {MAX_HEAD_DIM} (RoPE rotates half-dims)")
+
+
+def require_all_heads_head_dim(head_dim: int, where: str = "") -> None:
+    """norm_scope='all_heads' takes head_dim up to ALL_HEADS_MAX_HEAD_DIM."""
+    if head_dim > ALL_HEADS_MAX_HEAD_DIM:
+        at = f" ({where})" if where else ""
+        raise ValueError(f"head_dim{at}: {head_dim} is not supported with norm_scope='all_heads'; expected at most "
+                         f"{ALL_HEADS_MAX_HEAD_DIM} (norm_scope='head' takes up to {MAX_HEAD_DIM})")
 
 
 def require_matching_hidden(hidden_states: torch.Tensor, qkv_weight, rows: Optional[int] = None) -> None:

@@ -24,7 +24,9 @@ class Variant:
     ``interleaved``: RoPE pairs ``(2i, 2i+1)`` instead of ``(i, i + rot/2)``; ``q_gate``: the Q
     rows of the projection are per head ``[q | gate]``; ``norm_weight``: the q/k norms scale by
     a weight; ``all_heads``: the q (k) norm is over all heads of a token; ``v_norm``: v is
-    RMS-normed per head without a weight."""
+    RMS-normed per head without a weight; ``k_eq_v``: v is the raw k projection (Gemma 4's global
+    layers): the projection has no V rows, the stages read v from the K columns, and the backward
+    adds v's gradient to k's before the GEMMs."""
 
     rot: int = 0
     interleaved: bool = False
@@ -32,9 +34,15 @@ class Variant:
     norm_weight: bool = True
     all_heads: bool = False
     v_norm: bool = False
+    k_eq_v: bool = False
 
     def rotary(self, d: int) -> int:
         return self.rot or d
+
+    def qkv_heads(self, hq: int, hkv: int) -> int:
+        """Head-sized column blocks of the projection output: query (and gate), key, value (none with
+        ``k_eq_v``)."""
+        return (2 * hq if self.q_gate else hq) + (1 if self.k_eq_v else 2) * hkv
 
     def constexprs(self, d: int) -> dict:
         """The kernels' constexprs of the variant (both stages; ``all_heads`` picks a kernel or a
@@ -86,16 +94,17 @@ def pad_rotary(c: torch.Tensor, d: int, fill: float) -> torch.Tensor:
     return torch.cat((c, torch.full((*c.shape[:-1], d - rot), fill, dtype=c.dtype, device=c.device)), dim=-1)
 
 
-def heads_of(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_gate: bool):
+def heads_of(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_gate: bool, k_eq_v: bool = False):
     """Views ``[B, H, S, D]`` of the query, key, value (and gate, or None) heads of a projection
-    output ``[B, S, n]``."""
+    output ``[B, S, n]`` (``k_eq_v``: no value columns, v is k)."""
     B, S, _ = qkv.shape
     nq = 2 * hq if q_gate else hq
-    heads = qkv.view(B, S, nq + 2 * hkv, d)  # sizes, not -1: zero tokens are valid
+    heads = qkv.view(B, S, nq + (1 if k_eq_v else 2) * hkv, d)  # sizes, not -1: zero tokens are valid
     if q_gate:
         xq, gate = heads[:, :, 0:nq:2], heads[:, :, 1:nq:2]
     else:
         xq, gate = heads[:, :, :hq], None
-    xk, xv = heads[:, :, nq: nq + hkv], heads[:, :, nq + hkv:]
+    xk = heads[:, :, nq: nq + hkv]
+    xv = xk if k_eq_v else heads[:, :, nq + hkv:]
     t = lambda x: None if x is None else x.transpose(1, 2)  # noqa: E731
     return t(xq), t(xk), t(xv), t(gate)
