@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # session 17, device call 5 (the merged tree): Gemma 4's global layer (issue 38), the GPU tests (FP8, head_dim 512,
 # QLoRA, graphs, ...), gpu_fuzz --cases 200 (fp8, k_eq_v and 512 drawn), the LoRA block and QLoRA (issue 34),
-# bench_fp8 on the h5120 rows. Carry .shared .whl .whl_bnb .whl_fp8.
+# bench_fp8 on the h5120 rows. Carry .shared .whl_peft (peft 0.21.2) .whl_bnb .whl_fp8.
 export TRITON_INTERPRET=0 FUSEDQKV_SOL_EXECBENCH=.shared PYTHONUNBUFFERED=1
 W=$OUT/w; mkdir -p $W
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl .whl_bnb/*.whl \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_peft/*.whl .whl_bnb/*.whl \
   .whl_fp8/*.whl > /dev/null 2>&1; export PYTHONPATH=src:/tmp/site
 status=()
 step() {  # name, timeout (s), log, command...
