@@ -324,8 +324,9 @@ def _fp8_reference_projection(recipe_name):
     r = fp8.RECIPES[recipe_name]
     pow2 = r.round_scales_to_power_of_2
 
-    def rows(t, cast):
-        return fp8.cast_torch(t, cast, -1, pow2)
+    def rows(t, cast):  # the data row-major whatever t's layout (as torchao's mm lays its operands out)
+        data, inv = fp8.cast_torch(t, cast, -1, pow2)
+        return data.contiguous(), inv
 
     def cols_t(t, cast, pad):
         data, inv = fp8.cast_torch(t, cast, 0, pow2)

@@ -242,7 +242,8 @@ def cast_rows(t: torch.Tensor, cast: Cast, pow2: bool):
         if cast.tensorwise:
             return _cast_triton(t, cast, pow2, transpose=False)
         return _rowwise_triton(t, cast, pow2)
-    return cast_torch(t, cast, -1, pow2)
+    data, inv = cast_torch(t, cast, -1, pow2)
+    return data.contiguous(), inv  # row-major whatever t's layout (cuBLASLt's FP8 GEMM takes a row-major a)
 
 
 def cast_columns_t(t: torch.Tensor, cast: Cast, pow2: bool, pad_to: int = 1):
