@@ -106,8 +106,10 @@ def test_gpu_qlora_block_under_cuda_graph():
         assert residual is None and lora is not None
         q, k, v = fusedqkv.gqa_qkv_rope_qk_norm(x, src(), wq, wk, cos, sin, num_heads=hq, num_kv_heads=hkv,
                                                 qk_norm_position="before_rope", qkv_weight_source=src, qkv_lora=lora)
-        return (q, k, v) + torch.autograd.grad((q, k, v), [x] + adapters,
-                                               (gq, torch.ones_like(k), torch.ones_like(v)))
+        # the outputs detached: a graph kept alive past the call holds AccumulateGrad nodes of the
+        # default stream, which a capture on another stream must not depend on (torch warns of it)
+        return (q.detach(), k.detach(), v.detach()) + torch.autograd.grad(
+            (q, k, v), [x] + adapters, (gq, torch.ones_like(k), torch.ones_like(v)))
 
     want = [t.clone() for t in call()]
     side = torch.cuda.Stream()
