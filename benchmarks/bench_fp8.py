@@ -41,6 +41,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_lora import EPS, hf_norm, hf_rope, log  # noqa: E402  (HF's norm and RoPE, as bench_lora times them)
 from bench_module import CONFIGS, SIZES, rope_cos_sin  # noqa: E402
 
 from fusedqkv import gqa_qkv_rope_qk_norm  # noqa: E402
@@ -52,23 +53,6 @@ RECIPES = ("rowwise", "rowwise_with_gw_hp", "tensorwise")
 PROVIDERS = ("bf16", *(f"fp8_{r}" for r in RECIPES), "torchao", "bf16_floor", "fp8_floor")
 SMOKE_CONFIGS = {"smoke": dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm_position="before_rope")}
 ROWS = [(c, t) for c in CONFIGS for t in (512, 2048, 8192)] + [("091_h4096_q32_kv8", 32768)]
-EPS = 1e-6
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def hf_norm(t, w):
-    """HF's Qwen3RMSNorm: fp32 statistics, weight times the input-dtype result."""
-    t32 = t.float()
-    t32 = t32 * torch.rsqrt(t32.pow(2).mean(-1, keepdim=True) + EPS)
-    return w * t32.to(t.dtype)
-
-
-def hf_rope(t, cos, sin):
-    h = t.shape[-1] // 2
-    return t * cos + torch.cat((-t[..., h:], t[..., :h]), -1) * sin
 
 
 def hf_stage(qkv, wq, wk, cos, sin, cfg, b, s):
