@@ -2,8 +2,10 @@
 
 For every supported attention module of the model it
 
-* joins ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj`` (an ``nn.Linear`` whose weight
-  rows are ``[Q | K | V]``, with the biases where the config has them), in ``q_proj``'s place;
+* joins ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj`` (a
+  :class:`~fusedqkv.integrations.fused_projection.FusedQKVProjection`, no ``nn.Linear``, whose
+  weight rows are ``[Q | K | V]`` -- ``[Q | K]`` where v is k, Gemma 4 -- with the biases where the
+  config has them), in ``q_proj``'s place, q/k/v_proj left as views of its rows;
   bitsandbytes 4-bit q/k/v stay as they are instead (dequantized per call into that layout:
   :mod:`fusedqkv.integrations.qlora`);
 * swaps the module's class for a subclass whose ``forward`` computes q, k, v (and the output
