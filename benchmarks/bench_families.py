@@ -491,6 +491,19 @@ def time_graphs_interleaved(fns: dict, reps: int, warmup: int = 3,
                                                warmup=warmup, flusher=flusher)
 
 
+def time_providers(fns: dict, reps: int, flusher: Optional[timing.L2Flusher]) -> dict:
+    """{name: [ms per call]}: on the GPU (``flusher`` given) ``time_graphs_interleaved``; on the CPU
+    (a smoke run of a script's logic) one wall-clock call each."""
+    if flusher is not None:
+        return time_graphs_interleaved(fns, reps, 3, flusher)
+    ms = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        ms[name] = [(time.perf_counter() - t0) * 1e3]
+    return ms
+
+
 def time_graphs_steady(fns: dict, seconds: float, rounds: int, sampler: Optional[timing.ClockSampler]) -> dict:
     """{name: {ms, mhz, watts, samples}}: each callable captured as a CUDA graph (outputs kept alive
     until the timing ends), the graphs replayed back to back under steady load (``timing.time_steady``,

@@ -36,11 +36,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_families import time_providers  # noqa: E402
 from bench_lora import EPS, hf_norm, hf_rope, log  # noqa: E402  (HF's norm and RoPE, as bench_lora times them)
 from bench_module import CONFIGS, SIZES, rope_cos_sin  # noqa: E402
 
@@ -200,16 +200,7 @@ def main(argv=None) -> int:
         fns.update({f"fp8_{r}": row.fwd_bwd(row.fused(r)) for r in RECIPES})
         fns.update(torchao=row.torchao_call(compiled), bf16_floor=row.bf16_floor(), fp8_floor=row.fp8_floor())
         err = row.errors()
-        if device.type == "cuda":
-            from bench_families import time_graphs_interleaved
-
-            ms = time_graphs_interleaved(fns, args.reps, 3, flusher)
-        else:
-            ms = {}
-            for p, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                ms[p] = [(time.perf_counter() - t0) * 1e3]
+        ms = time_providers(fns, args.reps, flusher)
         med = {p: statistics.median(v) for p, v in ms.items()}
         f = med["fp8_rowwise"]
         r = dict(config=cname, tokens=tokens, batch=b, seq=s, ms=med, errors=err,

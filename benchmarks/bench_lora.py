@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_families import time_providers  # noqa: E402
 from bench_module import CONFIGS, SIZES, rope_cos_sin  # noqa: E402
 
 from fusedqkv import gqa_qkv_rope_qk_norm  # noqa: E402
@@ -263,17 +264,8 @@ def run_qlora(args, device, dtype, configs, sizes, backend, flusher, names) -> i
             ref = fns["peft_eager"]()
             check = {p: max_rel(fns[p](), ref) for p in ("peft_compile", "fusedqkv", "fused_dense") if p in fns}
             if device.type == "cuda":
-                from bench_families import time_graphs_interleaved
-
                 failed.update(capturable(fns))
-                timed = {p: fn for p, fn in fns.items() if p not in failed}
-                ms = time_graphs_interleaved(timed, args.reps, 3, flusher)
-            else:
-                ms = {}
-                for p, fn in fns.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    ms[p] = [(time.perf_counter() - t0) * 1e3]
+            ms = time_providers({p: fn for p, fn in fns.items() if p not in failed}, args.reps, flusher)
             med = {p: statistics.median(v) for p, v in ms.items()}
             ratio = {f"fused_over_{p}": med["fusedqkv"] / med[p] for p in ("peft_eager", "peft_compile", "fused_dense",
                                                                           "floor") if p in med}
@@ -338,16 +330,7 @@ def main() -> int:
                    "floor": row.floor()}
             ref = fns["peft_eager"]()
             check = {p: max_rel(fns[p](), ref) for p in ("peft_compile", "fusedqkv", "fused_residual")}
-            if device.type == "cuda":
-                from bench_families import time_graphs_interleaved
-
-                ms = time_graphs_interleaved(fns, args.reps, 3, flusher)
-            else:
-                ms = {p: [0.0] for p in fns}
-                for p, fn in fns.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    ms[p] = [(time.perf_counter() - t0) * 1e3]
+            ms = time_providers(fns, args.reps, flusher)
             med = {p: statistics.median(v) for p, v in ms.items()}
             r = dict(config=cname, tokens=tokens, batch=b, seq=s, rank=args.rank, ms=med, max_rel_vs_eager=check,
                      fused_over_eager=med["fusedqkv"] / med["peft_eager"],

@@ -17,6 +17,7 @@ or per-channel cast twice); elsewhere (CPU) torch ops that follow torchao's own 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -116,12 +117,21 @@ def recipe(fp8) -> Optional[Fp8Recipe]:
 
 def recipe_of_torchao_config(config, where: str = "Float8Linear") -> Fp8Recipe:
     """The recipe a torchao ``Float8LinearConfig`` describes; what the block cannot honour
-    (emulation, FSDP2's float8 all-gather) raises ``ValueError`` naming the field."""
+    (emulation, FSDP2's float8 all-gather) raises ``ValueError`` naming the field. Cached per config
+    (frozen, hashable): the fused forward asks at every call."""
+    try:
+        return _recipe_of_config(config)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _recipe_of_config(config) -> Fp8Recipe:
     if getattr(config, "emulate", False):
-        raise ValueError(f"{where}: torchao's config has emulate=True (FP8 emulated in high precision); the fused "
+        raise ValueError("torchao's config has emulate=True (FP8 emulated in high precision); the fused "
                          "block runs real FP8 GEMMs only")
     if getattr(config, "enable_fsdp_float8_all_gather", False):
-        raise ValueError(f"{where}: torchao's enable_fsdp_float8_all_gather=True is not supported by the fused "
+        raise ValueError("torchao's enable_fsdp_float8_all_gather=True is not supported by the fused "
                          "block (its weight is the fused qkv parameter, all-gathered in high precision)")
 
     def cast(cc) -> Cast:
