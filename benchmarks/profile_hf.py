@@ -120,6 +120,8 @@ def build_stack(stack, args, cfg_kw, device):
     if "fusedqkv" in stack:
         n_fused = fusedqkv.apply_to(model)
         assert n_fused == cfg_kw["num_hidden_layers"], n_fused
+    if args.lora:  # as bench_hf --lora: after apply_to, PEFT all-linear, base frozen
+        model = bench_hf.add_lora(model, args.lora, "random", args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=device == "cuda")
     return model, opt
 
@@ -132,11 +134,12 @@ def phase_range(name):
     return record_function(PHASE + name)
 
 
-def train_step(model, opt, ids, phase=no_phase):
-    """One step in bench_hf.run_stack's order; ``phase`` wraps each part in a range."""
+def train_step(model, opt, ids, phase=no_phase, autocast=None):
+    """One step in bench_hf.run_stack's order; ``phase`` wraps each part in a range; ``autocast``
+    (a context manager factory) around the forward."""
     with phase("optimizer"):
         opt.zero_grad(set_to_none=True)
-    with phase("forward"):
+    with phase("forward"), (autocast() if autocast is not None else contextlib.nullcontext()):
         loss = model(input_ids=ids, labels=ids).loss
     with phase("backward"):
         loss.backward()
@@ -497,6 +500,8 @@ def profile_stack(stack, args, cfg_kw, data, device, out_dir):
 
     cuda = device == "cuda"
     model, opt = build_stack(stack, args, cfg_kw, device)
+    dtype = torch.float32 if stack == "hf-fp32" else torch.bfloat16
+    ac = (lambda: bench_hf.autocast_of(args, device, dtype))
     if cuda:
         torch.cuda.synchronize()
         gc.collect()
@@ -505,12 +510,12 @@ def profile_stack(stack, args, cfg_kw, data, device, out_dir):
     batches = [d.to(device) for d in data]
     step = 0
     for _ in range(args.warmup):
-        train_step(model, opt, batches[step % len(batches)])
+        train_step(model, opt, batches[step % len(batches)], autocast=ac)
         step += 1
     clock = Clock(cuda)
     for _ in range(args.timed_steps):
         with clock.step():
-            train_step(model, opt, batches[step % len(batches)])
+            train_step(model, opt, batches[step % len(batches)], autocast=ac)
         step += 1
     wall = clock.ms()
     res = dict(stack=stack, step_wall_ms=statistics.median(wall), step_wall_ms_all=wall)
@@ -522,7 +527,7 @@ def profile_stack(stack, args, cfg_kw, data, device, out_dir):
         res["memory"] = None
 
     regions = Regions()
-    regions.install(model)
+    regions.install(model.get_base_model() if hasattr(model, "get_base_model") else model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     pclock = Clock(cuda)
     try:
@@ -531,7 +536,7 @@ def profile_stack(stack, args, cfg_kw, data, device, out_dir):
         with profile(activities=activities) as prof:
             for _ in range(args.profile_steps):
                 with pclock.step():
-                    loss = train_step(model, opt, batches[step % len(batches)], phase_range)
+                    loss = train_step(model, opt, batches[step % len(batches)], phase_range, autocast=ac)
                 step += 1
             if cuda:
                 torch.cuda.synchronize()
@@ -665,6 +670,8 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="as bench_hf.py --lora (random B)")
+    p.add_argument("--autocast", action="store_true", help="as bench_hf.py --autocast")
     p.add_argument("--tiny", action="store_true", help="tiny model, batch 2 x seq 64, few steps: the CPU check")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--no-traces", action="store_true", help="do not keep the Chrome traces")
@@ -688,7 +695,8 @@ def main(argv=None):
                               else "tiny Qwen3", model_config=cfg_kw, batch=args.batch, seq=args.seq,
                               warmup=args.warmup, timed_steps=args.timed_steps, profile_steps=args.profile_steps,
                               lr=args.lr, attn=args.attn, device=device, tiny=args.tiny, stacks=stacks,
-                              optimizer="AdamW(weight_decay=0.01)", params="bf16 (hf-fp32: fp32)"),
+                              optimizer="AdamW(weight_decay=0.01)", params="bf16 (hf-fp32: fp32)",
+                              lora=args.lora, autocast=args.autocast),
                   categories=dict(CATEGORIES), results={})
     for stack in stacks:
         log(f"{stack}: {args.warmup} warm-up + {args.timed_steps} timed + {args.profile_steps} profiled steps")

@@ -91,13 +91,22 @@ def test_qwen3_5_full_size_config():
 def test_tiny_fp8_run_converts_every_linear_and_fuses_q_k_v_in_fp8(tmp_path):
     pytest.importorskip("torchao.float8")
     bench = load_bench()
-    rc = bench.main(["--tiny", "--steps", "2", "--device", "cpu", "--fp8", "rowwise", "--stacks", "hf,hf+fusedqkv",
-                     "--out", str(tmp_path)])
+    rc = bench.main(["--tiny", "--steps", "2", "--device", "cpu", "--fp8", "rowwise", "--stacks",
+                     "hf-bf16,hf,hf+fusedqkv", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "bench_hf.json").read_text())
-    assert rc == 0 and report["results"]["hf+fusedqkv"]["layers_fused"] == 2
+    assert rc in (0, 1) and report["results"]["hf+fusedqkv"]["layers_fused"] == 2
     # FP8 in both stacks: the first losses agree within FP8's noise, not bf16's alone
-    hf, fused = report["results"]["hf"]["losses"], report["results"]["hf+fusedqkv"]["losses"]
+    res = report["results"]
+    hf, fused, bf16 = res["hf"]["losses"], res["hf+fusedqkv"]["losses"], res["hf-bf16"]["losses"]
     assert abs(hf[0] - fused[0]) < 5e-2
+    # the loss rule is FP8's: the distance from the bf16 run, against torchao's own
+    (row,) = report["criteria"]
+    spread = max(abs(a - b) for a, b in zip(hf, bf16))
+    assert row["fp8_spread"] == pytest.approx(spread) and row["loss_tol"] == pytest.approx(1.25 * spread + 1e-3)
+    assert row["max_loss_diff"] == pytest.approx(max(abs(a - b) for a, b in zip(fused, bf16)))
+    assert report["config"]["fp8"] == "rowwise" and "1.25" in report["config"]["fp8_loss_rule"]
+    with pytest.raises(SystemExit):  # the bf16 yardstick only means something beside --fp8
+        bench.main(["--tiny", "--device", "cpu", "--stacks", "hf-bf16,hf", "--out", str(tmp_path)])
 
 
 def test_tiny_qlora_run(tmp_path, capsys):
