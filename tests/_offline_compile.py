@@ -94,6 +94,14 @@ H200_SMS = 132
 TARGETS = (80, 90, 100, 120)
 # the Triton products (TMA + programmatic dependent launch) run on Hopper and datacenter Blackwell
 PRODUCT_TARGETS = (90, 100)
+# The pairwise covers of the stage, forward and finish families: on the product targets through
+# Triton's target passes to TritonGPU IR (layouts, pipelining, the TMA lowering: where a target refuses
+# a configuration), on the others the front end to Triton IR; neither runs LLVM and ptxas (~55 % of a
+# compile), which follow the tiles and dtypes rather than the constexpr pairs: the launchers' corners
+# of each family (corner_jobs: the widest dtype at the largest head dim, the odd head dim, head_dim 2,
+# a variant, the TMA tiles) go to cubins on every target. (Every cover row to a cubin cost ~800 s of
+# CPU on an AVX2-only 2-core host: NOTES, session 18.)
+COVER_LEVELS = {80: "ttir", 90: "ttgir", 100: "ttgir", 120: "ttir"}
 
 
 def _p2(n: int) -> int:
@@ -285,13 +293,19 @@ ALL_HEADS_VARIANTS = ("all_heads", "all_heads_partial", "all_heads_combo")
 def stage_jobs() -> list:
     jobs = [_stage_job(**r) for r in pairwise(STAGE_AXES, _stage_valid, seed=27)]
     jobs += [_stage_job(**r) for r in pairwise(VARIANT_STAGE_AXES, _variant_stage_valid, seed=2)]
+    return jobs
+
+
+def named_jobs() -> list:
+    """Configurations named for what they check, to cubins."""
     # 091 as launched at few tokens, sm_80 (fp32 math and a cast) and sm_90 (bf16x2 pairs)
-    jobs += [_stage_job(cc, "091", "group8", 128, "bf16", (32, 8), "plain") for cc in TARGETS]
+    jobs = [_stage_job(cc, "091", "group8", 128, "bf16", (32, 8), "plain") for cc in TARGETS]
     # 091 with fp32 norm weights beside bf16 activations (the weights' dtype is free)
     jobs.append(_stage_job(90, "091", "group8", 128, "bf16", (32, 8), "plain", norm_fp32=True))
     jobs.append(_stage_job(90, "train_after", "all8_tma", 128, "bf16", (32, 8), "div16", norm_fp32=True))
     jobs.append(_stage_job(90, "train_before", "group16", 128, "bf16", (32, 8), "plain", norm_fp32=True,
                            variant="gate"))
+    jobs.append(_fwd_job(90, 128, "bf16", 8, True, "plain", norm_fp32=True))
     return jobs
 
 
@@ -320,7 +334,6 @@ def _fwd_job(cc, d, dtype, group, nar, ints, norm_fp32=False, level="cubin", one
 def forward_jobs() -> list:
     axes = dict(cc=TARGETS, d=HEAD_DIMS, dtype=DTYPES, group=(1, 2, 4, 8), nar=(True, False), ints=INT_MODES)
     jobs = [_fwd_job(**r) for r in pairwise(axes, seed=2)]
-    jobs.append(_fwd_job(90, 128, "bf16", 8, True, "plain", norm_fp32=True))
     # the per-head variants of the stage's cover (partial rotary alone and with interleaved pairs: the
     # gate's constexprs, PASS > 0 with and without INTERLEAVED) and the all-heads ones at two head sets
     variant_axes = dict(cc=TARGETS, variant=VARIANT_STAGE_AXES["variant"] + ALL_HEADS_VARIANTS, d=(128, 80, 64),
@@ -586,9 +599,38 @@ def wide_head_jobs() -> list:
     return jobs
 
 
+def _covers(jobs: list) -> list:
+    """Pairwise cover rows, compiled to their target's COVER_LEVELS (their labels say so)."""
+    return [dict(j, level=COVER_LEVELS[j["cc"]], label=j["label"] + f" @{COVER_LEVELS[j['cc']]}") for j in jobs]
+
+
+def corner_jobs() -> list:
+    """Per target, each cover family at the launchers' corners, to cubins (see COVER_LEVEL)."""
+    jobs = []
+    for cc in TARGETS:
+        jobs += [
+            _stage_job(cc, "train_before", "group16", 256, "fp32", (24, 24), "plain"),
+            _stage_job(cc, "train_after_nocs", "all8", 80, "fp16", (1, 1), "i64"),
+            _stage_job(cc, "091_finish_outside", "group8", 2, "bf16", (32, 8), "div16"),
+            _stage_job(cc, "train_after", "group8", 128, "bf16", (32, 8), "ones", variant="gate"),
+            _fwd_job(cc, 256, "fp32", 8, True, "plain"), _fwd_job(cc, 80, "bf16", 1, False, "i64"),
+            _fwd_job(cc, 2, "fp16", 4, True, "ones"),
+            _fwd_job(cc, 128, "bf16", 4, False, "div16", variant="all_heads_combo", heads=(32, 32)),
+            _stage_all_heads_job(cc, "all_heads_combo", 128, "bf16", (7, 3), True, True, 3, "plain"),
+            _finish_job(cc, 256, "fp32", "plain"), _finish_job(cc, 2, "bf16", "i64"),
+            _finish_cols_job(cc, "fp32", "plain"),
+        ]
+        if cc in PRODUCT_TARGETS:  # the TMA tiles
+            jobs += [_stage_job(cc, "train_after", "all8_tma", 256, "fp32", (32, 8), "div16"),
+                     _stage_job(cc, "091", "group16_tma", 128, "bf16", (24, 24), "plain")]
+    return jobs
+
+
 def full_jobs() -> list:
-    """Every constexpr value (pairwise), each job compiled to a cubin."""
-    return (stage_jobs() + stage_all_heads_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs() + matmul_jobs()
+    """Every constexpr value (pairwise: the covers to COVER_LEVEL, the products' to cubins), the
+    corners and the named configurations to cubins."""
+    covers = _covers(stage_jobs() + stage_all_heads_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs())
+    return (covers + named_jobs() + corner_jobs() + matmul_jobs()
             + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)] + gemm_jobs() + fp8_jobs()
             + wide_head_jobs())
 
@@ -692,8 +734,8 @@ def compile_job(job: dict) -> dict:
         src = source(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
                      attrs=attrs)
         target = GPUTarget("cuda", job["cc"], 32)
-        if job["level"] == "ttir":
-            _to_ttir(src, target, job["options"])
+        if job["level"] in ("ttir", "ttgir"):
+            _to_ttir(src, target, job["options"], upto=job["level"])
         else:
             ck = triton.compile(src, target=target, options=job["options"])
             res["info"] = {"shared": ck.metadata.shared, "bf16x2": "mul.rn.bf16x2" in ck.asm["ptx"],
@@ -731,9 +773,10 @@ def _cubin_stack_bytes(cubin: bytes):
     return int(m.group(1)) if m else None
 
 
-def _to_ttir(src, target, options):
-    """The front end only (Python AST -> Triton IR): where a Python-level error in the kernel source
-    (a method on a specialised int, a constexpr mismatch) shows; the GPU passes are left out."""
+def _to_ttir(src, target, options, upto="ttir"):
+    """The front end (Python AST -> Triton IR: where a Python-level error in the kernel source, a
+    method on a specialised int or a constexpr mismatch, shows), and with ``upto="ttgir"`` the
+    target's passes to TritonGPU IR; LLVM and ptxas are left out."""
     from triton._C.libtriton import ir
     from triton.compiler.compiler import make_backend
 
@@ -752,7 +795,10 @@ def _to_ttir(src, target, options):
     stages: dict = {}
     backend.add_stages(stages, opts, src.language)
     first = "ttir" if "ttir" in stages else next(iter(stages))  # Gluon: its own passes to TritonGPU IR
-    stages[first](module, {"hash": "offline", "target": target, **opts.__dict__})
+    metadata = {"hash": "offline", "target": target, **opts.__dict__}
+    module = stages[first](module, metadata)
+    if upto == "ttgir" and first == "ttir":
+        stages["ttgir"](module, metadata)
 
 
 def all_jobs() -> list:
@@ -771,7 +817,8 @@ def run(jobs: list, processes: int | None = None) -> list:
 
     processes = processes or max(1, os.cpu_count() or 1)
     # long jobs first: the sm_90 stage and matmul cubins
-    order = sorted(range(len(jobs)), key=lambda i: (jobs[i]["level"] != "cubin", "stage" not in jobs[i]["label"]))
+    order = sorted(range(len(jobs)), key=lambda i: (("cubin", "ttgir", "ttir").index(jobs[i]["level"]),
+                                                    "stage" not in jobs[i]["label"]))
     out = [None] * len(jobs)
     if processes == 1:
         for i in order:

@@ -116,7 +116,62 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:  # a pytest-xdist worker: the controller adds up every worker's oracle GEMMs
+        o = _gemm_audit.ORACLE
+        out["oracle_gemms"] = [(str(dt).replace("torch.", ""), la, f, o.calls[(dt, la)]) for (dt, la), f in o.flops.items()]
+        return
     why = _gemm_audit.check_oracle_budget()
     if why:
         print(f"\nFAILED (GEMM budget): {why}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: a worker's oracle GEMMs join the session's tally (the budget is the
+    whole suite's)."""
+    import torch
+
+    for dt, la, flops, calls in getattr(node, "workeroutput", {}).get("oracle_gemms", []):
+        key = (getattr(torch, dt), la)
+        _gemm_audit.ORACLE.flops[key] += flops
+        _gemm_audit.ORACLE.calls[key] += calls
+
+
+# --------------------------------------------------------------------------- workers (pytest-xdist)
+# The README's test command runs files on every core (``-n auto --dist loadfile``). Tests marked
+# ``serial`` time the CPU (the bench's CPU runs and their noise flags): each runs alone, the other
+# workers waiting between their tests -- a readers-writer lock over the whole test (module fixtures'
+# setup included), on two files: a test takes ``gate`` then ``run`` shared, a serial one both
+# exclusive (``gate`` first, so that a waiting serial test lets no new test start).
+
+
+def pytest_collection_modifyitems(config, items):
+    # the longest files first, so that no worker ends on one alone (the offline compiles, 091's
+    # interpreter cases); the same order on every worker, as xdist requires
+    first = ("tests/test_gpu_targets.py", "tests/test_091_backward.py", "tests/test_properties.py")
+    rank = {name: i for i, name in enumerate(first)}
+    items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(first)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if uid is None:  # one process: nothing runs beside a test
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    base = os.path.join(tempfile.gettempdir(), f"fusedqkv-tests-{uid}")
+    serial = item.get_closest_marker("serial") is not None
+    mode = fcntl.LOCK_EX if serial else fcntl.LOCK_SH
+    with open(base + ".gate", "a") as gate, open(base + ".run", "a") as run:
+        fcntl.flock(gate, mode)
+        fcntl.flock(run, mode)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(run, fcntl.LOCK_UN)

@@ -11,6 +11,8 @@ import torch
 from fusedqkv import cli
 from fusedqkv.bench import harness, records
 
+pytestmark = pytest.mark.serial  # times the CPU: alone under pytest-xdist (conftest)
+
 FILES = ("results.json", "manifest.json", "report.md", "report.html", "latency.png")
 # 2 tokens: the official reference's bf16 GEMMs (50 MFLOP a token) are slow on CPUs without AVX-512 BF16
 SMALL = ["--device", "cpu", "--quick", "--workloads", "w13_b2_s293,11", "--max-tokens", "2", "--reps", "1",

@@ -25,6 +25,8 @@ import torch
 from fusedqkv import cli
 from fusedqkv.bench import records, timing, trust
 
+pytestmark = pytest.mark.serial  # times the CPU: alone under pytest-xdist (conftest)
+
 # reduced and quick: one workload of 16 tokens, 0.2 s of calls per implementation; the same protocol
 # for every run. (Flags are per workload, the ranking per run: a second workload gave a second sample
 # of the same flags for about as much time again, loaded runs taking twice as long as quiet ones.)

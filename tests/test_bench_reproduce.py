@@ -14,6 +14,8 @@ import torch
 from fusedqkv import cli
 from fusedqkv.bench import records
 
+pytestmark = pytest.mark.serial  # times the CPU: alone under pytest-xdist (conftest)
+
 FP32 = ["--device", "cpu", "--quick", "--workloads", "11", "--max-tokens", "1", "--reps", "1", "--warmup", "0",
         "--dtype", "float32", "--quiet"]
 

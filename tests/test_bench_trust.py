@@ -12,6 +12,8 @@ import torch
 from fusedqkv import cli
 from fusedqkv.bench import harness, records, roofline, timing, trust
 
+pytestmark = pytest.mark.serial  # times the CPU: alone under pytest-xdist (conftest)
+
 
 # ----------------------------------------------------------------------------- the rules
 

@@ -11,6 +11,8 @@ import pytest
 from fusedqkv import cli
 from fusedqkv.bench import harness, problem, records, report
 
+pytestmark = pytest.mark.serial  # times the CPU: alone under pytest-xdist (conftest)
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--device", "cpu", "--max-tokens", "8", "--reps", "1", "--warmup", "0", "--quiet", "--no-store"]
 

@@ -3,8 +3,9 @@ Hopper-only features (TMA descriptors, programmatic dependent launch, 16-bit pai
 only where the device has them. No GPU needed: Triton compiles for an explicit target offline.
 
 The offline compiles (``_offline_compile.py``) cover every constexpr value the launchers can
-select (pairwise over each kernel's axes, the target one of them: sm_80, sm_90, sm_100a, sm_120a)
-and every kernel with its integer arguments specialised the way the JIT specialises them -- an
+select (pairwise over each kernel's axes, the target one of them: sm_80, sm_90, sm_100a, sm_120a;
+the stage, forward and finish families' covers through the target passes or the front end, their
+corners and the products' covers to cubins: ``COVER_LEVELS``) and every kernel with its integer arguments specialised the way the JIT specialises them -- an
 argument equal to 1 becomes a compile-time constant, so a kernel that calls a tensor method on it
 (``M.to(tl.int64)``) fails to compile on the GPU for one token while the CPU interpreter, which
 never specialises, runs it fine.
@@ -74,21 +75,39 @@ def _failures(compiled, family, level):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_constexpr_combination_compiles_to_cubin(compiled, family):
+def test_every_constexpr_combination_compiles(compiled, family):
     """Pairwise over the kernel's constexpr axes and the targets, each job with its integer
-    arguments plain, multiples of 16, all the constant 1, or 64-bit strides."""
-    jobs, missing, bad = _failures(compiled, family, "cubin")
+    arguments plain, multiples of 16, all the constant 1, or 64-bit strides: to cubins, or (the
+    stage, forward and finish covers) to their target's COVER_LEVELS."""
+    jobs, missing, bad = [], [], []
+    for level in ("cubin", "ttgir"):
+        j, m, b = _failures(compiled, family, level)
+        jobs, missing, bad = jobs + j, missing + m, bad + b
+    covers = [j for j in JOBS if j["label"].split()[0] == family and j["label"].endswith(" @ttir")]
+    missing += [j["label"] for j in covers if j["label"] not in compiled]
+    bad += [compiled[j["label"]] for j in covers if j["label"] in compiled and not compiled[j["label"]]["ok"]]
     assert jobs
     assert not missing, missing
     assert not bad, "\n\n".join(f"{r['label']}\n{r['error']}" for r in bad[:3]) + f"\n({len(bad)} failed)"
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if any(j["level"] == "ttir" and j["label"].startswith(f + " ")
-                                                               for j in JOBS)])
+def test_every_family_compiles_to_a_cubin_on_every_target():
+    """The cover families reach cubins on every target through their corners."""
+    for fam in ("stage", "stage_all_heads", "forward", "finish", "finish_cols"):
+        for cc in oc.TARGETS:
+            assert any(j["label"].split()[0] == fam and j["cc"] == cc and j["level"] == "cubin" for j in JOBS), (fam, cc)
+    covers = [j for j in JOBS if "@" in j["label"]]
+    assert covers and all(j["level"] == oc.COVER_LEVELS[j["cc"]] for j in covers)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if any(j["level"] == "ttir" and j.get("one")
+                                                               and j["label"].startswith(f + " ") for j in JOBS)])
 def test_each_int_argument_equal_to_one_compiles(compiled, family):
     """Base configurations with each integer argument, one at a time, the constant 1 (the front
     end, where a method call on a specialised int fails)."""
-    jobs, missing, bad = _failures(compiled, family, "ttir")
+    jobs = [j for j in JOBS if j["label"].split()[0] == family and j["level"] == "ttir" and j.get("one")]
+    missing = [j["label"] for j in jobs if j["label"] not in compiled]
+    bad = [compiled[j["label"]] for j in jobs if j["label"] in compiled and not compiled[j["label"]]["ok"]]
     assert jobs
     assert not missing, missing
     assert not bad, "\n\n".join(f"{r['label']}\n{r['error']}" for r in bad[:3]) + f"\n({len(bad)} failed)"
@@ -97,7 +116,7 @@ def test_each_int_argument_equal_to_one_compiles(compiled, family):
 def test_job_list_covers_every_value_and_int_argument():
     """The job list itself: every value of every stage axis, every int mode per kernel family, and
     (for the families with base configurations) every integer argument of the kernel set to 1."""
-    full = [j for j in JOBS if j["level"] == "cubin"]
+    full = [j for j in JOBS if j["level"] == "cubin" or "@" in j["label"]]
     stage = [j for j in full if j["label"].startswith("stage ")]
     for axis, values in oc.STAGE_AXES.items():
         for v in values:
@@ -112,8 +131,8 @@ def test_job_list_covers_every_value_and_int_argument():
         assert {j["int_axes"][axis] for j in gemm} == set(values), axis
     assert any(j["one_token"] for j in gemm)
     assert set(oc.GEMM_UNITS + oc.GEMM_INTS + ("N",)) == set(oc.int_args(oc._kernel(oc.GEMM_KERNEL)))
-    for kernel in {j["kernel"] for j in JOBS if j["level"] == "ttir"}:
-        ones = {j["one"] for j in JOBS if j["level"] == "ttir" and j["kernel"] == kernel}
+    for kernel in {j["kernel"] for j in JOBS if j["level"] == "ttir" and j.get("one")}:
+        ones = {j["one"] for j in JOBS if j["level"] == "ttir" and j.get("one") and j["kernel"] == kernel}
         assert ones == set(oc.int_args(oc._kernel(kernel))), kernel
     # the M == 1 specialisation of the stage's grouped mode with grad_cos/sin (the one-token crash)
     assert any(j["one"] == "M" and j["consts"]["GROUPED"] and j["consts"]["GRAD_COS_SIN"]

@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 st=()
 step() { local name=$1 limit=$2; shift 2; local t0=$(date +%s); timeout "$limit" "$@" > "$W/$name.txt" 2>&1; local rc=$?
   st+=("$(printf '%-9s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(grep -E 'criteria|->' "$W/$name.txt" | tail -1 | cut -c1-120)")"); }
-P="python3 benchmarks/profile_hf.py --layers 28 --lora 16 --stacks hf,hf+fusedqkv --no-traces --timed-steps 8"
+P="python3 benchmarks/profile_hf.py --layers 28 --lora 16 --stacks hf,hf+fusedqkv --no-traces --timed-steps 6 --profile-steps 1"
 step prof_ac 110 $P --autocast --out $W/prof_ac
 step prof_noac 110 $P --out $W/prof_noac
 step fp8_8b 260 python3 benchmarks/bench_hf.py --family qwen3_8b --fp8 rowwise --lr 1e-4 \
