@@ -108,7 +108,7 @@ def build_stack(stack, args, cfg_kw, device):
     """The model and optimizer of one stack, as bench_hf.run_stack builds them."""
     import fusedqkv
 
-    dtype = torch.float32 if stack == "hf-fp32" else torch.bfloat16
+    dtype = bench_hf.stack_dtype(stack)
     lt = None
     if "liger" in stack:
         lt = bench_hf.import_liger()
@@ -500,7 +500,7 @@ def profile_stack(stack, args, cfg_kw, data, device, out_dir):
 
     cuda = device == "cuda"
     model, opt = build_stack(stack, args, cfg_kw, device)
-    dtype = torch.float32 if stack == "hf-fp32" else torch.bfloat16
+    dtype = bench_hf.stack_dtype(stack)
     ac = (lambda: bench_hf.autocast_of(args, device, dtype))
     if cuda:
         torch.cuda.synchronize()

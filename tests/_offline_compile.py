@@ -601,11 +601,15 @@ def wide_head_jobs() -> list:
 
 def _covers(jobs: list) -> list:
     """Pairwise cover rows, compiled to their target's COVER_LEVELS (their labels say so)."""
-    return [dict(j, level=COVER_LEVELS[j["cc"]], label=j["label"] + f" @{COVER_LEVELS[j['cc']]}") for j in jobs]
+    out = []
+    for j in jobs:
+        level = COVER_LEVELS[j["cc"]]
+        out.append(dict(j, level=level, label=f"{j['label']} @{level}"))
+    return out
 
 
 def corner_jobs() -> list:
-    """Per target, each cover family at the launchers' corners, to cubins (see COVER_LEVEL)."""
+    """Per target, each cover family at the launchers' corners, to cubins (see COVER_LEVELS)."""
     jobs = []
     for cc in TARGETS:
         jobs += [
@@ -627,7 +631,7 @@ def corner_jobs() -> list:
 
 
 def full_jobs() -> list:
-    """Every constexpr value (pairwise: the covers to COVER_LEVEL, the products' to cubins), the
+    """Every constexpr value (pairwise: the covers to COVER_LEVELS, the products' to cubins), the
     corners and the named configurations to cubins."""
     covers = _covers(stage_jobs() + stage_all_heads_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs())
     return (covers + named_jobs() + corner_jobs() + matmul_jobs()
@@ -735,7 +739,7 @@ def compile_job(job: dict) -> dict:
                      attrs=attrs)
         target = GPUTarget("cuda", job["cc"], 32)
         if job["level"] in ("ttir", "ttgir"):
-            _to_ttir(src, target, job["options"], upto=job["level"])
+            _to_ir(src, target, job["options"], upto=job["level"])
         else:
             ck = triton.compile(src, target=target, options=job["options"])
             res["info"] = {"shared": ck.metadata.shared, "bf16x2": "mul.rn.bf16x2" in ck.asm["ptx"],
@@ -773,7 +777,7 @@ def _cubin_stack_bytes(cubin: bytes):
     return int(m.group(1)) if m else None
 
 
-def _to_ttir(src, target, options, upto="ttir"):
+def _to_ir(src, target, options, upto="ttir"):
     """The front end (Python AST -> Triton IR: where a Python-level error in the kernel source, a
     method on a specialised int or a constexpr mismatch, shows), and with ``upto="ttgir"`` the
     target's passes to TritonGPU IR; LLVM and ptxas are left out."""

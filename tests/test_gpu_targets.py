@@ -67,11 +67,15 @@ def compiled():
     return out
 
 
-def _failures(compiled, family, level):
-    jobs = [j for j in JOBS if j["label"].split()[0] == family and j["level"] == level]
+def _check_family(compiled, family, ones: bool) -> None:
+    """Every job of ``family`` compiled: its one-at-a-time Triton IR jobs (``ones``), or the rest
+    (covers at their target's level, corners, named configurations)."""
+    jobs = [j for j in JOBS if j["label"].split()[0] == family and bool(j.get("one")) == ones]
     missing = [j["label"] for j in jobs if j["label"] not in compiled]
     bad = [compiled[j["label"]] for j in jobs if j["label"] in compiled and not compiled[j["label"]]["ok"]]
-    return jobs, missing, bad
+    assert jobs
+    assert not missing, missing
+    assert not bad, "\n\n".join(f"{r['label']}\n{r['error']}" for r in bad[:3]) + f"\n({len(bad)} failed)"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -79,16 +83,7 @@ def test_every_constexpr_combination_compiles(compiled, family):
     """Pairwise over the kernel's constexpr axes and the targets, each job with its integer
     arguments plain, multiples of 16, all the constant 1, or 64-bit strides: to cubins, or (the
     stage, forward and finish covers) to their target's COVER_LEVELS."""
-    jobs, missing, bad = [], [], []
-    for level in ("cubin", "ttgir"):
-        j, m, b = _failures(compiled, family, level)
-        jobs, missing, bad = jobs + j, missing + m, bad + b
-    covers = [j for j in JOBS if j["label"].split()[0] == family and j["label"].endswith(" @ttir")]
-    missing += [j["label"] for j in covers if j["label"] not in compiled]
-    bad += [compiled[j["label"]] for j in covers if j["label"] in compiled and not compiled[j["label"]]["ok"]]
-    assert jobs
-    assert not missing, missing
-    assert not bad, "\n\n".join(f"{r['label']}\n{r['error']}" for r in bad[:3]) + f"\n({len(bad)} failed)"
+    _check_family(compiled, family, ones=False)
 
 
 def test_every_family_compiles_to_a_cubin_on_every_target():
@@ -100,17 +95,12 @@ def test_every_family_compiles_to_a_cubin_on_every_target():
     assert covers and all(j["level"] == oc.COVER_LEVELS[j["cc"]] for j in covers)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if any(j["level"] == "ttir" and j.get("one")
-                                                               and j["label"].startswith(f + " ") for j in JOBS)])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if any(j.get("one") and j["label"].startswith(f + " ")
+                                                               for j in JOBS)])
 def test_each_int_argument_equal_to_one_compiles(compiled, family):
     """Base configurations with each integer argument, one at a time, the constant 1 (the front
     end, where a method call on a specialised int fails)."""
-    jobs = [j for j in JOBS if j["label"].split()[0] == family and j["level"] == "ttir" and j.get("one")]
-    missing = [j["label"] for j in jobs if j["label"] not in compiled]
-    bad = [compiled[j["label"]] for j in jobs if j["label"] in compiled and not compiled[j["label"]]["ok"]]
-    assert jobs
-    assert not missing, missing
-    assert not bad, "\n\n".join(f"{r['label']}\n{r['error']}" for r in bad[:3]) + f"\n({len(bad)} failed)"
+    _check_family(compiled, family, ones=True)
 
 
 def test_job_list_covers_every_value_and_int_argument():
@@ -131,8 +121,8 @@ def test_job_list_covers_every_value_and_int_argument():
         assert {j["int_axes"][axis] for j in gemm} == set(values), axis
     assert any(j["one_token"] for j in gemm)
     assert set(oc.GEMM_UNITS + oc.GEMM_INTS + ("N",)) == set(oc.int_args(oc._kernel(oc.GEMM_KERNEL)))
-    for kernel in {j["kernel"] for j in JOBS if j["level"] == "ttir" and j.get("one")}:
-        ones = {j["one"] for j in JOBS if j["level"] == "ttir" and j.get("one") and j["kernel"] == kernel}
+    for kernel in {j["kernel"] for j in JOBS if j.get("one")}:
+        ones = {j["one"] for j in JOBS if j.get("one") and j["kernel"] == kernel}
         assert ones == set(oc.int_args(oc._kernel(kernel))), kernel
     # the M == 1 specialisation of the stage's grouped mode with grad_cos/sin (the one-token crash)
     assert any(j["one"] == "M" and j["consts"]["GROUPED"] and j["consts"]["GRAD_COS_SIN"]
