@@ -99,7 +99,7 @@ def main() -> int:
         cases["  plan lookup (guards)"] = lambda: backward_091.PLANS.lookup(tensors13, scal, None)
         cases["  19 data_ptr()"] = lambda: [t.data_ptr() for t in tensors13]
         cases["  torch.empty(dqkv)"] = lambda: torch.empty(p.dqkv_shape, dtype=p.dtype, device=dev)
-        if p._ready:
+        if getattr(p, "_gather", None) is not None or getattr(p, "_ready", False):  # this tree or an older one
             named = dict(zip(backward_091.INPUT_NAMES, a[:13]))
             named.update(zip(backward_091.OUTPUT_NAMES, out))
             named.update(p.stage.call_inputs(current_stream(dev)),

@@ -118,6 +118,7 @@ def test_raw_enqueue_passes_the_template_with_addresses_filled():
     for pack, wrap in ((None, lambda *a: a), (list, lambda *a: ([*a],)), (tuple, lambda *a: (a,))):
         calls.clear()
         d.ptr = None
+        d.memo.clear()
         enqueue = internals.make_enqueue(lambda *a: calls.append(a), (5, 1, 1), ("fn", 0, 1), template,
                                          [(0, 0), (8, 2)], [d], pack)
         bound = launch.BoundLaunch(None, (5,), [], {})
@@ -131,6 +132,41 @@ def test_raw_enqueue_passes_the_template_with_addresses_filled():
         assert calls == [("encode", 200, "meta"), (*head, *wrap(100, 7, 2.5, "map@200", 4, 8, 8, 1, 300)),
                          (*head, *wrap(101, 7, 2.5, "map@200", 4, 8, 8, 1, 301)), ("encode", 201, "meta")]
         assert d.host.base.data_ptr() == 201 and d.host.shape == [4, 8]
+
+
+def test_table_gather_agrees_with_addresses():
+    """The run paths' generated gather gives the table's addresses in table order, derived entries
+    at their offsets, whatever order the call lists its addresses in (extra names ignored)."""
+    t = launch.Table()
+    base = torch.empty(64)
+    for name in ("c", "a", "b"):
+        t.add(name, base)
+    t.derive("a_part", t.slots["a"], 32, (4,))
+    order = ("b", "unused", "a", "c")
+    addr = dict(a=4096, b=8192, c=12288, unused=1)
+    assert t.gather(order)([addr[n] for n in order]) == t.addresses(addr) == [12288, 4096, 8192, 4096 + 32]
+    with pytest.raises(KeyError, match="'c'"):
+        t.gather(("a", "b"))
+
+
+def test_descriptor_slot_remembers_each_address_encoding():
+    """An address seen before takes its remembered map (no encode); a new one is encoded; the memo
+    is bounded."""
+    calls = []
+
+    def encoder(desc, meta):
+        calls.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr()), *desc.shape, *desc.strides]
+
+    d = internals.DescriptorSlot(0, 0, launch._tensor_descriptor(torch.empty(4, 8), [2, 8]), None, encoder)
+    calls.clear()
+    for ptr in (1000, 2000, 1000, 2000, 3000, 1000):
+        d.encode(ptr)
+        assert d.ptr == ptr and d.encoded == ("map", ptr)
+    assert calls == [1000, 2000, 3000]
+    for ptr in range(internals.DESCRIPTOR_MEMO + 5):
+        d.encode(16 * ptr + 16)
+    assert len(d.memo) <= internals.DESCRIPTOR_MEMO and d.encoded == ("map", 16 * (internals.DESCRIPTOR_MEMO + 4) + 16)
 
 
 def test_plans_do_not_keep_the_building_calls_tensors_alive():

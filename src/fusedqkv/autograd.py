@@ -31,6 +31,7 @@ import torch
 from .ops.training_backward import training_backward
 from .ops.training_forward import forward_plan, run_forward
 from .ops import fp8 as _fp8
+from .ops import internals as _internals
 from .ops import validation as V
 from .ops.gqa_forward import Variant, validate_forward_inputs
 from .ops.lora import LoRAUpdate
@@ -228,6 +229,10 @@ class GQAQKVRoPEQKNormLoRAFunction(torch.autograd.Function):
                 g_b if need[6] else None, None, None, *grads)
 
 
+_apply_block = _internals.autograd_apply(GQAQKVRoPEQKNormFunction)
+_apply_lora_block = _internals.autograd_apply(GQAQKVRoPEQKNormLoRAFunction)
+
+
 def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta,
              qkv_update=None):
     """The Functions' forward: (q, k, v[, gate]); ``qkv_update``: applied to the projection
@@ -235,7 +240,7 @@ def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, source, fp8 = meta
     if plan is not None:
         q, k, qkv, _, _, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
-                                         cos, sin, qkv_bias, qkv_residual, qkv_update)
+                                         cos, sin, qkv_bias, qkv_residual, qkv_update, keep_rstd=False)
     else:
         q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                    cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,
@@ -243,16 +248,19 @@ def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     B, S, n_tot = qkv.shape
     nq = 2 * num_heads if variant.q_gate else num_heads
     n_heads = variant.qkv_heads(num_heads, num_kv_heads)
-    heads = qkv.view(B, S, n_heads, n_tot // n_heads)
+    D = n_tot // n_heads
     if not variant.v_norm:  # v: the value columns, or (k_eq_v) the raw k's
         v0 = nq if variant.k_eq_v else nq + num_kv_heads
-        v = heads[:, :, v0:v0 + num_kv_heads].transpose(1, 2)
+        if plan is not None:  # one view op (qkv is the plan's contiguous [B, S, n_tot])
+            v = qkv.as_strided((B, num_kv_heads, S, D), (S * n_tot, D, n_tot, 1), qkv.storage_offset() + v0 * D)
+        else:
+            v = qkv.view(B, S, n_heads, D)[:, :, v0:v0 + num_kv_heads].transpose(1, 2)
     # rstd is not kept: the backward recomputes it from qkv (and v's norm from its columns)
     ctx.save_for_backward(hidden_states, None if source is not None else qkv_weight, q_norm_weight,
                           k_norm_weight, cos, sin, qkv)
     ctx.meta = meta
     if variant.q_gate:  # the gate: the second half of each query head's columns, unnormed
-        return q, k, v, heads[:, :, 1:nq:2]
+        return q, k, v, qkv.view(B, S, n_heads, D)[:, :, 1:nq:2]
     return q, k, v
 
 
@@ -354,8 +362,8 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     autocast off inside: its GEMMs write preallocated outputs of one dtype.
     """
     dev_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
-    options = dict(q_gate=q_gate, rope_style=rope_style, norm_scope=norm_scope, v_norm=v_norm, k_eq_v=k_eq_v)
     if dev_type in ("cuda", "cpu") and torch.is_autocast_enabled(dev_type):
+        options = dict(q_gate=q_gate, rope_style=rope_style, norm_scope=norm_scope, v_norm=v_norm, k_eq_v=k_eq_v)
         dt = torch.get_autocast_dtype(dev_type)
         hidden_states, qkv_weight, qkv_bias, cos, sin, qkv_residual = (
             t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -391,7 +399,8 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
                                          "eager calls only; under torch.compile pass the update as qkv_residual"))
     if torch.compiler.is_compiling():  # traced: plain validation, then the custom ops
         sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                                     num_heads, num_kv_heads, eps, qk_norm_position, **options)
+                                     num_heads, num_kv_heads, eps, qk_norm_position, q_gate=q_gate,
+                                     rope_style=rope_style, norm_scope=norm_scope, v_norm=v_norm, k_eq_v=k_eq_v)
         if qkv_bias is not None:
             V.require_shape("qkv_bias", qkv_bias, (sz["qkv"],), f"[{_qkv_rows(sz['variant'])}]")
         if fp8_recipe is not None:
@@ -423,7 +432,9 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
             qkv_weight_source, fp8_key)
     if qkv_lora is not None:
         _check_lora(qkv_lora, hidden_states, sz)
-        return GQAQKVRoPEQKNormLoRAFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                                                  qkv_bias, qkv_lora, meta, *qkv_lora.params)
-    return GQAQKVRoPEQKNormFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias,
-                                          qkv_residual, meta)
+        return _apply_lora_block(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_lora,
+                                 meta, *qkv_lora.params)
+    if plan is None:  # traced: the public apply (what torch.compile expects to see)
+        return GQAQKVRoPEQKNormFunction.apply(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
+                                              qkv_bias, qkv_residual, meta)
+    return _apply_block(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta)

@@ -354,7 +354,7 @@ class _HeadParallelFunction(torch.autograd.Function):
             sin = sin.expand(x.shape[0], -1, -1)
         hq, hkv = plan.num_heads, plan.num_kv_heads
         plan_fwd = forward_plan(x, w, q_w, k_w, cos, sin, hq, hkv, eps, _position(norm_after_rope), "auto", bias)
-        q, k, qkv, _, _, _ = run_forward(plan_fwd, x, w, q_w, k_w, cos, sin, bias)
+        q, k, qkv, _, _, _ = run_forward(plan_fwd, x, w, q_w, k_w, cos, sin, bias, keep_rstd=False)
         v = heads_of(qkv, hq, hkv, plan.head_dim, False)[2]
         ctx.save_for_backward(x, w, q_w, k_w, cos, sin, qkv)
         ctx.meta = meta

@@ -157,6 +157,10 @@ def output_specs(sizes: dict) -> list:
 # the stage's inputs, named as the table entries they are (INPUT_NAMES' tensors, in stage order)
 STAGE_INPUTS = ("grad_query", "grad_key", "grad_value", "query_pre_norm", "key_pre_norm", "q_rstd", "k_rstd",
                 "q_norm_weight", "k_norm_weight", "cos", "sin")
+# a bound call's addresses, in this order (then the stage's own entries, ``StagePlan.call_inputs``' order)
+RUN_ORDER = STAGE_INPUTS + OUTPUT_NAMES + ("hidden_states", "qkv_weight", "dqkv")
+AT_X, AT_W, AT_DQKV = 17, 18, 19
+AT_DX, AT_DW = 11, 14  # grad_hidden_states, grad_qkv_weight
 
 
 class Backward091Plan:
@@ -178,7 +182,7 @@ class Backward091Plan:
         self.is_cuda = device.type == "cuda"
         self.dqkv_bytes = dqkv_shape[0] * dqkv_shape[1] * dtype.itemsize if dqkv_shape is not None else 0
         self._checked = None  # the addresses of the last call that passed the address checks
-        self._ready = False  # every launch bound to its compiled kernel
+        self._gather = None  # RUN_ORDER's addresses -> the table's, once every launch is bound to its kernel
         self._extra = None  # (stream, device generation, the stage's own table entries)
         self._kept = None  # (the stream's dQKV buffer, dQKV: a view of it)
 
@@ -241,15 +245,9 @@ class Backward091Plan:
             self._checked = seen
         extra = self._stage_inputs(stream, capturing)
         launches = self.launches
-        if self._ready:
-            addr = dict(zip(STAGE_INPUTS, in_ptrs))
-            addr.update(zip(OUTPUT_NAMES, out_ptrs))
-            addr["dqkv"] = dqkv.data_ptr()
-            addr["hidden_states"] = x_ptr
-            addr["qkv_weight"] = w_ptr
-            for name, t in extra.items():
-                addr[name] = t.data_ptr()
-            ptrs = self.table.addresses(addr)
+        if self._gather is not None:
+            seen = seen + [dqkv.data_ptr(), *[t.data_ptr() for t in extra.values()]]  # (_checked keeps the first part)
+            ptrs = self._gather(seen)
             for launch in launches:  # every descriptor before the first launch
                 launch.encode(ptrs)
             tensors = None
@@ -260,24 +258,25 @@ class Backward091Plan:
                          grad_hidden_states=g_hidden.view(self.dx_view) if self.dx_view else g_hidden,
                          hidden_states=hs.view(self.x_view) if self.x_view else hs)
             tensors = self.table.tensors(named)
-            ptrs = addr = None
+            ptrs = None
         for launch in launches:
             launch.launch(tensors, ptrs, stream)
         if self.mm_dx:
-            if self.lt_dx is not None and addr is not None:
-                self.lt_dx(addr["dqkv"], addr["qkv_weight"], addr["grad_hidden_states"], stream)
+            if self.lt_dx is not None and ptrs is not None:
+                self.lt_dx(seen[AT_DQKV], seen[AT_W], seen[AT_DX], stream)
             else:
                 mm_into(dqkv, W, g_hidden.view(self.dx_view) if self.dx_view else g_hidden)
         if self.mm_dw:
-            if self.lt_dw is not None and addr is not None:
-                self.lt_dw(addr["dqkv"], addr["hidden_states"], addr["grad_qkv_weight"], stream)
+            if self.lt_dw is not None and ptrs is not None:
+                self.lt_dw(seen[AT_DQKV], seen[AT_X], seen[AT_DW], stream)
             else:
                 x = hs.view(self.x_view) if self.x_view else hs.reshape(self.dqkv_shape[0], -1)
                 mm_into(dqkv.t(), x, g_weight)
         if self.finish is not None:
             self.finish.launch(tensors, ptrs, stream)
-        if not self._ready:  # every launch compiled and bound: later calls pass addresses only
-            self._ready = all(launch.bound for launch in launches + [self.finish] if launch is not None)
+        if self._gather is None and all(launch.bound for launch in launches + [self.finish] if launch is not None):
+            # every launch compiled and bound: later calls pass addresses only
+            self._gather = self.table.gather(RUN_ORDER + tuple(extra))
         return outs
 
     def _run_torch(self, args, out):

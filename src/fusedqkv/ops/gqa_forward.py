@@ -284,7 +284,8 @@ def token_major(B: int, H: int, S: int, D: int, dtype, device) -> torch.Tensor:
     """A [B, H, S, D] tensor laid out token-major ([B, S, H, D] in memory), as HF's q/k/v
     views of a projection output: attention kernels then return their output token-major too,
     and HF's ``transpose(1, 2).contiguous()`` before o_proj copies nothing."""
-    return torch.empty((B, S, H, D), dtype=dtype, device=device).transpose(1, 2)
+    # one call (not an empty [B, S, H, D] and a transpose), the strides torch gives that pair, zero sizes too
+    return torch.empty_strided((B, H, S, D), (max(S, 1) * H * D, D, H * D, 1), dtype=dtype, device=device)
 
 
 def forward_outputs(B: int, S: int, hq: int, hkv: int, D: int, dtype, device, v_norm: bool) -> tuple:

@@ -147,6 +147,32 @@ set_grad_enabled = _torch_internal("torch._C._set_grad_enabled", lambda: torch._
                                    _public_set_grad_enabled)
 
 
+def autograd_apply(function_class) -> Callable:
+    """``function_class.apply`` without ``torch.autograd.Function.apply``'s Python layer (a
+    setup_context check and a generator over every argument: ~5-10 us a call on a slow host) where
+    nothing needs it: no setup_context (ours have none), no functorch transform active; the
+    arguments' dead functorch wrappers unwrapped as that layer does. Otherwise, or where this torch
+    is not supported, the public ``apply``."""
+    public = function_class.apply
+    if "setup_context" in function_class.__dict__:
+        return public
+    c_apply = _torch_internal("torch._C._FunctionBase.apply",
+                              lambda: torch._C._FunctionBase.__dict__["apply"].__get__(None, function_class), None)
+    active = _torch_internal("torch._C._are_functorch_transforms_active",
+                             lambda: torch._C._are_functorch_transforms_active, None)
+    unwrap = _torch_internal("torch._C._functorch.unwrap_if_dead", lambda: torch._C._functorch.unwrap_if_dead, None)
+    if c_apply is None or active is None or unwrap is None:
+        return public
+    Tensor = torch.Tensor
+
+    def apply(*args):
+        if active():
+            return public(*args)
+        return c_apply(*[unwrap(a) if isinstance(a, Tensor) else a for a in args])
+
+    return apply
+
+
 def _tensor_guards_class():
     from torch._C._dynamo.guards import TensorGuards
 
@@ -317,14 +343,19 @@ class _Address:
         return self.ptr
 
 
+DESCRIPTOR_MEMO = 256  # encoded maps a slot remembers, by address (then it starts over): a few per layer of a model
+
+
 class DescriptorSlot:
     """A host TMA descriptor argument of a raw launch: position ``pos`` of the expanded argument
     list, over entry ``index`` of the call's tensor table. Holds a copy of the building call's
     ``TensorDescriptor`` (every field Triton's encoder reads) whose base is an address, so an
-    encode is Triton's own ``make_tensordesc_arg`` at a new address; :meth:`encode` runs only when
-    the address changes (``ptr`` is the last one encoded)."""
+    encode is Triton's own ``make_tensordesc_arg`` at a new address. Everything but the address is
+    the plan's, so the encoded map of an address is remembered (``memo``): a model's layers hand
+    the same launch a new address per layer, the same ones every step (the caching allocator),
+    and each encode costs a driver call and ~10 Python operations."""
 
-    __slots__ = ("pos", "index", "meta", "host", "address", "encoder", "ptr", "encoded")
+    __slots__ = ("pos", "index", "meta", "host", "address", "encoder", "ptr", "encoded", "memo")
 
     def __init__(self, pos: int, index: int, descriptor, meta, encoder: Callable):
         self.pos, self.index, self.meta, self.encoder = pos, index, meta, encoder
@@ -332,13 +363,26 @@ class DescriptorSlot:
         self.host = copy.copy(descriptor)  # a dataclass: no validation, no reference to the tensor kept
         self.host.base = self.address
         self.ptr, self.encoded = None, None
+        self.memo: dict = {}
 
-    def encode(self, ptr: int) -> list:
-        """The expanded argument (encoded map, shape, strides) at address ``ptr``."""
+    def expand(self, ptr: int) -> list:
+        """The expanded argument (encoded map, shape, strides) at address ``ptr``, encoded now; the
+        slot then points there."""
         self.address.ptr = ptr
         expanded = self.encoder(self.host, self.meta)
-        self.encoded, self.ptr = expanded[0], ptr
+        if len(self.memo) >= DESCRIPTOR_MEMO:
+            self.memo.clear()
+        self.encoded = self.memo[ptr] = expanded[0]
+        self.ptr = ptr
         return expanded
+
+    def encode(self, ptr: int) -> None:
+        """Point the slot at address ``ptr``: its remembered map, or one encoded now."""
+        encoded = self.memo.get(ptr)
+        if encoded is None:
+            self.expand(ptr)
+        else:
+            self.encoded, self.ptr = encoded, ptr
 
 
 def make_enqueue(launcher, grid, head, template, ptr_slots, desc_slots, pack: Optional[type] = None, hooks=None):
@@ -484,7 +528,7 @@ def _bind(abi, compiled, grid, values, ptr_slots, desc_slots):
         elif pos in desc_at:
             index, d = desc_at[pos]
             slot = DescriptorSlot(len(template), index, d, metas[len(descs)], encoder)
-            expanded = slot.encode(d.base.data_ptr())  # also the first encoding, at the building call's address
+            expanded = slot.expand(d.base.data_ptr())  # also the first encoding, at the building call's address
             shape, strides = list(d.shape), list(d.strides)
             if len(expanded) != 1 + len(shape) + len(strides) or list(expanded[1:]) != shape + strides:
                 raise Refused("make_tensordesc_arg expands a descriptor in an unknown way")

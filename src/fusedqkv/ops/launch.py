@@ -114,6 +114,20 @@ class Table:
             out.append(named[base] + off)
         return out
 
+    def gather(self, order: Sequence[str]):
+        """``gather(addresses)``: the full table's addresses from a list of addresses in ``order``
+        (names; every supplied entry among them, others ignored), as one generated function --
+        the run paths' per-call form of :meth:`addresses`, with no dict built per call."""
+        pos = {name: i for i, name in enumerate(order)}
+        missing = [name for name in self.supplied if name not in pos]
+        if missing:
+            raise KeyError(f"Table.gather: entries {missing} are not in the call's order")
+        items = [f"a[{pos[name]}]" for name in self.supplied]
+        items += [f"a[{pos[base]}] + {off}" for base, off, _ in self.derived]
+        ns: dict = {}
+        exec(compile(f"def gather(a):\n    return [{', '.join(items)}]\n", "<fusedqkv gather>", "exec"), ns)  # noqa: S102
+        return ns["gather"]
+
 
 def _tensor_descriptor(t: torch.Tensor, block, layout=None):
     if layout is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import device as _device
 from . import fp8, host_gemm
 from .cublaslt import plan_matmul
 from .device import current_stream
@@ -28,6 +29,9 @@ from .rope_qk_norm import backward_torch, pick_backend, plan_backward_stage
 # only with a gate, saved_v only when v is normed
 CALL_ENTRIES = ("grad_q", "grad_k", "grad_v", "saved_q", "saved_k", "q_norm_weight", "k_norm_weight", "cos", "sin",
                 "dqkv", "grad_q_norm_weight", "grad_k_norm_weight", "grad_gate", "saved_v")
+# a bound call's addresses, in this order (then the stage's own entries, ``StagePlan.call_inputs``' order)
+RUN_ORDER = CALL_ENTRIES + ("grad_cos", "grad_sin", "grad_hidden_states")
+UNCHECKED = (4, 13)  # saved_k and saved_v: offsets into qkv whose alignment the plan's shapes fix
 
 
 class TrainingBackwardPlan:
@@ -49,6 +53,21 @@ class TrainingBackwardPlan:
         # bytes from qkv's start to its k and v columns
         self.k_offset = self.nq * self.D * self.dtype.itemsize
         self.v_offset = self.k_offset if self.variant.k_eq_v else (self.nq + self.hkv) * self.D * self.dtype.itemsize
+        self.dqkv_bytes = self.M * self.n_dqkv * self.dtype.itemsize
+        self._gather = None  # RUN_ORDER's addresses -> the table's, once every stage launch is bound
+        self._kept = None  # (the stream's dQKV buffer, dQKV: a view of it)
+
+    def _dqkv(self, stream: int, keep: bool) -> torch.Tensor:
+        """dQKV ``[M, n_dqkv]``: a view of the stream's kept buffer where it is small, not returned
+        (``keep``) and no graph is being captured (calls on one stream never overlap on the GPU: the
+        next call's stage writes it only after this call's products read it); else per call."""
+        if keep or self.stage is None or self.dqkv_bytes > _device.DQKV_KEPT_BYTES or _device.capturing(self.device):
+            return torch.empty((self.M, self.n_dqkv), dtype=self.dtype, device=self.device)
+        buf = _device.workspace("dqkv", self.device, stream, self.dqkv_bytes)
+        kept = self._kept
+        if kept is None or kept[0] is not buf:
+            kept = self._kept = (buf, buf[:self.dqkv_bytes].view(self.dtype).view(self.M, self.n_dqkv))
+        return kept[1]
 
     def _saved_heads(self, qkv):
         return heads_of(qkv, self.hq, self.hkv, self.D, self.variant.q_gate, self.variant.k_eq_v)[:3]
@@ -65,7 +84,8 @@ class TrainingBackwardPlan:
         if grad_gate is not None:
             gg = (grad_gate if grad_gate.dtype == dt else grad_gate.to(dt)).transpose(1, 2)  # [B, Hq, S, D]
         B, S = self.B, self.S
-        dqkv = torch.empty((M, self.n_dqkv), dtype=dt, device=dev)
+        stream = current_stream(dev)
+        dqkv = self._dqkv(stream, keep_dqkv)
         g_qw = g_kw = None
         if q_norm_weight is not None:
             g_qw = torch.empty(q_norm_weight.shape, dtype=q_norm_weight.dtype, device=dev)
@@ -73,8 +93,8 @@ class TrainingBackwardPlan:
         g_cos = torch.empty((B, S, self.rot), dtype=cos.dtype, device=dev) if self.need_cs else None
         g_sin = torch.empty((B, S, self.rot), dtype=sin.dtype, device=dev) if self.need_cs else None
         g_x = torch.empty((B, S, self.hidden), dtype=hidden_states.dtype, device=dev) if self.need_x else None
-        stream = current_stream(dev)
-        addr = None
+        a = None  # the bound call's addresses in RUN_ORDER (then the stage's own entries)
+        ptrs = tensors = None
         if self.stage is None:  # the torch backend
             saved_q, saved_k, saved_v = self._saved_heads(qkv)
             backward_torch(grad_q, grad_k, grad_v, saved_q, saved_k, None, None, q_norm_weight, k_norm_weight,
@@ -82,35 +102,41 @@ class TrainingBackwardPlan:
                            self.variant, gg, saved_v)
         else:
             stage = self.stage
-            named = dict(grad_q=grad_q, grad_k=grad_k, grad_v=grad_v, q_norm_weight=q_norm_weight,
-                         k_norm_weight=k_norm_weight, cos=cos, sin=sin, dqkv=dqkv, grad_q_norm_weight=g_qw,
-                         grad_k_norm_weight=g_kw, grad_cos=g_cos, grad_sin=g_sin, grad_hidden_states=g_x,
-                         grad_gate=gg, **stage.call_inputs(stream))
-            launches = stage.launches(with_finish=False)
-            if all(launch.bound for launch in stage.launches()):
-                addr = {name: t.data_ptr() for name, t in named.items() if t is not None}
-                addr["saved_q"] = q_ptr = qkv.data_ptr()
+            extra = stage.call_inputs(stream)
+            if self._gather is not None:
+                q_ptr = qkv.data_ptr()
+                a = [grad_q.data_ptr(), grad_k.data_ptr(), grad_v.data_ptr(), q_ptr, q_ptr + self.k_offset,
+                     0 if q_norm_weight is None else q_norm_weight.data_ptr(),
+                     0 if k_norm_weight is None else k_norm_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                     dqkv.data_ptr(), 0 if g_qw is None else g_qw.data_ptr(), 0 if g_kw is None else g_kw.data_ptr(),
+                     0 if gg is None else gg.data_ptr(), q_ptr + self.v_offset,
+                     0 if g_cos is None else g_cos.data_ptr(), 0 if g_sin is None else g_sin.data_ptr(),
+                     0 if g_x is None else g_x.data_ptr()]
+                a += [t.data_ptr() for t in extra.values()]
                 if self.aligned:
                     acc = 0
-                    for p in addr.values():
-                        acc |= p
+                    for i, p in enumerate(a):
+                        if i not in UNCHECKED:
+                            acc |= p
                     if acc & 15:
                         raise Misaligned
-                # (the k and v columns' alignment follows from qkv's and the shapes: the plan's)
-                addr["saved_k"] = q_ptr + self.k_offset
-                addr["saved_v"] = q_ptr + self.v_offset
-                ptrs, tensors = self.table.addresses(addr), None
-            else:
+                ptrs = self._gather(a)
+            else:  # the first call of a fresh plan, and every call under the interpreter
+                named = dict(grad_q=grad_q, grad_k=grad_k, grad_v=grad_v, q_norm_weight=q_norm_weight,
+                             k_norm_weight=k_norm_weight, cos=cos, sin=sin, dqkv=dqkv, grad_q_norm_weight=g_qw,
+                             grad_k_norm_weight=g_kw, grad_cos=g_cos, grad_sin=g_sin, grad_hidden_states=g_x,
+                             grad_gate=gg, **extra)
                 named["saved_q"], named["saved_k"], named["saved_v"] = self._saved_heads(qkv)
-                ptrs, tensors = None, self.table.tensors(named)
-            for launch in launches:
-                launch.launch(tensors, ptrs, stream)
+                tensors = self.table.tensors(named)
+            stage.launch.launch(tensors, ptrs, stream)
+            if self._gather is None and all(launch.bound for launch in stage.launches()):
+                self._gather = self.table.gather(RUN_ORDER + tuple(extra))
         if self.variant.k_eq_v:  # v is k: its gradient joins k's (the GEMMs read the [Q | K] columns)
             k0 = self.nq * self.D
             dqkv[:, k0:k0 + self.hkv * self.D].add_(dqkv[:, k0 + self.hkv * self.D:])
             dqkv = dqkv[:, :self.n_tot]
         g_w = None
-        lt_ok = addr is not None and not (hidden_states.data_ptr() | qkv_weight.data_ptr()) & 15
+        lt_ok = a is not None and not (hidden_states.data_ptr() | qkv_weight.data_ptr()) & 15
         if self.fp8 is not None:
             if self.need_x:
                 fp8.grad_input(dqkv, qkv_weight, self.fp8, out=g_x.view(M, self.hidden))
@@ -118,13 +144,13 @@ class TrainingBackwardPlan:
                 g_w = fp8.grad_weight(dqkv, hidden_states.reshape(M, self.hidden), self.fp8)
         elif self.need_x:
             if self.lt_dx is not None and lt_ok:
-                self.lt_dx(addr["dqkv"], qkv_weight.data_ptr(), addr["grad_hidden_states"], stream)
+                self.lt_dx(a[9], qkv_weight.data_ptr(), a[16], stream)  # dqkv, W, grad_hidden_states
             else:
                 host_gemm.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
         if self.need_w and self.fp8 is None:
             if self.lt_dw is not None and lt_ok:
                 g_w = torch.empty((self.n_tot, self.hidden), dtype=dt, device=dev)
-                self.lt_dw(addr["dqkv"], hidden_states.data_ptr(), g_w.data_ptr(), stream)
+                self.lt_dw(a[9], hidden_states.data_ptr(), g_w.data_ptr(), stream)
             else:
                 g_w = host_gemm.mm(dqkv.t(), hidden_states.reshape(M, self.hidden))
         # the bias gradient: dQKV summed over tokens, in fp32 (torch's reduction: a fixed order)

@@ -12,15 +12,16 @@ from __future__ import annotations
 import torch
 
 from . import config as _config
+from . import device as _device
 from . import host_gemm
 from . import fp8
 from . import validation as V
 from .cublaslt import lt_matmul
 from .device import current_stream
-from .gqa_forward import forward_outputs, forward_torch, plan_forward_stage, validate_forward_inputs
+from .gqa_forward import forward_outputs, forward_torch, plan_forward_stage, token_major, validate_forward_inputs
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
-from .qkv_rope_norm_gemm import call_entries, plan_fused_forward
+from .qkv_rope_norm_gemm import ENTRIES as FUSED_ENTRIES, call_entries, plan_fused_forward
 from .rope_qk_norm import pick_backend
 
 # the stage's table entries, by name (the norm weights only when the norms have them, v only when normed)
@@ -44,17 +45,24 @@ class ForwardPlan:
         self.cs_shape = (b, s, sz["rot"])
         self.device, self.dtype = sz["device"], sz["dtype"]
         self.variant = sz["variant"]
+        # rstd nobody reads (the eager training forward: the backward recomputes it) goes to a kept
+        # per-stream scratch: rstd_q's bytes, rounded to 256 (the kernel assumes aligned pointers), then rstd_k's
+        self.rstd_q_bytes = -(-b * sz["num_heads"] * s * 4 // 256) * 256
+        self.rstd_bytes = self.rstd_q_bytes + b * sz["num_kv_heads"] * s * 4
+        self._gather = None  # the table's addresses from the call's, in the launch's entry order (bound launches)
 
     def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias=None, qkv_residual=None,
-            qkv_update=None):
+            qkv_update=None, keep_rstd=True):
         """(q, k, qkv, rstd_q, rstd_k, v); cos/sin ``[batch, seq, rot]`` (expanded); v None unless
         the variant norms it. ``qkv_residual`` (plans built with one): ``[batch, seq, qkv]`` added to
         the projection output before RoPE and the norms (a LoRA update); ``qkv_update`` (plans built
         with a residual): a callable that changes the projection output in place there instead (the
-        LoRA GEMMs accumulating into it: :mod:`fusedqkv.ops.lora`)."""
+        LoRA GEMMs accumulating into it: :mod:`fusedqkv.ops.lora`). ``keep_rstd=False``: a caller
+        that does not read rstd (the eager training forward); bound launches then write it to a
+        kept scratch and return None for both."""
         sz = self.sz
         if self.fused is not None:
-            return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin)
+            return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd)
         lt, launch = self.lt_qkv, self.launch
         bound = launch is not None and launch.bound
         if self.fp8 is not None:
@@ -81,44 +89,69 @@ class ForwardPlan:
                                             sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"], self.variant)
             return q, k, qkv, rq, rk, v
         dev = self.device
+        if bound:
+            stream = current_stream(dev)
+            b, s, hq, hkv, d = self.out_dims
+            q, k = token_major(b, hq, s, d, self.dtype, dev), token_major(b, hkv, s, d, self.dtype, dev)
+            v = token_major(b, hkv, s, d, self.dtype, dev) if self.variant.v_norm else None
+            rq, rk, prq, prk = self._rstd(stream, keep_rstd)
+            wq = q_norm_weight.data_ptr() if q_norm_weight is not None else 0
+            wk = k_norm_weight.data_ptr() if k_norm_weight is not None else 0
+            pcos, psin = cos.data_ptr(), sin.data_ptr()
+            if self.aligned and (wq | wk | pcos | psin) & 15:
+                raise Misaligned
+            gather = self._gather or self._make_gather(STAGE_ENTRIES)
+            launch.launch(None, gather([qkv.data_ptr(), wq, wk, pcos, psin, q.data_ptr(), k.data_ptr(), prq, prk,
+                                        v.data_ptr() if v is not None else 0]), stream)
+            return q, k, qkv, rq, rk, v
         q, k, rq, rk, v = forward_outputs(*self.out_dims, self.dtype, dev, self.variant.v_norm)
         named = dict(qkv=qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, cos=cos, sin=sin, q=q, k=k,
                      rstd_q=rq, rstd_k=rk, v=v)
-        if bound:
-            addr = {name: t.data_ptr() for name, t in named.items() if t is not None}
-            self._check_aligned(addr)
-            launch.launch(None, self.table.addresses(addr), current_stream(dev))
-        else:
-            launch.launch(self.table.tensors(named), None, current_stream(dev))
+        launch.launch(self.table.tensors(named), None, current_stream(dev))
         return q, k, qkv, rq, rk, v
 
+    def _make_gather(self, order):
+        self._gather = self.table.gather(order)
+        return self._gather
 
-    def _run_fused(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin):
+    def _rstd(self, stream: int, keep: bool) -> tuple:
+        """(rstd_q, rstd_k, their addresses): new tensors, or (``keep`` False, not capturing) None
+        and addresses in the stream's kept scratch, which nothing reads."""
+        b, s, hq, hkv, _ = self.out_dims
+        if keep or _device.capturing(self.device):
+            rq = torch.empty((b, hq, s), dtype=torch.float32, device=self.device)
+            rk = torch.empty((b, hkv, s), dtype=torch.float32, device=self.device)
+            return rq, rk, rq.data_ptr(), rk.data_ptr()
+        p = _device.workspace("rstd", self.device, stream, self.rstd_bytes).data_ptr()
+        return None, None, p, p + self.rstd_q_bytes
+
+
+    def _run_fused(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd=True):
         x_ptr, w_ptr = hidden_states.data_ptr(), qkv_weight.data_ptr()
         if (x_ptr | w_ptr) & 15:  # the TMA descriptors' bases
             raise Misaligned
-        qkv = torch.empty(self.qkv_shape, dtype=self.dtype, device=self.device)
-        q, k, rq, rk, v = forward_outputs(*self.out_dims, self.dtype, self.device, False)
+        dev = self.device
+        qkv = torch.empty(self.qkv_shape, dtype=self.dtype, device=dev)
         launch = self.launch
+        stream = current_stream(dev)
         if launch.bound:
-            addr = dict(x=x_ptr, w=w_ptr, qkv=qkv.data_ptr(), q=q.data_ptr(), k=k.data_ptr(), rstd_q=rq.data_ptr(),
-                        rstd_k=rk.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr())
-            if q_norm_weight is not None:
-                addr["q_norm_weight"], addr["k_norm_weight"] = q_norm_weight.data_ptr(), k_norm_weight.data_ptr()
-            self._check_aligned(addr)
-            launch.launch(None, self.table.addresses(addr), current_stream(self.device))
+            b, s, hq, hkv, d = self.out_dims
+            q, k = token_major(b, hq, s, d, self.dtype, dev), token_major(b, hkv, s, d, self.dtype, dev)
+            rq, rk, prq, prk = self._rstd(stream, keep_rstd)
+            wq = q_norm_weight.data_ptr() if q_norm_weight is not None else 0
+            wk = k_norm_weight.data_ptr() if k_norm_weight is not None else 0
+            pcos, psin = cos.data_ptr(), sin.data_ptr()
+            if self.aligned and (wq | wk | pcos | psin) & 15:
+                raise Misaligned
+            gather = self._gather or self._make_gather(FUSED_ENTRIES)
+            launch.launch(None, gather([x_ptr, w_ptr, qkv.data_ptr(), q.data_ptr(), k.data_ptr(), wq, wk, prq, prk,
+                                        pcos, psin]), stream)
         else:
+            q, k, rq, rk, v = forward_outputs(*self.out_dims, self.dtype, dev, False)
             named = call_entries(self.out_dims, hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight,
                                  rq, rk, cos, sin)
-            launch.launch(self.table.tensors(named), None, current_stream(self.device))
-        return q, k, qkv, rq, rk, v
-
-    def _check_aligned(self, addr: dict) -> None:
-        """``Misaligned`` where the plan's compiled kernel assumed 16-byte aligned cos/sin and norm
-        weights (the JIT specialised on them) and this call's are not."""
-        if self.aligned and (addr.get("q_norm_weight", 0) | addr.get("k_norm_weight", 0) | addr["cos"]
-                             | addr["sin"]) & 15:
-            raise Misaligned
+            launch.launch(self.table.tensors(named), None, stream)
+        return q, k, qkv, rq, rk, None
 
 
 def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
@@ -199,11 +232,12 @@ def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, s
 
 
 def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                qkv_bias=None, qkv_residual=None, qkv_update=None):
-    """``plan.run``; a call whose addresses the plan was not specialised for gets its own plan."""
+                qkv_bias=None, qkv_residual=None, qkv_update=None, keep_rstd=True):
+    """``plan.run``; a call whose addresses the plan was not specialised for gets its own plan.
+    ``keep_rstd=False``: the caller does not read rstd (see :meth:`ForwardPlan.run`)."""
     try:
         return plan.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual,
-                        qkv_update)
+                        qkv_update, keep_rstd)
     except Misaligned:
         sz, var = plan.sz, plan.variant
         position = "after_rope" if sz["norm_after_rope"] else "before_rope"
@@ -218,4 +252,4 @@ def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_n
         own = PLANS.full_lookup(list(_guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                               qkv_bias)), scalars, args, remember=False)
         return own.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual,
-                       qkv_update)
+                       qkv_update, keep_rstd)
