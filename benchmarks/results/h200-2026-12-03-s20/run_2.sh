@@ -2,9 +2,10 @@
 # session 20, device call 2: issue 36's first changes (descriptor memo, gathered addresses, rstd and
 # dQKV scratch, one-op views). A: correctness side by side (GPU tests, gpu_fuzz 200, the graph repro);
 # B alone: host_costs and host_timeline on this tree and on the session's base (.shared/base/src, d12cf22).
-# Carry .shared .whl .whl_bnb.
+# Carry .shared .whl .bnb.
 export TRITON_INTERPRET=0 FUSEDQKV_SOL_EXECBENCH=.shared PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl .whl_bnb/*.whl > /dev/null 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
+cp -r .bnb/bitsandbytes* /tmp/site/  # bitsandbytes 0.50.2 unpacked, without its CUDA 11.8-12.8 libraries
 W=$OUT/w; mkdir -p $W
 step() {  # name, timeout (s), log, command...
   local name=$1 limit=$2 log=$3; shift 3
