@@ -210,16 +210,26 @@ class Backward091Plan:
             cached = self._extra = (stream, _device.generation, stage.call_inputs(stream))
         return cached[2]
 
-    def _outputs(self, out):
+    def _outputs(self, args, out):
         if out is not None:
             return tuple(out)
-        return tuple(torch.empty(shape, dtype=dt, device=self.device) for _, shape, dt in self.out_specs)
+        # each like the input of its dtype (validated: hidden_states, cos, sin, qkv_weight share one, the norm
+        # weights theirs): new_empty skips torch.empty's dtype and device arguments
+        (_, _, _, hs, cos, sin, W, wq, wk) = args[:9]
+        (_, s_x), (_, s_cos), (_, s_sin), (_, s_w), (_, s_qw), (_, s_kw) = ((sh, dt) for _, sh, dt in self.out_specs)
+        return (hs.new_empty(s_x), cos.new_empty(s_cos), sin.new_empty(s_sin), W.new_empty(s_w), wq.new_empty(s_qw),
+                wk.new_empty(s_kw))
+
+    def needs_no_grad(self) -> bool:
+        """Whether a call may reach ``torch.mm(out=)`` (which refuses inputs with autograd history):
+        the torch path, the first call (through the JIT), a product without a planned cuBLASLt call."""
+        return (self._gather is None or (self.mm_dx and self.lt_dx is None) or (self.mm_dw and self.lt_dw is None))
 
     def run(self, args, out):
         if self.path == "torch":
             return self._run_torch(args, out)
         (gq, gk, gv, hs, cos, sin, W, wq, wk, xq, xk, rq, rk, _) = args
-        outs = self._outputs(out)
+        outs = self._outputs(args, out)
         g_hidden, g_cos, g_sin, g_weight, g_qw, g_kw = outs
         stream = current_stream(self.device)
         capturing = _device.capturing(self.device)
@@ -241,7 +251,7 @@ class Backward091Plan:
                 for p in seen:
                     acc |= p
                 if acc & 15:  # an address the kernels were not specialised for: its own plan
-                    return _plan_for_alignment(self, args, out).run(args, out)
+                    return _run(_plan_for_alignment(self, args, out), args, out)
             self._checked = seen
         extra = self._stage_inputs(stream, capturing)
         launches = self.launches
@@ -281,7 +291,7 @@ class Backward091Plan:
 
     def _run_torch(self, args, out):
         (gq, gk, gv, hs, cos, sin, W, wq, wk, xq, xk, rq, rk, eps) = args
-        outs = self._outputs(out)
+        outs = self._outputs(args, out)
         g_hidden, g_cos, g_sin, g_weight, g_qw, g_kw = outs
         if out is not None:
             V.require_out(out, self.out_specs, self.device, inputs=list(zip(INPUT_NAMES, args[:13])))
@@ -382,6 +392,18 @@ def _backward_091(args: tuple, out, backend: Optional[str]):
         plan = PLANS.lookup(tensors, _scalars(args[13], out, backend), (args, out, backend))
     except (TypeError, AttributeError, RuntimeError):  # not a dense tensor somewhere: validation names it
         return build_backward_091(args, out, backend, cfg=_config.current())
+    return _run(plan, args, out)
+
+
+def _run(plan: Backward091Plan, args, out):
+    """``plan.run``, with autograd off where the call may reach ``torch.mm(out=)``: the inputs may
+    carry autograd history (a backward), which it refuses."""
+    if torch.is_grad_enabled() and plan.needs_no_grad():
+        set_grad_enabled(False)
+        try:
+            return plan.run(args, out)
+        finally:
+            set_grad_enabled(True)
     return plan.run(args, out)
 
 
@@ -401,10 +423,4 @@ def gqa_qkv_rope_qk_norm_backward(
     """
     args = (grad_query, grad_key, grad_value, hidden_states, cos, sin, qkv_weight, q_norm_weight, k_norm_weight,
             query_pre_norm, key_pre_norm, q_rstd, k_rstd, eps)
-    if torch.is_grad_enabled():  # a backward: inputs may carry autograd history (mm(out=) refuses it)
-        set_grad_enabled(False)
-        try:
-            return _backward_091(args, out, backend)
-        finally:
-            set_grad_enabled(True)
     return _backward_091(args, out, backend)

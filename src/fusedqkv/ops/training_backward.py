@@ -86,13 +86,13 @@ class TrainingBackwardPlan:
         B, S = self.B, self.S
         stream = current_stream(dev)
         dqkv = self._dqkv(stream, keep_dqkv)
-        g_qw = g_kw = None
+        g_qw = g_kw = None  # (each like the tensor of its dtype: new_empty skips dtype and device arguments)
         if q_norm_weight is not None:
-            g_qw = torch.empty(q_norm_weight.shape, dtype=q_norm_weight.dtype, device=dev)
-            g_kw = torch.empty(k_norm_weight.shape, dtype=k_norm_weight.dtype, device=dev)
-        g_cos = torch.empty((B, S, self.rot), dtype=cos.dtype, device=dev) if self.need_cs else None
-        g_sin = torch.empty((B, S, self.rot), dtype=sin.dtype, device=dev) if self.need_cs else None
-        g_x = torch.empty((B, S, self.hidden), dtype=hidden_states.dtype, device=dev) if self.need_x else None
+            g_qw = q_norm_weight.new_empty(q_norm_weight.shape)
+            g_kw = k_norm_weight.new_empty(k_norm_weight.shape)
+        g_cos = cos.new_empty((B, S, self.rot)) if self.need_cs else None
+        g_sin = sin.new_empty((B, S, self.rot)) if self.need_cs else None
+        g_x = hidden_states.new_empty((B, S, self.hidden)) if self.need_x else None
         a = None  # the bound call's addresses in RUN_ORDER (then the stage's own entries)
         ptrs = tensors = None
         if self.stage is None:  # the torch backend
@@ -149,7 +149,7 @@ class TrainingBackwardPlan:
                 host_gemm.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
         if self.need_w and self.fp8 is None:
             if self.lt_dw is not None and lt_ok:
-                g_w = torch.empty((self.n_tot, self.hidden), dtype=dt, device=dev)
+                g_w = qkv.new_empty((self.n_tot, self.hidden))  # (qkv's dtype is the plan's)
                 self.lt_dw(a[9], hidden_states.data_ptr(), g_w.data_ptr(), stream)
             else:
                 g_w = host_gemm.mm(dqkv.t(), hidden_states.reshape(M, self.hidden))

@@ -73,7 +73,7 @@ class ForwardPlan:
             x_ptr, w_ptr = hidden_states.data_ptr(), qkv_weight.data_ptr()
             if (x_ptr | w_ptr) & 15:
                 raise Misaligned
-            qkv = torch.empty(self.qkv_shape, dtype=self.dtype, device=self.device)
+            qkv = hidden_states.new_empty(self.qkv_shape)  # (hidden_states' dtype is the plan's)
             lt(x_ptr, w_ptr, qkv.data_ptr(), current_stream(self.device))
         elif qkv_bias is None:
             qkv = host_gemm.mm(hidden_states.reshape(self.M, self.hidden), qkv_weight.t()).view(self.qkv_shape)
@@ -131,7 +131,7 @@ class ForwardPlan:
         if (x_ptr | w_ptr) & 15:  # the TMA descriptors' bases
             raise Misaligned
         dev = self.device
-        qkv = torch.empty(self.qkv_shape, dtype=self.dtype, device=dev)
+        qkv = hidden_states.new_empty(self.qkv_shape)  # (hidden_states' dtype is the plan's)
         launch = self.launch
         stream = current_stream(dev)
         if launch.bound:
