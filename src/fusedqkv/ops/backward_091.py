@@ -216,7 +216,7 @@ class Backward091Plan:
         # each like the input of its dtype (validated: hidden_states, cos, sin, qkv_weight share one, the norm
         # weights theirs): new_empty skips torch.empty's dtype and device arguments
         (_, _, _, hs, cos, sin, W, wq, wk) = args[:9]
-        (_, s_x), (_, s_cos), (_, s_sin), (_, s_w), (_, s_qw), (_, s_kw) = ((sh, dt) for _, sh, dt in self.out_specs)
+        s_x, s_cos, s_sin, s_w, s_qw, s_kw = (shape for _, shape, _ in self.out_specs)
         return (hs.new_empty(s_x), cos.new_empty(s_cos), sin.new_empty(s_sin), W.new_empty(s_w), wq.new_empty(s_qw),
                 wk.new_empty(s_kw))
 
