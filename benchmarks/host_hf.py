@@ -12,7 +12,9 @@ Measured per stack, interleaved round by round (the host's speed drifts), median
 * attention forward per step: the host time spent inside the attention modules' ``forward``
   during a step (``perf_counter`` around it, a wrapper set on each attention module);
 * attention forward alone: one attention layer's forward (training mode, graph built, no
-  backward) on the inputs it received in a step;
+  backward) on the inputs it received in a step (the KV cache left out); for the fused stack also
+  with its kept decisions dropped before each call (the full checks every call, as before
+  session 20), interleaved with the rest;
 * (fused stack) the parts of that forward: ``projection_slots``, ``lora_operands``,
   ``slots_fp8_recipe`` (the full checks), and where the tree has it ``projection_plan`` (the
   kept decisions, fingerprint compared) and its per-call LoRA operands.
@@ -170,7 +172,12 @@ def main(argv=None) -> int:
         sync()
         return (time.perf_counter() - t0) / steps, clock.total / steps
 
-    def attn_alone(stack, n):
+    try:  # the kept decisions (session 20); absent from older trees
+        from fusedqkv.integrations.projection_plan import _PLANS
+    except ImportError:
+        _PLANS = None
+
+    def attn_alone(stack, n, drop_plan=False):
         a, kw = captured[stack]
         attn = attention_modules(models[stack])[0]
         with autocast:
@@ -178,6 +185,8 @@ def main(argv=None) -> int:
             sync()
             t0 = time.perf_counter()
             for _ in range(n):
+                if drop_plan:  # the full checks every call, as before plans were kept
+                    _PLANS.pop(attn, None)
                 attn(*a, **kw)
             sync()
         return (time.perf_counter() - t0) / n
@@ -214,7 +223,7 @@ def main(argv=None) -> int:
             return out
 
     samples = {s: {"step": [], "attn_in_step": [], "attn_alone": []} for s in STACKS}
-    part_samples = {}
+    part_samples, dropped = {}, []
     n_alone = 20 if cuda else 200
     for r in range(args.rounds):
         for stack in STACKS:
@@ -222,6 +231,8 @@ def main(argv=None) -> int:
             samples[stack]["step"].append(per_step)
             samples[stack]["attn_in_step"].append(in_attn)
             samples[stack]["attn_alone"].append(attn_alone(stack, n_alone))
+        if _PLANS is not None:
+            dropped.append(attn_alone("peft+fusedqkv", n_alone, drop_plan=True))
         for name, t in parts().items():
             part_samples.setdefault(name, []).append(t)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
@@ -246,6 +257,7 @@ def main(argv=None) -> int:
                         attn_forward_alone_us=med[s]["attn_alone"] * 1e6,
                         samples_step_ms=[t * 1e3 for t in samples[s]["step"]]) for s in STACKS},
         fused_parts_us={k: v * 1e6 for k, v in part_med.items()},
+        fused_attn_forward_alone_full_checks_us=statistics.median(dropped) * 1e6 if dropped else None,
         cprofile=profile,
     )
     with open(os.path.join(args.out, "host_hf.json"), "w") as f:
@@ -262,6 +274,8 @@ def main(argv=None) -> int:
         vals = [report["stacks"][s][key] for s in STACKS]
         print(f"{label:34s}" + "".join(f"{v:16.1f}" if v >= 100 else f"{v:16.2f}" for v in vals)
               + f"{vals[1] / vals[0]:12.2f}x")
+    if dropped:
+        print(f"{'  the same, full checks each call':34s}{'':16s}{report['fused_attn_forward_alone_full_checks_us']:16.1f}")
     for name, us in report["fused_parts_us"].items():
         print(f"  fused: {name + ', us':26s}{'':16s}{us:16.1f}")
     return 0
@@ -296,6 +310,11 @@ def cprofile_steps(model, ids, autocast, n: int, sync) -> str:
     st = pstats.Stats(pr, stream=s)
     s.write(f"--- cProfile, {n} steps of peft+fusedqkv \n")
     st.sort_stats("tottime").print_stats(30)
+    # (cProfile counts each resumption of a generator as a call: a loop over model.parameters()
+    # shows one "call" per parameter)
+    walks = {name: sum(v[1] for k, v in st.stats.items() if k[2] == name)
+             for name in ("parameters", "named_parameters", "named_modules", "_named_members")}
+    s.write(f"module walks in {n} steps (generator resumptions): {walks}\n")
     st.print_callers(r"\((parameters|named_parameters|named_modules|_named_members)\)")
     st.print_callers(r"method 'to' of 'torch._C.TensorBase'")
     return s.getvalue()
