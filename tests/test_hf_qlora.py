@@ -195,17 +195,24 @@ def test_8bit_projections_are_refused_by_apply_to(checkpoints):
     assert not fused_modules(m)  # nothing changed
 
 
-@pytest.mark.parametrize("what", ["dense", "hook"])
-def test_a_replaced_or_hooked_4bit_projection_is_refused(checkpoints, what):
+@pytest.mark.parametrize("after_a_forward", [False, True], ids=["first_forward", "after_a_forward"])
+@pytest.mark.parametrize("what", ["dense", "hook", "quant_state"])
+def test_a_replaced_or_hooked_4bit_projection_is_refused(checkpoints, what, after_a_forward):
     m = _load(checkpoints("qwen3"))
     fusedqkv.apply_to(m)
     attn = fused_modules(m)[0]
+    if after_a_forward:  # the decisions kept by that forward (projection_plan) are not reused
+        _logits(m, _ids(m.config.vocab_size))
     if what == "dense":
         attn._modules["k_proj"] = nn.Linear(attn.k_proj.in_features, attn.k_proj.out_features)
         match = r"k_proj is a torch\.nn\.modules\.linear\.Linear; this attention was fused over bitsandbytes 4-bit"
-    else:
+    elif what == "hook":
         attn.v_proj.register_forward_hook(lambda *a: None)
         match = r"v_proj has a forward hook"
+    else:  # its quantization state lost (checked every call: the plan does not hold it)
+        attn.q_proj.weight.quant_state = None
+        attn.q_proj.__dict__.pop("quant_state", None)
+        match = r"q_proj \(Linear4bit\) has no quantization state"
     with pytest.raises(UnsupportedModuleError, match=match):
         m(input_ids=_ids(m.config.vocab_size))
 

@@ -82,13 +82,15 @@ class ProjectionRows(nn.Linear):
         start, stop = self.rows
         cached = self._views.get(name)
         if cached is not None:
-            owner, ptr, view = cached
-            if owner is src and ptr == src.data_ptr() and view.data_ptr() == self._row_ptr(src):
+            owner, ptr, view, row_ptr = cached
+            if owner is src and ptr == src.data_ptr() and view.data_ptr() == row_ptr:
                 if view.requires_grad != src.requires_grad:
                     view.requires_grad_(src.requires_grad)
                 return view
         view = nn.Parameter(src.data[start:stop], requires_grad=src.requires_grad)
-        self._views[name] = (src, src.data_ptr(), view)
+        # (the fused parameter, its address, the view, the rows' address: the view's own until its
+        # .data is replaced)
+        self._views[name] = (src, src.data_ptr(), view, self._row_ptr(src))
         return view
 
     @property
@@ -101,12 +103,17 @@ class ProjectionRows(nn.Linear):
 
     def sync(self) -> None:
         """Copy a view whose ``.data`` was replaced back into the fused rows (and refresh it)."""
-        for name, (owner, ptr, view) in list(self._views.items()):
-            src = getattr(self.fused, name)
-            start, stop = self.rows
+        if not self._views:  # (every fused forward calls this)
+            return
+        start, stop = self.rows
+        params = self.fused._parameters  # (not Module.__getattr__: a microsecond a call)
+        for name, (owner, ptr, view, row_ptr) in list(self._views.items()):
+            src = params.get(name)
+            if src is None:
+                src = getattr(self.fused, name)
             if src is not owner or ptr != src.data_ptr():  # the fused parameter moved: the view is stale
                 del self._views[name]
-            elif view.data_ptr() != self._row_ptr(src):
+            elif view.data_ptr() != row_ptr:
                 if tuple(view.shape) != (stop - start, *src.shape[1:]):
                     raise UnsupportedModuleError(
                         f"fusedqkv: rows {start}:{stop} of qkv_proj.{name} were replaced by a tensor of shape "

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..ops.lora import LoRAUpdate
+from ..ops.lora import LoRALayout, LoRAUpdate
 from .fused_projection import UnsupportedModuleError
 
 
@@ -96,20 +96,37 @@ def lora_operands(hidden_states: torch.Tensor, slots: list, rows: tuple, n_tot: 
     """``(qkv_residual, qkv_lora)`` for :func:`fusedqkv.gqa_qkv_rope_qk_norm`: ``(None, LoRAUpdate)``
     where the in-place op applies (see the module's docstring), ``(residual, None)`` where not,
     ``(None, None)`` when no adapter applies. ``inplace=False``: the residual always."""
-    pairs = _pairs(slots, rows)
-    if not pairs:
-        return None, None
-    dt = _block_dtype(hidden_states)
-    adapter_dt = pairs[0][3].weight.dtype
-    compute_dt = dt if torch.is_autocast_enabled(hidden_states.device.type) else adapter_dt
-    if (not inplace or torch.compiler.is_compiling() or compute_dt != dt
-            or any(p[4].bias is not None for p in pairs)):
-        return _residual(hidden_states, pairs, n_tot), None
-    shared = [p for p in pairs if not _live(p[6])]
-    own = [p for p in pairs if _live(p[6])]
-    xds = [p[6](hidden_states) for p in own]  # PEFT's masks, in its order (q, k, v; adapters)
-    ops = [(p[0], p[1], p[3].weight, p[4].weight, p[5], i < len(shared)) for i, p in enumerate(shared + own)]
-    return None, LoRAUpdate(ops, xds, n_tot, dt)
+    return LoRAOperands(_pairs(slots, rows), n_tot)(hidden_states, inplace)
+
+
+class LoRAOperands:
+    """:func:`lora_operands` for one set of adapter pairs (:func:`_pairs`' result, read from PEFT's
+    state): what follows from the pairs alone (their dtype, ``lora_bias``, which dropouts are live,
+    the :class:`~fusedqkv.ops.lora.LoRALayout`) decided once; the call decides the rest (the
+    block's dtype, autocast, compiling) and runs the live dropouts. Kept by
+    :mod:`fusedqkv.integrations.projection_plan` while PEFT's state stays the same."""
+
+    def __init__(self, pairs: list, n_tot: int):
+        self.pairs, self.n_tot = pairs, n_tot
+        if not pairs:
+            return
+        self.adapter_dtype = pairs[0][3].weight.dtype
+        self.lora_bias = any(p[4].bias is not None for p in pairs)
+        shared = [p for p in pairs if not _live(p[6])]
+        self.own = [p for p in pairs if _live(p[6])]
+        ops = [(p[0], p[1], p[3].weight, p[4].weight, p[5], i < len(shared))
+               for i, p in enumerate(shared + self.own)]
+        self.layout = LoRALayout(ops, n_tot)
+
+    def __call__(self, hidden_states: torch.Tensor, inplace: bool = True) -> tuple:
+        if not self.pairs:
+            return None, None
+        dt = _block_dtype(hidden_states)
+        compute_dt = dt if torch.is_autocast_enabled(hidden_states.device.type) else self.adapter_dtype
+        if not inplace or torch.compiler.is_compiling() or compute_dt != dt or self.lora_bias:
+            return _residual(hidden_states, self.pairs, self.n_tot), None
+        xds = [p[6](hidden_states) for p in self.own]  # PEFT's masks, in its order (q, k, v; adapters)
+        return None, LoRAUpdate.of_layout(self.layout, xds, dt)
 
 
 def lora_residual(hidden_states: torch.Tensor, slots: list, rows: tuple, n_tot: int) -> Optional[torch.Tensor]:

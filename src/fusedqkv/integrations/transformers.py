@@ -44,8 +44,8 @@ from torch.nn import functional as F
 from ..autograd import gqa_qkv_rope_qk_norm
 from ..ops.fp8 import check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config
 from .fused_projection import (FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _is_float8_linear,
-                               projection_slots, slots_fp8_recipe, unwrap_lora)
-from .peft import lora_operands
+                               unwrap_lora)
+from .projection_plan import projection_plan
 from . import qlora
 from ..ops.validation import ALL_HEADS_MAX_HEAD_DIM as _ALL_HEADS_MAX_HEAD_DIM, MAX_HEAD_DIM as _MAX_HEAD_DIM
 
@@ -341,8 +341,10 @@ class _FusedAttention:
             # activation dtype (under autocast the block casts them itself)
             cos, sin = cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
         # what sits in q/k/v_proj's places: the rows apply_to left, or PEFT LoRA layers over them
-        # (anything else raises: it would be bypassed)
-        slots = projection_slots(self, spec.projs, spec.quantized)
+        # (anything else raises: it would be bypassed), which adapters apply, the FP8 recipe; kept
+        # while the modules and PEFT's state stay the same (projection_plan)
+        plan = projection_plan(self, spec)
+        slots = plan.slots
         source = None
         if spec.quantized:
             # the fused weight dequantized into one workspace per call, rebuilt again by the backward
@@ -353,14 +355,12 @@ class _FusedAttention:
             w, b = source(), qlora.fused_bias(bases, dt)
             if torch.compiler.is_compiling():
                 source = None
-            n_rows = sum(spec.split)
         else:
             proj = self.qkv_proj
             w, b = proj.weight, proj.bias
-            n_rows = w.shape[0]
         # the adapters inside the block (in place), or as a residual of the projection output
-        residual, lora = lora_operands(hidden_states, slots, spec.split, n_rows, inplace=not spec.k_eq_v)
-        fp8 = slots_fp8_recipe(self, slots, spec.block_kwargs.get("fp8"))
+        residual, lora = plan.lora(hidden_states, inplace=not spec.k_eq_v)
+        fp8 = plan.fp8
         # (k_eq_v: rows [Q | K], the block takes v from the k projection: its k_eq_v in block_kwargs)
         if arch.norm_weight:
             wq, wk = getattr(self, arch.q_norm).weight, getattr(self, arch.k_norm).weight

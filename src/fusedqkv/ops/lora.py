@@ -13,9 +13,11 @@ their input is x) first, then one per live dropout (input ``xd_i``, PEFT's own m
   ``dB_i = s_i dQKV[:, rows_i]^T U_i``; ``dA_shared = dU_shared^T x`` (split per pair: views);
   ``dA_i = dU_i^T xd_i``; ``dX += dU_shared A_shared`` in place; ``dxd_i = dU_i A_i``.
 
-B is used as the parameter it is (no layout per call). Nothing is kept between calls: a cache
-keyed by ``_version`` would go stale under fused optimizers (``torch._fused_adamw_``, the HF
-Trainer's default, updates parameters without bumping their version).
+B is used as the parameter it is (no layout per call), each adapter cast to the block's dtype
+once per call (the backward reuses the forward's casts). Nothing computed from the adapters'
+values is kept between calls: a cache keyed by ``_version`` would go stale under fused optimizers
+(``torch._fused_adamw_``, the HF Trainer's default, updates parameters without bumping their
+version); only which parameters, in which layout (:class:`LoRALayout`), may be.
 """
 
 from __future__ import annotations
@@ -32,25 +34,49 @@ def _into(out: Tensor, a: Tensor, b: Tensor, alpha: float) -> None:
     torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
 
 
-class LoRAUpdate:
-    """One call's adapters: ``pairs`` ``[(row, rows, A, B, scaling, shared)]`` (A, B the
-    parameters: ``[r, hidden]``, ``[rows, r]``), the shared ones first; ``xds`` the inputs of the
-    live-dropout pairs, in order; ``n_tot`` the fused rows; ``dtype`` the block's (every GEMM's:
-    the adapters are cast to it where autocast runs them in it)."""
+class LoRALayout:
+    """What a :class:`LoRAUpdate` needs of its adapters beyond one call's inputs: ``pairs``
+    ``[(row, rows, A, B, scaling, shared)]`` (A, B the parameters), the shared ones first, and the
+    column of each pair's rank in U. Built once per set of adapters where the caller can tell that
+    they did not change (:mod:`fusedqkv.integrations.projection_plan`), else per call."""
 
-    def __init__(self, pairs: list, xds: list, n_tot: int, dtype: torch.dtype):
-        self.pairs, self.xds, self.n_tot, self.dtype = pairs, xds, n_tot, dtype
+    def __init__(self, pairs: list, n_tot: int):
+        self.pairs, self.n_tot = pairs, n_tot
         self.n_shared = sum(1 for p in pairs if p[5])
         self.ranks = [p[2].shape[0] for p in pairs]
         self.cols = [sum(self.ranks[:i]) for i in range(len(pairs))]
         self.r_shared = sum(self.ranks[:self.n_shared])
         self.device = pairs[0][2].device
-        self.u = self.a_shared = None
+        self.weights = [p[2] for p in pairs] + [p[3] for p in pairs]
+
+
+class LoRAUpdate:
+    """One call's adapters: ``pairs`` ``[(row, rows, A, B, scaling, shared)]`` (A, B the
+    parameters: ``[r, hidden]``, ``[rows, r]``), the shared ones first; ``xds`` the inputs of the
+    live-dropout pairs, in order; ``n_tot`` the fused rows; ``dtype`` the block's (every GEMM's:
+    the adapters are cast to it where autocast runs them in it). :meth:`of_layout` builds one
+    from a kept :class:`LoRALayout`."""
+
+    def __init__(self, pairs: list, xds: list, n_tot: int, dtype: torch.dtype):
+        self._set(LoRALayout(pairs, n_tot), xds, dtype)
+
+    @classmethod
+    def of_layout(cls, layout: LoRALayout, xds: list, dtype: torch.dtype) -> "LoRAUpdate":
+        update = cls.__new__(cls)
+        update._set(layout, xds, dtype)
+        return update
+
+    def _set(self, layout: LoRALayout, xds: list, dtype: torch.dtype) -> None:
+        self.layout, self.xds, self.dtype = layout, xds, dtype
+        self.pairs, self.n_tot, self.n_shared = layout.pairs, layout.n_tot, layout.n_shared
+        self.ranks, self.cols, self.r_shared, self.device = layout.ranks, layout.cols, layout.r_shared, layout.device
+        # the forward's casts, kept for the backward (one cast of each adapter per call)
+        self.u = self.a_shared = self.bs = self.a_own = None
 
     @property
     def params(self) -> list:
         """The op's differentiable inputs: every A, every B, then the dropout inputs."""
-        return [p[2] for p in self.pairs] + [p[3] for p in self.pairs] + list(self.xds)
+        return self.layout.weights + list(self.xds)
 
     def _w(self, t: Tensor) -> Tensor:
         t = t.detach()
@@ -61,25 +87,32 @@ class LoRAUpdate:
         m = qkv2d.shape[0]
         us = []
         if self.n_shared:
-            shared = [self._w(p[2]) for p in self.pairs[:self.n_shared]]
-            self.a_shared = shared[0] if len(shared) == 1 else torch.cat(shared)
+            shared = [p[2].detach() for p in self.pairs[:self.n_shared]]
+            # concatenated, then cast once (the same values as cast one by one)
+            self.a_shared = self._w(shared[0] if len(shared) == 1 else torch.cat(shared))
             us.append(x2d @ self.a_shared.t())
-        for (_, _, A, _, _, _), xd in zip(self.pairs[self.n_shared:], self.xds):
-            us.append(self._w(xd).reshape(m, -1) @ self._w(A).t())
+        self.a_own = [self._w(p[2]) for p in self.pairs[self.n_shared:]]
+        for a, xd in zip(self.a_own, self.xds):
+            us.append(self._w(xd).reshape(m, -1) @ a.t())
         self.u = u = us[0] if len(us) == 1 else torch.cat(us, 1)
-        for (row, rows, _, B, s, _), c, r in zip(self.pairs, self.cols, self.ranks):
-            qkv2d[:, row:row + rows].addmm_(u[:, c:c + r], self._w(B).t(), alpha=s)
+        self.bs = [self._w(p[3]) for p in self.pairs]
+        for (row, rows, _, _, s, _), b, c, r in zip(self.pairs, self.bs, self.cols, self.ranks):
+            qkv2d[:, row:row + rows].addmm_(u[:, c:c + r], b.t(), alpha=s)
 
     def backward(self, dqkv2d: Tensor, g_x2d: Optional[Tensor], x2d: Tensor, needs: list) -> list:
         """Gradients of :attr:`params` (None where ``needs`` says not needed); ``g_x2d += dU_shared
         A_shared`` in place when given."""
-        u, n, m = self.u, len(self.pairs), dqkv2d.shape[0]
+        u, n, m, bs = self.u, len(self.pairs), dqkv2d.shape[0], self.bs
         du = torch.empty((m, u.shape[1]), dtype=self.dtype, device=dqkv2d.device)
-        for (row, rows, _, B, s, _), c, r in zip(self.pairs, self.cols, self.ranks):
-            _into(du[:, c:c + r], dqkv2d[:, row:row + rows], self._w(B), s)
+        for (row, rows, _, _, s, _), b, c, r in zip(self.pairs, bs, self.cols, self.ranks):
+            _into(du[:, c:c + r], dqkv2d[:, row:row + rows], b, s)
         grads: list = [None] * (2 * n + len(self.xds))
         if self.n_shared and any(needs[:self.n_shared]):
             da = du[:, :self.r_shared].t() @ x2d
+            a_dtypes = {p[2].dtype for p in self.pairs[:self.n_shared]}
+            if len(a_dtypes) == 1:  # one cast for all shared A (their rows are views of it)
+                a_dtype = a_dtypes.pop()
+                da = da if da.dtype == a_dtype else da.to(a_dtype)
         for i, ((row, rows, A, B, s, shared), c, r) in enumerate(zip(self.pairs, self.cols, self.ranks)):
             if needs[n + i]:
                 db = torch.empty((rows, r), dtype=self.dtype, device=dqkv2d.device)
@@ -93,10 +126,10 @@ class LoRAUpdate:
                 grads[i] = g if g.dtype == A.dtype else g.to(A.dtype)
         if g_x2d is not None and self.n_shared:
             g_x2d.addmm_(du[:, :self.r_shared], self.a_shared)
-        for j, ((_, _, A, _, _, _), xd) in enumerate(zip(self.pairs[self.n_shared:], self.xds)):
+        for j, (a, xd) in enumerate(zip(self.a_own, self.xds)):
             if needs[2 * n + j]:
                 c, r = self.cols[self.n_shared + j], self.ranks[self.n_shared + j]
-                g = (du[:, c:c + r] @ self._w(A)).view(xd.shape)
+                g = (du[:, c:c + r] @ a).view(xd.shape)
                 grads[2 * n + j] = g if g.dtype == xd.dtype else g.to(xd.dtype)
-        self.u = self.a_shared = None
+        self.u = self.a_shared = self.bs = self.a_own = None
         return grads

@@ -1,0 +1,158 @@
+"""What a fused forward computes with, decided once per state of the modules in the projection's place.
+
+Every fused forward asks what sits in q/k/v_proj's places (:func:`~.fused_projection.projection_slots`:
+the rows modules apply_to left, PEFT LoRA layers over them, anything else refused), which of
+PEFT's adapters apply and how (:class:`~.peft.LoRAOperands`), and the FP8 recipe
+(:func:`~.fused_projection.slots_fp8_recipe`): ~100 module attribute reads a layer, tens of
+microseconds of host time per layer per step, for an answer that changes only when the model is
+changed. :func:`projection_plan` keeps that answer per attention module with a fingerprint of
+everything those decisions read, and reuses it while a new fingerprint is equal:
+
+* the module in each place (``qkv_proj``, each of q/k/v_proj, the ``base_layer`` under a PEFT
+  LoRA layer, the fused projection a rows module reads) by identity, and its class;
+* each such module's forward hooks and pre-hooks (how many) and whether ``forward`` was set on it;
+* per PEFT LoRA layer: ``disable_adapters``, ``merged``, the active adapters; per active adapter
+  its A, B and dropout modules, A's and B's weight parameters (identity, dtype; A's rank and
+  device) and B's bias, the scaling, ``use_dora``, the LoRA variant, and the dropout's class,
+  ``training`` and ``p``.
+
+Any change to these gives a new fingerprint, so the full checks run again at the first forward
+after it and raise there as they did before anything was kept. The decisions never read the
+weights' values; what depends on tensor state runs every call: :meth:`ProjectionRows.sync` (a
+replaced ``.data``), bitsandbytes' quantization state (:func:`~.qlora.check_4bit`). Not kept:
+torchao ``Float8Linear`` slots (their check reads where the weights' storage is) and anything
+under ``torch.compile`` (traced as before).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+from torch import nn
+
+from .fused_projection import (ProjectionRows, UnsupportedModuleError, _is_float8_linear, projection_slots,
+                               slots_fp8_recipe)
+from .peft import LoRAOperands, _pairs
+
+# attention module -> its ProjectionPlan (weak: a plan never keeps a model alive, and is neither
+# pickled nor deep-copied with it)
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class ProjectionPlan:
+    """One state's answer: ``slots`` (:func:`projection_slots`' list), ``lora``
+    (:class:`LoRAOperands`), ``fp8`` (the recipe), and ``key`` (the fingerprint it holds for;
+    None: not kept)."""
+
+    def __init__(self, attn, spec):
+        self.slots = projection_slots(attn, spec.projs, spec.quantized)  # raises on anything unsupported
+        n_rows = sum(spec.split)
+        self.lora = LoRAOperands(_pairs(self.slots, spec.split), n_rows)
+        self.fp8 = slots_fp8_recipe(attn, self.slots, spec.block_kwargs.get("fp8"))
+        self.quantized = spec.quantized
+        self.where = type(attn).__name__
+        self.rows = [m for _, m, _ in self.slots if type(m) is ProjectionRows]
+        self.key = None
+        # the parameters whose id() is in the key stay alive with the plan (no id reused meanwhile)
+        self.kept = [w for p in self.lora.pairs for w in (p[3].weight, p[4].weight)]
+
+    def per_call(self) -> None:
+        """What the fingerprint does not cover, on a kept plan: the rows' replaced ``.data``, the
+        4-bit layers' quantization state."""
+        for m in self.rows:
+            m.sync()
+        if self.quantized:
+            from .qlora import check_4bit
+
+            for name, m, _ in self.slots:
+                check_4bit(f"{self.where}.{name}", m, m.in_features, UnsupportedModuleError)
+
+
+def projection_plan(attn, spec) -> ProjectionPlan:
+    """The :class:`ProjectionPlan` of a fused attention's forward now (kept while its fingerprint
+    holds; the full checks, and their errors, otherwise)."""
+    if torch.compiler.is_compiling():
+        return ProjectionPlan(attn, spec)
+    key = _fingerprint(attn, spec.projs)
+    plan = _PLANS.get(attn)
+    if plan is not None and key is not None and plan.key == key:
+        plan.per_call()
+        return plan
+    plan = ProjectionPlan(attn, spec)
+    if key is not None and not any(_is_float8_linear(m) for _, m, _ in plan.slots):
+        plan.key = key
+        _PLANS[attn] = plan
+    else:
+        _PLANS.pop(attn, None)
+    return plan
+
+
+def _lora_classes() -> tuple:
+    # the classes unwrap_lora takes (PEFT is imported wherever one exists)
+    out = []
+    for module, cls in (("peft.tuners.lora.layer", "Linear"), ("peft.tuners.lora.bnb", "Linear4bit")):
+        mod = sys.modules.get(module)
+        c = getattr(mod, cls, None) if mod is not None else None
+        if c is not None:
+            out.append(c)
+    return tuple(out)
+
+
+def _fingerprint(attn, projs: tuple):
+    """Everything the plan's decisions read (the module docstring lists it), as one flat tuple
+    compared with ``==`` (modules by identity; parameters by ``id``, kept alive by the plan);
+    None where a place holds no module (the full checks name it). One function, locals only: it
+    runs every forward of every layer."""
+    mods = attn._modules
+    fused = mods.get("qkv_proj")
+    key = []
+    add = key.extend
+    if isinstance(fused, nn.Module):
+        add((fused, type(fused), len(fused._forward_hooks), len(fused._forward_pre_hooks),
+             "forward" in fused.__dict__))
+    else:
+        key.append(fused)
+    lora_classes = _lora_classes()
+    for name in projs:
+        slot = mods.get(name)
+        if not isinstance(slot, nn.Module):
+            return None
+        cls = type(slot)
+        add((slot, cls, len(slot._forward_hooks), len(slot._forward_pre_hooks), "forward" in slot.__dict__))
+        if cls not in lora_classes:
+            key.append(slot.__dict__.get("fused"))
+            continue
+        lora, children = slot, slot._modules
+        base = children.get("base_layer")
+        if not isinstance(base, nn.Module):
+            return None
+        add((base, type(base), len(base._forward_hooks), len(base._forward_pre_hooks), "forward" in base.__dict__,
+             base.__dict__.get("fused")))
+        # what peft._adapters and LoRAOperands read of the LoRA layer
+        disabled, merged = lora.disable_adapters, lora.merged
+        add((disabled, merged))
+        if disabled or merged:  # no adapter applies (disabled and merged: the full path unmerges)
+            continue
+        active = tuple(lora.active_adapters)
+        key.append(active)
+        a_dict, b_dict, drop_dict = children.get("lora_A"), children.get("lora_B"), children.get("lora_dropout")
+        if not (isinstance(a_dict, nn.Module) and isinstance(b_dict, nn.Module) and isinstance(drop_dict, nn.Module)):
+            return None
+        scaling, use_dora, variants = lora.scaling, lora.use_dora, getattr(lora, "lora_variant", None) or {}
+        for a in active:
+            A = a_dict._modules.get(a)
+            if A is None:  # not an adapter of this layer: skipped
+                key.append(None)
+                continue
+            B, drop = b_dict._modules.get(a), drop_dict._modules.get(a)
+            if B is None or drop is None:
+                return None
+            wa, wb = A._parameters.get("weight"), B._parameters.get("weight")
+            if not (isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor)):
+                return None
+            add((A, B, id(wa), id(wb), wa.dtype, wb.dtype, wa.shape[0], wa.device, B._parameters.get("bias") is None,
+                 scaling.get(a), bool(use_dora.get(a, False)), variants.get(a) is None,
+                 drop, type(drop), drop.training, drop.__dict__.get("p")))
+    return tuple(key)
