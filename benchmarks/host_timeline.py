@@ -100,25 +100,30 @@ def timeline(step, calls: int) -> dict:
     return {name: statistics.median(v) for name, v in samples.items() if v}
 
 
-def profile_text(step, n: int, title: str) -> str:
-    """cProfile of ``n`` calls of ``step``: top functions by own time and by cumulative time."""
+def profile_text(step, n: int, title: str, chunk: int = 20) -> str:
+    """cProfile of ``n`` calls of ``step`` in chunks of ``chunk``, each behind a GPU sleep long
+    enough for it and synchronised after (so the launch queue never fills: a full queue makes a
+    launch wait, and the profile would show the wait): top functions by own and cumulative time,
+    and the callers of the costliest."""
     import cProfile
     import io
     import pstats
 
     pr = cProfile.Profile()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9 * 5e-3 * n))
-    pr.enable()
-    for _ in range(n):
-        step()
-    pr.disable()
+    for _ in range(n // chunk):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9 * 5e-3 * chunk))
+        pr.enable()
+        for _ in range(chunk):
+            step()
+        pr.disable()
     torch.cuda.synchronize()
     s = io.StringIO()
     st = pstats.Stats(pr, stream=s)
     s.write(f"\n==== cProfile: {title}, {n} calls ====\n")
     st.sort_stats("tottime").print_stats(30)
     st.sort_stats("cumulative").print_stats(45)
+    st.sort_stats("tottime").print_callers(8)
     return s.getvalue()
 
 
@@ -163,7 +168,7 @@ def hf_lora_host(layers: int, tokens: int, cprofile: bool) -> dict:
             torch.cuda.synchronize()
         out[label] = statistics.median(got)
         if cprofile and "fusedqkv" in label:
-            print(profile_text(step, 10, f"HF step, {label}, {layers} layers"))
+            print(profile_text(step, 10, f"HF step, {label}, {layers} layers", chunk=2))
         del model
         torch.cuda.empty_cache()
     return out
@@ -222,7 +227,7 @@ def main() -> int:
                 step()
             rows[f"{label}, {position}"] = timeline(step, args.calls)
         if args.cprofile and position == "before_rope":
-            print(profile_text(fused_step, 200, f"fused fwd+bwd, {position}, T={T}"))
+            print(profile_text(fused_step, 400, f"fused fwd+bwd, {position}, T={T}"))
     hf = hf_lora_host(args.hf_lora, T, args.cprofile) if args.hf_lora else None
     with open(os.path.join(args.out, "host_timeline.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "tokens": T, "rows": rows, "hf_lora": hf}, f, indent=1)
