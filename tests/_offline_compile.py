@@ -94,14 +94,19 @@ H200_SMS = 132
 TARGETS = (80, 90, 100, 120)
 # the Triton products (TMA + programmatic dependent launch) run on Hopper and datacenter Blackwell
 PRODUCT_TARGETS = (90, 100)
-# The pairwise covers of the stage, forward and finish families: on the product targets through
-# Triton's target passes to TritonGPU IR (layouts, pipelining, the TMA lowering: where a target refuses
-# a configuration), on the others the front end to Triton IR; neither runs LLVM and ptxas (~55 % of a
-# compile), which follow the tiles and dtypes rather than the constexpr pairs: the launchers' corners
-# of each family (corner_jobs: the widest dtype at the largest head dim, the odd head dim, head_dim 2,
-# a variant, the TMA tiles) go to cubins on every target. (Every cover row to a cubin cost ~800 s of
-# CPU on an AVX2-only 2-core host: NOTES, session 18.)
-COVER_LEVELS = {80: "ttir", 90: "ttgir", 100: "ttgir", 120: "ttir"}
+# The pairwise covers of the stage, forward and finish families: on sm_90 through Triton's target passes
+# to TritonGPU IR (layouts, pipelining, the TMA lowering: where a target refuses a configuration), on the
+# others the front end to Triton IR; neither runs LLVM and ptxas (~55 % of a compile), which follow the
+# tiles and dtypes rather than the constexpr pairs: the launchers' corners of each family (corner_jobs:
+# the widest dtype at the largest head dim, the odd head dim, head_dim 2, a variant, the TMA tiles) go
+# to cubins on the product targets, and so through sm_100a's target passes too (every stage layout,
+# both TMA ones included, every dtype, the 091 and training modes). (Every cover row to a cubin cost
+# ~800 s of CPU on an AVX2-only 2-core host: NOTES, session 18; sm_100a's covers to TritonGPU IR ~30 s
+# more: session 20.)
+COVER_LEVELS = {80: "ttir", 90: "ttgir", 100: "ttir", 120: "ttir"}
+# On sm_80 and sm_120a (no Triton products) the corners but one per family stop at TritonGPU IR: a cubin
+# per family and target shows their LLVM and ptxas; the stage's is 091's (named_jobs)
+CORNER_CUBIN = {"forward": "d256"}
 
 
 def _p2(n: int) -> int:
@@ -521,9 +526,10 @@ def gemm_jobs() -> list:
     jobs.append(_gemm_job("bf16", True, True, True, "one", "div16", norm_fp32=True, RC=16))  # a smaller chunk
     jobs.append(_gemm_job("fp16", True, False, False, "one", "plain", STAGES=4))  # a shallower ring
     # under the Triton this process imports (outside the Gluon gate: an early warning of Gluon's API moving;
-    # the kernel's TMA names follow the release)
+    # the kernel's TMA names follow the release), to TritonGPU IR: Gluon's front end, where a renamed or
+    # removed name fails (the cubins, their shared memory and spills, are the pinned Triton's above)
     for fuse in (True, False):
-        jobs.append(_gemm_job("bf16", fuse, True, True, "one", "div16", triton=None))
+        jobs.append(_gemm_job("bf16", fuse, True, True, "one", "div16", triton=None, level="ttgir"))
     return jobs
 
 
@@ -609,10 +615,11 @@ def _covers(jobs: list) -> list:
 
 
 def corner_jobs() -> list:
-    """Per target, each cover family at the launchers' corners, to cubins (see COVER_LEVELS)."""
+    """Per target, each cover family at the launchers' corners, to cubins on the product targets and
+    on the others one per family (CORNER_CUBIN; see COVER_LEVELS)."""
     jobs = []
     for cc in TARGETS:
-        jobs += [
+        corners = [
             _stage_job(cc, "train_before", "group16", 256, "fp32", (24, 24), "plain"),
             _stage_job(cc, "train_after_nocs", "all8", 80, "fp16", (1, 1), "i64"),
             _stage_job(cc, "091_finish_outside", "group8", 2, "bf16", (32, 8), "div16"),
@@ -624,10 +631,23 @@ def corner_jobs() -> list:
             _finish_job(cc, 256, "fp32", "plain"), _finish_job(cc, 2, "bf16", "i64"),
             _finish_cols_job(cc, "fp32", "plain"),
         ]
+        if cc not in PRODUCT_TARGETS:
+            corners = [_corner_level(j) for j in corners]
+        jobs += corners
         if cc in PRODUCT_TARGETS:  # the TMA tiles
             jobs += [_stage_job(cc, "train_after", "all8_tma", 256, "fp32", (32, 8), "div16"),
                      _stage_job(cc, "091", "group16_tma", 128, "bf16", (24, 24), "plain")]
     return jobs
+
+
+def _corner_level(job: dict) -> dict:
+    """A corner on a target without the Triton products: to TritonGPU IR, but for one cubin per family
+    (the stage's is 091's in named_jobs, the forward's CORNER_CUBIN; the other families' corners stay
+    cubins: the finishes' take tenths of a second, the all-heads stage has one)."""
+    family = job["label"].split()[0]
+    if family == "stage" or (family in CORNER_CUBIN and f" {CORNER_CUBIN[family]} " not in job["label"]):
+        return dict(job, level="ttgir", label=f"{job['label']} to-ttgir")
+    return job
 
 
 def full_jobs() -> list:

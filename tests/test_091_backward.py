@@ -53,11 +53,13 @@ INTERP_SHAPES = [
     (1, 8, 2, 9, 128),
     (2, 6, 3, 3, 32),
     (1, 2, 1, 3, 256),
-    # 12 programs of 8 tokens (the interpreter's 4 "SMs")
-    (1, 2, 1, 90, 32),
+    # several token blocks (17 of 4 tokens at the launcher's choice, the last one ragged), and 33 of 2
+    # tokens: one more than the fused finish's 32 super rows (a second, partial one)
+    (1, 2, 1, 66, 32),
     # head_dim 512 (Gemma 4's global layers): 4-token blocks, finishes of 16 rows per step
     (1, 2, 1, 3, 512),
 ]
+S1, S7, B3, KV1, D128, H6KV3, D256, LONG, D512 = range(len(INTERP_SHAPES))
 
 
 # launch configurations (tokens per block, heads per step, head steps in flight, heads per group
@@ -73,19 +75,27 @@ def _shape_id(s):
     return "b{}_h{}_kv{}_s{}_d{}".format(*s)
 
 
-KERNEL_CASES = [("fused", "auto"), ("fused_small_runs", "auto"), ("kernel", "auto")] + \
-    [("fused", c) for c in STAGE_CONFIGS] + [("fused_small_runs", "grouped_2heads")]
-# 90 tokens: the launcher's own choice (8-token blocks with every head, 12 programs) with each finish,
-# and the forced layouts that give more programs than the default SUPER rows (32: the fused finish
-# over several super rows) or blocks of every head: 2-token blocks in groups (45 programs) and
-# 4-token blocks. 1-token blocks (90 programs) added no path: they run on the other shapes, with
-# both finishes (super rows of 2 programs there).
-LONG_SHAPE_CASES = [c for c in KERNEL_CASES if c[1] != "grouped_2heads"]
+# (finish, launch configuration) -> the shapes it runs on. The launcher's own choice with the fused
+# finish runs on every shape; each other case on the shapes where its path shows -- the long shape
+# (several programs, several super rows), head_dim 512 (16-row finishes), one KV head and 6/3 heads
+# (uneven groups), seq 1 -- and not on every shape again (each case in the interpreter costs ~1 s of CPU:
+# the same kernel specialisation at another size adds no path).
+KERNEL_CASES = {
+    ("fused", "auto"): range(len(INTERP_SHAPES)),
+    ("kernel", "auto"): (LONG, D512, KV1, H6KV3),  # the separate finish kernel
+    # runs of 2 programs: both levels of the fused norm-weight reduction, the second one over several
+    # tiles of super rows once there are more than 4 programs
+    ("fused_small_runs", "auto"): (LONG, D128, B3),
+    ("fused", "grouped_2heads"): (S1, S7, KV1, H6KV3, D512),  # several query and key groups
+    ("fused_small_runs", "grouped_2heads"): (S1, S7, H6KV3, D512),  # 1-token blocks: many programs
+    ("fused", "grouped_2x2"): (LONG, S1, KV1, D512),  # on the long shape: 33 programs, 2 super rows
+    ("fused", "all_heads_4tokens"): (LONG, S1, H6KV3, D512),
+}
 
 
 @pytest.mark.parametrize("shape,finish,config_name", [
-    pytest.param(shape, finish, config_name, id=f"{_shape_id(shape)}-{finish}-{config_name}")
-    for shape in INTERP_SHAPES for finish, config_name in (LONG_SHAPE_CASES if shape[3] == 90 else KERNEL_CASES)])
+    pytest.param(INTERP_SHAPES[i], finish, config_name, id=f"{_shape_id(INTERP_SHAPES[i])}-{finish}-{config_name}")
+    for (finish, config_name), shapes in KERNEL_CASES.items() for i in shapes])
 def test_triton_kernel_bit_equals_cpu_path(shape, finish, config_name):
     # the stage kernel, then torch.mm (the Triton products: below)
     changes = dict(fused_finish=finish != "kernel")
@@ -123,13 +133,18 @@ def _last_plan():
     return backward_091.PLANS.last()
 
 
-# pairwise: every shape with both products and both finishes, and each product with each finish
-# (on every other shape)
+# each product with each finish on two shapes or more, both products on seq 1 (one token: a single
+# tile row) and on the long shape (several tiles per program), one of them on every other shape: the
+# products see a shape as its token count, qkv width and the finish's head_dim
 PRODUCT_CASES = [
-    pytest.param(shape, products, finish, id=f"{_shape_id(shape)}-{products}-{finish}")
-    for i, shape in enumerate(INTERP_SHAPES)
-    for products, finish in ((("pdl_chain", "finish_in_dw"), ("hybrid", "finish_in_stage")) if i % 2 == 0
-                             else (("pdl_chain", "finish_in_stage"), ("hybrid", "finish_in_dw")))]
+    pytest.param(INTERP_SHAPES[i], products, finish, id=f"{_shape_id(INTERP_SHAPES[i])}-{products}-{finish}")
+    for i, products, finish in (
+        (S1, "pdl_chain", "finish_in_dw"), (S1, "hybrid", "finish_in_stage"),
+        (LONG, "pdl_chain", "finish_in_stage"), (LONG, "hybrid", "finish_in_dw"),
+        (S7, "pdl_chain", "finish_in_stage"), (B3, "pdl_chain", "finish_in_dw"),
+        (KV1, "hybrid", "finish_in_dw"), (D128, "hybrid", "finish_in_stage"),
+        (H6KV3, "pdl_chain", "finish_in_stage"), (D256, "pdl_chain", "finish_in_dw"),
+        (D512, "pdl_chain", "finish_in_dw"))]
 
 
 @pytest.mark.parametrize("shape,products,finish", PRODUCT_CASES)

@@ -12,7 +12,9 @@ import fusedqkv
 from _oracle import make_inputs
 
 bw = fusedqkv.gqa_qkv_rope_qk_norm_backward
-REPEATS = 3
+# calls after the first, each after another shape and with the same destinations: the second already
+# finds every cache warm (plans, workspaces); the interpreter takes ~0.5 s a call
+REPEATS = {"torch": 3, "triton": 2}
 
 
 def _same(a, b):
@@ -27,7 +29,7 @@ def test_backward_repeated_calls_bitwise_identical(backend):
     first = bw(*a, backend=backend)
     first_b = bw(*b, backend=backend)
     out = tuple(torch.empty_like(t) for t in first)
-    for _ in range(REPEATS):
+    for _ in range(REPEATS[backend]):
         assert _same(bw(*a, backend=backend), first)
         assert _same(bw(*b, backend=backend), first_b)  # another shape in between
         out = bw(*a, out=out, backend=backend)  # the same destinations again
@@ -64,5 +66,5 @@ def test_forward_and_autograd_repeatable(backend):
         return [q.detach(), k.detach(), v.detach(), xx.grad, m.qkv_weight.grad, m.q_norm_weight.grad, m.k_norm_weight.grad]
 
     first = step()
-    for _ in range(REPEATS - 1):
+    for _ in range(2):  # three steps
         assert _same(step(), first)

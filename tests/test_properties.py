@@ -89,8 +89,10 @@ def test_cpu_path_matches_reference(shape, seed, dtype, rstd_3d, hf):
     assert_matches_oracle(got, oracle_backward(*_oracle_args(args)), label=str(shape))
 
 
-@settings(max_examples=10, **SETTINGS)
-@given(shape=shapes(max_tokens=48), seed=st.integers(0, 2**16), rstd_3d=st.booleans(), hf=st.booleans())
+# up to 32 tokens (several 8-token programs; longer sequences: below and tests/test_091_backward.py):
+# the interpreter's time follows the tokens
+@settings(max_examples=8, **SETTINGS)
+@given(shape=shapes(max_tokens=32), seed=st.integers(0, 2**16), rstd_3d=st.booleans(), hf=st.booleans())
 def test_triton_kernel_matches_reference(shape, seed, rstd_3d, hf):
     args = _build(shape, seed, torch.bfloat16, rstd_3d, hf)
     got = fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
