@@ -361,3 +361,48 @@ def test_exports():
     assert fusedqkv.gqa_qkv_rope_qk_norm is gqa_qkv_rope_qk_norm
     assert fusedqkv.GQAQKVRoPEQKNorm is GQAQKVRoPEQKNorm
     assert hasattr(fusedqkv, "gqa_qkv_rope_qk_norm_backward")
+
+
+def test_direct_apply_keeps_torch_semantics_where_it_steps_aside():
+    """The Functions' apply without torch's Python layer (ops.internals.autograd_apply) is the
+    public apply for a Function with setup_context, and under a functorch transform (where torch
+    refuses a Function without setup_context, as it does through the public apply); elsewhere it
+    computes the same values and gradients."""
+    from fusedqkv.ops import internals
+
+    class WithSetupContext(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    class Doubling(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, meta):
+            return x * meta
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 3, None
+
+    assert internals.autograd_apply(WithSetupContext) == WithSetupContext.apply
+    direct = internals.autograd_apply(Doubling)
+    x = torch.randn(5, dtype=torch.float64)
+    for apply in (Doubling.apply, direct):
+        with pytest.raises(RuntimeError, match="setup_context"):
+            torch.func.grad(lambda t: apply(t, 2.0).sum())(x)
+    got = []
+    for apply in (Doubling.apply, direct):
+        xr = x.clone().requires_grad_()
+        y = apply(xr, 2.0)
+        y.sum().backward()
+        got.append((y.detach(), xr.grad, y.grad_fn.name()))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]) and got[0][2] == got[1][2]
+    assert torch.equal(got[1][1], torch.full_like(x, 3.0))
