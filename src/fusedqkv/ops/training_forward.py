@@ -91,8 +91,15 @@ class ForwardPlan:
         dev = self.device
         if bound:
             stream = current_stream(dev)
-            q, k, v, rq, rk, (wq, wk, pcos, psin, prq, prk) = self._bound_call(
-                q_norm_weight, k_norm_weight, cos, sin, stream, keep_rstd, self.variant.v_norm)
+            b, s, hq, hkv, d = self.out_dims
+            q, k = token_major(b, hq, s, d, self.dtype, dev), token_major(b, hkv, s, d, self.dtype, dev)
+            v = token_major(b, hkv, s, d, self.dtype, dev) if self.variant.v_norm else None
+            rq, rk, prq, prk = self._rstd(stream, keep_rstd)
+            wq = q_norm_weight.data_ptr() if q_norm_weight is not None else 0
+            wk = k_norm_weight.data_ptr() if k_norm_weight is not None else 0
+            pcos, psin = cos.data_ptr(), sin.data_ptr()
+            if self.aligned and (wq | wk | pcos | psin) & 15:
+                raise Misaligned
             gather = self._gather or self._make_gather(STAGE_ENTRIES)
             launch.launch(None, gather([qkv.data_ptr(), wq, wk, pcos, psin, q.data_ptr(), k.data_ptr(), prq, prk,
                                         v.data_ptr() if v is not None else 0]), stream)
@@ -107,30 +114,17 @@ class ForwardPlan:
         self._gather = self.table.gather(order)
         return self._gather
 
-    def _bound_call(self, q_norm_weight, k_norm_weight, cos, sin, stream: int, keep_rstd: bool, v_norm: bool):
-        """A bound launch's outputs and the addresses it reads besides qkv's and the outputs': ``(q,
-        k, v, rstd_q, rstd_k, (q/k norm weight, cos, sin, rstd_q, rstd_k addresses))``; v None unless
-        normed; rstd None (``keep_rstd`` False, not capturing) where it goes to the stream's kept
-        scratch, which nothing reads. ``Misaligned`` where the compiled kernel assumed 16-byte
-        aligned cos/sin and norm weights (the JIT specialised on them) and this call's are not."""
-        b, s, hq, hkv, d = self.out_dims
-        dt, dev = self.dtype, self.device
-        q, k = token_major(b, hq, s, d, dt, dev), token_major(b, hkv, s, d, dt, dev)
-        v = token_major(b, hkv, s, d, dt, dev) if v_norm else None
-        if keep_rstd or _device.capturing(dev):
-            rq = torch.empty((b, hq, s), dtype=torch.float32, device=dev)
-            rk = torch.empty((b, hkv, s), dtype=torch.float32, device=dev)
-            prq, prk = rq.data_ptr(), rk.data_ptr()
-        else:
-            rq = rk = None
-            prq = _device.workspace("rstd", dev, stream, self.rstd_bytes).data_ptr()
-            prk = prq + self.rstd_q_bytes
-        wq = q_norm_weight.data_ptr() if q_norm_weight is not None else 0
-        wk = k_norm_weight.data_ptr() if k_norm_weight is not None else 0
-        pcos, psin = cos.data_ptr(), sin.data_ptr()
-        if self.aligned and (wq | wk | pcos | psin) & 15:
-            raise Misaligned
-        return q, k, v, rq, rk, (wq, wk, pcos, psin, prq, prk)
+    def _rstd(self, stream: int, keep: bool) -> tuple:
+        """(rstd_q, rstd_k, their addresses): new tensors, or (``keep`` False, not capturing) None
+        and addresses in the stream's kept scratch, which nothing reads."""
+        b, s, hq, hkv, _ = self.out_dims
+        if keep or _device.capturing(self.device):
+            rq = torch.empty((b, hq, s), dtype=torch.float32, device=self.device)
+            rk = torch.empty((b, hkv, s), dtype=torch.float32, device=self.device)
+            return rq, rk, rq.data_ptr(), rk.data_ptr()
+        p = _device.workspace("rstd", self.device, stream, self.rstd_bytes).data_ptr()
+        return None, None, p, p + self.rstd_q_bytes
+
 
     def _run_fused(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd=True):
         x_ptr, w_ptr = hidden_states.data_ptr(), qkv_weight.data_ptr()
@@ -141,8 +135,14 @@ class ForwardPlan:
         launch = self.launch
         stream = current_stream(dev)
         if launch.bound:
-            q, k, _, rq, rk, (wq, wk, pcos, psin, prq, prk) = self._bound_call(
-                q_norm_weight, k_norm_weight, cos, sin, stream, keep_rstd, False)
+            b, s, hq, hkv, d = self.out_dims
+            q, k = token_major(b, hq, s, d, self.dtype, dev), token_major(b, hkv, s, d, self.dtype, dev)
+            rq, rk, prq, prk = self._rstd(stream, keep_rstd)
+            wq = q_norm_weight.data_ptr() if q_norm_weight is not None else 0
+            wk = k_norm_weight.data_ptr() if k_norm_weight is not None else 0
+            pcos, psin = cos.data_ptr(), sin.data_ptr()
+            if self.aligned and (wq | wk | pcos | psin) & 15:
+                raise Misaligned
             gather = self._gather or self._make_gather(FUSED_ENTRIES)
             launch.launch(None, gather([x_ptr, w_ptr, qkv.data_ptr(), q.data_ptr(), k.data_ptr(), wq, wk, prq, prk,
                                         pcos, psin]), stream)
