@@ -94,6 +94,60 @@ def test_a_hook_added_after_a_forward_is_refused_and_its_removal_seen(where, kin
 
 
 @pytest.mark.parametrize("where", _WHERE)
+@pytest.mark.parametrize("kind", ["full_backward_hook", "full_backward_pre_hook"])
+def test_a_backward_hook_in_the_place_is_refused(where, kind):
+    """A backward hook on a module the block never calls would never fire: refused, also after a
+    first forward (the kept plan sees it)."""
+    m, ref = _pair()
+    ids = _ids(m.config.vocab_size, 4)
+    m(input_ids=ids)
+    handle = getattr(_module(_attn(m), where), f"register_{kind}")(lambda *a: None)
+    with pytest.raises(UnsupportedModuleError, match=rf"{where} has a backward"):
+        m(input_ids=ids)
+    handle.remove()
+    assert _rel(m(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
+
+
+@pytest.mark.parametrize("part", ["lora_A", "lora_B", "lora_dropout"])
+@pytest.mark.parametrize("kind", ["forward_hook", "forward_pre_hook", "full_backward_hook"])
+def test_a_hook_on_an_adapter_module_is_refused(part, kind):
+    """The block computes an adapter from its weights (and calls its dropout only where live):
+    a hook on A, B or the dropout would not run. Refused at the first forward, and after a kept
+    plan; fine again once removed."""
+    for first_forward in (False, True):
+        m, ref = _pair()
+        ids = _ids(m.config.vocab_size, 5)
+        if first_forward:
+            m(input_ids=ids)
+        handle = getattr(getattr(_attn(m).k_proj, part)["default"], f"register_{kind}")(lambda *a: None)
+        with pytest.raises(UnsupportedModuleError, match=rf"k_proj\.{part}\['default'\] has a"):
+            m(input_ids=ids)
+        handle.remove()
+        assert _rel(m(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
+
+
+def test_an_adapter_module_replaced_or_with_its_forward_set_is_refused():
+    m, _ = _pair()
+    ids = _ids(m.config.vocab_size, 6)
+    m(input_ids=ids)
+    lora = _attn(m).v_proj
+    lora.lora_B["default"].forward = lambda x: x  # noqa: E731 - a replaced forward the block would skip
+    with pytest.raises(UnsupportedModuleError, match=r"v_proj\.lora_B\['default'\] has a replaced forward"):
+        m(input_ids=ids)
+    del lora.lora_B["default"].forward
+    m(input_ids=ids)
+    old = lora.lora_A["default"]
+    lora.lora_A["default"] = _ScaledA(old.in_features, old.out_features)
+    with pytest.raises(UnsupportedModuleError, match=r"v_proj\.lora_A\['default'\] is a .*_ScaledA"):
+        m(input_ids=ids)
+
+
+class _ScaledA(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+@pytest.mark.parametrize("where", _WHERE)
 def test_a_forward_set_after_a_forward_is_refused(where):
     m, _ = _pair()
     ids = _ids(m.config.vocab_size, 2)

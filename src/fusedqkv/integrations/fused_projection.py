@@ -132,8 +132,16 @@ class ProjectionRows(nn.Linear):
 
 
 def _hooks(m: nn.Module) -> list:
-    kinds = [("forward hook", m._forward_hooks), ("forward pre-hook", m._forward_pre_hooks)]
+    """The kinds of module hook ``m`` carries (the fused block never calls it: none would run)."""
+    kinds = [("forward hook", m._forward_hooks), ("forward pre-hook", m._forward_pre_hooks),
+             ("backward hook", m._backward_hooks), ("backward pre-hook", m._backward_pre_hooks)]
     return [kind for kind, hooks in kinds if hooks]
+
+
+def hook_counts(m: nn.Module) -> tuple:
+    """What a kept decision about ``m`` depends on of its hooks (:mod:`.projection_plan`)."""
+    return (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks), len(m._backward_pre_hooks),
+            "forward" in m.__dict__)
 
 
 def unwrap_lora(m) -> tuple:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..ops.lora import LoRALayout, LoRAUpdate
-from .fused_projection import UnsupportedModuleError
+from .fused_projection import UnsupportedModuleError, _describe, _hooks
 
 
 def _adapters(name: str, lora) -> list:
@@ -55,8 +55,27 @@ def _adapters(name: str, lora) -> list:
             raise UnsupportedModuleError(
                 f"fusedqkv: {name} adapter {a!r} is {what}; the fused block computes plain LoRA only (DoRA rescales "
                 f"the whole weight per column, which the fused GEMM does not)")
-        out.append((a, lora.lora_A[a], lora.lora_B[a], lora.scaling[a], lora.lora_dropout[a]))
+        A, B, drop = lora.lora_A[a], lora.lora_B[a], lora.lora_dropout[a]
+        _check_adapter_modules(name, a, A, B, drop)
+        out.append((a, A, B, lora.scaling[a], drop))
     return out
+
+
+def _check_adapter_modules(name: str, a: str, A, B, drop) -> None:
+    """The block computes with A's and B's weights (it never calls the modules) and calls the
+    dropout only where it is live: refuse what would then not run -- another module than PEFT's
+    ``nn.Linear``, a hook, a replaced ``forward``."""
+    for label, mod in (("lora_A", A), ("lora_B", B)):
+        if type(mod) is not nn.Linear:
+            raise UnsupportedModuleError(
+                f"fusedqkv: {name}.{label}[{a!r}] is a {_describe(mod)}; the fused block computes PEFT's LoRA "
+                f"with its A and B weights as plain nn.Linear layers, so this module's forward would not run")
+    for label, mod in (("lora_A", A), ("lora_B", B), ("lora_dropout", drop)):
+        hooked = _hooks(mod)
+        if hooked or "forward" in mod.__dict__:
+            raise UnsupportedModuleError(
+                f"fusedqkv: {name}.{label}[{a!r}] has a {hooked[0] if hooked else 'replaced forward'} "
+                f"({_describe(mod)}); the fused block computes the adapter from its weights, so it would not run")
 
 
 def _live(dropout: nn.Module) -> bool:

@@ -10,11 +10,12 @@ everything those decisions read, and reuses it while a new fingerprint is equal:
 
 * the module in each place (``qkv_proj``, each of q/k/v_proj, the ``base_layer`` under a PEFT
   LoRA layer, the fused projection a rows module reads) by identity, and its class;
-* each such module's forward hooks and pre-hooks (how many) and whether ``forward`` was set on it;
+* each such module's hooks (forward, forward pre, backward, backward pre: how many) and whether
+  ``forward`` was set on it;
 * per PEFT LoRA layer: ``disable_adapters``, ``merged``, the active adapters; per active adapter
-  its A, B and dropout modules, A's and B's weight parameters (identity, dtype; A's rank and
-  device) and B's bias, the scaling, ``use_dora``, the LoRA variant, and the dropout's class,
-  ``training`` and ``p``.
+  its A, B and dropout modules (with their classes and hooks), A's and B's weight parameters
+  (identity, dtype; A's rank and device) and B's bias, the scaling, ``use_dora``, the LoRA
+  variant, and the dropout's class, ``training`` and ``p``.
 
 Any change to these gives a new fingerprint, so the full checks run again at the first forward
 after it and raise there as they did before anything was kept. The decisions never read the
@@ -32,8 +33,8 @@ import weakref
 import torch
 from torch import nn
 
-from .fused_projection import (ProjectionRows, UnsupportedModuleError, _is_float8_linear, projection_slots,
-                               slots_fp8_recipe)
+from .fused_projection import (ProjectionRows, UnsupportedModuleError, _is_float8_linear, hook_counts,
+                               projection_slots, slots_fp8_recipe)
 from .peft import LoRAOperands, _pairs
 
 # attention module -> its ProjectionPlan (weak: a plan never keeps a model alive, and is neither
@@ -110,8 +111,7 @@ def _fingerprint(attn, projs: tuple):
     key = []
     add = key.extend
     if isinstance(fused, nn.Module):
-        add((fused, type(fused), len(fused._forward_hooks), len(fused._forward_pre_hooks),
-             "forward" in fused.__dict__))
+        add((fused, type(fused), hook_counts(fused)))
     else:
         key.append(fused)
     lora_classes = _lora_classes()
@@ -120,7 +120,7 @@ def _fingerprint(attn, projs: tuple):
         if not isinstance(slot, nn.Module):
             return None
         cls = type(slot)
-        add((slot, cls, len(slot._forward_hooks), len(slot._forward_pre_hooks), "forward" in slot.__dict__))
+        add((slot, cls, hook_counts(slot)))
         if cls not in lora_classes:
             key.append(slot.__dict__.get("fused"))
             continue
@@ -128,8 +128,7 @@ def _fingerprint(attn, projs: tuple):
         base = children.get("base_layer")
         if not isinstance(base, nn.Module):
             return None
-        add((base, type(base), len(base._forward_hooks), len(base._forward_pre_hooks), "forward" in base.__dict__,
-             base.__dict__.get("fused")))
+        add((base, type(base), hook_counts(base), base.__dict__.get("fused")))
         # what peft._adapters and LoRAOperands read of the LoRA layer
         disabled, merged = lora.disable_adapters, lora.merged
         add((disabled, merged))
@@ -152,7 +151,8 @@ def _fingerprint(attn, projs: tuple):
             wa, wb = A._parameters.get("weight"), B._parameters.get("weight")
             if not (isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor)):
                 return None
-            add((A, B, id(wa), id(wb), wa.dtype, wb.dtype, wa.shape[0], wa.device, B._parameters.get("bias") is None,
-                 scaling.get(a), bool(use_dora.get(a, False)), variants.get(a) is None,
-                 drop, type(drop), drop.training, drop.__dict__.get("p")))
+            add((A, B, type(A), type(B), hook_counts(A), hook_counts(B), hook_counts(drop), id(wa), id(wb), wa.dtype,
+                 wb.dtype, wa.shape[0], wa.device, B._parameters.get("bias") is None, scaling.get(a),
+                 bool(use_dora.get(a, False)), variants.get(a) is None, drop, type(drop), drop.training,
+                 drop.__dict__.get("p")))
     return tuple(key)
