@@ -518,9 +518,25 @@ def _gemm_desc_types(job) -> dict:
     return {n: mangle_type(TensorDescriptor.from_tensor(t, block, layout)) for n, (block, layout) in descs.items()}
 
 
+# the fused GEMM's axes, covered pairwise by 5 rows (the greedy cover took 6, each a ~6 s cubin under the
+# pinned Triton): 4 two-valued axes need 5 (a strength-2 covering array: one row and the four at Hamming
+# distance 3 from it); the rows include the known spill (fp16, norm before RoPE, weighted, plain ints: a row of
+# the greedy cover too, as are two others). test_gpu_targets checks that every pair is covered.
+GEMM_AXES = dict(dtype=("bf16", "fp16"), nar=(True, False), nw=(True, False), **GEMM_INT_AXES)
+GEMM_COVER = (("bf16", True, False, "one", "plain"), ("bf16", False, True, "one", "div16"),
+              ("fp16", True, True, "one", "div16"), ("fp16", False, False, "one", "div16"),
+              ("fp16", False, True, "one", "plain"))
+
+
+def uncovered_pairs(rows: list, axes: dict) -> list:
+    """The pairs of values of two axes that no row holds (rows: dicts axis -> value)."""
+    return [((a, va), (b, vb)) for a, b in itertools.combinations(axes, 2) for va in axes[a] for vb in axes[b]
+            if not any(r[a] == va and r[b] == vb for r in rows)]
+
+
 def gemm_jobs() -> list:
-    axes = dict(dtype=("bf16", "fp16"), nar=(True, False), nw=(True, False), **GEMM_INT_AXES)
-    jobs = [_gemm_job(fuse=True, **r) for r in pairwise(axes, seed=0)]
+    rows = [dict(zip(GEMM_AXES, r)) for r in GEMM_COVER]
+    jobs = [_gemm_job(fuse=True, **r) for r in rows]
     jobs.append(_gemm_job("bf16", False, True, True, "one", "div16"))  # the plain GEMM (benchmarks)
     jobs.append(_gemm_job("bf16", True, False, True, "one", "plain", one_token=True))
     jobs.append(_gemm_job("bf16", True, True, True, "one", "div16", norm_fp32=True, RC=16))  # a smaller chunk

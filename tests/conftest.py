@@ -55,8 +55,146 @@ def _list_builtins_once():
     interpreter._patch_builtin = _patch_builtin
 
 
+# The same interpreter patches the language again at every call of a @jit helper inside a launch (15
+# thousand calls in two of 091's cases: ~13 % of their time), with the same stateless wrappers the launch's
+# own call already put in place, into a scope nobody restores (the launch's scope restores the originals).
+# Inside a launch, a helper whose language modules are patched already (by the launch, or by an earlier
+# helper: triton.language.standard's see tl.core) is left as it is: the same state.
+_PATCH_LANG = '''
+def _patch_lang(fn):
+    scope = _LangPatchScope()
+    langs = [value for _, value in fn.__globals__.items() if inspect.ismodule(value) and value in [tl, tl.core]]
+    assert len(langs) >= 1, "triton.language must be visible from within jit'd function"
+    for lang in langs:
+        _patch_builtin(lang, interpreter_builder, scope)
+        _patch_builtin(lang.tensor, interpreter_builder, scope)
+        if lang == tl:
+            _patch_builtin(lang.math, interpreter_builder, scope)
+        _patch_lang_tensor(lang.tensor, scope)
+        _patch_lang_core(lang, scope)
+    _patch_builtin(tl.core.tensor_descriptor_base, interpreter_builder, scope)
+    return scope
+'''
+
+# ... and builds its 19-entry dtype table (hashing every key) at each of ~10^5 calls: built once here
+_GET_NP_DTYPE = '''
+def _get_np_dtype(tt_dtype):
+    if isinstance(tt_dtype, tl.pointer_type):
+        return np.dtype(np.uint64)
+    np_types = {
+        tl.int1: np.dtype(bool),
+        tl.float16: np.dtype(np.float16),
+        tl.float32: np.dtype(np.float32),
+        tl.float64: np.dtype(np.float64),
+        tl.int8: np.dtype(np.int8),
+        tl.uint8: np.dtype(np.uint8),
+        tl.int16: np.dtype(np.int16),
+        tl.uint16: np.dtype(np.uint16),
+        tl.int32: np.dtype(np.int32),
+        tl.uint32: np.dtype(np.uint32),
+        tl.int64: np.dtype(np.int64),
+        tl.uint64: np.dtype(np.uint64),
+        # bfloat16 types are stored as uint16
+        tl.bfloat16: np.dtype(np.uint16),
+        # float8 types are stored as uint8
+        tl.float8e5: np.dtype(np.uint8),
+        tl.float8e5b16: np.dtype(np.uint8),
+        tl.float8e4nv: np.dtype(np.uint8),
+        tl.float8e4b8: np.dtype(np.uint8),
+        tl.float8e4b15: np.dtype(np.uint8),
+    }
+    if isinstance(tt_dtype, tl.block_type):
+        if isinstance(tt_dtype.element_ty, tl.pointer_type):
+            return np.dtype(np.uint64)
+        return np_types[tt_dtype.element_ty]
+    return np_types[tt_dtype]
+'''
+
+
+def _same_source(fn, text) -> bool:
+    try:
+        return fn is not None and textwrap.dedent(inspect.getsource(fn)).strip() == text.strip()
+    except (OSError, TypeError):
+        return False
+
+
+def _patch_lang_once_per_launch():
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return
+    grid_call = getattr(getattr(interpreter, "GridExecutor", None), "__call__", None)
+    original = getattr(interpreter, "_patch_lang", None)
+    if grid_call is None or not _same_source(original, _PATCH_LANG):
+        return
+    # None: outside a launch; "start": the launch's own call comes next; a frozenset: the ids of the
+    # language modules the launch patched
+    state = {"launch": None}
+    langs_of: dict = {}
+
+    def langs(fn):
+        if fn not in langs_of:
+            langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                     if inspect.ismodule(v) and v in [tl, tl.core])
+        return langs_of[fn]
+
+    def _patch_lang(fn):
+        patched = state["launch"]
+        if isinstance(patched, frozenset) and langs(fn) and langs(fn) <= patched:
+            return interpreter._LangPatchScope()
+        scope = original(fn)
+        if patched == "start":
+            state["launch"] = langs(fn)
+        elif isinstance(patched, frozenset):  # e.g. triton.language.standard's helpers (tl.core): patched now
+            state["launch"] = patched | langs(fn)
+        return scope
+
+    def __call__(self, *args, **kwargs):
+        outer = state["launch"]
+        state["launch"] = "start"
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            state["launch"] = outer
+
+    interpreter._patch_lang = _patch_lang
+    interpreter.GridExecutor.__call__ = __call__
+
+
+def _np_dtype_table_once():
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return
+    if not _same_source(getattr(interpreter, "_get_np_dtype", None), _GET_NP_DTYPE):
+        return
+    table = {tl.int1: np.dtype(bool), tl.float16: np.dtype(np.float16), tl.float32: np.dtype(np.float32),
+             tl.float64: np.dtype(np.float64), tl.int8: np.dtype(np.int8), tl.uint8: np.dtype(np.uint8),
+             tl.int16: np.dtype(np.int16), tl.uint16: np.dtype(np.uint16), tl.int32: np.dtype(np.int32),
+             tl.uint32: np.dtype(np.uint32), tl.int64: np.dtype(np.int64), tl.uint64: np.dtype(np.uint64),
+             tl.bfloat16: np.dtype(np.uint16), tl.float8e5: np.dtype(np.uint8), tl.float8e5b16: np.dtype(np.uint8),
+             tl.float8e4nv: np.dtype(np.uint8), tl.float8e4b8: np.dtype(np.uint8), tl.float8e4b15: np.dtype(np.uint8)}
+    pointer = np.dtype(np.uint64)
+
+    def _get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        if isinstance(tt_dtype, tl.block_type):
+            if isinstance(tt_dtype.element_ty, tl.pointer_type):
+                return pointer
+            return table[tt_dtype.element_ty]
+        return table[tt_dtype]
+
+    interpreter._get_np_dtype = _get_np_dtype
+
+
 if os.environ["TRITON_INTERPRET"] == "1":
     _list_builtins_once()
+    _patch_lang_once_per_launch()
+    _np_dtype_table_once()
 
 
 # --------------------------------------------------------------------------- GEMM budget
@@ -207,3 +345,4 @@ def pytest_runtest_protocol(item, nextitem):
             if serial and _THREADS:
                 _set_threads(*_THREADS["share"])
             fcntl.flock(run, fcntl.LOCK_UN)
+

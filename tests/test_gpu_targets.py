@@ -119,6 +119,9 @@ def test_job_list_covers_every_value_and_int_argument():
         modes = {j["ints"] for j in full if j["label"].split()[0] == fam}
         assert modes == set(oc.INT_MODES), (fam, modes)
     gemm = [j for j in full if j["label"].startswith("gemm_sm90 ")]
+    cover = [dict(zip(oc.GEMM_AXES, r)) for r in oc.GEMM_COVER]
+    assert not oc.uncovered_pairs(cover, oc.GEMM_AXES)  # the GEMM's cover is pairwise
+    assert all(any(j["label"] == oc._gemm_job(fuse=True, **r)["label"] for j in gemm) for r in cover)
     for axis, values in oc.GEMM_INT_AXES.items():
         assert {j["int_axes"][axis] for j in gemm} == set(values), axis
     assert any(j["one_token"] for j in gemm)
