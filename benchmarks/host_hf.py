@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import io
 import json
 import os
@@ -138,7 +137,7 @@ def main(argv=None) -> int:
     cfg_kw = model_config(args.device, layers)
     os.makedirs(args.out, exist_ok=True)
 
-    from fusedqkv.integrations import fused_projection, peft as fpeft, transformers as ftf
+    from fusedqkv.integrations import fused_projection, peft as fpeft
 
     g = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(3, cfg_kw["vocab_size"], (1, tokens), generator=g).to(args.device)

@@ -12,14 +12,9 @@ fused block and for a do-nothing ``autograd.Function`` of the same inputs and ou
 engine's own share). The stamps cost ~0.2 us each.
 
     PYTHONPATH=src python3 benchmarks/host_timeline.py --out DIR [--tokens 512] [--calls 300] [--cprofile]
-        [--hf-lora LAYERS]
 
-``--cprofile``: also the Python profile of 200 fused steps (tottime and cumulative, fusedqkv's
-functions first). ``--hf-lora LAYERS``: the host time of a whole HF step (Qwen3-0.6B shape cut to
-LAYERS layers, 1 x --tokens tokens, PEFT LoRA r=16 all-linear, bf16 autocast as the HF Trainer's
-``bf16=True``), PEFT alone and PEFT + ``apply_to``, the GPU asleep, and the fused step's profile.
-
-Prints a table last; writes host_timeline.json to --out.
+``--cprofile``: also the Python profile of 400 fused steps, in chunks of 20 behind a GPU sleep each
+(own and cumulative time, the costliest functions' callers).
 """
 
 from __future__ import annotations
@@ -35,7 +30,6 @@ import torch
 
 import fusedqkv
 from fusedqkv import autograd as fa
-from fusedqkv.ops import training_backward, training_forward
 
 _now = time.perf_counter_ns
 STAMPS: dict = {}
@@ -127,60 +121,12 @@ def profile_text(step, n: int, title: str, chunk: int = 20) -> str:
     return s.getvalue()
 
 
-def hf_lora_host(layers: int, tokens: int, cprofile: bool) -> dict:
-    """Host ms per HF training step (forward + backward, no optimizer), PEFT LoRA alone and with
-    apply_to, the GPU asleep so that nothing waits on it."""
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    dev = torch.device("cuda")
-    out = {}
-    for label in ("peft", "peft + fusedqkv"):
-        cfg = transformers.Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                                       num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
-                                       head_dim=128, max_position_embeddings=4096)
-        cfg._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        with torch.device(dev):
-            model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-        if "fusedqkv" in label:
-            fusedqkv.apply_to(model)
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-        ids = torch.randint(0, 151936, (1, tokens), device=dev)
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            for p in model.parameters():
-                p.grad = None
-
-        for _ in range(5):
-            step()
-        got = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(int(2e9 * 0.2 * 10))  # ~0.2 s a step asleep: the host never waits
-            t0 = time.perf_counter()
-            for _ in range(10):
-                step()
-            got.append((time.perf_counter() - t0) / 10 * 1e3)
-            torch.cuda.synchronize()
-        out[label] = statistics.median(got)
-        if cprofile and "fusedqkv" in label:
-            print(profile_text(step, 10, f"HF step, {label}, {layers} layers", chunk=2))
-        del model
-        torch.cuda.empty_cache()
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="host_timeline_out")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--cprofile", action="store_true")
-    ap.add_argument("--hf-lora", type=int, default=0, metavar="LAYERS")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -228,14 +174,8 @@ def main() -> int:
             rows[f"{label}, {position}"] = timeline(step, args.calls)
         if args.cprofile and position == "before_rope":
             print(profile_text(fused_step, 400, f"fused fwd+bwd, {position}, T={T}"))
-    hf = hf_lora_host(args.hf_lora, T, args.cprofile) if args.hf_lora else None
     with open(os.path.join(args.out, "host_timeline.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "tokens": T, "rows": rows, "hf_lora": hf}, f, indent=1)
-    if hf:
-        print(f"\nHF step host time (ms, GPU asleep, median of 5 x 10 steps), Qwen3-0.6B shape, {args.hf_lora} layers, "
-              f"1 x {T} tokens, LoRA r=16 all-linear, bf16 autocast")
-        for k, v in hf.items():
-            print(f"  {k:<28s} {v:8.2f}")
+        json.dump({"device": torch.cuda.get_device_name(), "tokens": T, "rows": rows}, f, indent=1)
     cols = list(rows)
     print(f"\nhost timeline of one training step's block, us (median of {args.calls}), T={T} | "
           f"{torch.cuda.get_device_name()}")
