@@ -11,8 +11,7 @@ import torch
 from fusedqkv import cli
 from fusedqkv.bench import harness, records
 
-# not `serial`: its runs time one call (--reps 1) and nothing here asserts on a timing or on a flag (the
-# ranking test accepts flagged runs, in their order), so they may run beside other tests
+pytestmark = pytest.mark.serial  # times the CPU: alone under pytest-xdist (conftest)
 
 FILES = ("results.json", "manifest.json", "report.md", "report.html", "latency.png")
 # 2 tokens: the official reference's bf16 GEMMs (50 MFLOP a token) are slow on CPUs without AVX-512 BF16

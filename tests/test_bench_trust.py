@@ -12,7 +12,7 @@ import torch
 from fusedqkv import cli
 from fusedqkv.bench import harness, records, roofline, timing, trust
 
-# one test times the CPU (`serial`: alone under pytest-xdist, conftest); the run below has fixed timings
+pytestmark = pytest.mark.serial  # times the CPU: alone under pytest-xdist (conftest)
 
 
 # ----------------------------------------------------------------------------- the rules
@@ -105,7 +105,6 @@ def test_host_wait_reads_this_process():
     assert hw.fraction is not None and hw.fraction >= 0.0
 
 
-@pytest.mark.serial  # repetitions within a time budget
 def test_cpu_budget_timing_adapts():
     calls = []
 
