@@ -8,8 +8,14 @@ the base weights frozen, on the nine rows of bench_module.py (its three block co
   fusedqkv      fusedqkv.integrations.peft.lora_operands over the same PEFT layers: the adapters
                 inside the op (gqa_qkv_rope_qk_norm(qkv_lora=...)): one A GEMM, qkv += s U_p B_p^T
                 in place before the stage, dX += dU A in place, dA/dB from the op's backward
-  fused_residual  session 16's path: lora_residual (R = U B_rows^T, B laid out per call, through
-                autograd) into gqa_qkv_rope_qk_norm(qkv_residual=R)
+                (the plan's choice: on the H200 the adapters' U and B as more inner columns of the
+                one-launch Hopper forward where it runs, ``config.fused_forward``)
+  fused_split   the same with config.fused_forward="off": the base GEMM, qkv += s U_p B_p^T in place
+                (cuBLAS), then the forward stage (session 17's path; the A/B of the one above)
+  fused_gemm    the same with config.fused_forward="on": the adapters inside the one-launch forward
+                at every size (where the plan's rule would not take it too)
+  fused_residual  (--residual) session 16's path: lora_residual (R = U B_rows^T, B laid out per call,
+                through autograd) into gqa_qkv_rope_qk_norm(qkv_residual=R)
   floor         the GEMMs alone through cuBLAS: base forward x W^T, base dX = dQKV W, and the
                 LoRA GEMMs (U = x A^T, qkv += U_p B_p^T, dU_p = dQKV_p B_p, dB_p = dQKV_p^T U_p,
                 dA = dU^T x, dX += dU A)
@@ -67,9 +73,10 @@ from fusedqkv import gqa_qkv_rope_qk_norm  # noqa: E402
 from fusedqkv.bench import timing  # noqa: E402
 from fusedqkv.integrations.peft import lora_operands, lora_residual  # noqa: E402
 from fusedqkv.integrations import qlora as fq_qlora  # noqa: E402
+from fusedqkv.ops import config  # noqa: E402
 from fusedqkv.ops.internals import raise_compile_limits  # noqa: E402
 
-PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_residual", "floor")
+PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_split", "fused_gemm", "floor")
 QLORA_PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_dense", "floor")
 SMOKE_CONFIGS = {"smoke": dict(hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm_position="before_rope")}
 EPS = 1e-6
@@ -226,6 +233,14 @@ class Row:
         return call
 
 
+def under(fn, **changes):
+    """``fn`` called under ``config.override(**changes)`` (the plans it finds are that config's)."""
+    def call():
+        with config.override(**changes):
+            return fn()
+    return call
+
+
 def max_rel(got, want) -> float:
     return max(float((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-30))
                for g, w in zip(got, want))
@@ -307,6 +322,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="512,2048,8192")
     ap.add_argument("--smoke", action="store_true", help="CPU run of the script's logic (no timing value)")
     ap.add_argument("--qlora", choices=("nf4", "fp4"), help="QLoRA: q/k/v as bitsandbytes 4-bit layers")
+    ap.add_argument("--residual", action="store_true", help="also session 16's residual path (fused_residual)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     raise_compile_limits(64)
@@ -325,21 +341,27 @@ def main() -> int:
             b, s = sizes[tokens]
             row = Row(configs[cname], b, s, args.rank, device, dtype)
             compiled = torch.compile(row.peft_qkv, backend=backend)
-            fns = {"peft_eager": row.fwd_bwd(row.peft_qkv), "peft_compile": row.fwd_bwd(compiled),
-                   "fusedqkv": row.fwd_bwd(row.fused_qkv), "fused_residual": row.fwd_bwd(row.fused_residual_qkv),
+            fused = row.fwd_bwd(row.fused_qkv)
+            fns = {"peft_eager": row.fwd_bwd(row.peft_qkv), "peft_compile": row.fwd_bwd(compiled), "fusedqkv": fused,
+                   "fused_split": under(fused, fused_forward="off"), "fused_gemm": under(fused, fused_forward="on"),
                    "floor": row.floor()}
+            if args.residual:
+                fns["fused_residual"] = row.fwd_bwd(row.fused_residual_qkv)
             ref = fns["peft_eager"]()
-            check = {p: max_rel(fns[p](), ref) for p in ("peft_compile", "fusedqkv", "fused_residual")}
+            check = {p: max_rel(fns[p](), ref) for p in fns if p not in ("peft_eager", "floor")}
             ms = time_providers(fns, args.reps, flusher)
             med = {p: statistics.median(v) for p, v in ms.items()}
             r = dict(config=cname, tokens=tokens, batch=b, seq=s, rank=args.rank, ms=med, max_rel_vs_eager=check,
                      fused_over_eager=med["fusedqkv"] / med["peft_eager"],
                      fused_over_compile=med["fusedqkv"] / med["peft_compile"],
                      fused_over_floor=med["fusedqkv"] / med["floor"],
-                     residual_over_floor=med["fused_residual"] / med["floor"])
+                     split_over_floor=med["fused_split"] / med["floor"],
+                     gemm_over_floor=med["fused_gemm"] / med["floor"])
+            if args.residual:
+                r["residual_over_floor"] = med["fused_residual"] / med["floor"]
             r["pass"] = (r["fused_over_eager"] <= 0.5 and r["fused_over_compile"] < 1.0 and r["fused_over_floor"] <= 1.10)
             rows.append(r)
-            log(f"{cname} {tokens}: " + ", ".join(f"{p} {med[p]:.3f} ms" for p in PROVIDERS))
+            log(f"{cname} {tokens}: " + ", ".join(f"{p} {med[p]:.3f} ms" for p in med))
             del row, compiled, fns, ref
             torch._dynamo.reset()
             if device.type == "cuda":
@@ -348,14 +370,16 @@ def main() -> int:
     with open(os.path.join(args.out, "bench_lora.json"), "w") as f:
         json.dump(dict(env=env, rows=rows, criteria="fused/eager <= 0.5, fused < compile, fused/floor <= 1.10"), f,
                   indent=1)
-    print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'f_resid':>8} {'floor':>8} "
-          f"{'f/eager':>7} {'f/comp':>7} {'f/floor':>7} {'r/floor':>7} {'err':>8} pass")
+    print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'f_split':>8} {'f_gemm':>8} "
+          f"{'floor':>8} {'f/eager':>7} {'f/comp':>7} {'f/floor':>7} {'s/floor':>7} {'g/floor':>7} {'err':>8} "
+          f"{'err_g':>8} pass")
     for r in rows:
         m = r["ms"]
         print(f"{r['config']:<22} {r['tokens']:>6} {m['peft_eager']:8.3f} {m['peft_compile']:8.3f} "
-              f"{m['fusedqkv']:8.3f} {m['fused_residual']:8.3f} {m['floor']:8.3f} {r['fused_over_eager']:7.3f} "
-              f"{r['fused_over_compile']:7.3f} {r['fused_over_floor']:7.3f} {r['residual_over_floor']:7.3f} "
-              f"{r['max_rel_vs_eager']['fusedqkv']:8.1e} {r['pass']}")
+              f"{m['fusedqkv']:8.3f} {m['fused_split']:8.3f} {m['fused_gemm']:8.3f} {m['floor']:8.3f} "
+              f"{r['fused_over_eager']:7.3f} {r['fused_over_compile']:7.3f} {r['fused_over_floor']:7.3f} "
+              f"{r['split_over_floor']:7.3f} {r['gemm_over_floor']:7.3f} {r['max_rel_vs_eager']['fusedqkv']:8.1e} "
+              f"{r['max_rel_vs_eager']['fused_gemm']:8.1e} {r['pass']}")
     return 0 if all(r["pass"] for r in rows) else 1
 
 

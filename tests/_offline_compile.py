@@ -473,30 +473,32 @@ GEMM_ONE_TOKEN = ("M", "S", "HQ", "HKV", "srq_h", "srk_h")
 
 
 def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=False, level="cubin", one=None,
-              triton=GEMM_TRITON, **tile):
+              triton=GEMM_TRITON, lora=False, **tile):
     """One compile of ``qkv_rope_norm_gemm_sm90_kernel`` as ``FusedGemmForward`` launches it (``tile``:
-    overrides of the launcher's ``TILE``; ``triton`` None: under the Triton imported)."""
+    overrides of the launcher's ``TILE``; ``triton`` None: under the Triton imported; ``lora``: with
+    LoRA adapters' U and B descriptors, their rank sum R an integer of the ``ints`` mode)."""
     from fusedqkv.ops.qkv_rope_norm_gemm import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, TILE
 
     t = dict(TILE, **tile)
     consts = dict(BM=t["BM"], BN=128, BK=t["BK"], GROUP_M=t["GROUP_M"], STAGES=t["STAGES"], FUSE=fuse,
-                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], CONSUMER_REGS=CONSUMER_REGS,
+                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], LORA=lora, CONSUMER_REGS=CONSUMER_REGS,
                   PRODUCER_REGS=PRODUCER_REGS)
     act = _tt(dtype)
     norm = "*fp32" if norm_fp32 and nw else "*" + act  # unweighted: q stands in
     types = dict(wq_ptr=norm, wk_ptr=norm, rq_ptr="*fp32", rk_ptr="*fp32", cos_ptr="*" + act, sin_ptr="*" + act)
     spec = {n: {"one": "1", "plain": "i32"}[units] for n in GEMM_UNITS}
     spec.update({n: {"plain": "i32", "div16": "D"}[ints] for n in GEMM_INTS}, N="D")
+    spec["R"] = {"plain": "i32", "div16": "D"}[ints] if lora else "D"
     if one_token:
         spec.update({n: "1" for n in GEMM_ONE_TOKEN})
     tiles = " ".join(f"{k}{t[k]}" for k in TILE)
     label = (f"gemm_sm90 sm90 {dtype}{'/normfp32' if norm_fp32 else ''} fuse={fuse} nar={nar} nw={nw} {tiles} "
              f"units={units} ints={ints}{' one_token' if one_token else ''}{'' if one is None else ' one=' + one}"
-             f"{'' if triton else ' current-triton'}")
+             f"{' lora' if lora else ''}{'' if triton else ' current-triton'}")
     return dict(kernel=GEMM_KERNEL, cc=90, consts=consts, types=types, ints=ints, int_spec=spec,
                 int_axes=dict(units=units, ints=ints), one_token=one_token, desc_types="_gemm_desc_types",
                 dtype=dtype, options={"num_warps": 4, "maxnreg": MAXNREG}, level=level, label=label, one=one,
-                triton=triton)
+                triton=triton, none_args=() if lora else ("u_desc", "b_desc"))  # no adapters: None descriptors
 
 
 def _gemm_desc_types(job) -> dict:
@@ -515,6 +517,8 @@ def _gemm_desc_types(job) -> dict:
     half = [c["BM"], c["BN"] // 2]
     descs = dict(x_desc=([c["BM"], c["BK"]], x_l), w_desc=([c["BN"], c["BK"]], w_l), qkv_desc=(half, o_l),
                  q_desc=(half, o_l), k_desc=(half, o_l))
+    if c["LORA"]:  # U and B: x's and W's boxes
+        descs.update(u_desc=descs["x_desc"], b_desc=descs["w_desc"])
     return {n: mangle_type(TensorDescriptor.from_tensor(t, block, layout)) for n, (block, layout) in descs.items()}
 
 
@@ -541,6 +545,9 @@ def gemm_jobs() -> list:
     jobs.append(_gemm_job("bf16", True, False, True, "one", "plain", one_token=True))
     jobs.append(_gemm_job("bf16", True, True, True, "one", "div16", norm_fp32=True, RC=16))  # a smaller chunk
     jobs.append(_gemm_job("fp16", True, False, False, "one", "plain", STAGES=4))  # a shallower ring
+    # LoRA adapters in the GEMM (the training forward's LoRA plans): both norm positions, ranks of both int modes
+    jobs.append(_gemm_job("bf16", True, True, True, "one", "div16", lora=True))
+    jobs.append(_gemm_job("fp16", True, False, True, "one", "plain", lora=True))
     # under the Triton this process imports (outside the Gluon gate: an early warning of Gluon's API moving;
     # the kernel's TMA names follow the release), to TritonGPU IR: Gluon's front end, where a renamed or
     # removed name fails (the cubins, their shared memory and spills, are the pinned Triton's above)
@@ -742,7 +749,7 @@ def compile_job(job: dict) -> dict:
         kernel = _kernel(job["kernel"])
         names = list(kernel.arg_names)
         ints = set(int_args(kernel))
-        consts = dict(job["consts"])
+        consts = dict(job["consts"], **{n: None for n in job.get("none_args", ())})  # None: a constexpr
         types = dict(job["types"])
         if job.get("desc_types"):  # Gluon descriptors: their type spells the shared layout
             types.update(globals()[job["desc_types"]](job))

@@ -207,3 +207,110 @@ def test_auto_takes_the_fused_forward_only_where_it_pays_and_is_supported():
         assert forward_plan(x, w, wq, wk, *half, 32, 8, 1e-6, "after_rope", "triton").fused is None
         assert forward_plan(x, w, wq, wk, cos, sin, 32, 8, 1e-6, "after_rope", "triton",
                             rope_style="interleaved").fused is None
+
+
+def _lora_call(x, w, wq, wk, cos, sin, hq, hkv, position, adapters, mode):
+    """The block with LoRA adapters inside (``adapters``: (row, rows, A, B, scaling) per projection,
+    A and B leaf parameters) under ``config.fused_forward=mode``: outputs, then the gradients of x,
+    every A and every B for fixed output gradients; and the forward's plan."""
+    from fusedqkv import gqa_qkv_rope_qk_norm
+    from fusedqkv.ops.lora import LoRAUpdate
+
+    pairs = [(row, rows, a, b, s, True) for row, rows, a, b, s in adapters]
+    params = [x] + [a for *_, a, _, _ in adapters] + [b for *_, b, _ in adapters]
+    with config.override(fused_forward=mode):
+        lora = LoRAUpdate(pairs, [], w.shape[0], x.dtype)
+        out = gqa_qkv_rope_qk_norm(x, w, wq, wk, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
+                                   qk_norm_position=position, qkv_lora=lora)
+        plan = forward_plan(x, w, wq, wk, cos, sin, hq, hkv, 1e-6, position, "auto", residual=True)  # the call's
+    g = torch.Generator(device="cuda").manual_seed(11)
+    dy = [torch.randn(o.shape, device="cuda", dtype=o.dtype, generator=g) for o in out]
+    return [o.detach() for o in out] + list(torch.autograd.grad(out, params, dy)), plan
+
+
+def _adapters(hidden, hq, hkv, rank, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(100 + seed)
+    out, row = [], 0
+    for rows, scaling in ((hq * 128, 2.0), (hkv * 128, 0.75), (hkv * 128, 1.0 / 3)):  # one scale not a power of 2
+        a = (torch.randn(rank, hidden, device="cuda", generator=g) / hidden ** 0.5).to(dtype).requires_grad_()
+        b = (torch.randn(rows, rank, device="cuda", generator=g) * 0.1).to(dtype).requires_grad_()
+        out.append((row, rows, a, b, scaling))
+        row += rows
+    return out
+
+
+@hopper
+@pytest.mark.parametrize("hidden,hq,hkv,b,s,position,weighted,dtype", CASES)
+def test_lora_adapters_inside_the_fused_gemm_match_the_in_place_path(hidden, hq, hkv, b, s, position, weighted, dtype):
+    """The adapters' U and B as more inner columns of the one-launch forward (``fused_forward="on"``):
+    q, k, v and the gradients of x, A and B match the cuBLAS + in-place update + stage path
+    (``"off"``) within the two paths' roundings (the in-place path rounds x W^T before adding
+    s U B^T; the GEMM rounds s B to the dtype once), the plan takes the kernel and binds its
+    launch, and a second call repeats the first bitwise."""
+    x, w, wq, wk, cos, sin = _inputs(hidden, hq, hkv, b, s, weighted, dtype)
+    x.requires_grad_()
+    adapters = _adapters(hidden, hq, hkv, 16, dtype)
+    ref, plan_off = _lora_call(x, w, wq, wk, cos, sin, hq, hkv, position, adapters, "off")
+    got, plan = _lora_call(x, w, wq, wk, cos, sin, hq, hkv, position, adapters, "on")
+    again, _ = _lora_call(x, w, wq, wk, cos, sin, hq, hkv, position, adapters, "on")
+    assert plan_off.fused_lora is None and plan.fused_lora is not None
+    launch = plan.lora_launches[48][1]
+    assert launch.bound == (internals.raw_launch_gate() is not None)
+    names = ["q", "k", "v", "dx", "dA_q", "dA_k", "dA_v", "dB_q", "dB_k", "dB_v"]
+    for name, a, r, a2 in zip(names, got, ref, again):
+        assert torch.equal(a, a2), name
+        rel = float((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))
+        assert rel < 1e-2, (name, rel)
+    # and the update is there at all: without the adapters q differs by far more than that
+    plain = run_forward(forward_plan(x.detach(), w, wq, wk, cos, sin, hq, hkv, 1e-6, position, "triton"),
+                        x.detach(), w, wq, wk, cos, sin)[0]
+    assert float((plain.float() - got[0].float()).norm() / got[0].float().norm()) > 5e-2
+
+
+@hopper
+def test_lora_in_the_fused_gemm_at_other_addresses_ranks_and_in_a_cuda_graph():
+    """A bound LoRA launch at other addresses equals a fresh plan's JIT launch bitwise; a rank
+    sum whose U rows are not 16-byte multiples (3 x 4 bf16) takes the in-place path with the
+    same results as "off"; the fused LoRA forward replays in a CUDA graph with eager's outputs."""
+    from fusedqkv.ops import training_forward
+
+    args = (2048, 16, 4, 2, 300, "before_rope", True, torch.bfloat16)
+    x, w, wq, wk, cos, sin = _inputs(*args[:5], True, torch.bfloat16)
+    x.requires_grad_()
+    adapters = _adapters(2048, 16, 4, 16, torch.bfloat16)
+    call = (w, wq, wk, cos, sin, 16, 4, "before_rope", adapters)
+    first, plan = _lora_call(x, *call, "on")
+    x2 = _inputs(*args[:5], True, torch.bfloat16, seed=5)[0].requires_grad_()
+    got, plan2 = _lora_call(x2, *call, "on")
+    assert plan2 is plan
+    training_forward.PLANS.clear()  # a fresh plan: its first launch of this rank sum is the JIT's
+    fresh, plan3 = _lora_call(x2, *call, "on")
+    assert plan3 is not plan
+    for a, b_ in zip(got, fresh):
+        assert torch.equal(a, b_)
+    odd = _adapters(2048, 16, 4, 4, torch.bfloat16, seed=1)
+    on, plan4 = _lora_call(x, w, wq, wk, cos, sin, 16, 4, "before_rope", odd, "on")
+    off, _ = _lora_call(x, w, wq, wk, cos, sin, 16, 4, "before_rope", odd, "off")
+    assert 12 not in plan4.lora_launches
+    for a, b_ in zip(on, off):
+        assert torch.equal(a, b_)
+    # a CUDA graph of the forward (no autograd: the graph holds the forward's launches)
+    from fusedqkv.ops.lora import LoRAUpdate
+
+    pairs = [(row, rows, a.detach(), b.detach(), s_, True) for row, rows, a, b, s_ in adapters]
+    xd = x.detach()
+    with config.override(fused_forward="on"):
+        fplan = forward_plan(xd, w, wq, wk, cos, sin, 16, 4, 1e-6, "before_rope", "triton", residual=True)
+        eager = run_forward(fplan, xd, w, wq, wk, cos, sin, lora=LoRAUpdate(pairs, [], w.shape[0], xd.dtype))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run_forward(fplan, xd, w, wq, wk, cos, sin, lora=LoRAUpdate(pairs, [], w.shape[0], xd.dtype))
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run_forward(fplan, xd, w, wq, wk, cos, sin, lora=LoRAUpdate(pairs, [], w.shape[0], xd.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b_ in zip(eager[:3], captured[:3]):
+        assert torch.equal(a, b_)

@@ -125,7 +125,7 @@ def test_job_list_covers_every_value_and_int_argument():
     for axis, values in oc.GEMM_INT_AXES.items():
         assert {j["int_axes"][axis] for j in gemm} == set(values), axis
     assert any(j["one_token"] for j in gemm)
-    assert set(oc.GEMM_UNITS + oc.GEMM_INTS + ("N",)) == set(oc.int_args(oc._kernel(oc.GEMM_KERNEL)))
+    assert set(oc.GEMM_UNITS + oc.GEMM_INTS + ("N", "R")) == set(oc.int_args(oc._kernel(oc.GEMM_KERNEL)))
     for kernel in {j["kernel"] for j in JOBS if j.get("one")}:
         ones = {j["one"] for j in JOBS if j.get("one") and j["kernel"] == kernel}
         assert ones == set(oc.int_args(oc._kernel(kernel))), kernel

@@ -32,7 +32,7 @@ def _ids(vocab, seed=0, shape=(2, 7)):
 
 def _lora(targets, **kw):
     # init_lora_weights=False: B random, so that every adapter changes the output
-    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **kw)
+    return LoraConfig(target_modules=targets, init_lora_weights=False, **dict(dict(r=4, lora_alpha=8), **kw))
 
 
 def _pair(fam_name, config, order, seed=0):
@@ -343,6 +343,36 @@ def test_in_place_lora_op_matches_the_residual_path(backend):
     assert any("lora_B.drop" in n for n, _ in named) and not any(".k_proj.lora_B.default" in n for n, _ in named)
     for name, a, b in zip(["q", "k", "v", "x"] + [n for n, _ in named], *results):
         assert _rel(a, b) <= 1e-6, name
+
+
+def test_lora_gemm_operands_are_the_update_as_more_inner_columns():
+    """``LoRAUpdate.gemm_operands`` (what the one-launch Hopper forward takes: qkv = [x | U] [W | B]^T)
+    gives the in-place update's values: two adapters on q/v and k, one with a live dropout, scales
+    that are not powers of two; B is zero outside each pair's rows and U's columns."""
+    from fusedqkv.integrations.fused_projection import projection_slots
+    from fusedqkv.integrations.peft import lora_operands
+
+    m, _ = _fused_qwen3()
+    m = get_peft_model(m, _lora("all-linear", lora_alpha=12))
+    m.add_adapter("drop", _lora(["q_proj", "v_proj"], lora_dropout=0.3, lora_alpha=5))
+    m.base_model.set_adapter(["default", "drop"])
+    m.train()
+    attn = next(mod for mod in m.modules() if hasattr(mod, "_fusedqkv"))
+    spec = attn._fusedqkv
+    n_tot = sum(spec.split)
+    x = torch.randn(2, 7, m.config.hidden_size)
+    _, lora = lora_operands(x, projection_slots(attn, spec.projs), spec.split, n_tot)
+    x2d = x.reshape(14, -1)
+    base = torch.randn(14, n_tot)
+    in_place = base.clone()
+    lora.forward(in_place, x2d)
+    u, b = lora.gemm_operands(x2d)
+    assert u.shape == (14, lora.rank) and b.shape == (n_tot, lora.rank)
+    assert _rel(base + u @ b.t(), in_place) <= 1e-6
+    mask = torch.zeros_like(b, dtype=torch.bool)
+    for (row, rows, *_), c, r in zip(lora.pairs, lora.cols, lora.ranks):
+        mask[row:row + rows, c:c + r] = True
+    assert not b[~mask].any() and b[mask].abs().min() > 0
 
 
 def test_bf16_model_with_fp32_adapters_takes_the_residual():

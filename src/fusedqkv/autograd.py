@@ -207,9 +207,8 @@ class GQAQKVRoPEQKNormLoRAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, lora, meta,
                 *params):
-        x2d = hidden_states.reshape(-1, hidden_states.shape[-1])
         out = _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, None, meta,
-                       lambda qkv: lora.forward(qkv.view(x2d.shape[0], -1), x2d))
+                       lora)
         ctx.lora = lora
         return out
 
@@ -234,13 +233,13 @@ _apply_lora_block = _internals.autograd_apply(GQAQKVRoPEQKNormLoRAFunction)
 
 
 def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta,
-             qkv_update=None):
-    """The Functions' forward: (q, k, v[, gate]); ``qkv_update``: applied to the projection
-    output in place before the stage (eager plans only)."""
+             lora=None):
+    """The Functions' forward: (q, k, v[, gate]); ``lora``: a LoRAUpdate whose update goes into the
+    projection output before the stage (eager plans only)."""
     num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, source, fp8 = meta
     if plan is not None:
         q, k, qkv, _, _, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
-                                         cos, sin, qkv_bias, qkv_residual, qkv_update, keep_rstd=False)
+                                         cos, sin, qkv_bias, qkv_residual, keep_rstd=False, lora=lora)
     else:
         q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                    cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,

@@ -90,13 +90,25 @@ def _halves(acc, BM: gl.constexpr, W: gl.constexpr):
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _steps(K, R, BK: gl.constexpr, LORA: gl.constexpr):
+    """(K steps of x W^T, all K steps of a tile): with ``LORA`` the adapters' ``[x | U] [W | B]^T``
+    columns follow x's, in ``BK`` steps of U ``[tokens, R]`` and B ``[N, R]`` (the TMA fills the
+    columns past R with zeros)."""
+    k_steps = gl.cdiv(K, BK)
+    if LORA:
+        return k_steps, k_steps + gl.cdiv(R, BK)
+    return k_steps, k_steps
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, u_desc, b_desc, x_bufs, w_bufs, ready, empty, M, N, K, R,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              LORA: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_m = gl.cdiv(M, BM)
     n_n = gl.cdiv(N, BN)
-    k_steps = gl.cdiv(K, BK)
+    k_steps, n_steps = _steps(K, R, BK, LORA)
     nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     it = 0  # position in the ring over all of this program's tiles
     for tile in range(pid, n_m * n_n, nprog):
@@ -109,6 +121,14 @@ def _producer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K,
             _tma_load(x_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(s))
             _tma_load(w_desc, [off_n, kk * BK], ready.index(s), w_bufs.index(s))
             it += 1
+        if LORA:  # the same ring slots: U's and B's boxes are x's and W's shapes and dtype
+            for kk in range(n_steps - k_steps):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                _tma_load(u_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(s))
+                _tma_load(b_desc, [off_n, kk * BK], ready.index(s), w_bufs.index(s))
+                it += 1
 
 
 @gluon.jit
@@ -216,27 +236,27 @@ def _norm_rope_chunks(buf1, buf2, cs, w1, w2, r_ptr, sr_b, sr_h, sr_s, h,
 @gluon.jit
 def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
               wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
-              cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
+              cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, R, S, HQ, HKV,
               CID: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr,
-              RC: gl.constexpr):
+              RC: gl.constexpr, LORA: gl.constexpr):
     acc_layout: gl.constexpr = _acc_layout(BN)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_m = gl.cdiv(M, BM)
     n_n = gl.cdiv(N, BN)
-    k_steps = gl.cdiv(K, BK)
+    k_steps, n_steps = _steps(K, R, BK, LORA)
     buf1 = bufs.index(2 * CID)  # this consumer's two [BM, BN/2] epilogue buffers
     buf2 = bufs.index(2 * CID + 1)
     j = CID  # the program's local tile index (the producer's order): the consumers alternate tiles
     lap = 0
     for tile in range(pid + CID * nprog, n_m * n_n, 2 * nprog):
         off_m, off_n = _tile_origin(tile, n_m, n_n, BM, BN, GROUP_M)
-        it = j * k_steps  # ring position of the tile's first K step
+        it = j * n_steps  # ring position of the tile's first K step
         # ping-pong: consumer 0's first wait passes (parity 1 on a fresh barrier), consumer 1 waits for 0
         mbarrier.wait(turn.index(CID), (lap & 1) ^ (1 - CID))
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-        for kk in range(k_steps):
+        for kk in range(n_steps):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
@@ -304,20 +324,23 @@ def _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off
 
 @gluon.jit
 def qkv_rope_norm_gemm_sm90_kernel(
-    x_desc, w_desc, qkv_desc, q_desc, k_desc,
+    x_desc, w_desc, qkv_desc, q_desc, k_desc, u_desc, b_desc,
     wq_ptr, swq, wk_ptr, swk,
     rq_ptr, srq_b, srq_h, srq_s,
     rk_ptr, srk_b, srk_h, srk_s,
     cos_ptr, scos_b, scos_s, scos_d,
     sin_ptr, ssin_b, ssin_s, ssin_d,
-    eps, M, N, K, S, HQ, HKV,
+    eps, M, N, K, R, S, HQ, HKV,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr, RC: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    LORA: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """``x_desc`` x ``[tokens, K]`` in blocks ``[BM, BK]``; ``w_desc`` W ``[N, K]`` in blocks ``[BN, BK]``
     (BN = head_dim); ``qkv_desc``/``q_desc``/``k_desc`` ``[tokens, *]`` in blocks ``[BM, BN/2]``; rstd
-    ``[B, H, S]`` fp32. ``FUSE`` off: the plain GEMM (benchmarks)."""
+    ``[B, H, S]`` fp32. ``FUSE`` off: the plain GEMM (benchmarks). ``LORA``: LoRA adapters' update in
+    the same accumulator, ``qkv = x W^T + U B^T`` with ``u_desc`` U ``[tokens, R]`` (x A^T of every
+    adapter, side by side) in blocks ``[BM, BK]`` and ``b_desc`` B ``[N, R]`` (each adapter's scaled B
+    in its rows and U's columns, zeros elsewhere) in blocks ``[BN, BK]``; else both None."""
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     bufs = gl.allocate_shared_memory(qkv_desc.dtype, [4, BM, BN // 2], qkv_desc.layout)
@@ -335,11 +358,12 @@ def qkv_rope_norm_gemm_sm90_kernel(
     gl.warp_specialize([
         (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
                        wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
-                       cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                       0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC)),
+                       cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, R, S, HQ, HKV,
+                       0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, LORA)),
         (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
                        wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
-                       cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, S, HQ, HKV,
-                       1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC)),
-        (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+                       cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, R, S, HQ, HKV,
+                       1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, LORA)),
+        (_producer, (x_desc, w_desc, u_desc, b_desc, x_bufs, w_bufs, ready, empty, M, N, K, R, BM, BN, BK, GROUP_M,
+                     STAGES, LORA)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

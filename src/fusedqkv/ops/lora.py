@@ -84,7 +84,29 @@ class LoRAUpdate:
 
     def forward(self, qkv2d: Tensor, x2d: Tensor) -> None:
         """``qkv2d += U B^T`` per pair, in place; keeps U (and A_shared) for the backward."""
-        m = qkv2d.shape[0]
+        u = self._u(x2d)
+        self.bs = [self._w(p[3]) for p in self.pairs]
+        for (row, rows, _, _, s, _), b, c, r in zip(self.pairs, self.bs, self.cols, self.ranks):
+            qkv2d[:, row:row + rows].addmm_(u[:, c:c + r], b.t(), alpha=s)
+
+    @property
+    def rank(self) -> int:
+        """U's columns: every pair's rank."""
+        return self.cols[-1] + self.ranks[-1]
+
+    def gemm_operands(self, x2d: Tensor) -> tuple:
+        """``(U, B)`` of the update as one more stretch of the projection's inner dimension,
+        ``qkv = [x | U] [W | B]^T``: U ``[tokens, R]`` as :meth:`forward` computes it, B ``[n_tot,
+        R]`` with each pair's ``s_i B_i`` at its rows and U's columns and zeros elsewhere (``s_i B_i``
+        formed in fp32, rounded once to the block's dtype). Keeps U for the backward."""
+        u = self._u(x2d)
+        b = torch.zeros((self.n_tot, u.shape[1]), dtype=self.dtype, device=u.device)
+        for (row, rows, _, B, s, _), c, r in zip(self.pairs, self.cols, self.ranks):
+            torch.mul(B.detach(), s, out=b[row:row + rows, c:c + r])
+        return u, b
+
+    def _u(self, x2d: Tensor) -> Tensor:
+        m = x2d.shape[0]
         us = []
         if self.n_shared:
             shared = [p[2].detach() for p in self.pairs[:self.n_shared]]
@@ -95,14 +117,13 @@ class LoRAUpdate:
         for a, xd in zip(self.a_own, self.xds):
             us.append(self._w(xd).reshape(m, -1) @ a.t())
         self.u = u = us[0] if len(us) == 1 else torch.cat(us, 1)
-        self.bs = [self._w(p[3]) for p in self.pairs]
-        for (row, rows, _, _, s, _), b, c, r in zip(self.pairs, self.bs, self.cols, self.ranks):
-            qkv2d[:, row:row + rows].addmm_(u[:, c:c + r], b.t(), alpha=s)
+        return u
 
     def backward(self, dqkv2d: Tensor, g_x2d: Optional[Tensor], x2d: Tensor, needs: list) -> list:
         """Gradients of :attr:`params` (None where ``needs`` says not needed); ``g_x2d += dU_shared
         A_shared`` in place when given."""
-        u, n, m, bs = self.u, len(self.pairs), dqkv2d.shape[0], self.bs
+        u, n, m = self.u, len(self.pairs), dqkv2d.shape[0]
+        bs = self.bs if self.bs is not None else [self._w(p[3]) for p in self.pairs]
         du = torch.empty((m, u.shape[1]), dtype=self.dtype, device=dqkv2d.device)
         for (row, rows, _, _, s, _), b, c, r in zip(self.pairs, bs, self.cols, self.ranks):
             _into(du[:, c:c + r], dqkv2d[:, row:row + rows], b, s)

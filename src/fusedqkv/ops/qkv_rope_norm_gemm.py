@@ -24,6 +24,8 @@ MAXNREG = 168
 # the call tensors of a launch (``FusedGemmForward.bound_launch``): x and W as matrices, qkv, q and k as
 # token-major [tokens, heads * head_dim] matrices, the norm weights (absent where unweighted), rstd, cos/sin
 ENTRIES = ("x", "w", "qkv", "q", "k", "q_norm_weight", "k_norm_weight", "rstd_q", "rstd_k", "cos", "sin")
+# with LoRA adapters in the GEMM (``FusedGemmForward(lora=True)``): their U and B (``ops/lora.LoRAUpdate.gemm_operands``)
+LORA_ENTRIES = ENTRIES + ("u", "b")
 
 
 def call_entries(out_dims, x, w, qkv, q, k, wq, wk, rq, rk, cos, sin) -> dict:
@@ -62,10 +64,12 @@ def consumer_rounds(M: int, N: int, D: int, sms: int, BM: int = TILE["BM"]) -> f
     return (-(-M // BM) * (N // D)) / (2 * sms)
 
 
-def plan_fused_forward(sz: dict, x, w, bias, cfg, small=()) -> "FusedGemmForward | None":
+def plan_fused_forward(sz: dict, x, w, bias, cfg, small=(), lora: bool = False) -> "FusedGemmForward | None":
     """The fused forward of a plan, or None (cuBLAS + the stage). ``sz``: the validated sizes;
     ``small``: cos, sin and the norm weights (None where absent), which must have unit last strides
-    (the epilogue spills with other strides: offline ptxas, NOTES session 13)."""
+    (the epilogue spills with other strides: offline ptxas, NOTES session 13); ``lora``: the
+    kernel that takes LoRA adapters' U and B as more inner columns (the calls' ranks decide the
+    rest: :meth:`FusedGemmForward.bound_launch`)."""
     from . import internals
     from .plan_cache import as_matrix
     device = sz["device"]
@@ -88,7 +92,7 @@ def plan_fused_forward(sz: dict, x, w, bias, cfg, small=()) -> "FusedGemmForward
                             "large token counts)") is not None:
         return None
     return FusedGemmForward(M, N, sz["hidden"], sz["seq"], sz["num_heads"], sz["num_kv_heads"], D, sz["eps"],
-                            sz["norm_after_rope"], sz["variant"].norm_weight, x.dtype, device, sms=sms,
+                            sz["norm_after_rope"], sz["variant"].norm_weight, x.dtype, device, sms=sms, lora=lora,
                             **dict(cfg.fused_forward_tile or ()))
 
 
@@ -110,7 +114,7 @@ class FusedGemmForward:
 
     def __init__(self, M: int, N: int, K: int, S: int, hq: int, hkv: int, D: int, eps: float,
                  norm_after_rope: bool, norm_weight: bool, dtype, device, fuse: bool = True, sms: int | None = None,
-                 **tile):
+                 lora: bool = False, **tile):
         from ..kernels.qkv_rope_norm_gemm_sm90 import qkv_rope_norm_gemm_sm90_kernel
         self.kernel = qkv_rope_norm_gemm_sm90_kernel
         self.M, self.N, self.K, self.S, self.hq, self.hkv, self.D, self.eps = M, N, K, S, hq, hkv, D, float(eps)
@@ -124,9 +128,15 @@ class FusedGemmForward:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
         # one program per SM, fewer where there are fewer than two tiles (two consumers) per SM
         self.grid = (max(1, min(sms, math.ceil(consumer_rounds(M, N, D, 1, BM)))), )
+        self.lora = lora
         self.constexprs = dict(BM=BM, BN=D, BK=BK, GROUP_M=self.tile["GROUP_M"], STAGES=self.tile["STAGES"],
                                FUSE=fuse, NORM_AFTER_ROPE=norm_after_rope, NORM_WEIGHT=norm_weight, RC=self.tile["RC"],
-                               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
+                               LORA=lora, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
+
+    @staticmethod
+    def takes_rank(rank: int, dtype) -> bool:
+        """Whether U ``[tokens, rank]`` and B ``[N, rank]`` can be TMA operands (rows of 16-byte multiples)."""
+        return rank > 0 and (rank * torch.empty((), dtype=dtype).element_size()) % 16 == 0
 
     def bound_launch(self, like: dict):
         """``(Table, BoundLaunch)``: this kernel's launch over the call tensors ``like`` (by
@@ -136,24 +146,30 @@ class FusedGemmForward:
         re-encoding only the descriptors whose tensor moved."""
         from .launch import BoundLaunch, Desc, Table
         table = Table()
-        slot = {name: table.add(name, like[name]) for name in ENTRIES if like.get(name) is not None}
+        slot = {name: table.add(name, like[name]) for name in (LORA_ENTRIES if self.lora else ENTRIES)
+                if like.get(name) is not None}
         BM, BK, D = self.tile["BM"], self.tile["BK"], self.D
+        if self.lora:  # U's columns are the adapters' ranks: one launch per rank sum
+            lora = (Desc(slot["u"], [BM, BK], self.x_l), Desc(slot["b"], [D, BK], self.w_l))
+            rank = like["u"].shape[1]
+        else:
+            lora, rank = (None, None), 0
         half = [BM, D // 2]
         wq = slot.get("q_norm_weight", slot["q"])  # unweighted: q stands in, never read
         wk = slot.get("k_norm_weight", slot["q"])
         rq, rk, cos, sin = (like[n] for n in ("rstd_q", "rstd_k", "cos", "sin"))
         args = (Desc(slot["x"], [BM, BK], self.x_l), Desc(slot["w"], [D, BK], self.w_l),
                 Desc(slot["qkv"], half, self.o_l), Desc(slot["q"], half, self.o_l), Desc(slot["k"], half, self.o_l),
-                wq, wq.like.stride(0) if wq.like.dim() == 1 else 1, wk, wk.like.stride(0) if wk.like.dim() == 1 else 1,
+                *lora, wq, wq.like.stride(0) if wq.like.dim() == 1 else 1, wk, wk.like.stride(0) if wk.like.dim() == 1 else 1,
                 slot["rstd_q"], *rq.stride(), slot["rstd_k"], *rk.stride(), slot["cos"], *cos.stride(), slot["sin"],
-                *sin.stride(), self.eps, self.M, self.N, self.K, self.S, self.hq, self.hkv)
+                *sin.stride(), self.eps, self.M, self.N, self.K, rank, self.S, self.hq, self.hkv)
         launch = BoundLaunch(self.kernel, self.grid, args, dict(self.constexprs, num_warps=4, maxnreg=MAXNREG))
         table.release()
         return table, launch
 
     def run(self, named: dict):
-        """One launch through the JIT over the call tensors ``named`` (:func:`call_entries`; tests and
-        benchmarks: a plan launches :meth:`bound_launch`'s)."""
+        """One launch through the JIT over the call tensors ``named`` (:func:`call_entries`, plus ``u``
+        and ``b`` with ``lora``; tests and benchmarks: a plan launches :meth:`bound_launch`'s)."""
         table, launch = self.bound_launch(named)
         launch.raw_disabled = True
         launch.launch(table.tensors(named), None, 0)

@@ -21,7 +21,7 @@ from .device import current_stream
 from .gqa_forward import forward_outputs, forward_torch, plan_forward_stage, token_major, validate_forward_inputs
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
-from .qkv_rope_norm_gemm import ENTRIES as FUSED_ENTRIES, call_entries, plan_fused_forward
+from .qkv_rope_norm_gemm import ENTRIES as FUSED_ENTRIES, LORA_ENTRIES, FusedGemmForward, call_entries, plan_fused_forward
 from .rope_qk_norm import pick_backend
 
 # the stage's table entries, by name (the norm weights only when the norms have them, v only when normed)
@@ -31,13 +31,19 @@ STAGE_ENTRIES = ("qkv", "q_norm_weight", "k_norm_weight", "cos", "sin", "q", "k"
 class ForwardPlan:
     """The training block's forward of one input signature."""
 
-    def __init__(self, cfg, sz, backend, launch=None, table=None, aligned=True, lt_qkv=None, fused=None, fp8=None):
+    def __init__(self, cfg, sz, backend, launch=None, table=None, aligned=True, lt_qkv=None, fused=None, fp8=None,
+                 fused_lora=None):
         self.cfg, self.sz, self.backend, self.launch, self.table, self.aligned = cfg, sz, backend, launch, table, aligned
         self.fp8 = fp8  # an ops.fp8.Fp8Recipe: the GEMM in FP8 (then no cuBLASLt plan, no one-launch forward)
         self.lt_qkv = lt_qkv  # qkv = x W^T as a planned cuBLASLt call (no bias, aligned plans), or None
         # the whole forward as one Hopper launch (ops/qkv_rope_norm_gemm.FusedGemmForward; launch and table
         # are its bound launch), or None
         self.fused = fused
+        # a residual plan's one-launch forward with LoRA adapters as more inner columns (FusedGemmForward
+        # with lora; LoRAUpdate.gemm_operands), or None; its bound launches per rank sum, built at the first
+        # call of each
+        self.fused_lora = fused_lora
+        self.lora_launches: dict = {}
         b, s, d = sz["batch"], sz["seq"], sz["head_dim"]
         self.M, self.hidden, self.n_tot = b * s, sz["hidden"], sz["qkv"]
         self.qkv_shape = (b, s, self.n_tot)
@@ -52,15 +58,24 @@ class ForwardPlan:
         self._gather = None  # the table's addresses from the call's, in the launch's entry order (bound launches)
 
     def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias=None, qkv_residual=None,
-            qkv_update=None, keep_rstd=True):
+            qkv_update=None, keep_rstd=True, lora=None):
         """(q, k, qkv, rstd_q, rstd_k, v); cos/sin ``[batch, seq, rot]`` (expanded); v None unless
         the variant norms it. ``qkv_residual`` (plans built with one): ``[batch, seq, qkv]`` added to
         the projection output before RoPE and the norms (a LoRA update); ``qkv_update`` (plans built
         with a residual): a callable that changes the projection output in place there instead (the
         LoRA GEMMs accumulating into it: :mod:`fusedqkv.ops.lora`). ``keep_rstd=False``: a caller
         that does not read rstd (the eager training forward); bound launches then write it to a
-        kept scratch and return None for both."""
+        kept scratch and return None for both. ``lora`` (plans built with a residual): a
+        :class:`~fusedqkv.ops.lora.LoRAUpdate` whose update goes into the projection output: inside
+        the one-launch forward's GEMM where the plan has it and U's width can be a TMA operand, else
+        in place after the GEMM (``qkv_update``'s place)."""
         sz = self.sz
+        if lora is not None:
+            x2d = hidden_states.reshape(self.M, self.hidden)
+            if self.fused_lora is not None and FusedGemmForward.takes_rank(lora.rank, self.dtype):
+                return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd,
+                                       lora.gemm_operands(x2d))
+            qkv_update = lambda qkv: lora.forward(qkv.view(self.M, -1), x2d)  # noqa: E731
         if self.fused is not None:
             return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd)
         lt, launch = self.lt_qkv, self.launch
@@ -126,12 +141,18 @@ class ForwardPlan:
         return None, None, p, p + self.rstd_q_bytes
 
 
-    def _run_fused(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd=True):
+    def _run_fused(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd=True,
+                   lora_operands=None):
+        """The one-launch forward; ``lora_operands``: (U, B) of the LoRA adapters (the residual plan's
+        ``fused_lora`` kernel, one bound launch per rank sum)."""
         x_ptr, w_ptr = hidden_states.data_ptr(), qkv_weight.data_ptr()
         if (x_ptr | w_ptr) & 15:  # the TMA descriptors' bases
             raise Misaligned
         dev = self.device
         qkv = hidden_states.new_empty(self.qkv_shape)  # (hidden_states' dtype is the plan's)
+        if lora_operands is not None:
+            return self._run_fused_lora(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd,
+                                        qkv, *lora_operands)
         launch = self.launch
         stream = current_stream(dev)
         if launch.bound:
@@ -152,6 +173,40 @@ class ForwardPlan:
                                  rq, rk, cos, sin)
             launch.launch(self.table.tensors(named), None, stream)
         return q, k, qkv, rq, rk, None
+
+    def _run_fused_lora(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd, qkv, u, b):
+        dev = self.device
+        stream = current_stream(dev)
+        rank = u.shape[1]
+        b_, s, hq, hkv, d = self.out_dims
+        q, k = token_major(b_, hq, s, d, self.dtype, dev), token_major(b_, hkv, s, d, self.dtype, dev)
+        rq, rk, prq, prk = self._rstd(stream, keep_rstd)
+        kept = self.lora_launches.get(rank)
+        if kept is not None and kept[1].bound:
+            _, launch, gather = kept
+            wq = q_norm_weight.data_ptr() if q_norm_weight is not None else 0
+            wk = k_norm_weight.data_ptr() if k_norm_weight is not None else 0
+            pcos, psin = cos.data_ptr(), sin.data_ptr()
+            if self.aligned and (wq | wk | pcos | psin) & 15:
+                raise Misaligned
+            launch.launch(None, gather([hidden_states.data_ptr(), qkv_weight.data_ptr(), qkv.data_ptr(), q.data_ptr(),
+                                        k.data_ptr(), wq, wk, prq, prk, pcos, psin, u.data_ptr(), b.data_ptr()]),
+                          stream)
+            return q, k, qkv, rq, rk, None
+        # the first call of this rank sum (or no raw launches): through the JIT with this call's tensors
+        keep = rq is not None
+        if not keep:  # rstd into the kept scratch: views of it for the JIT's call
+            scratch = _device.workspace("rstd", dev, stream, self.rstd_bytes).view(torch.uint8)
+            rq = scratch[:b_ * hq * s * 4].view(torch.float32).view(b_, hq, s)
+            rk = scratch[self.rstd_q_bytes:self.rstd_q_bytes + b_ * hkv * s * 4].view(torch.float32).view(b_, hkv, s)
+        named = call_entries(self.out_dims, hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight,
+                             rq, rk, cos, sin)
+        named.update(u=u, b=b)
+        if kept is None:
+            table, launch = self.fused_lora.bound_launch(named)
+            kept = self.lora_launches[rank] = (table, launch, table.gather(LORA_ENTRIES))
+        kept[1].launch(kept[0].tensors(named), None, stream)
+        return q, k, qkv, (rq if keep else None), (rk if keep else None), None
 
 
 def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
@@ -179,9 +234,14 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
         return ForwardPlan(cfg, sz, backend, fp8=recipe)
     b, s, d, rot = sz["batch"], sz["seq"], sz["head_dim"], sz["rot"]
     aligned = all(t.data_ptr() % 16 == 0 for t in (q_norm_weight, k_norm_weight, cos, sin) if t is not None)
-    # the one-launch forward has no point between its GEMM and its stage where a residual could be added
+    # the one-launch forward has no point between its GEMM and its stage where a residual could be added; a
+    # residual plan keeps cuBLAS + the stage (a qkv_residual tensor) and, beside it, the one-launch forward
+    # that takes LoRA adapters inside its GEMM
+    small = (cos, sin, q_norm_weight, k_norm_weight)
     fused = None if residual or recipe is not None else plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg,
-                                                      (cos, sin, q_norm_weight, k_norm_weight))
+                                                                           small)
+    fused_lora = plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg, small, lora=True) if (
+        residual and recipe is None) else None
     qkv = torch.empty((b, s, sz["qkv"]), dtype=sz["dtype"], device=device)
     q, k, rq, rk, v = forward_outputs(b, s, num_heads, num_kv_heads, d, sz["dtype"], device, variant.v_norm)
     if fused is not None:  # one launch: no GEMM or stage of its own to plan
@@ -199,7 +259,7 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     lt_qkv = None
     if recipe is None and qkv_bias is None and aligned and hidden_states.data_ptr() % 16 == 0 and qkv_weight.data_ptr() % 16 == 0:
         lt_qkv = lt_matmul(as_matrix(hidden_states, M, sz["hidden"]), qkv_weight.t(), qkv.view(M, sz["qkv"]), cfg)
-    return ForwardPlan(cfg, sz, backend, launch, table, aligned, lt_qkv, fp8=recipe)
+    return ForwardPlan(cfg, sz, backend, launch, table, aligned, lt_qkv, fp8=recipe, fused_lora=fused_lora)
 
 
 PLANS = PlanCache("training_forward", build_forward)
@@ -232,18 +292,18 @@ def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, s
 
 
 def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                qkv_bias=None, qkv_residual=None, qkv_update=None, keep_rstd=True):
+                qkv_bias=None, qkv_residual=None, qkv_update=None, keep_rstd=True, lora=None):
     """``plan.run``; a call whose addresses the plan was not specialised for gets its own plan.
     ``keep_rstd=False``: the caller does not read rstd (see :meth:`ForwardPlan.run`)."""
     try:
         return plan.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual,
-                        qkv_update, keep_rstd)
+                        qkv_update, keep_rstd, lora)
     except Misaligned:
         sz, var = plan.sz, plan.variant
         position = "after_rope" if sz["norm_after_rope"] else "before_rope"
         options = (var.q_gate, "interleaved" if var.interleaved else "neox", "all_heads" if var.all_heads else "head",
                    var.v_norm)
-        residual = qkv_residual is not None or qkv_update is not None
+        residual = qkv_residual is not None or qkv_update is not None or lora is not None
         key = "" if plan.fp8 is None else plan.fp8.key
         args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"], sz["num_kv_heads"],
                 sz["eps"], position, plan.backend, qkv_bias, *options, residual, var.k_eq_v, key)
@@ -252,4 +312,4 @@ def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_n
         own = PLANS.full_lookup(list(_guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                               qkv_bias)), scalars, args, remember=False)
         return own.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual,
-                       qkv_update, keep_rstd)
+                       qkv_update, keep_rstd, lora)
