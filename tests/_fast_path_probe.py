@@ -257,7 +257,8 @@ class FakeCuda:
 
 
 def _driver_differences(expected: dict, got: dict) -> list:
-    out = [f"{k}: ours {got[k]!r}, Triton's {expected[k]!r}" for k in expected if k != "params" and got[k] != expected[k]]
+    out = [f"{k}: ours {got[k]!r}, Triton's {expected[k]!r}" for k in expected
+           if k != "params" and got[k] != expected[k]]
     e, g = expected["params"], got["params"]
     if not e:
         out.append("no parameters recorded")

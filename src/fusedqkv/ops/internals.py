@@ -26,6 +26,12 @@ each host TMA descriptor expanded by Triton's ``make_tensordesc_arg`` into its e
 and strides; the launch metadata and hooks are Triton's (``knobs.runtime.launch_enter_hook`` and
 ``launch_exit_hook``, read at each launch), or None while no hook is registered.
 ``tests/test_fast_path_gate.py`` compares the raw call with Triton's own on every supported Triton.
+
+On Triton 3.6 a bound launch goes one step further by default: it calls the driver's
+``cuLaunchKernelEx`` through ctypes with a parameter buffer laid out as Triton's generated launcher
+lays out its ``params[]`` (:data:`DRIVER_LAUNCH_SUPPORTED`; ``FUSEDQKV_RAW_LAUNCH=triton`` keeps
+Triton's launcher, for A/B). The probe checks it byte for byte against Triton's launcher at a
+stand-in driver; elsewhere Triton's launcher serves (:func:`fast_path_info` says which).
 """
 
 from __future__ import annotations
@@ -649,7 +655,8 @@ def _decide_driver_gate(abi) -> Optional[str]:
         return (f"the driver launch's parameter layout is proven on Triton {_range_text(DRIVER_LAUNCH_SUPPORTED)}, "
                 f"not {version}")
     if sys.implementation.name != "cpython":
-        return f"the driver launch reads host TMA maps at their object's address (CPython), not {sys.implementation.name}"
+        return (f"the driver launch reads host TMA maps at their object's address (CPython), "
+                f"not {sys.implementation.name}")
     try:
         from triton.backends.nvidia import driver as nv
 
@@ -764,6 +771,11 @@ def _driver_bind(compiled, run, grid, template, raw_ptrs, descs, triton_enqueue,
     except Refused as e:
         fall_back(f"{name}: the driver launch: {e}", instead="Triton's C launcher for it (more host time per call)")
         return None
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
+        fall_back(f"{name}: the driver launch: Triton {triton_version()}'s compiled kernel does not have the "
+                  f"structure fusedqkv lays out ({type(e).__name__}: {e})",
+                  instead="Triton's C launcher for it (more host time per call)")
+        return None
     _DRIVER_BOUND[0] += 1
     return enqueue
 
@@ -877,6 +889,7 @@ def _driver_enqueue(compiled, run, grid, template, raw_ptrs, descs, triton_enque
            "        slow(p, stream)\n")
     exec(compile(src, "<fusedqkv driver launch>", "exec"), ns)  # noqa: S102 - our own template
     ns["enqueue"].storage = buf  # the parameter buffer lives as long as the launch
+    ns["enqueue"].triton = triton_enqueue  # the same launch through Triton's launcher (benchmarks' A/B)
     for slot, point in sinks:
         point(slot.encoded)
         slot.sink = point
