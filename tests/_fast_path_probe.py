@@ -30,10 +30,12 @@ Prints one JSON line: {"ok", "problems", "info"}.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -188,6 +190,7 @@ class FakeCuda:
         from triton.backends.nvidia import driver as nv
 
         self.dir = tempfile.mkdtemp(prefix="fusedqkv-fake-libcuda-")
+        atexit.register(shutil.rmtree, self.dir, True)  # the loaded libraries stay mapped until then
         lib = os.path.join(self.dir, "libcuda.so.1")
         src = Path(__file__).with_name("_fake_libcuda.c")
         subprocess.check_call(["gcc", "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", f"-I{nv.include_dirs[0]}",
