@@ -15,6 +15,10 @@ lookup, allocations, launches). Rows:
     PYTHONPATH=src FUSEDQKV_SOL_EXECBENCH=... python3 benchmarks/host_costs.py --out DIR \
         [--workloads 11,2,15,3] [--cprofile]
 
+Each bound launch of the 091 call is timed through the driver (ctypes, the default where the gate
+allows) and through Triton's C launcher, interleaved ("[A/B: ...]" rows); the whole calls take the
+process's mode: FUSEDQKV_RAW_LAUNCH=triton runs them all through Triton's launcher.
+
 Prints a table last; writes host_costs.json to --out.
 """
 
@@ -34,7 +38,7 @@ import torch
 import fusedqkv
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import problem
-from fusedqkv.ops import config, cublaslt
+from fusedqkv.ops import config, cublaslt, internals
 from fusedqkv.ops import backward_091, training_backward, training_forward
 from fusedqkv.ops.device import current_stream
 
@@ -91,6 +95,7 @@ def main() -> int:
             "two torch.mm (out=)": lambda: (torch.mm(dq, a[6], out=dx), torch.mm(dq.t(), x, out=out[3])),
         }
         # the parts of one planned call (out=): lookup, addresses, each bound launch alone
+        launch_ab: dict = {}  # k -> (kernel, through the driver (ctypes), through Triton's C launcher)
 
         gqa_qkv_rope_qk_norm_backward(*a, out=out)
         p = backward_091.PLANS.last()
@@ -109,6 +114,15 @@ def main() -> int:
             for k, bl in enumerate(p.launches):
                 cases[f"  bound launch {k} ({bl.fn.__name__[:18]})"] = (
                     lambda bl=bl: bl.launch(None, ptrs, stream))
+                via_triton = getattr(bl._raw, "triton", None)  # bound to the driver launch: its old path too
+                if via_triton is not None:
+                    def old_path(bl=bl, via_triton=via_triton):
+                        if bl._descs:
+                            bl.encode(ptrs)
+                        via_triton(ptrs, stream)
+
+                    launch_ab[k] = (bl.fn.__name__[:18], cases[f"  bound launch {k} ({bl.fn.__name__[:18]})"],
+                                    old_path)
             if p.lt_dx is not None:
                 cases["  ctypes call, no arguments"] = cublaslt._find_library().cublasLtGetVersion
                 cases["  planned cuBLASLt dX"] = lambda: p.lt_dx(dq.data_ptr(), a[6].data_ptr(), out[0].data_ptr(),
@@ -139,6 +153,9 @@ def main() -> int:
             {"091 call, out= [A/B: cuBLASLt]": fn, "091 call, out= [A/B: torch.mm]": fn},
             contexts={"091 call, out= [A/B: cuBLASLt]": lambda: config.override(cublaslt=True),
                       "091 call, out= [A/B: torch.mm]": lambda: config.override(cublaslt=False)}))
+        for k, (kernel, driver, triton_launcher) in launch_ab.items():  # issue 36: the two raw launch paths
+            ab.update(interleaved_host_us({f"  bound launch {k} ({kernel}) [A/B: ctypes]": driver,
+                                           f"  bound launch {k} ({kernel}) [A/B: Triton's launcher]": triton_launcher}))
         for label, us in ab.items():
             rows.append({"case": label, "workload": w.name, "tokens": M, "host_us": us})
             print(f"{w.name:<14s} {label:<22s} {us:8.1f} us", flush=True)
@@ -284,9 +301,13 @@ def main() -> int:
                 rows.append({"case": f"{name} {position}", "workload": f"T{T}", "tokens": T,
                              "host_us": host_us(fn, n=50)})
                 print(f"T{T:<13d} {name + ' ' + position:<40s} {rows[-1]['host_us']:8.1f} us", flush=True)
+    fast_path = internals.fast_path_info()
     with open(os.path.join(args.out, "host_costs.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
-    print(f"\nhost time per call (us, median of 7 x N calls, GPU never waited on) | {torch.cuda.get_device_name()}")
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fast_path": fast_path,
+                   "rows": rows}, f, indent=1)
+    print(f"\nhost time per call (us, median of 7 x N calls, GPU never waited on) | {torch.cuda.get_device_name()} | "
+          f"raw launches: {fast_path['launch']} ({fast_path['driver_launches']} of {fast_path['bound_launches']} "
+          f"bound through the driver)")
     for r in rows:
         print(f"  {r['workload']:<14s} {r['tokens']:6d} {r['case']:<45s} {r['host_us']:8.1f}")
     return 0

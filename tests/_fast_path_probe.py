@@ -1,7 +1,9 @@
 """Does fusedqkv's raw launch call Triton's launcher exactly as Triton's own launch path does?
 (used by test_fast_path_gate, once per supported Triton)
 
-Run as a script in a process where the Triton under test is importable and TRITON_INTERPRET=0.
+Run as a script in a process where the Triton under test is importable and TRITON_INTERPRET=0
+(FUSEDQKV_RAW_LAUNCH as the process's mode; FUSEDQKV_PROBE_MUTATION: a layout mistake made on
+purpose, which the probe must report).
 No GPU: the active Triton driver is Triton's own ``CudaDriver`` with its device-facing parts
 replaced -- the device is an sm_90 target (kernels compile offline, ptxas included), loading a
 binary returns a token for the function, the TMA descriptor encoder returns a token made of its
@@ -10,27 +12,44 @@ the driver's ``launch``) records its arguments. Everything between -- ``JITFunct
 ``CompiledKernel``, ``CudaLauncher``, the descriptor wrapper, ``make_tensordesc_arg`` -- is the
 Triton under test.
 
-For two kernels (one with two host TMA descriptors, a pointer, plain, divisible-by-16 and
-equal-to-1 integers, a float and constexprs; one with a pointer only) a ``BoundLaunch`` launches
+For two kernels (one with two host TMA descriptors, a pointer, plain, divisible-by-16,
+equal-to-1 and 64-bit integers, a bool, a float and constexprs; one with a pointer only; on Triton
+3.6 also the Gluon forward GEMM: five Gluon descriptors, warp specialization) a ``BoundLaunch`` launches
 once through the JIT (Triton's call recorded), then raw with the same tensors' addresses, then
 raw again after one tensor of each moved, next to a JIT launch with the moved tensors. Each raw
 call must equal Triton's call, argument for argument (a tensor counted as its address: the
 launcher reads an int or ``data_ptr()`` alike), and the gate must report the raw path active.
+On Triton 3.6, whose launcher is C generated per kernel, the check goes one level down: Triton's
+own driver.c (its PyCUtensorMap and encoder) and each kernel's generated launcher are compiled
+against a stand-in libcuda (_fake_libcuda.c) whose cuLaunchKernelEx records the launch config,
+its attributes and every kernel parameter's bytes, sized as the kernel's PTX declares them. Each
+launch -- Triton's, ours through its launcher (FUSEDQKV_RAW_LAUNCH=triton) or ours through ctypes
+(the default) -- must reach the driver with the same bytes.
 Prints one JSON line: {"ok", "problems", "info"}.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import json
+import os
+import re
+import shutil
+import struct
+import subprocess
 import sys
+import tempfile
 import types
 import warnings
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 STREAM = 0x5EED
+BIG = 2**33 + 5  # an i64 scalar
 FUNCTION = 0xF00D
 
 
@@ -99,13 +118,15 @@ def install_driver(rec: Recorder) -> None:
 
 
 @triton.jit
-def desc_kernel(x_desc, y_ptr, n, one, stride_y, scale, w_desc, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+def desc_kernel(x_desc, y_ptr, n, one, stride_y, scale, w_desc, big, on, BLOCK: tl.constexpr, FLAG: tl.constexpr):
     pid = tl.program_id(0)
     x = x_desc.load([pid * BLOCK, 0]).to(tl.float32)
     w = w_desc.load([0, 0]).to(tl.float32)
     acc = x * scale + w
     if FLAG:
         acc = acc * one
+    if on:
+        acc = acc + (big % 3)
     rows = pid * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, 16)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(tl.float16), mask=rows[:, None] < n)
@@ -155,20 +176,167 @@ def _differences(expected, got, hooks_registered: bool = False) -> list:
     return [f"argument {i - 1}: ours {gi!r}, Triton's {ei!r}" for i, (ei, gi) in enumerate(zip(e, g)) if ei != gi]
 
 
+MUTATIONS = {  # a layout mistake each (FUSEDQKV_PROBE_MUTATION), for the gate test to see caught
+    "fp32-as-fp64": lambda internals: internals._SCALARS.__setitem__("fp32", ("uint32_t", "d")),
+    "map-offset": lambda internals: setattr(internals, "_MAP_OFFSET", 0),
+    "pdl-attribute": lambda internals: setattr(internals, "_ATTR_PDL", 7),
+}
+
+
+class FakeCuda:
+    """Triton 3.6's driver.c and generated launchers, compiled against _fake_libcuda.c."""
+
+    def __init__(self):
+        from triton.backends.nvidia import driver as nv
+
+        self.dir = tempfile.mkdtemp(prefix="fusedqkv-fake-libcuda-")
+        atexit.register(shutil.rmtree, self.dir, True)  # the loaded libraries stay mapped until then
+        lib = os.path.join(self.dir, "libcuda.so.1")
+        src = Path(__file__).with_name("_fake_libcuda.c")
+        subprocess.check_call(["gcc", "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", f"-I{nv.include_dirs[0]}",
+                               "-o", lib, str(src)])
+        self.lib = ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)  # dlopen("libcuda.so.1") finds it by its soname
+        self.lib.fake_record.restype = ctypes.c_size_t
+        self.lib.fake_launches.restype = ctypes.c_long
+        self.sizes: list = []
+
+    def compile(self, src, name, library_dirs=None, include_dirs=None, libraries=None, ccflags=None):
+        """compile_module_from_src without Triton's cache (a module linked to the fake must not land there)."""
+        from triton.runtime.build import _build, _load_module_from_path
+
+        tmp = tempfile.mkdtemp(dir=self.dir)
+        path = os.path.join(tmp, name + ".c")
+        Path(path).write_text(src)
+        so = _build(name, path, tmp, [self.dir], include_dirs or [], libraries or [], ccflags or [])
+        return _load_module_from_path(name, so)
+
+    def forget(self) -> None:
+        """Record no parameters (before a new kernel's first launch: their sizes are unknown)."""
+        self.sizes = []
+        self.lib.fake_expect_params(-1, None)
+
+    def expect(self, compiled) -> None:
+        """Record each launch's parameters with the sizes ``compiled``'s PTX entry declares."""
+        entry = re.search(r"\.entry\s+\w+\s*\((.*?)\)", compiled.asm["ptx"], re.S)
+        sizes = []
+        for decl in entry.group(1).split(","):
+            bits = re.search(r"\.[usbf](\d+)\b", decl)
+            count = re.search(r"\[(\d+)\]", decl)
+            sizes.append(int(bits.group(1)) // 8 * (int(count.group(1)) if count else 1))
+        self.sizes = sizes
+        self.lib.fake_expect_params(len(sizes), (ctypes.c_size_t * len(sizes))(*sizes))
+
+    def launches(self) -> int:
+        return self.lib.fake_launches()
+
+    def last(self) -> dict:
+        """The last launch as the driver read it."""
+        raw = ctypes.create_string_buffer(1 << 16)
+        n = self.lib.fake_record(raw, len(raw))
+        b = raw.raw[:n]
+        grid_block = struct.unpack_from("<7I", b, 0)
+        stream, fn, extra = struct.unpack_from("<3Q", b, 28)
+        (n_attrs,) = struct.unpack_from("<I", b, 52)
+        at, attrs = 56, []
+        for _ in range(n_attrs):
+            attrs.append((struct.unpack_from("<I", b, at)[0], b[at + 4: at + 68].hex()))
+            at += 68
+        (n_params,) = struct.unpack_from("<i", b, at)
+        at += 4
+        params = []
+        for size in self.sizes[:max(n_params, 0)]:
+            params.append(b[at: at + size].hex())
+            at += size
+        return {"grid": grid_block[:3], "block": grid_block[3:6], "shared": grid_block[6], "stream": stream,
+                "function": fn, "extra": extra, "attrs": attrs, "params": params}
+
+    def install(self, drv) -> None:
+        from triton.backends.nvidia import driver as nv
+
+        utils = self.compile(Path(nv.dirname, "driver.c").read_text(), "cuda_utils", include_dirs=nv.include_dirs)
+        nv.PyCUtensorMap = utils.PyCUtensorMap  # what the generated launchers type-check a map against
+        drv.utils.fill_tma_descriptor = utils.fill_tma_descriptor  # Triton's encoder (to the fake's map)
+        nv.compile_module_from_src = self.compile
+
+
+def _driver_differences(expected: dict, got: dict) -> list:
+    out = [f"{k}: ours {got[k]!r}, Triton's {expected[k]!r}" for k in expected
+           if k != "params" and got[k] != expected[k]]
+    e, g = expected["params"], got["params"]
+    if not e:
+        out.append("no parameters recorded")
+    out += [f"parameter {i} ({len(ei) // 2} bytes): ours {gi}, Triton's {ei}" for i, (ei, gi) in enumerate(zip(e, g))
+            if ei != gi]
+    return out
+
+
+def gluon_forward(fake, one_launch, last_launch, differences) -> list:
+    """fusedqkv's Gluon forward GEMM (five Gluon host descriptors, pointers, strides, a float, a
+    warp-specialized kernel under maxnreg) as its plan binds it: the raw launch as Triton's."""
+    from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward
+
+    b, s, hq, hkv, d, k = 1, 128, 2, 1, 128, 256
+    m, n = b * s, (hq + 2 * hkv) * d
+    bf = torch.bfloat16
+    named = dict(x=torch.randn(m, k, dtype=bf), w=torch.randn(n, k, dtype=bf), qkv=torch.empty(m, n, dtype=bf),
+                 q=torch.empty(m, hq * d, dtype=bf), k=torch.empty(m, hkv * d, dtype=bf),
+                 q_norm_weight=torch.ones(d, dtype=bf), k_norm_weight=torch.ones(d, dtype=bf),
+                 rstd_q=torch.empty(b, hq, s), rstd_k=torch.empty(b, hkv, s), cos=torch.randn(b, s, d, dtype=bf),
+                 sin=torch.randn(b, s, d, dtype=bf))
+    fwd = FusedGemmForward(m, n, k, s, hq, hkv, d, 1e-6, False, True, bf, "cpu", sms=132)
+    table, launch = fwd.bound_launch(named)
+    tensors = table.tensors(named)
+    fake.forget()  # compiled first, for its PTX's parameter sizes
+    fake.expect(launch.fn[launch.grid](*[launch._resolve(a, tensors) for a in launch.args], **launch.constexprs))
+    problems = []
+    one_launch("the Gluon forward, the JIT", lambda: launch.launch(tensors, None, STREAM))
+    triton_call = last_launch()
+    if not launch.bound:
+        return ["the Gluon forward: not bound to the raw launch"]
+    ptrs = table.addresses({name: t.data_ptr() for name, t in named.items()})
+    launch.encode(ptrs)
+    one_launch("the Gluon forward, raw", lambda: launch.launch(None, ptrs, STREAM))
+    problems += [f"the Gluon forward: {p}" for p in differences(triton_call, last_launch())]
+    return problems
+
+
 def main() -> int:
     from fusedqkv.ops import internals
     from fusedqkv.ops.launch import BoundLaunch, Desc, Table, _tensor_descriptor
+    from triton.backends.nvidia import driver as nv
 
     problems: list = []
     caught = []
     warnings.simplefilter("always")
     warnings.showwarning = lambda message, *a, **k: caught.append(str(message))
+    mutation = os.environ.get("FUSEDQKV_PROBE_MUTATION")
+    if mutation:
+        MUTATIONS[mutation](internals)
     rec = Recorder()
     install_driver(rec)
+    fake = None
+    if hasattr(nv, "make_launcher"):  # 3.6: the per-kernel C launcher, compiled for real
+        fake = FakeCuda()
+        fake.install(triton.runtime.driver.active)
 
     def last_launch():
+        if fake is not None:
+            return fake.last()
         assert rec.launches, "nothing was launched"
         return rec.launches.pop()
+
+    def differences(expected, got, hooks_registered=False):
+        if fake is not None:
+            return _driver_differences(expected, got)
+        return _differences(expected, got, hooks_registered)
+
+    def one_launch(what, fn):
+        """``fn()`` must reach the driver (3.6: the fake) exactly once."""
+        before = fake.launches() if fake is not None else len(rec.launches)
+        fn()
+        after = fake.launches() if fake is not None else len(rec.launches)
+        if after != before + 1:
+            problems.append(f"{what}: {after - before} launches, expected 1")
 
     # a kernel with host TMA descriptors
     x, w = torch.randn(48, 16).half(), torch.randn(16, 16).half()
@@ -176,59 +344,92 @@ def main() -> int:
     table = Table()
     px, py, pw = table.add("x", x), table.add("y", y), table.add("w", w)
     consts = dict(BLOCK=16, FLAG=True, num_warps=4, launch_pdl=True)  # PDL on, cooperative grid off
-    launch = BoundLaunch(desc_kernel, (3,), [Desc(px, [16, 16]), py, 37, 1, 16, 0.5, Desc(pw, [16, 16])], consts)
-    launch.launch([x, y, w], None, STREAM)  # the JIT: compiles (offline), launches, binds
+
+    def jit_desc(xt, yt):
+        return desc_kernel[(3,)](_tensor_descriptor(xt, [16, 16]), yt, 37, 1, 32, 0.5, _tensor_descriptor(w, [16, 16]),
+                                 BIG, True, **consts)
+
+    if fake is not None:  # compiled first, for its PTX's parameter sizes
+        fake.expect(jit_desc(x, y))
+    launch = BoundLaunch(desc_kernel, (3,), [Desc(px, [16, 16]), py, 37, 1, 32, 0.5, Desc(pw, [16, 16]), BIG, True],
+                         consts)
+    one_launch("desc_kernel, the JIT", lambda: launch.launch([x, y, w], None, STREAM))  # compiles, launches, binds
     triton_call = last_launch()
     if not launch.bound:
         problems.append("desc_kernel: not bound to the raw launch")
     else:
-        launch.launch([x, y, w], [x.data_ptr(), y.data_ptr(), w.data_ptr()], STREAM)
-        problems += [f"desc_kernel: {p}" for p in _differences(triton_call, last_launch())]
+        one_launch("desc_kernel, raw", lambda: launch.launch([x, y, w], [x.data_ptr(), y.data_ptr(), w.data_ptr()],
+                                                              STREAM))
+        problems += [f"desc_kernel: {p}" for p in differences(triton_call, last_launch())]
         # one descriptor's tensor and the pointer move: Triton's launch with them, then ours
         x2, y2 = x.clone(), y.clone()
-        desc_kernel[(3,)](_tensor_descriptor(x2, [16, 16]), y2, 37, 1, 16, 0.5, _tensor_descriptor(w, [16, 16]),
-                          **consts)
+        one_launch("desc_kernel, the JIT, moved tensors", lambda: jit_desc(x2, y2))
         triton_call = last_launch()
         n_encodes = len(rec.encodes)
         ptrs = [x2.data_ptr(), y2.data_ptr(), w.data_ptr()]
         launch.encode(ptrs)
-        launch.launch(None, ptrs, STREAM)
-        problems += [f"desc_kernel, moved tensors: {p}" for p in _differences(triton_call, last_launch())]
-        if len(rec.encodes) != n_encodes + 1:
+        one_launch("desc_kernel, raw, moved tensors", lambda: launch.launch(None, ptrs, STREAM))
+        problems += [f"desc_kernel, moved tensors: {p}" for p in differences(triton_call, last_launch())]
+        if fake is None and len(rec.encodes) != n_encodes + 1:
             problems.append(f"desc_kernel: {len(rec.encodes) - n_encodes} descriptors encoded again, expected 1 "
                             "(only the moved tensor's)")
+        # back to the first addresses: the remembered maps, repointed
+        ptrs0 = [x.data_ptr(), y.data_ptr(), w.data_ptr()]
+        launch.encode(ptrs0)
+        one_launch("desc_kernel, raw, first tensors again", lambda: launch.launch(None, ptrs0, STREAM))
+        if fake is not None:
+            got = last_launch()
+            one_launch("desc_kernel, the JIT, first tensors again", lambda: jit_desc(x, y))
+            problems += [f"desc_kernel, first tensors again: {p}" for p in differences(last_launch(), got)]
+        else:
+            last_launch()
         # a launch hook registered (a profiler): Triton's metadata and hook chains, passed as Triton passes them
-        hook = lambda metadata: None  # noqa: E731
+        calls = []
+        hook = lambda metadata: calls.append(metadata)  # noqa: E731
         triton.knobs.runtime.launch_enter_hook.add(hook)
         try:
-            desc_kernel[(3,)](_tensor_descriptor(x2, [16, 16]), y2, 37, 1, 16, 0.5, _tensor_descriptor(w, [16, 16]),
-                              **consts)
+            one_launch("desc_kernel, the JIT, a hook registered", lambda: jit_desc(x2, y2))
             triton_call = last_launch()
-            launch.launch(None, ptrs, STREAM)
+            one_launch("desc_kernel, raw, a hook registered", lambda: launch.launch(None, ptrs, STREAM))
             problems += [f"desc_kernel, a launch hook registered: {p}"
-                         for p in _differences(triton_call, last_launch(), hooks_registered=True)]
+                         for p in differences(triton_call, last_launch(), hooks_registered=True)]
+            if fake is not None and len(calls) != 2:
+                problems.append(f"desc_kernel: the launch hook was called {len(calls)} times, expected 2")
         finally:
             triton.knobs.runtime.launch_enter_hook.remove(hook)
 
-    # a kernel with a pointer only
+    # a kernel with a pointer only (3.6: on a cooperative grid of 2-CTA clusters)
     buf = torch.zeros(100, dtype=torch.int32)
-    plain = BoundLaunch(plain_kernel, (2,), [Table().add("buf", buf), 100], dict(BLOCK=64))
-    plain.launch([buf], None, STREAM)
+    plain_consts = dict(BLOCK=64, num_ctas=2, launch_cooperative_grid=True) if fake is not None else dict(BLOCK=64)
+    if fake is not None:
+        fake.forget()
+        fake.expect(plain_kernel[(2,)](buf, 100, **plain_consts))
+    plain = BoundLaunch(plain_kernel, (2,), [Table().add("buf", buf), 100], plain_consts)
+    one_launch("plain_kernel, the JIT", lambda: plain.launch([buf], None, STREAM))
     triton_call = last_launch()
     if not plain.bound:
         problems.append("plain_kernel: not bound to the raw launch")
     else:
-        plain.launch([buf], [buf.data_ptr()], STREAM)
-        problems += [f"plain_kernel: {p}" for p in _differences(triton_call, last_launch())]
+        one_launch("plain_kernel, raw", lambda: plain.launch([buf], [buf.data_ptr()], STREAM))
+        problems += [f"plain_kernel: {p}" for p in differences(triton_call, last_launch())]
+
+    bound = 2
+    if fake is not None and internals.gluon_gate() is None:  # the Gluon forward GEMM (tested on 3.6 only)
+        bound += 1
+        problems += gluon_forward(fake, one_launch, last_launch, differences)
 
     info = internals.fast_path_info()
     expected_abi = internals.MODULE_ABI if triton.__version__.startswith("3.6.") else internals.SHARED_ABI
+    driver = fake is not None and os.environ.get("FUSEDQKV_RAW_LAUNCH", "ctypes") == "ctypes"
     if not info["active"]:
         problems.append(f"the fast path is inactive: {info['reason']}")
     if info["abi"] != expected_abi:
         problems.append(f"launcher ABI {info['abi']!r}, expected {expected_abi!r} for Triton {triton.__version__}")
-    if info["bound_launches"] != 2:
-        problems.append(f"{info['bound_launches']} launches bound, expected 2")
+    if info["bound_launches"] != bound:
+        problems.append(f"{info['bound_launches']} launches bound, expected {bound}")
+    if (info["launch"], info["driver_launches"]) != (("ctypes", bound) if driver else ("triton", 0)):
+        problems.append(f"launch mode {info['launch']!r} with {info['driver_launches']} driver launches, expected "
+                        f"{f'ctypes with {bound}' if driver else 'triton with 0'}")
     problems += [f"warning: {m}" for m in caught if "fast path" in m]
     print(json.dumps({"ok": not problems, "problems": problems, "info": info}), flush=True)
     return 0 if not problems else 1

@@ -8,7 +8,10 @@ time. So that such a Triton fails here instead of slowing users down, one releas
 supported minor version (and the installed Triton) runs ``_fast_path_probe.py`` in a child
 process: kernels compiled offline for sm_90, launched once by Triton's own path and then raw,
 both launcher calls recorded and compared argument for argument; the probe fails where the gate
-is not active. The Tritons other than the installed one come from the package index
+is not active. On Triton 3.6 the comparison is at the driver: Triton's own C launcher and
+fusedqkv's ctypes launch (and, with FUSEDQKV_RAW_LAUNCH=triton, fusedqkv through Triton's launcher)
+must hand a recording stand-in libcuda the same launch config and parameter bytes; a layout
+mistake made on purpose must be caught. The Tritons other than the installed one come from the package index
 (``_tritons.py``: ``pip download``, cached unpacked under ``$XDG_CACHE_HOME/fusedqkv`` or
 ``~/.cache/fusedqkv``).
 """
@@ -34,11 +37,17 @@ PROBE = Path(__file__).with_name("_fast_path_probe.py")
 VERSIONS = sorted(set(PINNED) | ({INSTALLED} if INSTALLED else set()), key=version_key)
 
 
-def run_probe(version: str) -> dict:
-    """The probe's result with Triton ``version`` importable."""
+DRIVER_VERSION = "3.6.0"  # the Triton whose launcher's parameter layout the driver launch mirrors
+MUTATIONS = {"fp32-as-fp64": "parameter", "map-offset": "parameter 0 (128 bytes)", "pdl-attribute": "attrs"}
+
+
+def run_probe(version: str, **env_extra) -> dict:
+    """The probe's result with Triton ``version`` importable (``env_extra``: more environment)."""
     path = triton_path(version)
     entries = [str(p) for p in (path, SRC) if p] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(entries))
+    env.pop("FUSEDQKV_RAW_LAUNCH", None)  # the default mode unless asked
+    env.update(env_extra)
     try:
         proc = subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired as e:
@@ -53,10 +62,15 @@ def run_probe(version: str) -> dict:
 
 @pytest.fixture(scope="module")
 def probes() -> dict:
-    """version -> the probe's result; each version fetched (when not cached) and probed side by side."""
-    with concurrent.futures.ThreadPoolExecutor(len(VERSIONS)) as pool:
-        futures = {v: pool.submit(run_probe, v) for v in VERSIONS}
-        return {v: f.result() for v, f in futures.items()}
+    """version (or (version, mode) / (version, mutation)) -> the probe's result; each version
+    fetched (when not cached) and probed side by side."""
+    jobs = {v: {} for v in VERSIONS}
+    jobs[(DRIVER_VERSION, "triton")] = dict(FUSEDQKV_RAW_LAUNCH="triton")
+    jobs.update({(DRIVER_VERSION, m): dict(FUSEDQKV_PROBE_MUTATION=m) for m in MUTATIONS})
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {key: pool.submit(run_probe, key if isinstance(key, str) else key[0], **env)
+                   for key, env in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
 
 
 def test_every_supported_minor_version_is_checked():
@@ -70,6 +84,50 @@ def test_raw_launch_is_active_and_matches_tritons_own_launch(probes, version):
     result = probes[version]
     assert result["ok"], f"Triton {version}:\n" + "\n".join(result["problems"])
     assert result["info"]["triton"] == version
+    driver = internals._in_range(version, internals.DRIVER_LAUNCH_SUPPORTED)
+    assert result["info"]["launch"] == ("ctypes" if driver else "triton")
+
+
+def test_tritons_launcher_stays_available_for_ab(probes):
+    """FUSEDQKV_RAW_LAUNCH=triton on the driver launch's Triton: bound launches through Triton's C
+    launcher, the same bytes at the driver."""
+    result = probes[(DRIVER_VERSION, "triton")]
+    assert result["ok"], "\n".join(result["problems"])
+    assert (result["info"]["launch"], result["info"]["driver_launches"]) == ("triton", 0)
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_the_probe_catches_a_wrong_parameter_layout(probes, mutation):
+    result = probes[(DRIVER_VERSION, mutation)]
+    assert not result["ok"], f"{mutation}: a wrong layout went unnoticed"
+    assert any(MUTATIONS[mutation] in p for p in result["problems"]), result["problems"]
+
+
+def test_the_launch_mode_is_checked(monkeypatch):
+    monkeypatch.setenv("FUSEDQKV_RAW_LAUNCH", "driver")
+    with pytest.raises(ValueError, match="FUSEDQKV_RAW_LAUNCH='driver': expected 'ctypes'"):
+        internals._launch_mode_from_env()
+    for mode in ("ctypes", "triton"):
+        monkeypatch.setenv("FUSEDQKV_RAW_LAUNCH", mode)
+        assert internals._launch_mode_from_env() == mode
+    monkeypatch.delenv("FUSEDQKV_RAW_LAUNCH")
+    assert internals._launch_mode_from_env() is None
+
+
+def test_the_driver_launch_asked_for_where_unproven_warns(fresh_fallbacks, monkeypatch):
+    """Unset, the mode is ctypes where proven and Triton's launcher elsewhere (reported, not
+    warned: nothing is slower than before); asked for explicitly where unproven, it warns."""
+    monkeypatch.setattr(internals, "_DRIVER_GATE", {})
+    assert "proven on Triton 3.6" in internals._driver_gate(internals.SHARED_ABI)
+    monkeypatch.setattr(internals, "LAUNCH_MODE", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", internals.FastPathWarning)
+        assert internals.launch_mode(internals.SHARED_ABI) == "triton"
+    monkeypatch.setattr(internals, "LAUNCH_MODE", "ctypes")
+    with pytest.warns(internals.FastPathWarning, match="proven on Triton 3.6.*Triton's C launcher"):
+        assert internals.launch_mode(internals.SHARED_ABI) == "triton"
+    monkeypatch.setattr(internals, "LAUNCH_MODE", "triton")
+    assert internals.launch_mode(internals.MODULE_ABI) == "triton"
 
 
 # ------------------------------------------------------------------------------ the gate itself
@@ -90,7 +148,8 @@ def test_interpreter_reports_inactive_without_warning(fresh_fallbacks):
         info = internals.fast_path_info()
         assert internals.raw_launch_gate() is None
     assert (info["active"], info["reason"], info["abi"]) == (False, "interpreter", None)
-    assert info["supported"] == {"triton": "3.6-3.9", "torch": "2.11-2.15"}
+    assert info["supported"] == {"triton": "3.6-3.9", "torch": "2.11-2.15", "driver_launch": "3.6-3.6"}
+    assert (info["launch"], info["launch_reason"]) == (None, None)
 
 
 def test_a_fallback_warns_once_naming_the_reason_and_is_recorded(fresh_fallbacks, monkeypatch):

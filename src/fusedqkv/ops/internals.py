@@ -26,13 +26,22 @@ each host TMA descriptor expanded by Triton's ``make_tensordesc_arg`` into its e
 and strides; the launch metadata and hooks are Triton's (``knobs.runtime.launch_enter_hook`` and
 ``launch_exit_hook``, read at each launch), or None while no hook is registered.
 ``tests/test_fast_path_gate.py`` compares the raw call with Triton's own on every supported Triton.
+
+On Triton 3.6 a bound launch goes one step further by default: it calls the driver's
+``cuLaunchKernelEx`` through ctypes with a parameter buffer laid out as Triton's generated launcher
+lays out its ``params[]`` (:data:`DRIVER_LAUNCH_SUPPORTED`; ``FUSEDQKV_RAW_LAUNCH=triton`` keeps
+Triton's launcher, for A/B). The probe checks it byte for byte against Triton's launcher at a
+stand-in driver; elsewhere Triton's launcher serves (:func:`fast_path_info` says which).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import os
 import re
+import struct
+import sys
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -98,16 +107,23 @@ def triton_version() -> Optional[str]:
 def fast_path_info() -> dict:
     """The state of fusedqkv's fast paths in this process: ``active`` (every one in use, so far),
     ``reason`` (the first reason one is off; ``"interpreter"`` under ``TRITON_INTERPRET=1``),
-    ``abi`` (the launcher ABI the raw launch speaks, or None), ``triton``, ``torch`` (versions),
-    ``supported`` (the tested ranges), ``bound_launches`` (launches bound to the raw path) and
-    ``fallbacks`` (every reason recorded, each warned once)."""
+    ``abi`` (the launcher ABI the raw launch speaks, or None), ``launch`` (how bound launches are
+    made: ``"ctypes"``, cuLaunchKernelEx with fusedqkv's parameter buffer, or ``"triton"``, Triton's
+    C launcher; None while the raw path is off) and ``launch_reason`` (why not ctypes), ``triton``,
+    ``torch`` (versions), ``supported`` (the tested ranges), ``bound_launches`` (launches bound to
+    the raw path), ``driver_launches`` (of them, through the driver) and ``fallbacks`` (every
+    reason recorded, each warned once)."""
     abi, gate_reason = _triton_gate()
     reasons = list(_FALLBACKS)
     reason = gate_reason if gate_reason == "interpreter" else (reasons[0] if reasons else gate_reason)
-    return {"active": reason is None, "reason": reason, "abi": abi, "triton": triton_version(),
-            "torch": torch.__version__,
-            "supported": {"triton": _range_text(TRITON_SUPPORTED), "torch": _range_text(TORCH_SUPPORTED)},
-            "bound_launches": _BOUND[0], "fallbacks": reasons}
+    launch = None if abi is None else launch_mode(abi)
+    return {"active": reason is None, "reason": reason, "abi": abi, "launch": launch,
+            "launch_reason": None if abi is None or launch == CTYPES else
+            ("FUSEDQKV_RAW_LAUNCH=triton" if LAUNCH_MODE == TRITON else _driver_gate(abi)),
+            "triton": triton_version(), "torch": torch.__version__,
+            "supported": {"triton": _range_text(TRITON_SUPPORTED), "torch": _range_text(TORCH_SUPPORTED),
+                          "driver_launch": _range_text(DRIVER_LAUNCH_SUPPORTED)},
+            "bound_launches": _BOUND[0], "driver_launches": _DRIVER_BOUND[0], "fallbacks": reasons}
 
 
 # ------------------------------------------------------------------------------ torch internals
@@ -355,7 +371,7 @@ class DescriptorSlot:
     the same launch a new address per layer, the same ones every step (the caching allocator),
     and each encode costs a driver call and ~10 Python operations."""
 
-    __slots__ = ("pos", "index", "meta", "host", "address", "encoder", "ptr", "encoded", "memo")
+    __slots__ = ("pos", "index", "meta", "host", "address", "encoder", "ptr", "encoded", "memo", "sink")
 
     def __init__(self, pos: int, index: int, descriptor, meta, encoder: Callable):
         self.pos, self.index, self.meta, self.encoder = pos, index, meta, encoder
@@ -364,6 +380,7 @@ class DescriptorSlot:
         self.host.base = self.address
         self.ptr, self.encoded = None, None
         self.memo: dict = {}
+        self.sink: Optional[Callable] = None  # told of each newly pointed-to map (the driver launch's params[])
 
     def expand(self, ptr: int) -> list:
         """The expanded argument (encoded map, shape, strides) at address ``ptr``, encoded now; the
@@ -374,6 +391,8 @@ class DescriptorSlot:
             self.memo.clear()
         self.encoded = self.memo[ptr] = expanded[0]
         self.ptr = ptr
+        if self.sink is not None:
+            self.sink(self.encoded)
         return expanded
 
     def encode(self, ptr: int) -> None:
@@ -383,6 +402,8 @@ class DescriptorSlot:
             self.expand(ptr)
         else:
             self.encoded, self.ptr = encoded, ptr
+            if self.sink is not None:
+                self.sink(encoded)
 
 
 def make_enqueue(launcher, grid, head, template, ptr_slots, desc_slots, pack: Optional[type] = None, hooks=None):
@@ -547,7 +568,13 @@ def _bind(abi, compiled, grid, values, ptr_slots, desc_slots):
     if abi == MODULE_ABI:
         head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
                 None, None, None)
-        pack, hooks = None, (6, *hooks_of)
+        hooks = (6, *hooks_of)
+        enqueue = make_enqueue(launcher, grid, head, template, raw_ptrs, descs, None, hooks)
+        if launch_mode(abi) == CTYPES:
+            driver = _driver_bind(compiled, run, grid, template, raw_ptrs, descs, enqueue, hooks_of)
+            if driver is not None:
+                return driver, descs
+        return enqueue, descs
     else:
         if len(compiled.packed_metadata) != 3:  # parsed as (num_warps, num_ctas, shared memory)
             raise Refused("the packed kernel metadata changed")
@@ -556,6 +583,345 @@ def _bind(abi, compiled, grid, values, ptr_slots, desc_slots):
         pack = list if descs else tuple  # as Triton's descriptor wrapper / CudaLauncher pass them
         hooks = (4, *hooks_of)
     return make_enqueue(launcher, grid, head, template, raw_ptrs, descs, pack, hooks), descs
+
+
+# ------------------------------------------------------------------------------ the driver launch (Triton 3.6)
+
+# The bound launch's second step: where Triton 3.6's per-kernel C launcher would parse ~90 Python
+# objects per call, fusedqkv calls cuLaunchKernelEx through ctypes with a parameter buffer of its
+# own, laid out as that launcher lays out ``void *params[]`` (checked byte for byte against it,
+# offline, by tests/_fast_path_probe.py). FUSEDQKV_RAW_LAUNCH picks the mode: "ctypes" (the
+# default where the layout is proven) or "triton" (Triton's C launcher, kept for A/B).
+
+CTYPES, TRITON = "ctypes", "triton"
+DRIVER_LAUNCH_SUPPORTED = ((3, 6), (3, 6))  # Tritons whose launcher's params[] layout the probe checks
+
+
+def _launch_mode_from_env() -> Optional[str]:
+    raw = os.environ.get("FUSEDQKV_RAW_LAUNCH", "")
+    if raw == "":
+        return None  # ctypes where proven, Triton's launcher elsewhere
+    if raw not in (CTYPES, TRITON):
+        raise ValueError(f"FUSEDQKV_RAW_LAUNCH={raw!r}: expected 'ctypes' (bound launches call the CUDA driver "
+                         "directly where the gate allows) or 'triton' (through Triton's C launcher)")
+    return raw
+
+
+LAUNCH_MODE = _launch_mode_from_env()
+_DRIVER_GATE: dict = {}  # abi -> None (allowed) or the reason
+_DRIVER_BOUND = [0]  # launches bound to the driver launch
+
+# Each signature type: the C type Triton 3.6's launcher declares for it (ty_to_cpp, or
+# FLOAT_STORAGE_TYPE for floats: checked against Triton's tables at bind) and how its bytes are made.
+_SCALARS = {"i1": ("int8_t", "b"), "i8": ("int8_t", "b"), "i16": ("int16_t", "h"), "i32": ("int32_t", "i"),
+            "i64": ("int64_t", "q"), "u1": ("uint8_t", "B"), "u8": ("uint8_t", "B"), "u16": ("uint16_t", "H"),
+            "u32": ("uint32_t", "I"), "u64": ("uint64_t", "Q"), "fp16": ("uint16_t", "e"),
+            "bf16": ("uint16_t", "bf16"), "fp32": ("uint32_t", "f"), "f32": ("uint32_t", "f"),
+            "fp64": ("uint64_t", "d")}
+# The generated launcher's source, token by token: what the layout below mirrors
+_LAUNCHER_TOKENS = (
+    'params.append("&global_scratch")', 'params.append("&profile_scratch")',
+    'params = [f"&arg{i}" for i, ty in signature.items() if ty != "constexpr"]',
+    'if (gridX*gridY*gridZ > 0)', 'config.gridDimX = gridX * num_ctas;', 'config.gridDimY = gridY;',
+    'config.gridDimZ = gridZ;', 'config.blockDimX = 32 * num_warps;', 'config.blockDimY = 1;',
+    'config.blockDimZ = 1;', 'config.sharedMemBytes = shared_memory;', 'config.hStream = stream;',
+    '.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, .value = 1',
+    '.id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE, .value = 1', 'clusterAttr.value.clusterDim.x = num_ctas;',
+    'clusterSchedulingAttr.value.clusterSchedulingPolicyPreference = CU_CLUSTER_SCHEDULING_POLICY_SPREAD;',
+    'cuLaunchKernelExHandle(&config, function, params, 0)', 'internal_args_list.append(f"*tma_ptr{i}")',
+    'internal_args_list.append(f"_arg{i}_storage")', 'output.append("nvTmaDesc")')
+# CUDA's enums and structs (cuda.h): CUlaunchConfig is 7 uint32 (grid, block, shared memory), the
+# stream at 32, attrs at 40, numAttrs at 48 (56 bytes); CUlaunchAttribute is the id, 4 bytes of
+# padding, a 64-byte value union (72 bytes)
+_ATTR_COOPERATIVE, _ATTR_CLUSTER_DIM, _ATTR_CLUSTER_POLICY, _ATTR_PDL = 2, 4, 5, 6
+_CLUSTER_POLICY_SPREAD = 1
+_CONFIG_BYTES, _ATTR_BYTES, _MAX_ATTRS = 56, 72, 4
+_CUDA_ERROR_INVALID_CONTEXT = 201
+# Triton 3.6's PyCUtensorMap (driver.c): PyObject_HEAD, then the 128-byte CUtensorMap aligned to
+# 128: the map is the object's last 128 bytes, at its address (CPython's id) + 128
+_MAP_BYTES = _MAP_OFFSET = 128
+
+
+def _driver_gate(abi) -> Optional[str]:
+    """None where the driver launch's layout is proven for this Triton, else the reason."""
+    if abi not in _DRIVER_GATE:
+        _DRIVER_GATE[abi] = _decide_driver_gate(abi)
+    return _DRIVER_GATE[abi]
+
+
+def _decide_driver_gate(abi) -> Optional[str]:
+    version = triton_version()
+    if abi != MODULE_ABI or not _in_range(version or "", DRIVER_LAUNCH_SUPPORTED):
+        return (f"the driver launch's parameter layout is proven on Triton {_range_text(DRIVER_LAUNCH_SUPPORTED)}, "
+                f"not {version}")
+    if sys.implementation.name != "cpython":
+        return (f"the driver launch reads host TMA maps at their object's address (CPython), "
+                f"not {sys.implementation.name}")
+    try:
+        from triton.backends.nvidia import driver as nv
+
+        source = inspect.getsource(nv.make_launcher)
+    except Exception as e:  # noqa: BLE001 - named, not hidden
+        return f"Triton {version}'s launcher source cannot be read ({type(e).__name__}: {e})"
+    missing = [t for t in _LAUNCHER_TOKENS if t not in source]
+    if missing:
+        return f"Triton {version}'s generated launcher changed (no {missing[0]!r})"
+    return None
+
+
+def launch_mode(abi) -> str:
+    """How bound launches are made under ``abi``: ``"ctypes"`` (cuLaunchKernelEx with fusedqkv's
+    parameter buffer) or ``"triton"`` (Triton's C launcher). ``FUSEDQKV_RAW_LAUNCH=ctypes`` where
+    the layout is not proven falls back, warned once."""
+    if LAUNCH_MODE == TRITON:
+        return TRITON
+    reason = _driver_gate(abi)
+    if reason is None:
+        return CTYPES
+    if LAUNCH_MODE == CTYPES:
+        fall_back(reason, instead="Triton's C launcher (FUSEDQKV_RAW_LAUNCH=ctypes asked for the driver launch; "
+                  "more host time per call)", supported=f"Triton {_range_text(DRIVER_LAUNCH_SUPPORTED)} for it")
+    return TRITON
+
+
+class _Cuda:
+    """libcuda's entry points the driver launch calls, through ctypes (argument types set once)."""
+
+    def __init__(self):
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")  # releases the GIL per call, as Triton's launcher does
+        vp, i32 = ctypes.c_void_p, ctypes.c_int
+        self.launch = lib.cuLaunchKernelEx  # the plain symbol, as Triton's launcher dlsyms it
+        self.launch.argtypes, self.launch.restype = [vp, vp, vp, vp], i32
+        self.error_name = lib.cuGetErrorName
+        self.error_name.argtypes, self.error_name.restype = [i32, ctypes.POINTER(ctypes.c_char_p)], i32
+        self.ctx_get = lib.cuCtxGetCurrent
+        self.ctx_get.argtypes, self.ctx_get.restype = [ctypes.POINTER(vp)], i32
+        self.ctx_set = lib.cuCtxSetCurrent
+        self.ctx_set.argtypes, self.ctx_set.restype = [vp], i32
+        self.device_get = lib.cuDeviceGet
+        self.device_get.argtypes, self.device_get.restype = [ctypes.POINTER(i32), i32], i32
+        self.primary_retain = lib.cuDevicePrimaryCtxRetain
+        self.primary_retain.argtypes, self.primary_retain.restype = [ctypes.POINTER(vp), i32], i32
+
+    def name(self, err: int) -> str:
+        import ctypes
+
+        out = ctypes.c_char_p()
+        if self.error_name(err, ctypes.byref(out)) != 0 or out.value is None:
+            return f"CUresult {err}"
+        return out.value.decode()
+
+    def ensure_context(self) -> bool:
+        """Make the current device's primary context current where no context is (what Triton's
+        launcher does before every launch): whether one was made current."""
+        import ctypes
+
+        ctx = ctypes.c_void_p()
+        if self.ctx_get(ctypes.byref(ctx)) != 0 or ctx.value:
+            return False
+        dev = ctypes.c_int()
+        if self.device_get(ctypes.byref(dev), torch.cuda.current_device()) != 0:
+            return False
+        if self.primary_retain(ctypes.byref(ctx), dev.value) != 0:
+            return False
+        return self.ctx_set(ctx) == 0
+
+
+_CUDA: list = []
+
+
+def _cuda() -> _Cuda:
+    if not _CUDA:
+        _CUDA.append(_Cuda())
+    return _CUDA[0]
+
+
+def _scalar_bytes(ty: str, value) -> bytes:
+    code = _SCALARS[ty][1]
+    if code == "bf16":  # Triton's pack_bf16: the fp32's high half, truncated
+        return struct.pack("<f", value)[2:]
+    return struct.pack("<" + code, value)
+
+
+def _expanded_types(signature) -> list:
+    """Triton 3.6's launcher signature: each host descriptor as its map, shape (i32) and strides (i64)."""
+    out = []
+    for sig in signature:
+        if isinstance(sig, tuple):
+            raise Refused("a tuple argument")
+        if sig.startswith("tensordesc"):
+            m = re.match(r"tensordesc<([^[>]*)\[([^]]*)\]", sig)
+            if m is None:
+                raise Refused(f"a descriptor type {sig!r} of unknown form")
+            ndim = m.group(2).count(",") + 1
+            out += ["nvTmaDesc"] + ["i32"] * ndim + ["i64"] * ndim
+        else:
+            out.append(sig)
+    return out
+
+
+def _driver_bind(compiled, run, grid, template, raw_ptrs, descs, triton_enqueue, hooks_of):
+    """``enqueue(ptrs, stream)`` launching ``compiled`` through cuLaunchKernelEx, or None where this
+    kernel does not allow it (warned once; Triton's launcher then serves)."""
+    name = getattr(compiled, "name", None) or "a kernel"
+    try:
+        enqueue = _driver_enqueue(compiled, run, grid, template, raw_ptrs, descs, triton_enqueue, hooks_of)
+    except Refused as e:
+        fall_back(f"{name}: the driver launch: {e}", instead="Triton's C launcher for it (more host time per call)")
+        return None
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
+        fall_back(f"{name}: the driver launch: Triton {triton_version()}'s compiled kernel does not have the "
+                  f"structure fusedqkv lays out ({type(e).__name__}: {e})",
+                  instead="Triton's C launcher for it (more host time per call)")
+        return None
+    _DRIVER_BOUND[0] += 1
+    return enqueue
+
+
+def _driver_enqueue(compiled, run, grid, template, raw_ptrs, descs, triton_enqueue, hooks_of):
+    import ctypes
+
+    from triton.backends.nvidia import driver as nv
+
+    try:
+        cuda = _cuda()
+    except (OSError, AttributeError) as e:
+        raise Refused(f"libcuda.so.1 cannot be used through ctypes ({e})") from e
+    types = _expanded_types(compiled.src.signature.values())
+    if len(types) != len(template):
+        raise Refused(f"{len(types)} launcher arguments in the signature, {len(template)} in the template")
+    num_warps, num_ctas, shared = compiled.packed_metadata  # as the launcher parses it ("iii")
+    if num_ctas == 16:
+        raise Refused("16-CTA clusters (Triton sets a function attribute per launch)")
+    ptr_at = {pos: j for j, (pos, _) in enumerate(raw_ptrs)}
+    desc_at = {d.pos: d for d in descs}
+    # params[]: (kind, payload) per non-constexpr argument, then the two scratch pointers (NULL)
+    params, scalars = [], []
+    for pos, (ty, value) in enumerate(zip(types, template)):
+        if ty == "constexpr":
+            continue
+        if ty.startswith("*"):
+            if pos not in ptr_at:
+                raise Refused(f"pointer argument {pos} is not a tensor slot")
+            params.append(("ptr", ptr_at[pos]))
+        elif ty == "nvTmaDesc":
+            if pos not in desc_at:
+                raise Refused(f"descriptor argument {pos} is not a descriptor slot")
+            params.append(("desc", desc_at[pos]))
+        elif ty in _SCALARS:
+            c_type = nv.FLOAT_STORAGE_TYPE.get(ty) or nv.ty_to_cpp(ty)
+            if c_type != _SCALARS[ty][0]:
+                raise Refused(f"Triton declares {ty} as {c_type}, fusedqkv's layout as {_SCALARS[ty][0]}")
+            try:
+                packed = _scalar_bytes(ty, value)
+            except (struct.error, TypeError, OverflowError) as e:
+                raise Refused(f"argument {pos} ({ty}) = {value!r} does not pack ({e})") from e
+            params.append(("scalar", len(scalars)))
+            scalars.append(packed)
+        else:
+            raise Refused(f"argument {pos} has type {ty!r}, which the driver launch does not lay out")
+    params += [("zero", None), ("zero", None)]  # global and profile scratch: refused above, so NULL
+    # one storage block: config (stream, attrs, numAttrs then the pointer slots: one pack_into per
+    # call), scalars, 8 zero bytes, attributes, params[]
+    k = len(raw_ptrs)
+    off_ptrs = _CONFIG_BYTES
+    off_scalars = off_ptrs + 8 * k
+    off_zero = off_scalars + 8 * len(scalars)
+    off_attrs = off_zero + 8
+    off_params = off_attrs + _ATTR_BYTES * _MAX_ATTRS
+    size = off_params + 8 * len(params)
+    buf = (ctypes.c_uint64 * (size // 8))()
+    base = ctypes.addressof(buf)
+    gx, gy, gz = grid
+    struct.pack_into("<7I", buf, 0, gx * num_ctas, gy, gz, 32 * num_warps, 1, 1, shared)
+    attrs = []  # in the order Triton's launcher adds them
+    if run.launch_pdl:
+        attrs.append((_ATTR_PDL, struct.pack("<i", 1)))
+    if run.launch_cooperative_grid:
+        attrs.append((_ATTR_COOPERATIVE, struct.pack("<i", 1)))
+    if num_ctas != 1:
+        attrs.append((_ATTR_CLUSTER_DIM, struct.pack("<3I", num_ctas, 1, 1)))
+        attrs.append((_ATTR_CLUSTER_POLICY, struct.pack("<i", _CLUSTER_POLICY_SPREAD)))
+    for i, (attr_id, value) in enumerate(attrs):
+        struct.pack_into("<I", buf, off_attrs + _ATTR_BYTES * i, attr_id)
+        struct.pack_into(f"<{len(value)}s", buf, off_attrs + _ATTR_BYTES * i + 8, value)
+    for i, packed in enumerate(scalars):
+        struct.pack_into(f"<{len(packed)}s", buf, off_scalars + 8 * i, packed)
+    sinks = []
+    map_type = getattr(nv, "PyCUtensorMap", None)
+    for i, (kind, what) in enumerate(params):
+        at = off_params + 8 * i
+        if kind == "ptr":
+            struct.pack_into("<Q", buf, at, base + off_ptrs + 8 * what)
+        elif kind == "scalar":
+            struct.pack_into("<Q", buf, at, base + off_scalars + 8 * what)
+        elif kind == "zero":
+            struct.pack_into("<Q", buf, at, base + off_zero)
+        else:  # a descriptor: its map's address, repointed whenever the slot encodes
+            if map_type is None or getattr(map_type, "__basicsize__", None) != 2 * _MAP_BYTES:
+                raise Refused("Triton's PyCUtensorMap is not the 256-byte object whose last 128 bytes are the map")
+            if type(what.encoded) is not map_type:
+                raise Refused(f"a host descriptor is encoded as {type(what.encoded).__name__}, not PyCUtensorMap")
+            sinks.append((what, _map_pointer(buf, at, map_type)))
+    # the per-call writes: the stream, the attributes (constant) and every pointer slot
+    ns = {"pack": struct.Struct("<QQII" + "Q" * k).pack_into, "buf": buf, "launch": cuda.launch,
+          "cfg": ctypes.c_void_p(base), "fn": ctypes.c_void_p(compiled.function),
+          "prm": ctypes.c_void_p(base + off_params), "attrs": base + off_attrs, "n_attrs": len(attrs),
+          "slow": triton_enqueue, "failed": _launch_failed(cuda, compiled.name)}
+    ns["rt"], ns["Chain"] = hooks_of[0], hooks_of[1]
+    slots = "".join(f", p[{index}]" for _, index in raw_ptrs)
+    if gx * gy * gz > 0:
+        quiet = ("        pack(buf, 32, stream, attrs, n_attrs, 0" + slots + ")\n"
+                 "        err = launch(cfg, fn, prm, None)\n"
+                 "        if err:\n"
+                 "            failed(err, cfg, fn, prm)\n")
+    else:  # Triton's launcher launches nothing for an empty grid
+        quiet = "        pass\n"
+    src = ("def enqueue(p, stream):\n"
+           "    en = rt.launch_enter_hook\n"
+           "    ex = rt.launch_exit_hook\n"
+           "    if (en is None or en.__class__ is Chain and not en.calls) and "
+           "(ex is None or ex.__class__ is Chain and not ex.calls):\n"
+           + quiet +
+           "    else:  # a hook is registered: Triton's launcher calls it, with its metadata\n"
+           "        slow(p, stream)\n")
+    exec(compile(src, "<fusedqkv driver launch>", "exec"), ns)  # noqa: S102 - our own template
+    ns["enqueue"].storage = buf  # the parameter buffer lives as long as the launch
+    ns["enqueue"].triton = triton_enqueue  # the same launch through Triton's launcher (benchmarks' A/B)
+    for slot, point in sinks:
+        point(slot.encoded)
+        slot.sink = point
+    return ns["enqueue"]
+
+
+def _map_pointer(buf, at: int, map_type):
+    """``point(encoded)``: params[] entry ``at`` of ``buf`` to the CUtensorMap inside Triton 3.6's
+    ``PyCUtensorMap`` ``encoded`` (kept alive by the descriptor slot while it is current)."""
+    pack, offset = struct.Struct("<Q").pack_into, _MAP_OFFSET
+
+    def point(encoded):
+        if type(encoded) is not map_type:
+            raise RuntimeError(f"fusedqkv: a host descriptor encoded as {type(encoded).__name__}, not PyCUtensorMap")
+        address = id(encoded) + offset
+        if address % _MAP_BYTES:
+            raise RuntimeError("fusedqkv: a PyCUtensorMap's map is not 128-byte aligned")
+        pack(buf, at, address)
+
+    return point
+
+
+def _launch_failed(cuda: _Cuda, name: str):
+    def failed(err, cfg, fn, prm):
+        # no current context in this thread: make one current as Triton's launcher would, once
+        if err == _CUDA_ERROR_INVALID_CONTEXT and cuda.ensure_context():
+            err = cuda.launch(cfg, fn, prm, None)
+            if not err:
+                return
+        raise RuntimeError(f"fusedqkv: cuLaunchKernelEx of {name} failed: {cuda.name(err)} ({err})")
+
+    return failed
 
 
 # ------------------------------------------------------------------------------ torch.distributed (TP)

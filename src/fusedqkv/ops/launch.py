@@ -9,7 +9,10 @@ input signature as a :class:`BoundLaunch`: the argument list is a template whose
 arguments are *slots* (:class:`Ptr`, :class:`Desc`) into the call's table of tensors. Its
 first call goes through the JIT (compiling, or finding the cached binary); later calls fill
 the slots with the addresses of the call's tensors and call the compiled kernel's launcher
-directly. Descriptors are encoded again only when their tensor's address changes.
+directly -- or, on Triton 3.6, the CUDA driver's ``cuLaunchKernelEx`` through ctypes with a
+parameter buffer kept per launch (``FUSEDQKV_RAW_LAUNCH``, :mod:`fusedqkv.ops.internals`): a
+call writes only the stream and the addresses. Descriptors are encoded again only when their
+tensor's address changes.
 
 Under ``TRITON_INTERPRET=1`` every call goes through the JIT with the call's tensors (the
 same slots and templates, so the CPU tests exercise them).
@@ -160,8 +163,13 @@ class BoundLaunch:
 
     @property
     def bound(self) -> bool:
-        """Whether launches given ``ptrs`` call the compiled kernel's launcher directly."""
+        """Whether launches given ``ptrs`` call the compiled kernel's launcher (or the driver) directly."""
         return self._raw is not None
+
+    @property
+    def via_driver(self) -> bool:
+        """Whether those launches call cuLaunchKernelEx with the launch's own parameter buffer."""
+        return getattr(self._raw, "triton", None) is not None
 
     def _resolve(self, a, tensors):
         if isinstance(a, Ptr):
