@@ -404,7 +404,7 @@ DUAL_CASTS = True
 
 
 def _dual_ok(g2d: torch.Tensor, r: Fp8Recipe) -> bool:
-    return DUAL_CASTS and _triton(g2d) and r.grad_output_for_grad_weight.dtype is not None
+    return DUAL_CASTS and _triton(g2d) and g2d.numel() > 0 and r.grad_output_for_grad_weight.dtype is not None
 
 
 def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, need_x: bool, need_w: bool,
