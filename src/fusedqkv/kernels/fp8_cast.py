@@ -126,7 +126,8 @@ def outer_scale_kernel(y_ptr, a_ptr, b_ptr, R, C, BR: tl.constexpr, BC: tl.const
 def dual_amax_kernel(x_ptr, rpart_ptr, cpart_ptr, R, C, stride_xr, n_rpart, ROW_PART: tl.constexpr,
                      BR: tl.constexpr, BC: tl.constexpr):
     """Tile ``(pr, pc)`` of ``x [R, C]``: its columns' amax to ``cpart[pr, :]`` (``[cdiv(R, BR), C]``)
-    and, ``ROW_PART``, its rows' amax to ``rpart[:, pc]`` (``[R, n_rpart]``, ``n_rpart = cdiv(C, BC)``)."""
+    and, ``ROW_PART``, its rows' amax to ``rpart[pc, :]`` (``[n_rpart, R]``, ``n_rpart = cdiv(C, BC)``:
+    both stores contiguous)."""
     pr, pc = tl.program_id(0), tl.program_id(1)
     rows = pr * BR + tl.arange(0, BR)
     cols = pc * BC + tl.arange(0, BC)
@@ -136,7 +137,7 @@ def dual_amax_kernel(x_ptr, rpart_ptr, cpart_ptr, R, C, stride_xr, n_rpart, ROW_
     a = tl.abs(x.to(tl.float32))
     tl.store(cpart_ptr + pr * C + cols, tl.max(a, 0), mask=cm)
     if ROW_PART:
-        tl.store(rpart_ptr + rows.to(tl.int64) * n_rpart + pc, tl.max(a, 1), mask=rm)
+        tl.store(rpart_ptr + pc.to(tl.int64) * R + rows, tl.max(a, 1), mask=rm)
 
 
 @triton.jit
@@ -154,9 +155,9 @@ def dual_finish_kernel(rpart_ptr, cpart_ptr, rscale_ptr, rinv_ptr, cscale_ptr, c
             amax = tl.zeros([FB], tl.float32)
             for p0 in range(0, n_rpart, BP):
                 ps = p0 + tl.arange(0, BP)
-                t = tl.load(rpart_ptr + rows.to(tl.int64)[:, None] * n_rpart + ps[None, :],
-                            mask=rm[:, None] & (ps < n_rpart)[None, :], other=0.0)
-                amax = tl.maximum(amax, tl.max(t, 1))
+                t = tl.load(rpart_ptr + ps.to(tl.int64)[:, None] * R + rows[None, :],
+                            mask=(ps < n_rpart)[:, None] & rm[None, :], other=0.0)
+                amax = tl.maximum(amax, tl.max(t, 0))
             scale = _scale_of(amax, FP8_MAX_R, POW2)
             tl.store(rscale_ptr + rows, scale, mask=rm)
             tl.store(rinv_ptr + rows, tl.div_rn(tl.full([FB], 1.0, tl.float32), scale), mask=rm)

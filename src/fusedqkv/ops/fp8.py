@@ -251,7 +251,7 @@ def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pa
     row_per, col_per = not row_cast.tensorwise, not col_cast.tensorwise
     n_rb, n_cb = triton_cdiv(R, _BR), triton_cdiv(C, _BC)
     cpart = torch.empty((n_rb, C), dtype=torch.float32, device=dev)
-    rpart = torch.empty((R, n_cb) if row_per else (1,), dtype=torch.float32, device=dev)
+    rpart = torch.empty((n_cb, R) if row_per else (1,), dtype=torch.float32, device=dev)
     dual_amax_kernel[(n_rb, n_cb)](t, rpart, cpart, R, C, t.stride(0), n_cb, ROW_PART=row_per, BR=_BR, BC=_BC,
                                    num_warps=4)
     f32 = dict(dtype=torch.float32, device=dev)
