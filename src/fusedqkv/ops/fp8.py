@@ -398,8 +398,10 @@ def grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, r: Fp8Recipe, g_cast=None)
     return _mm(ga, gs if gs.dim() == 0 else gs.reshape(-1, 1), xb.t(), xs, g2d.dtype, r.fast_accum[2], pow2)
 
 
-# Session 21 (issue 35): dQKV's two casts from two reads of it instead of three (and one launch fewer).
-# False: each GEMM casts its own operand (the path before; benchmarks/bench_fp8.py --old-casts times both).
+# Session 21 (issue 35): dQKV's two casts from two reads of it instead of three (rowwise: three launches
+# either way; tensorwise: three instead of six). Both casts are alive together until dX's GEMM has run (the
+# peak grows by dQKV's fp8 copy, M x N bytes). False: each GEMM casts its own operand (the path before;
+# benchmarks/bench_fp8.py --old-casts times both).
 DUAL_CASTS = True
 
 
@@ -419,6 +421,8 @@ def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe
         ga, gs, gt, gts = _dual_triton(g2d, r.grad_output, r.grad_output_for_grad_weight,
                                        r.round_scales_to_power_of_2, _inner_pad(g2d))
         row, col = (ga, gs), (gt, gts)
+        del ga, gs, gt, gts
     dx = grad_input(g2d, w, r, out, g_cast=row) if need_x else None
+    row = None  # dX's fp8 dQKV freed before dW's casts allocate (as on the one-cast path)
     dw = grad_weight(g2d, x2d, r, g_cast=col) if need_w else None
     return dx, dw
