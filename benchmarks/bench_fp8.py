@@ -188,12 +188,26 @@ class Row:
         return {n: dict(fused=rel(f, r_), torchao=rel(a, r_)) for n, f, a, r_ in zip(names, fused, ao, ref)}
 
 
+def profile(fn, calls: int = 3) -> list:
+    """[{name, us per call}]: the GPU kernels of ``calls`` eager calls of ``fn``, largest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [dict(name=e.key, us=e.device_time_total / calls) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(kernels, key=lambda k: -k["us"])[:16]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rows", default="all", help="indices into the ten rows (0-9), comma separated")
     ap.add_argument("--smoke", action="store_true", help="CPU run of the script's logic (no timing value)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also each fp8 provider's GPU kernels over 3 eager fwd+bwd calls (torch.profiler): us per call")
     ap.add_argument("--old-casts", action="store_true",
                     help="also time fp8_rowwise_old and fp8_tensorwise_old (fp8.DUAL_CASTS off: the casts before session 21)")
     args = ap.parse_args(argv)
@@ -234,6 +248,10 @@ def main(argv=None) -> int:
         if args.old_casts:
             r["rowwise_over_old"] = f / med["fp8_rowwise_old"]
             r["tensorwise_over_old"] = med["fp8_tensorwise"] / med["fp8_tensorwise_old"]
+        if args.profile and device.type == "cuda":
+            r["kernels"] = {p: profile(fns[p]) for p in fns if p.startswith("fp8_")}
+            for p, ks in r["kernels"].items():
+                log(f"  {p}: " + ", ".join(f"{k['name'][:40]} {k['us']:.1f}" for k in ks[:10]) + " (us/call)")
         out.append(r)
         log(f"{cname} {tokens}: " + ", ".join(f"{p} {med[p]:.3f}" for p in med) + " ms")
         del row, compiled, fns
