@@ -207,9 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="all", help="indices into the ten rows (0-9), comma separated")
     ap.add_argument("--smoke", action="store_true", help="CPU run of the script's logic (no timing value)")
     ap.add_argument("--profile", action="store_true",
-                    help="also each fp8 provider's GPU kernels over 3 eager fwd+bwd calls (torch.profiler): us per call")
+                    help="also each fp8 provider's GPU kernels over 3 eager fwd+bwd calls (torch.profiler)")
     ap.add_argument("--old-casts", action="store_true",
-                    help="also time fp8_rowwise_old and fp8_tensorwise_old (fp8.DUAL_CASTS off: the casts before session 21)")
+                    help="also time fp8_rowwise_old and fp8_tensorwise_old (fp8.DUAL_CASTS off: session 20's casts)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     raise_compile_limits(64)
