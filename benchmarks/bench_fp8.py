@@ -7,6 +7,8 @@ weights and inputs (bf16 activations and weights, all trainable):
   torchao       torchao's Float8Linear (rowwise) on the fused q/k/v weight, then HF's RMSNorm and
                 RoPE, under torch.compile (inductor, one static compile per size)
   bf16_floor    the three GEMMs through cuBLAS: x W^T, dQKV W, dQKV^T X
+  fp8_<r>_old   (--old-casts, rowwise and tensorwise) fp8=<r> with fusedqkv.ops.fp8.DUAL_CASTS off: dQKV
+                cast once per GEMM (three reads of it) instead of session 21's two casts from two reads
   fp8_floor     the three torch._scaled_mm calls of the rowwise recipe on operands cast beforehand,
                 as the block issues them (rowwise scales in cuBLASLt's epilogue; fast accumulation in
                 the forward only): no cast, no stage
@@ -153,6 +155,18 @@ class Row:
             return qkv, dx, dw
         return call
 
+    @staticmethod
+    def dual_casts(fn, on: bool):
+        """``fn`` with fp8.DUAL_CASTS set to ``on`` while it runs (and while it is captured)."""
+        def call():
+            prev = fp8.DUAL_CASTS
+            fp8.DUAL_CASTS = on
+            try:
+                return fn()
+            finally:
+                fp8.DUAL_CASTS = prev
+        return call
+
     def errors(self):
         """Relative errors against fp32 (no FP8) of fp8_rowwise and of Float8Linear + eager HF stage."""
         ref_in = [t.detach().float().requires_grad_() for t in self.inputs]
@@ -174,12 +188,28 @@ class Row:
         return {n: dict(fused=rel(f, r_), torchao=rel(a, r_)) for n, f, a, r_ in zip(names, fused, ao, ref)}
 
 
+def profile(fn, calls: int = 3) -> list:
+    """[{name, us per call}]: the GPU kernels of ``calls`` eager calls of ``fn``, largest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [dict(name=e.key, us=e.device_time_total / calls) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(kernels, key=lambda k: -k["us"])[:16]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rows", default="all", help="indices into the ten rows (0-9), comma separated")
     ap.add_argument("--smoke", action="store_true", help="CPU run of the script's logic (no timing value)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also each fp8 provider's GPU kernels over 3 eager fwd+bwd calls (torch.profiler)")
+    ap.add_argument("--old-casts", action="store_true",
+                    help="also time fp8_rowwise_old and fp8_tensorwise_old (fp8.DUAL_CASTS off: session 20's casts)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     raise_compile_limits(64)
@@ -198,6 +228,9 @@ def main(argv=None) -> int:
         compiled = torch.compile(row.torchao, backend=backend)
         fns = {"bf16": row.fwd_bwd(row.fused(None))}
         fns.update({f"fp8_{r}": row.fwd_bwd(row.fused(r)) for r in RECIPES})
+        if args.old_casts:
+            fns.update({f"fp8_{r}_old": row.dual_casts(row.fwd_bwd(row.fused(r)), False)
+                        for r in ("rowwise", "tensorwise")})
         fns.update(torchao=row.torchao_call(compiled), bf16_floor=row.bf16_floor(), fp8_floor=row.fp8_floor())
         err = row.errors()
         ms = time_providers(fns, args.reps, flusher)
@@ -212,8 +245,15 @@ def main(argv=None) -> int:
         r["pass"] = ((limit is None or r["rowwise_over_bf16_floor"] <= limit) and r["rowwise_over_fp8_floor"] <= 1.15
                      and r["rowwise_over_torchao"] < 1.0 and r["error_ratio"] <= 1.1
                      and (tokens < 8192 or r["gw_hp_over_bf16_floor"] <= 0.80))
+        if args.old_casts:
+            r["rowwise_over_old"] = f / med["fp8_rowwise_old"]
+            r["tensorwise_over_old"] = med["fp8_tensorwise"] / med["fp8_tensorwise_old"]
+        if args.profile and device.type == "cuda":
+            r["kernels"] = {p: profile(fns[p]) for p in fns if p.startswith("fp8_")}
+            for p, ks in r["kernels"].items():
+                log(f"  {p}: " + ", ".join(f"{k['name'][:40]} {k['us']:.1f}" for k in ks[:10]) + " (us/call)")
         out.append(r)
-        log(f"{cname} {tokens}: " + ", ".join(f"{p} {med[p]:.3f}" for p in PROVIDERS) + " ms")
+        log(f"{cname} {tokens}: " + ", ".join(f"{p} {med[p]:.3f}" for p in med) + " ms")
         del row, compiled, fns
         torch._dynamo.reset()
         if device.type == "cuda":
@@ -228,6 +268,10 @@ def main(argv=None) -> int:
         print(f"{r['config']:<22} {r['tokens']:>6} " + " ".join(f"{m[p]:10.3f}" for p in PROVIDERS)
               + f" {r['rowwise_over_bf16_floor']:9.3f} {r['rowwise_over_fp8_floor']:8.3f} "
               f"{r['rowwise_over_torchao']:7.3f} {r['gw_hp_over_bf16_floor']:9.3f} {r['error_ratio']:7.2f} {r['pass']}")
+        if "rowwise_over_old" in r:
+            print(f"{'':<29} old casts: fp8_rowwise_old {m['fp8_rowwise_old']:.3f} ms (new/old "
+                  f"{r['rowwise_over_old']:.3f}), fp8_tensorwise_old {m['fp8_tensorwise_old']:.3f} ms (new/old "
+                  f"{r['tensorwise_over_old']:.3f})")
     return 0 if all(r["pass"] for r in out) else 1
 
 

@@ -49,7 +49,9 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
 * ``l2_flush_kernel`` (the benchmark harness).
 * the FP8 casts (``ops/fp8``, ``kernels/fp8_cast``; sm_90 and both Blackwells): rowwise, tile amax,
   the per-column/tensorwise cast (transposed or not) and the outer scale, pairwise over the
-  activation dtype, the FP8 format, the power-of-two scales and the integer modes.
+  activation dtype, the FP8 format, the power-of-two scales and the integer modes; the dual casts
+  (session 21: amax partials, finish, one cast to two layouts) also over rows and columns each per
+  axis or per tensor, and each side's FP8 format.
 * ``qkv_rope_norm_gemm_sm90_kernel`` (Gluon, ``ops/qkv_rope_norm_gemm``; sm_90 only: wgmma, setmaxnreg):
   the launcher's tile (``TILE``, maxnreg ``MAXNREG``), head_dim 128, bf16/fp16, either norm position,
   weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
@@ -566,11 +568,21 @@ FP8_KERNELS = {
     "fp8_tile_amax": ("tile_amax_kernel", dict(BR=128, BC=64), ("x_ptr", "part_ptr")),
     "fp8_cast": ("cast_kernel", dict(BR=128, BC=64, BP=64), ("x_ptr", "y_ptr", "part_ptr", "inv_ptr")),
     "fp8_outer_scale": ("outer_scale_kernel", dict(BR=128, BC=64), ("y_ptr", "a_ptr", "b_ptr")),
+    # session 21: dQKV's two casts from one amax pass, a finish and one cast pass (ops/fp8._dual_triton)
+    "fp8_dual_amax": ("dual_amax_kernel", dict(BR=128, BC=64), ("x_ptr", "rpart_ptr", "cpart_ptr")),
+    "fp8_dual_finish": ("dual_finish_kernel", dict(FB=128, BP=64),
+                        ("rpart_ptr", "cpart_ptr", "rscale_ptr", "rinv_ptr", "cscale_ptr", "cinv_ptr")),
+    "fp8_dual_cast": ("dual_cast_kernel", dict(BR=128, BC=64),
+                      ("x_ptr", "yr_ptr", "yt_ptr", "rscale_ptr", "cscale_ptr", "tamax_ptr", "rinv_ptr", "cinv_ptr")),
 }
+_FP8_DUAL = ("fp8_dual_amax", "fp8_dual_finish", "fp8_dual_cast")
+_FMAX = {"fp8e4nv": 448.0, "fp8e5": 57344.0}
 
 
 def _fp8_job(family, cc, ints, src="bf16", f8="fp8e4nv", pow2=True, per_column=True, transpose=True, level="cubin",
-             one=None):
+             one=None, row_per=True, col_per=True, f8_col=None):
+    if family in _FP8_DUAL:
+        return _fp8_dual_job(family, cc, ints, src, f8, f8_col or f8, pow2, row_per, col_per, level, one)
     name, consts, ptrs = FP8_KERNELS[family]
     consts = dict(consts)
     fmax = {"fp8e4nv": 448.0, "fp8e5": 57344.0}[f8]
@@ -586,6 +598,21 @@ def _fp8_job(family, cc, ints, src="bf16", f8="fp8e4nv", pow2=True, per_column=T
                       f"{'' if one is None else ' one=' + one}")
 
 
+def _fp8_dual_job(family, cc, ints, src, f8, f8_col, pow2, row_per, col_per, level, one):
+    name, consts, ptrs = FP8_KERNELS[family]
+    consts = dict(consts)
+    if family == "fp8_dual_amax":
+        consts.update(ROW_PART=row_per)
+    else:
+        consts.update(ROW_PER=row_per, COL_PER=col_per, FP8_MAX_R=_FMAX[f8], FP8_MAX_C=_FMAX[f8_col], POW2=pow2)
+    types = dict(x_ptr="*" + src, yr_ptr="*" + f8, yt_ptr="*" + f8_col)
+    types = {k: types.get(k, "*fp32") for k in ptrs}
+    return dict(kernel=f"fp8_cast.{name}", cc=cc, consts=consts, types=types, ints=ints, one=one,
+                options={"num_warps": 4}, level=level,
+                label=f"{family} sm{cc} {src}->{f8}/{f8_col} pow2={pow2} row={row_per} col={col_per} ints={ints}"
+                      f"{'' if one is None else ' one=' + one}")
+
+
 def fp8_jobs() -> list:
     jobs = []
     for family in FP8_KERNELS:
@@ -593,6 +620,10 @@ def fp8_jobs() -> list:
                     pow2=(True, False))
         if family == "fp8_cast":
             axes.update(per_column=(True, False), transpose=(True, False))
+        if family in _FP8_DUAL:  # the launcher's (per row or tensor) x (per column or tensor), each FP8 format
+            axes.update(row_per=(True, False), col_per=(True, False), f8_col=("fp8e4nv", "fp8e5"))
+            if family == "fp8_dual_amax":
+                axes = dict(cc=FP8_TARGETS, ints=INT_MODES, src=axes["src"], row_per=(True, False))
         jobs += [_fp8_job(family, **r) for r in pairwise(axes, seed=3)]
     return jobs
 

@@ -350,3 +350,117 @@ def test_row_casts_are_row_major_whatever_the_operands_layout():
         assert data.is_contiguous() and data.shape == (32, 48)
         data_t, _ = fp8.cast_columns_t(w, cast, True)
         assert data_t.is_contiguous() and data_t.shape == (48, 32)
+
+
+# ------------------------------------------------------------------------ session 21: dQKV's two casts in two passes
+
+_DUAL_CASTS = {  # (row cast, column cast, power-of-two scales): the recipes' dQKV pairs and mixed custom ones
+    "rowwise": (fp8.Cast(fp8.E4M3), fp8.Cast(fp8.E4M3), True),
+    "tensorwise": (fp8.Cast(fp8.E5M2, True), fp8.Cast(fp8.E5M2, True), False),
+    "row_axis_col_tensor": (fp8.Cast(fp8.E4M3), fp8.Cast(fp8.E5M2, True), False),
+    "row_tensor_col_axis": (fp8.Cast(fp8.E5M2, True), fp8.Cast(fp8.E4M3), True),
+}
+
+
+def _small_tiles(monkeypatch):
+    """Tiles far smaller than the operand: several row and column blocks, the last ones partial,
+    and more partials than the finish reduces per step (an odd count: its masked tail)."""
+    monkeypatch.setattr(fp8, "_BR", 16)
+    monkeypatch.setattr(fp8, "_BC", 32)
+    monkeypatch.setattr(fp8, "_BP", 2)
+    monkeypatch.setattr(fp8, "_FB", 16)
+    monkeypatch.setattr(fp8, "_FP", 2)
+
+
+def _dual_operand(R, C, seed):
+    torch.manual_seed(seed)
+    t = torch.randn(R, C) * torch.logspace(-2, 2, C)
+    t[1] = 0.0  # a zero row: the amax floor
+    return t.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("which", list(_DUAL_CASTS))
+@pytest.mark.parametrize("shape", [(37, 80), (53, 48)])
+def test_dual_cast_equals_the_one_cast_kernels_bitwise(interpret, monkeypatch, which, shape):
+    """One amax pass + one cast pass give every fp8 code and every scale the one-cast kernels give
+    (same interpreter, same codes), and the scales torchao's steps give (bitwise)."""
+    _small_tiles(monkeypatch)
+    row_cast, col_cast, pow2 = _DUAL_CASTS[which]
+    R, C = shape
+    t = _dual_operand(R, C, R)
+    yr, r_inv, yt, c_inv = fp8._dual_triton(t, row_cast, col_cast, pow2, pad_to=16)
+    want_r, want_r_inv = (fp8._cast_triton(t, row_cast, pow2, transpose=False) if row_cast.tensorwise
+                          else fp8._rowwise_triton(t, row_cast, pow2))
+    want_t, want_c_inv = fp8._cast_triton(t, col_cast, pow2, transpose=True, pad_to=16)
+    assert yr.dtype == row_cast.dtype and yt.dtype == col_cast.dtype
+    assert yt.shape == want_t.shape == (C, 48 if R == 37 else 64)
+    assert torch.equal(yr.view(torch.uint8), want_r.view(torch.uint8))
+    assert torch.equal(yt.view(torch.uint8), want_t.view(torch.uint8))
+    assert r_inv.shape == want_r_inv.shape and torch.equal(r_inv, want_r_inv)
+    assert c_inv.shape == want_c_inv.shape and torch.equal(c_inv, want_c_inv)
+    for inv, cast, dim in ((r_inv, row_cast, -1), (c_inv, col_cast, 0)):
+        assert torch.equal(inv.reshape(-1), fp8.cast_torch(t, cast, dim, pow2)[1].reshape(-1))
+    _same_up_to_interpreter_cast(yr, fp8.cast_torch(t, row_cast, -1, pow2)[0])
+    _same_up_to_interpreter_cast(yt[:, :R].t(), fp8.cast_torch(t, col_cast, 0, pow2)[0])
+
+
+def test_dual_cast_drops_no_partial(interpret, monkeypatch):
+    """Each row's amax in the last (partial) column block, each column's in the last (partial) row
+    block, and partial counts that are no multiple of the finish's step: a partial left out of a
+    reduction (a mask or loop bound off by one) changes a scale."""
+    _small_tiles(monkeypatch)
+    R, C = 37, 80  # 3 row blocks of 16 (the last 5 rows), 3 column blocks of 32 (the last 16 columns)
+    t = torch.rand(R, C) * 0.5
+    t[:, -1] = torch.linspace(8, 300, R)   # rows' amaxes: the last column (block 2 of 0..2)
+    t[-1, :-1] = torch.linspace(4, 200, C - 1)  # columns' amaxes: the last row (block 2 of 0..2)
+    t = t.to(torch.bfloat16)
+    cast = fp8.Cast(fp8.E4M3)
+    _, r_inv, _, c_inv = fp8._dual_triton(t, cast, cast, False)
+    want_r = fp8.cast_torch(t, cast, -1, False)[1]
+    want_c = fp8.cast_torch(t, cast, 0, False)[1]
+    assert torch.equal(r_inv, want_r) and torch.equal(c_inv, want_c)
+    assert len(set(r_inv.flatten().tolist())) == R and len(set(c_inv.flatten().tolist())) == C  # all distinct
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tokens", [37, 32])
+def test_backward_with_dual_casts_equals_the_one_cast_path_bitwise(interpret, monkeypatch, name, tokens):
+    """fp8.backward through the Triton casts (interpreted): dX and dW with dQKV's two casts from one
+    cast pass equal, bitwise, the path that casts it once per GEMM (fp8.DUAL_CASTS False)."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    torch.manual_seed(6)
+    K, N = 64, 96
+    x = torch.randn(tokens, K, dtype=torch.bfloat16) * 3
+    w = torch.randn(N, K, dtype=torch.bfloat16) * 0.05
+    g = torch.randn(tokens, N, dtype=torch.bfloat16)
+    g[-1, 5] = 30.0  # an outlier in the last row block
+    r = fp8.RECIPES[name]
+    got = fp8.backward(g, x, w, r, True, True, out=torch.empty(tokens, K, dtype=torch.bfloat16))
+    monkeypatch.setattr(fp8, "DUAL_CASTS", False)
+    want = fp8.backward(g, x, w, r, True, True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert fp8.backward(g, x, w, r, True, False)[1] is None and fp8.backward(g, x, w, r, False, True)[0] is None
+
+
+def test_dual_casts_run_where_both_gemms_are_fp8(monkeypatch):
+    """The dual cast is taken for the rowwise and tensorwise recipes with both gradients needed, not
+    for rowwise_with_gw_hp (dW in bf16), nor with one gradient, nor off the GPU."""
+    calls = []
+
+    class Taken(Exception):
+        pass
+
+    def dual(*a, **k):
+        calls.append(a)
+        raise Taken
+
+    monkeypatch.setattr(fp8, "_dual_triton", dual)
+    g, x, w = torch.zeros(16, 32), torch.zeros(16, 16), torch.zeros(32, 16)
+    assert not fp8._dual_ok(g, fp8.RECIPES["rowwise"])  # CPU: the torch path
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    assert fp8._dual_ok(g, fp8.RECIPES["rowwise"]) and fp8._dual_ok(g, fp8.RECIPES["tensorwise"])
+    assert not fp8._dual_ok(g, fp8.RECIPES["rowwise_with_gw_hp"])
+    with pytest.raises(Taken):
+        fp8.backward(g, x, w, fp8.RECIPES["rowwise"], True, True)
+    assert len(calls) == 1

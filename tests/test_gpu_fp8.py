@@ -120,3 +120,52 @@ def test_block_in_a_cuda_graph_equals_eager_and_repeats_bitwise(name):
     r = subprocess.run([sys.executable, "-c", _GRAPH_SCRIPT, name], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+# session 21: dQKV's two casts from one amax pass and one cast pass (fp8._dual_triton, fp8.backward)
+_DUAL = {"rowwise": (fp8.Cast(fp8.E4M3), fp8.Cast(fp8.E4M3), True),
+         "tensorwise": (fp8.Cast(fp8.E5M2, True), fp8.Cast(fp8.E5M2, True), False),
+         "row_axis_col_tensor": (fp8.Cast(fp8.E4M3), fp8.Cast(fp8.E5M2, True), False),
+         "row_tensor_col_axis": (fp8.Cast(fp8.E5M2, True), fp8.Cast(fp8.E4M3), True)}
+
+
+@cuda
+@pytest.mark.parametrize("which", list(_DUAL))
+@pytest.mark.parametrize("shape", [(131, 4096), (64, 6144), (1000, 200), (8193, 1040)])
+def test_dual_casts_equal_torchaos_steps_bitwise(which, shape):
+    row_cast, col_cast, pow2 = _DUAL[which]
+    t = _operand(*shape, seed=shape[0] + 7)
+    t[-1, -1] = -5e4  # the largest magnitude in the last row and column blocks
+    R = shape[0]
+    yr, r_inv, yt, c_inv = fp8._dual_triton(t, row_cast, col_cast, pow2, pad_to=16)
+    want, want_inv = fp8.cast_torch(t, row_cast, -1, pow2)
+    assert torch.equal(yr.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(r_inv.reshape(want_inv.shape), want_inv)
+    want, want_inv = fp8.cast_torch(t, col_cast, 0, pow2)
+    assert yt.shape == (shape[1], -(-R // 16) * 16) and (yt[:, R:].view(torch.uint8) == 0).all()
+    assert torch.equal(yt[:, :R].t().contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+    assert torch.equal(c_inv.reshape(want_inv.shape), want_inv)
+    # and the one-cast kernels' outputs, layouts and scale shapes included
+    a, ai = fp8.cast_rows(t, row_cast, pow2)
+    b, bi = fp8.cast_columns_t(t, col_cast, pow2, pad_to=16)
+    assert torch.equal(yr.view(torch.uint8), a.view(torch.uint8)) and r_inv.shape == ai.shape
+    assert torch.equal(yt.view(torch.uint8), b.view(torch.uint8)) and c_inv.shape == bi.shape
+
+
+@cuda
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tokens", [256, 131])
+def test_backward_with_dual_casts_equals_float8_linear_and_the_old_path_bitwise(name, tokens, monkeypatch):
+    K, N = 1024, 1536
+    x, w = _operand(tokens, K, 4) / 100, _operand(N, K, 5) / 1e4
+    g = _operand(tokens, N, 6) / 100
+    r = fp8.RECIPES[name]
+    dx, dw = fp8.backward(g, x, w, r, True, True, out=torch.empty_like(x))
+    monkeypatch.setattr(fp8, "DUAL_CASTS", False)
+    dx_old, dw_old = fp8.backward(g, x, w, r, True, True)
+    assert torch.equal(dx, dx_old) and torch.equal(dw, dw_old)
+    if tokens % 16 == 0:
+        f8 = _float8_linear(w, name)
+        xr = x.clone().requires_grad_()
+        f8(xr).backward(g)
+        assert torch.equal(dx, xr.grad) and torch.equal(dw, f8.weight.grad)

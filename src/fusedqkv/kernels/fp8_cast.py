@@ -112,3 +112,98 @@ def outer_scale_kernel(y_ptr, a_ptr, b_ptr, R, C, BR: tl.constexpr, BC: tl.const
     s = tl.load(a_ptr + rows, mask=rm, other=0.0)[:, None] * tl.load(b_ptr + cols, mask=cm, other=0.0)[None, :]
     y = tl.load(ptr, mask=m, other=0.0).to(tl.float32)
     tl.store(ptr, (y * s).to(y_ptr.dtype.element_ty), mask=m)
+
+
+# ------------------------------------------------------------------ one operand, two casts (session 21)
+# dQKV is cast twice in the backward: per row (dX's first operand, row-major) and per column (dW's first
+# operand, transposed). ``dual_amax_kernel`` reads it once for both amaxes' partials, ``dual_finish_kernel``
+# reduces the partials (a fixed order: a max is exact whatever the order; no atomics), ``dual_cast_kernel``
+# reads it once more and writes both casts. Every scale and every fp8 code equals the one-cast kernels'
+# (the same amax, the same ``_scale_of``, the same product and clamp).
+
+
+@triton.jit
+def dual_amax_kernel(x_ptr, rpart_ptr, cpart_ptr, R, C, stride_xr, n_rpart, ROW_PART: tl.constexpr,
+                     BR: tl.constexpr, BC: tl.constexpr):
+    """Tile ``(pr, pc)`` of ``x [R, C]``: its columns' amax to ``cpart[pr, :]`` (``[cdiv(R, BR), C]``)
+    and, ``ROW_PART``, its rows' amax to ``rpart[pc, :]`` (``[n_rpart, R]``, ``n_rpart = cdiv(C, BC)``:
+    both stores contiguous)."""
+    pr, pc = tl.program_id(0), tl.program_id(1)
+    rows = pr * BR + tl.arange(0, BR)
+    cols = pc * BC + tl.arange(0, BC)
+    rm, cm = rows < R, cols < C
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :], mask=rm[:, None] & cm[None, :],
+                other=0.0)
+    a = tl.abs(x.to(tl.float32))
+    tl.store(cpart_ptr + pr * C + cols, tl.max(a, 0), mask=cm)
+    if ROW_PART:
+        tl.store(rpart_ptr + pc.to(tl.int64) * R + rows, tl.max(a, 1), mask=rm)
+
+
+@triton.jit
+def dual_finish_kernel(rpart_ptr, cpart_ptr, rscale_ptr, rinv_ptr, cscale_ptr, cinv_ptr, R, C, n_rpart, n_cpart,
+                       n_row_prog, ROW_PER: tl.constexpr, COL_PER: tl.constexpr, FP8_MAX_R: tl.constexpr,
+                       FP8_MAX_C: tl.constexpr, POW2: tl.constexpr, FB: tl.constexpr, BP: tl.constexpr):
+    """Programs ``0..n_row_prog``: ``FB`` rows' scales from ``rpart`` (``ROW_PER``); the others ``FB``
+    columns' from ``cpart`` (``COL_PER``). Scale to ``*scale`` (the cast's), its reciprocal to ``*inv``
+    (the GEMM's)."""
+    pid = tl.program_id(0)
+    if ROW_PER:
+        if pid < n_row_prog:
+            rows = pid * FB + tl.arange(0, FB)
+            rm = rows < R
+            amax = tl.zeros([FB], tl.float32)
+            for p0 in range(0, n_rpart, BP):
+                ps = p0 + tl.arange(0, BP)
+                t = tl.load(rpart_ptr + ps.to(tl.int64)[:, None] * R + rows[None, :],
+                            mask=(ps < n_rpart)[:, None] & rm[None, :], other=0.0)
+                amax = tl.maximum(amax, tl.max(t, 0))
+            scale = _scale_of(amax, FP8_MAX_R, POW2)
+            tl.store(rscale_ptr + rows, scale, mask=rm)
+            tl.store(rinv_ptr + rows, tl.div_rn(tl.full([FB], 1.0, tl.float32), scale), mask=rm)
+    if COL_PER:
+        if pid >= n_row_prog:
+            cols = (pid - n_row_prog) * FB + tl.arange(0, FB)
+            cm = cols < C
+            amax = tl.zeros([FB], tl.float32)
+            for p0 in range(0, n_cpart, BP):
+                ps = p0 + tl.arange(0, BP)
+                t = tl.load(cpart_ptr + ps[:, None] * C + cols[None, :], mask=(ps < n_cpart)[:, None] & cm[None, :],
+                            other=0.0)
+                amax = tl.maximum(amax, tl.max(t, 0))
+            scale = _scale_of(amax, FP8_MAX_C, POW2)
+            tl.store(cscale_ptr + cols, scale, mask=cm)
+            tl.store(cinv_ptr + cols, tl.div_rn(tl.full([FB], 1.0, tl.float32), scale), mask=cm)
+
+
+@triton.jit
+def dual_cast_kernel(x_ptr, yr_ptr, yt_ptr, rscale_ptr, cscale_ptr, tamax_ptr, rinv_ptr, cinv_ptr, R, R_pad, C,
+                     stride_xr, ROW_PER: tl.constexpr, COL_PER: tl.constexpr, FP8_MAX_R: tl.constexpr,
+                     FP8_MAX_C: tl.constexpr, POW2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Tile ``(pr, pc)`` of ``x [R, C]`` read once, cast twice: with its rows' scales (``ROW_PER``) or
+    the tensor's to ``yr [R, C]`` row-major, with its columns' scales (``COL_PER``) or the tensor's to
+    ``yt [C, R_pad]`` (rows ``R..R_pad`` of x as zeros: the GEMM's inner dimension padded). The tensor's
+    scale from its amax (``tamax``), its reciprocal written by program (0, 0)."""
+    pr, pc = tl.program_id(0), tl.program_id(1)
+    rows = pr * BR + tl.arange(0, BR)
+    cols = pc * BC + tl.arange(0, BC)
+    rm, cm = rows < R, cols < C
+    m = rm[:, None] & cm[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if ROW_PER:
+        rs = tl.load(rscale_ptr + rows, mask=rm, other=1.0)[:, None]
+    else:
+        rs = _scale_of(tl.load(tamax_ptr), FP8_MAX_R, POW2)
+        if (pr == 0) & (pc == 0):
+            tl.store(rinv_ptr, tl.div_rn(1.0, rs))
+    yr = tl.clamp(x * rs, -FP8_MAX_R, FP8_MAX_R).to(yr_ptr.dtype.element_ty)
+    tl.store(yr_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], yr, mask=m)
+    if COL_PER:
+        cs = tl.load(cscale_ptr + cols, mask=cm, other=1.0)[None, :]
+    else:
+        cs = _scale_of(tl.load(tamax_ptr), FP8_MAX_C, POW2)
+        if (pr == 0) & (pc == 0):
+            tl.store(cinv_ptr, tl.div_rn(1.0, cs))
+    yt = tl.clamp(x * cs, -FP8_MAX_C, FP8_MAX_C).to(yt_ptr.dtype.element_ty)
+    mt = cm[:, None] & (rows < R_pad)[None, :]
+    tl.store(yt_ptr + cols.to(tl.int64)[:, None] * R_pad + rows[None, :], tl.trans(yt), mask=mt)

@@ -235,6 +235,47 @@ def _cast_triton(t: torch.Tensor, cast: Cast, pow2: bool, transpose: bool, pad_t
     return y, inv
 
 
+_FB, _FP = 128, 64  # dual finish: rows (columns) per program, partials per step
+
+
+def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pad_to: int = 1):
+    """``t [R, C]`` cast twice from two reads of it (session 21): ``(row data [R, C] row-major,
+    its inverse scale [R, 1] or [], column data transposed [C, R_pad], its inverse scale [1, C] or
+    [])``, each bitwise the one of ``cast_rows(t, row_cast)`` / ``cast_columns_t(t, col_cast)``.
+    Launches: the tile amaxes (rows' and columns' partials, one read), the partials' reduction to
+    scales (tiny), the cast (one read, both writes); a tensorwise scale's amax is ``part.amax()``."""
+    from ..kernels.fp8_cast import dual_amax_kernel, dual_cast_kernel, dual_finish_kernel
+
+    R, C = t.shape
+    dev = t.device
+    row_per, col_per = not row_cast.tensorwise, not col_cast.tensorwise
+    n_rb, n_cb = triton_cdiv(R, _BR), triton_cdiv(C, _BC)
+    cpart = torch.empty((n_rb, C), dtype=torch.float32, device=dev)
+    rpart = torch.empty((n_cb, R) if row_per else (1,), dtype=torch.float32, device=dev)
+    dual_amax_kernel[(n_rb, n_cb)](t, rpart, cpart, R, C, t.stride(0), n_cb, ROW_PART=row_per, BR=_BR, BC=_BC,
+                                   num_warps=4)
+    f32 = dict(dtype=torch.float32, device=dev)
+    r_inv = torch.empty((R, 1), **f32) if row_per else torch.empty((), **f32)
+    c_inv = torch.empty((1, C), **f32) if col_per else torch.empty((), **f32)
+    r_scale = torch.empty((R,), **f32) if row_per else r_inv
+    c_scale = torch.empty((C,), **f32) if col_per else c_inv
+    fmax_r, fmax_c = torch.finfo(row_cast.dtype).max, torch.finfo(col_cast.dtype).max
+    if row_per or col_per:
+        n_row_prog = triton_cdiv(R, _FB) if row_per else 0
+        n_prog = n_row_prog + (triton_cdiv(C, _FB) if col_per else 0)
+        dual_finish_kernel[(n_prog,)](rpart, cpart, r_scale, r_inv, c_scale, c_inv, R, C, n_cb, n_rb, n_row_prog,
+                                      ROW_PER=row_per, COL_PER=col_per, FP8_MAX_R=fmax_r, FP8_MAX_C=fmax_c,
+                                      POW2=pow2, FB=_FB, BP=_FP, num_warps=4)
+    tamax = cpart.amax().reshape(1) if not (row_per and col_per) else cpart  # the tensor's (a max: deterministic)
+    R_pad = triton_cdiv(R, pad_to) * pad_to
+    yr = torch.empty((R, C), dtype=row_cast.dtype, device=dev)
+    yt = torch.empty((C, R_pad), dtype=col_cast.dtype, device=dev)
+    dual_cast_kernel[(triton_cdiv(R_pad, _BR), n_cb)](
+        t, yr, yt, r_scale, c_scale, tamax, r_inv, c_inv, R, R_pad, C, t.stride(0), ROW_PER=row_per,
+        COL_PER=col_per, FP8_MAX_R=fmax_r, FP8_MAX_C=fmax_c, POW2=pow2, BR=_BR, BC=_BC, num_warps=4)
+    return yr, r_inv, yt, c_inv
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -334,21 +375,54 @@ def forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torc
     return _mm(xa, xs, wa.t(), _col_scale(ws), x2d.dtype, r.fast_accum[0], r.round_scales_to_power_of_2, out)
 
 
-def grad_input(g2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``dX = dQKV W`` ``[M, K]``."""
-    ga, gs = cast_rows(g2d, r.grad_output, r.round_scales_to_power_of_2)
+def grad_input(g2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torch.Tensor] = None,
+               g_cast=None) -> torch.Tensor:
+    """``dX = dQKV W`` ``[M, K]``; ``g_cast``: dQKV's cast (data, inverse scale) where made beforehand."""
+    ga, gs = g_cast if g_cast is not None else cast_rows(g2d, r.grad_output, r.round_scales_to_power_of_2)
     wb, ws = cast_columns(w, r.weight_for_grad_input, r.round_scales_to_power_of_2)
     return _mm(ga, gs, wb, ws, g2d.dtype, r.fast_accum[1], r.round_scales_to_power_of_2, out)
 
 
-def grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, r: Fp8Recipe) -> torch.Tensor:
+def grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, r: Fp8Recipe, g_cast=None) -> torch.Tensor:
     """``dW = dQKV^T X`` ``[N, K]``: in FP8 (both cast per channel, over the tokens), or in
-    high precision where the recipe says so (``torch.mm``, as torchao runs it)."""
+    high precision where the recipe says so (``torch.mm``, as torchao runs it). ``g_cast``: dQKV's
+    transposed cast (data ``[N, M_pad]``, inverse scale) where made beforehand."""
     if r.grad_output_for_grad_weight.dtype is None:
         from . import host_gemm
 
         return host_gemm.mm(g2d.t(), x2d)
     pow2, pad = r.round_scales_to_power_of_2, _inner_pad(g2d)
-    ga, gs = cast_columns_t(g2d, r.grad_output_for_grad_weight, pow2, pad)  # [N, M_pad], [1, N]
+    ga, gs = (g_cast if g_cast is not None  # [N, M_pad], [1, N]
+              else cast_columns_t(g2d, r.grad_output_for_grad_weight, pow2, pad))
     xb, xs = cast_columns_t(x2d, r.input_for_grad_weight, pow2, pad)        # [K, M_pad], [1, K]
     return _mm(ga, gs if gs.dim() == 0 else gs.reshape(-1, 1), xb.t(), xs, g2d.dtype, r.fast_accum[2], pow2)
+
+
+# Session 21 (issue 35): dQKV's two casts from two reads of it instead of three (rowwise: three launches
+# either way; tensorwise: three instead of six). Both casts are alive together until dX's GEMM has run (the
+# peak grows by dQKV's fp8 copy, M x N bytes). False: each GEMM casts its own operand (the path before;
+# benchmarks/bench_fp8.py --old-casts times both).
+DUAL_CASTS = True
+
+
+def _dual_ok(g2d: torch.Tensor, r: Fp8Recipe) -> bool:
+    return DUAL_CASTS and _triton(g2d) and g2d.numel() > 0 and r.grad_output_for_grad_weight.dtype is not None
+
+
+def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, need_x: bool, need_w: bool,
+             out: Optional[torch.Tensor] = None):
+    """``(dX, dW)`` (None where not needed): :func:`grad_input` into ``out`` and :func:`grad_weight`,
+    with dQKV's two casts (per row for dX, per column transposed for dW) from one amax pass and
+    one cast pass where both GEMMs run in FP8 on the GPU (:func:`_dual_triton`); bitwise the same."""
+    row = col = None
+    if need_x and need_w and _dual_ok(g2d, r):
+        if g2d.stride(1) != 1:
+            g2d = g2d.contiguous()
+        ga, gs, gt, gts = _dual_triton(g2d, r.grad_output, r.grad_output_for_grad_weight,
+                                       r.round_scales_to_power_of_2, _inner_pad(g2d))
+        row, col = (ga, gs), (gt, gts)
+        del ga, gs, gt, gts
+    dx = grad_input(g2d, w, r, out, g_cast=row) if need_x else None
+    row = None  # dX's fp8 dQKV freed before dW's casts allocate (as on the one-cast path)
+    dw = grad_weight(g2d, x2d, r, g_cast=col) if need_w else None
+    return dx, dw

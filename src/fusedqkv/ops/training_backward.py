@@ -137,11 +137,9 @@ class TrainingBackwardPlan:
             dqkv = dqkv[:, :self.n_tot]
         g_w = None
         lt_ok = a is not None and not (hidden_states.data_ptr() | qkv_weight.data_ptr()) & 15
-        if self.fp8 is not None:
-            if self.need_x:
-                fp8.grad_input(dqkv, qkv_weight, self.fp8, out=g_x.view(M, self.hidden))
-            if self.need_w:
-                g_w = fp8.grad_weight(dqkv, hidden_states.reshape(M, self.hidden), self.fp8)
+        if self.fp8 is not None:  # dQKV's two casts in two passes where both GEMMs run (fp8.backward)
+            g_w = fp8.backward(dqkv, hidden_states.reshape(M, self.hidden), qkv_weight, self.fp8, self.need_x,
+                               self.need_w, out=g_x.view(M, self.hidden) if self.need_x else None)[1]
         elif self.need_x:
             if self.lt_dx is not None and lt_ok:
                 self.lt_dx(a[9], qkv_weight.data_ptr(), a[16], stream)  # dqkv, W, grad_hidden_states
