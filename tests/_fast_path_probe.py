@@ -270,9 +270,10 @@ def _driver_differences(expected: dict, got: dict) -> list:
     return out
 
 
-def gluon_forward(fake, one_launch, last_launch, differences) -> list:
-    """fusedqkv's Gluon forward GEMM (five Gluon host descriptors, pointers, strides, a float, a
-    warp-specialized kernel under maxnreg) as its plan binds it: the raw launch as Triton's."""
+def gluon_forward(fake, one_launch, last_launch, differences, lora=False) -> list:
+    """fusedqkv's Gluon forward GEMM (five Gluon host descriptors, two None ones, pointers, strides, a
+    float, a warp-specialized kernel under maxnreg) as its plan binds it: the raw launch as Triton's;
+    ``lora``: its LoRA kernel (seven descriptors, the rank sum an integer)."""
     from fusedqkv.ops.qkv_rope_norm_gemm import FusedGemmForward
 
     b, s, hq, hkv, d, k = 1, 128, 2, 1, 128, 256
@@ -283,20 +284,23 @@ def gluon_forward(fake, one_launch, last_launch, differences) -> list:
                  q_norm_weight=torch.ones(d, dtype=bf), k_norm_weight=torch.ones(d, dtype=bf),
                  rstd_q=torch.empty(b, hq, s), rstd_k=torch.empty(b, hkv, s), cos=torch.randn(b, s, d, dtype=bf),
                  sin=torch.randn(b, s, d, dtype=bf))
-    fwd = FusedGemmForward(m, n, k, s, hq, hkv, d, 1e-6, False, True, bf, "cpu", sms=132)
+    if lora:
+        named.update(u=torch.randn(m, 48, dtype=bf), b=torch.randn(n, 48, dtype=bf))
+    fwd = FusedGemmForward(m, n, k, s, hq, hkv, d, 1e-6, False, True, bf, "cpu", sms=132, lora=lora)
+    what = "the Gluon forward" + (" with LoRA" if lora else "")
     table, launch = fwd.bound_launch(named)
     tensors = table.tensors(named)
     fake.forget()  # compiled first, for its PTX's parameter sizes
     fake.expect(launch.fn[launch.grid](*[launch._resolve(a, tensors) for a in launch.args], **launch.constexprs))
     problems = []
-    one_launch("the Gluon forward, the JIT", lambda: launch.launch(tensors, None, STREAM))
+    one_launch(f"{what}, the JIT", lambda: launch.launch(tensors, None, STREAM))
     triton_call = last_launch()
     if not launch.bound:
-        return ["the Gluon forward: not bound to the raw launch"]
+        return [f"{what}: not bound to the raw launch"]
     ptrs = table.addresses({name: t.data_ptr() for name, t in named.items()})
     launch.encode(ptrs)
-    one_launch("the Gluon forward, raw", lambda: launch.launch(None, ptrs, STREAM))
-    problems += [f"the Gluon forward: {p}" for p in differences(triton_call, last_launch())]
+    one_launch(f"{what}, raw", lambda: launch.launch(None, ptrs, STREAM))
+    problems += [f"{what}: {p}" for p in differences(triton_call, last_launch())]
     return problems
 
 
@@ -415,8 +419,9 @@ def main() -> int:
 
     bound = 2
     if fake is not None and internals.gluon_gate() is None:  # the Gluon forward GEMM (tested on 3.6 only)
-        bound += 1
+        bound += 2
         problems += gluon_forward(fake, one_launch, last_launch, differences)
+        problems += gluon_forward(fake, one_launch, last_launch, differences, lora=True)
 
     info = internals.fast_path_info()
     expected_abi = internals.MODULE_ABI if triton.__version__.startswith("3.6.") else internals.SHARED_ABI
