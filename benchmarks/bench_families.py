@@ -528,21 +528,26 @@ def time_row(row: Row, providers, reps: int, warmup: int, flusher: Optional[timi
 # ------------------------------------------------------------------ the run
 
 
+def kernel_profile(fn, calls: int = 5, top: int = 12) -> list:
+    """[{name, us per call}]: the GPU kernels of ``calls`` eager calls of ``fn`` (torch.profiler, after
+    one call outside it), the ``top`` largest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [dict(name=e.key, us=e.device_time_total / calls) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(kernels, key=lambda k: -k["us"])[:top]
+
+
 def profile_row(row: Row, providers, calls: int = 5) -> dict:
     """{"provider/mode": [{name, us per call}]}: each provider's GPU kernels over ``calls`` eager
     calls (torch.profiler), largest first."""
     out = {}
     for prov in providers:
         for mode, fn in zip(MODES, row.calls[prov]):
-            fn()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(calls):
-                    fn()
-                torch.cuda.synchronize()
-            kernels = [dict(name=e.key, us=e.device_time_total / calls) for e in prof.key_averages()
-                       if e.device_time_total > 0]
-            out[f"{prov}/{mode}"] = sorted(kernels, key=lambda k: -k["us"])[:12]
+            out[f"{prov}/{mode}"] = kernel_profile(fn, calls)
     return out
 
 

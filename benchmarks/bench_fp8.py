@@ -42,7 +42,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_families import time_providers  # noqa: E402
+from bench_families import kernel_profile, time_providers  # noqa: E402
 from bench_lora import EPS, hf_norm, hf_rope, log  # noqa: E402  (HF's norm and RoPE, as bench_lora times them)
 from bench_module import CONFIGS, SIZES, rope_cos_sin  # noqa: E402
 
@@ -188,18 +188,6 @@ class Row:
         return {n: dict(fused=rel(f, r_), torchao=rel(a, r_)) for n, f, a, r_ in zip(names, fused, ao, ref)}
 
 
-def profile(fn, calls: int = 3) -> list:
-    """[{name, us per call}]: the GPU kernels of ``calls`` eager calls of ``fn``, largest first."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [dict(name=e.key, us=e.device_time_total / calls) for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(kernels, key=lambda k: -k["us"])[:16]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -249,7 +237,7 @@ def main(argv=None) -> int:
             r["rowwise_over_old"] = f / med["fp8_rowwise_old"]
             r["tensorwise_over_old"] = med["fp8_tensorwise"] / med["fp8_tensorwise_old"]
         if args.profile and device.type == "cuda":
-            r["kernels"] = {p: profile(fns[p]) for p in fns if p.startswith("fp8_")}
+            r["kernels"] = {p: kernel_profile(fns[p], 3, 16) for p in fns if p.startswith("fp8_")}
             for p, ks in r["kernels"].items():
                 log(f"  {p}: " + ", ".join(f"{k['name'][:40]} {k['us']:.1f}" for k in ks[:10]) + " (us/call)")
         out.append(r)

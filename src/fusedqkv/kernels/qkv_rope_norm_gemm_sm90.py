@@ -101,6 +101,19 @@ def _steps(K, R, BK: gl.constexpr, LORA: gl.constexpr):
 
 
 @gluon.jit
+def _ring_load(a_desc, b_desc, off_m, off_n, k, a_bufs, b_bufs, ready, empty, it, nbytes: gl.constexpr,
+               STAGES: gl.constexpr):
+    """The ``it``-th ring slot: once free, the ``[BM, BK]`` box of ``a_desc`` at (off_m, k) and the
+    ``[BN, BK]`` box of ``b_desc`` at (off_n, k) into it."""
+    s = it % STAGES
+    # a fresh barrier passes a wait on parity 1: the ring's first lap waits for nothing
+    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), nbytes)
+    _tma_load(a_desc, [off_m, k], ready.index(s), a_bufs.index(s))
+    _tma_load(b_desc, [off_n, k], ready.index(s), b_bufs.index(s))
+
+
+@gluon.jit
 def _producer(x_desc, w_desc, u_desc, b_desc, x_bufs, w_bufs, ready, empty, M, N, K, R,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
               LORA: gl.constexpr):
@@ -114,20 +127,11 @@ def _producer(x_desc, w_desc, u_desc, b_desc, x_bufs, w_bufs, ready, empty, M, N
     for tile in range(pid, n_m * n_n, nprog):
         off_m, off_n = _tile_origin(tile, n_m, n_n, BM, BN, GROUP_M)
         for kk in range(k_steps):
-            s = it % STAGES
-            # a fresh barrier passes a wait on parity 1: the ring's first lap waits for nothing
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            _tma_load(x_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(s))
-            _tma_load(w_desc, [off_n, kk * BK], ready.index(s), w_bufs.index(s))
+            _ring_load(x_desc, w_desc, off_m, off_n, kk * BK, x_bufs, w_bufs, ready, empty, it, nbytes, STAGES)
             it += 1
         if LORA:  # the same ring slots: U's and B's boxes are x's and W's shapes and dtype
             for kk in range(n_steps - k_steps):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), nbytes)
-                _tma_load(u_desc, [off_m, kk * BK], ready.index(s), x_bufs.index(s))
-                _tma_load(b_desc, [off_n, kk * BK], ready.index(s), w_bufs.index(s))
+                _ring_load(u_desc, b_desc, off_m, off_n, kk * BK, x_bufs, w_bufs, ready, empty, it, nbytes, STAGES)
                 it += 1
 
 
