@@ -418,7 +418,9 @@ def main() -> int:
         problems += [f"plain_kernel: {p}" for p in differences(triton_call, last_launch())]
 
     bound = 2
-    if fake is not None and internals.gluon_gate() is None:  # the Gluon forward GEMM (tested on 3.6 only)
+    # the Gluon forward GEMM (tested on 3.6 only; not under a mutation: the kernels above show it, and its
+    # compiles are the probe's largest)
+    if fake is not None and internals.gluon_gate() is None and not mutation:
         bound += 2
         problems += gluon_forward(fake, one_launch, last_launch, differences)
         problems += gluon_forward(fake, one_launch, last_launch, differences, lora=True)
