@@ -28,6 +28,18 @@ def _scale_of(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
+def _column_amax(part_ptr, n_part, C, cols, cmask, BP: tl.constexpr, W: tl.constexpr):
+    """The amax of columns ``cols`` over the ``n_part`` partial rows ``[n_part, C]`` at ``part_ptr``,
+    ``BP`` rows a step in a fixed order."""
+    amax = tl.zeros([W], tl.float32)
+    for p0 in range(0, n_part, BP):
+        ps = p0 + tl.arange(0, BP)
+        t = tl.load(part_ptr + ps[:, None] * C + cols[None, :], mask=(ps < n_part)[:, None] & cmask[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(t, 0))
+    return amax
+
+
+@triton.jit
 def rowwise_cast_kernel(x_ptr, y_ptr, inv_ptr, R, C, stride_xr, stride_yr, FP8_MAX: tl.constexpr,
                         POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, WHOLE_ROW: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -75,13 +87,7 @@ def cast_kernel(x_ptr, y_ptr, part_ptr, inv_ptr, R, R_pad, C, stride_xr, n_part,
     cols = pc * BC + tl.arange(0, BC)
     cmask = cols < C
     if PER_COLUMN:  # the column's amax over every row block's
-        amax = tl.zeros([BC], tl.float32)
-        for p0 in range(0, n_part, BP):
-            ps = p0 + tl.arange(0, BP)
-            t = tl.load(part_ptr + ps[:, None] * C + cols[None, :], mask=(ps < n_part)[:, None] & cmask[None, :],
-                        other=0.0)
-            amax = tl.maximum(amax, tl.max(t, 0))
-        scale = _scale_of(amax, FP8_MAX, POW2)
+        scale = _scale_of(_column_amax(part_ptr, n_part, C, cols, cmask, BP, BC), FP8_MAX, POW2)
         if pr == 0:
             tl.store(inv_ptr + cols, tl.div_rn(tl.full([BC], 1.0, tl.float32), scale), mask=cmask)
         scale = scale[None, :]
@@ -165,13 +171,7 @@ def dual_finish_kernel(rpart_ptr, cpart_ptr, rscale_ptr, rinv_ptr, cscale_ptr, c
         if pid >= n_row_prog:
             cols = (pid - n_row_prog) * FB + tl.arange(0, FB)
             cm = cols < C
-            amax = tl.zeros([FB], tl.float32)
-            for p0 in range(0, n_cpart, BP):
-                ps = p0 + tl.arange(0, BP)
-                t = tl.load(cpart_ptr + ps[:, None] * C + cols[None, :], mask=(ps < n_cpart)[:, None] & cm[None, :],
-                            other=0.0)
-                amax = tl.maximum(amax, tl.max(t, 0))
-            scale = _scale_of(amax, FP8_MAX_C, POW2)
+            scale = _scale_of(_column_amax(cpart_ptr, n_cpart, C, cols, cm, BP, FB), FP8_MAX_C, POW2)
             tl.store(cscale_ptr + cols, scale, mask=cm)
             tl.store(cinv_ptr + cols, tl.div_rn(tl.full([FB], 1.0, tl.float32), scale), mask=cm)
 
