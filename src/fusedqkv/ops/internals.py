@@ -406,6 +406,14 @@ class DescriptorSlot:
                 self.sink(encoded)
 
 
+# the generated enqueues' test for Triton's launch hooks (``rt``: its runtime knobs, ``Chain``: its hook
+# chain class), read at each call as Triton's launch path reads them: true while none is registered
+_NO_HOOKS = ("    en = rt.launch_enter_hook\n"
+             "    ex = rt.launch_exit_hook\n"
+             "    if (en is None or en.__class__ is Chain and not en.calls) and "
+             "(ex is None or ex.__class__ is Chain and not ex.calls):\n")
+
+
 def make_enqueue(launcher, grid, head, template, ptr_slots, desc_slots, pack: Optional[type] = None, hooks=None):
     """``enqueue(ptrs, stream)``: ``launcher(*grid, stream, *head, *args)`` -- or with ``pack``
     (list or tuple) ``launcher(*grid, stream, *head, pack(args))`` -- where ``args`` is
@@ -457,11 +465,7 @@ def make_enqueue(launcher, grid, head, template, ptr_slots, desc_slots, pack: Op
         quiet, loud = list(names), list(names)
         quiet[at: at + 3] = ["None", "None", "None"]
         loud[at: at + 3] = ["metadata(grid, stream)", "en", "ex"]
-        body = ("    en = rt.launch_enter_hook\n"
-                "    ex = rt.launch_exit_hook\n"
-                "    if (en is None or en.__class__ is Chain and not en.calls) and "
-                "(ex is None or ex.__class__ is Chain and not ex.calls):\n"
-                f"        {call(quiet)}\n"
+        body = (_NO_HOOKS + f"        {call(quiet)}\n"
                 "    else:\n"
                 f"        {call(loud)}\n")
     src = "def enqueue(p, stream):\n" + body
@@ -879,12 +883,7 @@ def _driver_enqueue(compiled, run, grid, template, raw_ptrs, descs, triton_enque
                  "            failed(err, cfg, fn, prm)\n")
     else:  # Triton's launcher launches nothing for an empty grid
         quiet = "        pass\n"
-    src = ("def enqueue(p, stream):\n"
-           "    en = rt.launch_enter_hook\n"
-           "    ex = rt.launch_exit_hook\n"
-           "    if (en is None or en.__class__ is Chain and not en.calls) and "
-           "(ex is None or ex.__class__ is Chain and not ex.calls):\n"
-           + quiet +
+    src = ("def enqueue(p, stream):\n" + _NO_HOOKS + quiet +
            "    else:  # a hook is registered: Triton's launcher calls it, with its metadata\n"
            "        slow(p, stream)\n")
     exec(compile(src, "<fusedqkv driver launch>", "exec"), ns)  # noqa: S102 - our own template

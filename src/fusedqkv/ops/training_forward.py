@@ -58,24 +58,19 @@ class ForwardPlan:
         self._gather = None  # the table's addresses from the call's, in the launch's entry order (bound launches)
 
     def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias=None, qkv_residual=None,
-            qkv_update=None, keep_rstd=True, lora=None):
+            keep_rstd=True, lora=None):
         """(q, k, qkv, rstd_q, rstd_k, v); cos/sin ``[batch, seq, rot]`` (expanded); v None unless
         the variant norms it. ``qkv_residual`` (plans built with one): ``[batch, seq, qkv]`` added to
-        the projection output before RoPE and the norms (a LoRA update); ``qkv_update`` (plans built
-        with a residual): a callable that changes the projection output in place there instead (the
-        LoRA GEMMs accumulating into it: :mod:`fusedqkv.ops.lora`). ``keep_rstd=False``: a caller
-        that does not read rstd (the eager training forward); bound launches then write it to a
-        kept scratch and return None for both. ``lora`` (plans built with a residual): a
-        :class:`~fusedqkv.ops.lora.LoRAUpdate` whose update goes into the projection output: inside
-        the one-launch forward's GEMM where the plan has it and U's width can be a TMA operand, else
-        in place after the GEMM (``qkv_update``'s place)."""
+        the projection output before RoPE and the norms (a LoRA update). ``lora`` (plans built with
+        a residual, instead): a :class:`~fusedqkv.ops.lora.LoRAUpdate` whose update goes into the
+        projection output there: inside the one-launch forward's GEMM where the plan has it and U's
+        width can be a TMA operand, else in place after the GEMM (the LoRA GEMMs accumulating into
+        it). ``keep_rstd=False``: a caller that does not read rstd (the eager training forward);
+        bound launches then write it to a kept scratch and return None for both."""
         sz = self.sz
-        if lora is not None:
-            x2d = hidden_states.reshape(self.M, self.hidden)
-            if self.fused_lora is not None and FusedGemmForward.takes_rank(lora.rank, self.dtype):
-                return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd,
-                                       lora.gemm_operands(x2d))
-            qkv_update = lambda qkv: lora.forward(qkv.view(self.M, -1), x2d)  # noqa: E731
+        if lora is not None and self.fused_lora is not None and FusedGemmForward.takes_rank(lora.rank, self.dtype):
+            return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd,
+                                   lora.gemm_operands(hidden_states.reshape(self.M, self.hidden)))
         if self.fused is not None:
             return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd)
         lt, launch = self.lt_qkv, self.launch
@@ -97,8 +92,8 @@ class ForwardPlan:
                                   qkv_weight.t()).view(self.qkv_shape)
         if qkv_residual is not None:
             qkv.add_(qkv_residual)
-        elif qkv_update is not None:
-            qkv_update(qkv)
+        elif lora is not None:
+            lora.forward(qkv.view(self.M, -1), hidden_states.reshape(self.M, self.hidden))
         if launch is None:
             q, k, rq, rk, v = forward_torch(qkv, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"],
                                             sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"], self.variant)
@@ -144,18 +139,20 @@ class ForwardPlan:
     def _run_fused(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd=True,
                    lora_operands=None):
         """The one-launch forward; ``lora_operands``: (U, B) of the LoRA adapters (the residual plan's
-        ``fused_lora`` kernel, one bound launch per rank sum)."""
+        ``fused_lora`` kernel, one bound launch per rank sum, built at its first call)."""
         x_ptr, w_ptr = hidden_states.data_ptr(), qkv_weight.data_ptr()
         if (x_ptr | w_ptr) & 15:  # the TMA descriptors' bases
             raise Misaligned
         dev = self.device
         qkv = hidden_states.new_empty(self.qkv_shape)  # (hidden_states' dtype is the plan's)
-        if lora_operands is not None:
-            return self._run_fused_lora(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd,
-                                        qkv, *lora_operands)
-        launch = self.launch
+        if lora_operands is None:
+            extra = ()
+            table, launch, gather = self.table, self.launch, self._gather
+        else:
+            extra = lora_operands
+            table, launch, gather = self.lora_launches.get(extra[0].shape[1], (None, None, None))
         stream = current_stream(dev)
-        if launch.bound:
+        if launch is not None and launch.bound:
             b, s, hq, hkv, d = self.out_dims
             q, k = token_major(b, hq, s, d, self.dtype, dev), token_major(b, hkv, s, d, self.dtype, dev)
             rq, rk, prq, prk = self._rstd(stream, keep_rstd)
@@ -164,49 +161,20 @@ class ForwardPlan:
             pcos, psin = cos.data_ptr(), sin.data_ptr()
             if self.aligned and (wq | wk | pcos | psin) & 15:
                 raise Misaligned
-            gather = self._gather or self._make_gather(FUSED_ENTRIES)
+            gather = gather or self._make_gather(FUSED_ENTRIES)
             launch.launch(None, gather([x_ptr, w_ptr, qkv.data_ptr(), q.data_ptr(), k.data_ptr(), wq, wk, prq, prk,
-                                        pcos, psin]), stream)
+                                        pcos, psin, *(t.data_ptr() for t in extra)]), stream)
         else:
-            q, k, rq, rk, v = forward_outputs(*self.out_dims, self.dtype, dev, False)
+            q, k, rq, rk, _ = forward_outputs(*self.out_dims, self.dtype, dev, False)
             named = call_entries(self.out_dims, hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight,
                                  rq, rk, cos, sin)
-            launch.launch(self.table.tensors(named), None, stream)
+            if extra:
+                named.update(u=extra[0], b=extra[1])
+                if launch is None:  # the first call of this rank sum
+                    table, launch = self.fused_lora.bound_launch(named)
+                    self.lora_launches[extra[0].shape[1]] = (table, launch, table.gather(LORA_ENTRIES))
+            launch.launch(table.tensors(named), None, stream)
         return q, k, qkv, rq, rk, None
-
-    def _run_fused_lora(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd, qkv, u, b):
-        dev = self.device
-        stream = current_stream(dev)
-        rank = u.shape[1]
-        b_, s, hq, hkv, d = self.out_dims
-        q, k = token_major(b_, hq, s, d, self.dtype, dev), token_major(b_, hkv, s, d, self.dtype, dev)
-        rq, rk, prq, prk = self._rstd(stream, keep_rstd)
-        kept = self.lora_launches.get(rank)
-        if kept is not None and kept[1].bound:
-            _, launch, gather = kept
-            wq = q_norm_weight.data_ptr() if q_norm_weight is not None else 0
-            wk = k_norm_weight.data_ptr() if k_norm_weight is not None else 0
-            pcos, psin = cos.data_ptr(), sin.data_ptr()
-            if self.aligned and (wq | wk | pcos | psin) & 15:
-                raise Misaligned
-            launch.launch(None, gather([hidden_states.data_ptr(), qkv_weight.data_ptr(), qkv.data_ptr(), q.data_ptr(),
-                                        k.data_ptr(), wq, wk, prq, prk, pcos, psin, u.data_ptr(), b.data_ptr()]),
-                          stream)
-            return q, k, qkv, rq, rk, None
-        # the first call of this rank sum (or no raw launches): through the JIT with this call's tensors
-        keep = rq is not None
-        if not keep:  # rstd into the kept scratch: views of it for the JIT's call
-            scratch = _device.workspace("rstd", dev, stream, self.rstd_bytes).view(torch.uint8)
-            rq = scratch[:b_ * hq * s * 4].view(torch.float32).view(b_, hq, s)
-            rk = scratch[self.rstd_q_bytes:self.rstd_q_bytes + b_ * hkv * s * 4].view(torch.float32).view(b_, hkv, s)
-        named = call_entries(self.out_dims, hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight,
-                             rq, rk, cos, sin)
-        named.update(u=u, b=b)
-        if kept is None:
-            table, launch = self.fused_lora.bound_launch(named)
-            kept = self.lora_launches[rank] = (table, launch, table.gather(LORA_ENTRIES))
-        kept[1].launch(kept[0].tensors(named), None, stream)
-        return q, k, qkv, (rq if keep else None), (rk if keep else None), None
 
 
 def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads,
@@ -292,18 +260,18 @@ def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, s
 
 
 def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                qkv_bias=None, qkv_residual=None, qkv_update=None, keep_rstd=True, lora=None):
+                qkv_bias=None, qkv_residual=None, keep_rstd=True, lora=None):
     """``plan.run``; a call whose addresses the plan was not specialised for gets its own plan.
     ``keep_rstd=False``: the caller does not read rstd (see :meth:`ForwardPlan.run`)."""
     try:
         return plan.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual,
-                        qkv_update, keep_rstd, lora)
+                        keep_rstd, lora)
     except Misaligned:
         sz, var = plan.sz, plan.variant
         position = "after_rope" if sz["norm_after_rope"] else "before_rope"
         options = (var.q_gate, "interleaved" if var.interleaved else "neox", "all_heads" if var.all_heads else "head",
                    var.v_norm)
-        residual = qkv_residual is not None or qkv_update is not None or lora is not None
+        residual = qkv_residual is not None or lora is not None
         key = "" if plan.fp8 is None else plan.fp8.key
         args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"], sz["num_kv_heads"],
                 sz["eps"], position, plan.backend, qkv_bias, *options, residual, var.k_eq_v, key)
@@ -312,4 +280,4 @@ def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_n
         own = PLANS.full_lookup(list(_guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                               qkv_bias)), scalars, args, remember=False)
         return own.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual,
-                       qkv_update, keep_rstd, lora)
+                       keep_rstd, lora)
