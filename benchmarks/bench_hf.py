@@ -20,6 +20,11 @@ Stacks, each from the same initial weights on the same data:
   compile(hf+fusedqkv) torch.compile(model) after fusedqkv.apply_to(model)
 
 plus ``hf-fp32`` (the hf stack in fp32, same initial values) as the yardstick of bf16 noise.
+With --lora, ``hf+fusedqkv:dense-qkv`` is a bound, not a setup: the hf+fusedqkv stack with q/k/v
+left dense (bf16, not quantized by --qlora) and without adapters, the MLP and o_proj as in the
+other stacks. Its step is what hf+fusedqkv would take if q/k/v's adapters and dequantization cost
+nothing, so ``1 - bound / hf`` is the most any attention input can cut from the hf step: a target
+above it is out of reach for the block (the table says so). Its loss is another model's: not judged.
 Default stacks: qwen3 hf-fp32, hf, hf+fusedqkv and the two Liger stacks; qwen3_5_text hf-fp32,
 hf, hf+fusedqkv, compile(hf), compile(hf+fusedqkv).
 For each: the loss of every step (--steps: qwen3 50, qwen3_5_text 30), the step time (median over the steps
@@ -122,7 +127,9 @@ QWEN3_8B = dict(QWEN3_06B, hidden_size=4096, intermediate_size=12288, num_attent
 LORA_MIN_STEP_REDUCTION = {"qwen3_8b": 0.12, "qwen3": 0.25}
 
 STACKS = ("hf-fp32", "hf", "hf+fusedqkv", "hf+liger", "hf+liger+fusedqkv", "compile(hf)", "compile(hf+fusedqkv)",
-          "hf-bf16", "compile(hf-bf16)")
+          "hf-bf16", "compile(hf-bf16)", "hf+fusedqkv:dense-qkv")
+DENSE_QKV = "hf+fusedqkv:dense-qkv"  # --lora: the bound above (q/k/v dense, no adapters on them)
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 # with --fp8: the bf16 stacks without float8 (the yardstick of torchao's FP8 loss spread)
 BF16_OF = {"hf": "hf-bf16", "hf+fusedqkv": "hf-bf16", "compile(hf)": "compile(hf-bf16)",
            "compile(hf+fusedqkv)": "compile(hf-bf16)"}
@@ -251,17 +258,17 @@ def build_model(cfg_kw, dtype, device, attn, seed, family="qwen3"):
     return model.to(dtype).train()
 
 
-def quantize_4bit(model, quant_type: str, compute_dtype) -> int:
+def quantize_4bit(model, quant_type: str, compute_dtype, skip=()) -> int:
     """--qlora: every nn.Linear of the decoder (not lm_head) as a bitsandbytes 4-bit layer quantized
     from its weights on its device, double quantisation, as BitsAndBytesConfig(load_in_4bit=True,
-    bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=True) loads a checkpoint; returns
-    how many."""
+    bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=True) loads a checkpoint, but those
+    named in ``skip``; returns how many."""
     import bitsandbytes as bnb
 
     n = 0
     for mod in list(model.modules()):
         for name, child in list(mod.named_children()):
-            if type(child) is not torch.nn.Linear or name == "lm_head":
+            if type(child) is not torch.nn.Linear or name == "lm_head" or name in skip:
                 continue
             w = child.weight
             q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
@@ -275,13 +282,15 @@ def quantize_4bit(model, quant_type: str, compute_dtype) -> int:
     return n
 
 
-def add_lora(model, r: int, init: str, seed: int):
-    """PEFT LoRA of rank r (alpha 2r) on every linear layer, the same adapter values in every stack;
-    ``init="random"``: B ~ 0.01 N(0, 1) too, so the adapters move the loss from the first step."""
+def add_lora(model, r: int, init: str, seed: int, exclude=None):
+    """PEFT LoRA of rank r (alpha 2r) on every linear layer (but ``exclude``, PEFT's
+    ``exclude_modules``), the same adapter values in every stack; ``init="random"``: B ~ 0.01 N(0, 1)
+    too, so the adapters move the loss from the first step."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed + 7)
-    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", lora_dropout=0.0))
+    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", lora_dropout=0.0,
+                                             exclude_modules=exclude))
     if init == "random":
         g = torch.Generator().manual_seed(seed + 8)
         with torch.no_grad():
@@ -312,8 +321,10 @@ def run_stack(stack, args, cfg_kw, data, device):
         if lt is None:
             raise RuntimeError("liger_kernel is not installed and no .whl/liger_kernel-*.whl was found")
     model = build_model(cfg_kw, dtype, device, args.attn, args.seed, args.family)
+    dense_qkv = stack == DENSE_QKV
     if args.qlora:  # before apply_to, as a model loaded quantized is
-        log(f"{stack}: {quantize_4bit(model, args.qlora, dtype)} linear layers {args.qlora} 4-bit")
+        n_4bit = quantize_4bit(model, args.qlora, dtype, skip=QKV_NAMES if dense_qkv else ())
+        log(f"{stack}: {n_4bit} linear layers {args.qlora} 4-bit")
     n_fused = 0
     if "liger" in stack:
         getattr(lt, fam.liger)(model=model)
@@ -329,7 +340,8 @@ def run_stack(stack, args, cfg_kw, data, device):
             return name != "lm_head" and ("fusedqkv" not in stack or name not in ("q_proj", "k_proj", "v_proj"))
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(fp8), module_filter_fn=convert)
     if args.lora:  # after apply_to (the README's order)
-        model = add_lora(model, args.lora, args.lora_init, args.seed)
+        model = add_lora(model, args.lora, args.lora_init, args.seed,
+                         exclude=[*QKV_NAMES, "qkv_proj"] if dense_qkv else None)
     compiled = stack.startswith("compile(")
     if compiled:  # after apply_to, before the optimizer (the compiled module shares the parameters)
         model = torch.compile(model, backend=args.compile_backend)
@@ -423,6 +435,18 @@ def judge(results, tiny, min_step_reduction=MIN_STEP_REDUCTION, fp8=False):
     return rows, ok
 
 
+def qkv_bound(results, target):
+    """With the dense-qkv stack and hf: the most the attention input can cut from hf's step
+    (``1 - bound / hf``), and whether the target is within it; None without them."""
+    if DENSE_QKV not in results or "hf" not in results:
+        return None
+    bound, base = results[DENSE_QKV]["step_ms_median"], results["hf"]["step_ms_median"]
+    fused = results.get("hf+fusedqkv", {}).get("step_ms_median")
+    return dict(step_ms_bound=bound, step_ms_base=base, step_ms_fused=fused, max_reduction=1.0 - bound / base,
+                target=target, target_within_bound=1.0 - bound / base >= target,
+                fused_over_bound=fused / bound if fused else None)
+
+
 def plot(report, path):
     try:
         import matplotlib
@@ -488,6 +512,12 @@ def table(report):
                      f"{row['max_loss_diff']:>11.2e} {row['loss_tol']:>9.2e}  speed {verdict(row['speed_ok'])}, "
                      f"memory {verdict(row['mem_ok'])}, loss {verdict(row['loss_ok'])}")
     target = report.get("config", {}).get("min_step_reduction", MIN_STEP_REDUCTION)
+    bound = report.get("qkv_bound")
+    if bound:
+        lines.append(f"bound ({DENSE_QKV}: q/k/v dense, no adapters on them): {bound['step_ms_bound']:.2f} ms, so the "
+                     f"attention input can cut at most {100 * bound['max_reduction']:.1f}% of hf's step; the target "
+                     f"-{100 * target:.0f}% is {'within' if bound['target_within_bound'] else 'OUT OF REACH for'} it"
+                     + (f"; hf+fusedqkv / bound {bound['fused_over_bound']:.3f}" if bound["fused_over_bound"] else ""))
     fp8 = report.get("config", {}).get("fp8")
     speed = (f"step time -{100 * target:.0f}% or better" if target > 0 else
              "step time lower than torchao's float8" if fp8 else "step time no slower")
@@ -586,6 +616,8 @@ def main(argv=None):
         args.steps = min(args.steps, 6)
         args.warmup = min(args.warmup, 1)
     stacks = select_stacks(args.stacks or ",".join(fam.stacks), device, p.error)
+    if DENSE_QKV in stacks and not args.lora:
+        p.error(f"--stacks: {DENSE_QKV} is the bound of a --lora run (q/k/v without adapters)")
     if not args.fp8 and BF16_STACKS.intersection(stacks):
         p.error("--stacks: hf-bf16 and compile(hf-bf16) are the bf16 yardsticks of --fp8 (without it they are hf and "
                 "compile(hf))")
@@ -623,6 +655,7 @@ def main(argv=None):
             + (f", peak {r['peak_mem_bytes'] / 2**30:.2f} GiB" if "peak_mem_bytes" in r else ""))
     report["env"] = env_info(device)  # liger's version once imported
     report["criteria"], report["passed"] = judge(report["results"], args.tiny, min_reduction, fp8=bool(args.fp8))
+    report["qkv_bound"] = qkv_bound(report["results"], min_reduction)
     if not report["criteria"]:
         report["passed"] = False
         log("no stack pair ran: nothing judged")

@@ -123,3 +123,23 @@ def test_tiny_qlora_run(tmp_path, capsys):
     assert rc == 0 and report["passed"] and report["results"]["hf+fusedqkv"]["layers_fused"] == 2
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--qlora", "nf4", "--device", "cpu", "--out", str(tmp_path)])
+
+
+def test_dense_qkv_bound_says_when_a_target_is_out_of_reach(tmp_path):
+    """--lora: the dense-qkv stack (q/k/v without adapters) bounds what any attention input can
+    cut from hf's step; a target above ``1 - bound / hf`` is reported out of reach."""
+    bench = load_bench()
+    base = [10.0, 9.0]
+    res = {"hf": _result(100.0, 100, base), "hf+fusedqkv": _result(82.0, 100, base),
+           bench.DENSE_QKV: _result(78.0, 100, base)}
+    bound = bench.qkv_bound(res, 0.25)
+    assert bound["max_reduction"] == pytest.approx(0.22) and not bound["target_within_bound"]
+    assert bound["fused_over_bound"] == pytest.approx(82 / 78)
+    assert bench.qkv_bound(res, 0.20)["target_within_bound"]
+    rows, _ = bench.judge(res, tiny=False, min_step_reduction=0.25)
+    assert [(r["base"], r["fused"]) for r in rows] == [("hf", "hf+fusedqkv")]  # the bound is not a pair
+    text = bench.table(dict(results=res, criteria=rows, passed=False, qkv_bound=bound,
+                            config=dict(min_step_reduction=0.25)))
+    assert "OUT OF REACH" in text and "22.0%" in text
+    with pytest.raises(SystemExit):  # a bound of adapters only means something beside --lora
+        bench.main(["--tiny", "--device", "cpu", "--stacks", f"hf,{bench.DENSE_QKV}", "--out", str(tmp_path)])
