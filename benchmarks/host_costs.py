@@ -7,8 +7,10 @@ lookup, allocations, launches). Rows:
 * the 091 backward (``gqa_qkv_rope_qk_norm_backward``) at the given workloads, with and
   without ``out=``, and two plain ``torch.mm`` of the same products for scale;
 * the training block (``GQAQKVRoPEQKNorm``) forward alone and forward + backward
-  (``torch.autograd.backward`` on the three outputs), HunyuanImage-3 heads, --train-tokens;
-  its parts (the planned work without autograd, a do-nothing ``autograd.Function``), and the
+  (``torch.autograd.backward`` on the three outputs), HunyuanImage-3 heads, at each of
+  --train-tokens; its parts (the planned work without autograd, a do-nothing ``autograd.Function``)
+  and two ``torch.mm`` of the backward's products, all four interleaved round by round, so issue
+  36's ratio (training fwd+bwd / two ``torch.mm``) comes from the same rounds; and the
   cost per block inside a step of 8 blocks (one ``backward()``: the engine's per-call cost,
   paid once per step by a model, is shared), next to a do-nothing Function's.
 
@@ -74,14 +76,19 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="host_costs_out")
     ap.add_argument("--workloads", default="11,2,15,3", help="091 workloads (128, 131, 512, 1571 tokens)")
-    ap.add_argument("--train-tokens", type=int, default=512)
+    ap.add_argument("--train-tokens", default="128,131,512,1571",
+                    help="the training block's token counts (issue 36's rows), comma-separated")
     ap.add_argument("--cprofile", action="store_true", help="also the Python profile of 200 calls (091, out=)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    train_tokens = [int(t) for t in args.train_tokens.split(",") if t.strip()]
+    if not train_tokens or min(train_tokens) < 1:
+        ap.error(f"--train-tokens: positive token counts, comma-separated; got {args.train_tokens!r}")
+    training_ratios: list = []
     defn = problem.load_definition()
     dev = torch.device("cuda")
     rows = []
-    for wi in (int(x) for x in args.workloads.split(",")):
+    for wi in (int(x) for x in args.workloads.split(",") if x.strip()):
         w = defn.workloads[wi]
         a = list(problem.generate_inputs(defn, w, device=dev, seed=w.index).values())
         out = tuple(torch.empty_like(t) for t in gqa_qkv_rope_qk_norm_backward(*a))
@@ -173,12 +180,11 @@ def main() -> int:
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(16)
             print(s.getvalue())
-    # the training block: HunyuanImage-3 heads, bf16
+    # the training block: HunyuanImage-3 heads, bf16, at each --train-tokens
     torch.manual_seed(0)
-    for position in ("after_rope", "before_rope"):
+    for T, position in ((T, position) for T in train_tokens for position in ("after_rope", "before_rope")):
         block = fusedqkv.GQAQKVRoPEQKNorm(4096, 32, 8, 128, qk_norm_position=position, device=dev,
                                           dtype=torch.bfloat16)
-        T = args.train_tokens
         hs = torch.randn(1, T, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
         ang = torch.randn(1, T, 128, device=dev)
         cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
@@ -233,14 +239,29 @@ def main() -> int:
             fn()
             rows.append({"case": f"{name} {position}", "workload": f"T{T}", "tokens": T, "host_us": host_us(fn, n=50)})
             print(f"T{T:<13d} {name + ' ' + position:<40s} {rows[-1]['host_us']:8.1f} us", flush=True)
-        # A/B/C interleaved rep by rep (the host's speed drifts): the whole step, autograd's own
-        # share, and the planned work without autograd
-        abc = {"training forward+backward [A/B/C]": fwd_bwd,
-               "  autograd alone [A/B/C]": autograd_only,
-               "  planned forward + backward, no autograd [A/B/C]": lambda: (plan_fwd(), plan_bwd())}
-        for k, us in interleaved_host_us(abc, n=50).items():
+        # A/B/C/D interleaved rep by rep (the host's speed drifts): the whole step, autograd's own
+        # share, the planned work without autograd, and the yardstick of issue 36's ratio: two
+        # torch.mm (out=) of the backward's products at these tokens, as the 091 rows' (dX = dQKV W,
+        # dW = dQKV^T x)
+        dq_mm = torch.randn(T, W.shape[0], device=dev, dtype=torch.bfloat16)
+        x_mm, dx_mm, dw_mm = hs.detach().reshape(T, -1), torch.empty_like(hs).reshape(T, -1), torch.empty_like(W)
+        two_mm = "  two torch.mm (out=) [A/B/C/D]"
+        abc = {"training forward+backward [A/B/C/D]": fwd_bwd,
+               "  autograd alone [A/B/C/D]": autograd_only,
+               "  planned forward + backward, no autograd [A/B/C/D]": lambda: (plan_fwd(), plan_bwd()),
+               two_mm: lambda: (torch.mm(dq_mm, W.detach(), out=dx_mm), torch.mm(dq_mm.t(), x_mm, out=dw_mm))}
+        got = interleaved_host_us(abc, n=50)
+        for k, us in got.items():
             rows.append({"case": f"{k} {position}", "workload": f"T{T}", "tokens": T, "host_us": us})
             print(f"T{T:<13d} {k + ' ' + position:<40s} {us:8.1f} us", flush=True)
+        ratio = got["training forward+backward [A/B/C/D]"] / got[two_mm]
+        bound = 12.0 if T <= 512 else 15.0  # issue 36
+        training_ratios.append(dict(tokens=T, position=position, fwd_bwd_us=got["training forward+backward [A/B/C/D]"],
+                                    two_mm_us=got[two_mm], ratio=ratio, bound=bound, ok=ratio <= bound))
+        print(f"T{T:<13d} training fwd+bwd / two torch.mm (same rounds) {position}: {ratio:.2f}x (<= {bound:.0f}x: "
+              f"{'met' if ratio <= bound else 'NOT met'})", flush=True)
+        if T != train_tokens[-1] and T != 512:
+            continue  # the per-block and single-shot rows: at 512 tokens (and the last) only
         # per block inside a step of several: one backward() for N blocks, so the autograd engine's
         # fixed cost per backward call (a model pays it once per step, not per layer) is shared;
         # marginal = (T(N blocks) - T(1 block)) / (N - 1), ours and a do-nothing Function's
@@ -304,12 +325,17 @@ def main() -> int:
     fast_path = internals.fast_path_info()
     with open(os.path.join(args.out, "host_costs.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fast_path": fast_path,
-                   "rows": rows}, f, indent=1)
+                   "rows": rows, "training_ratios": training_ratios}, f, indent=1)
     print(f"\nhost time per call (us, median of 7 x N calls, GPU never waited on) | {torch.cuda.get_device_name()} | "
           f"raw launches: {fast_path['launch']} ({fast_path['driver_launches']} of {fast_path['bound_launches']} "
           f"bound through the driver)")
     for r in rows:
         print(f"  {r['workload']:<14s} {r['tokens']:6d} {r['case']:<45s} {r['host_us']:8.1f}")
+    print("\ntraining fwd+bwd / two torch.mm, interleaved in the same rounds (issue 36: <= 12x at <= 512 tokens, "
+          "<= 15x above)")
+    for r in training_ratios:
+        print(f"  T{r['tokens']:<6d} {r['position']:<12s} {r['fwd_bwd_us']:8.1f} / {r['two_mm_us']:6.1f} us = "
+              f"{r['ratio']:5.2f}x  {'met' if r['ok'] else 'NOT met'}")
     return 0
 
 
