@@ -14,6 +14,9 @@ the base weights frozen, on the nine rows of bench_module.py (its three block co
                 (cuBLAS), then the forward stage (session 17's path; the A/B of the one above)
   fused_gemm    the same with config.fused_forward="on": the adapters inside the one-launch forward
                 at every size (where the plan's rule would not take it too)
+  fused_pairs   fusedqkv with config.lora_block="off": one forward and one dU product per adapter
+                instead of one over the block-diagonal B (ops/lora.LoRAUpdate.block_pays; the A/B of
+                session 22's change)
   fused_residual  (--residual) session 16's path: lora_residual (R = U B_rows^T, B laid out per call,
                 through autograd) into gqa_qkv_rope_qk_norm(qkv_residual=R)
   floor         the GEMMs alone through cuBLAS: base forward x W^T, base dX = dQKV W, and the
@@ -76,7 +79,7 @@ from fusedqkv.integrations import qlora as fq_qlora  # noqa: E402
 from fusedqkv.ops import config  # noqa: E402
 from fusedqkv.ops.internals import raise_compile_limits  # noqa: E402
 
-PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_split", "fused_gemm", "floor")
+PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_split", "fused_gemm", "fused_pairs", "floor")
 QLORA_PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_dense", "floor")
 SMOKE_CONFIGS = {"smoke": dict(hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm_position="before_rope")}
 EPS = 1e-6
@@ -344,7 +347,7 @@ def main() -> int:
             fused = row.fwd_bwd(row.fused_qkv)
             fns = {"peft_eager": row.fwd_bwd(row.peft_qkv), "peft_compile": row.fwd_bwd(compiled), "fusedqkv": fused,
                    "fused_split": under(fused, fused_forward="off"), "fused_gemm": under(fused, fused_forward="on"),
-                   "floor": row.floor()}
+                   "fused_pairs": under(fused, lora_block="off"), "floor": row.floor()}
             if args.residual:
                 fns["fused_residual"] = row.fwd_bwd(row.fused_residual_qkv)
             ref = fns["peft_eager"]()
@@ -356,7 +359,8 @@ def main() -> int:
                      fused_over_compile=med["fusedqkv"] / med["peft_compile"],
                      fused_over_floor=med["fusedqkv"] / med["floor"],
                      split_over_floor=med["fused_split"] / med["floor"],
-                     gemm_over_floor=med["fused_gemm"] / med["floor"])
+                     gemm_over_floor=med["fused_gemm"] / med["floor"],
+                     pairs_over_floor=med["fused_pairs"] / med["floor"])
             if args.residual:
                 r["residual_over_floor"] = med["fused_residual"] / med["floor"]
             r["pass"] = (r["fused_over_eager"] <= 0.5 and r["fused_over_compile"] < 1.0 and r["fused_over_floor"] <= 1.10)
@@ -371,14 +375,15 @@ def main() -> int:
         json.dump(dict(env=env, rows=rows, criteria="fused/eager <= 0.5, fused < compile, fused/floor <= 1.10"), f,
                   indent=1)
     print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'f_split':>8} {'f_gemm':>8} "
-          f"{'floor':>8} {'f/eager':>7} {'f/comp':>7} {'f/floor':>7} {'s/floor':>7} {'g/floor':>7} {'err':>8} "
+          f"{'floor':>8} {'f/eager':>7} {'f/comp':>7} {'f/floor':>7} {'s/floor':>7} {'g/floor':>7} {'p/floor':>7} {'err':>8} "
           f"{'err_g':>8} pass")
     for r in rows:
         m = r["ms"]
         print(f"{r['config']:<22} {r['tokens']:>6} {m['peft_eager']:8.3f} {m['peft_compile']:8.3f} "
               f"{m['fusedqkv']:8.3f} {m['fused_split']:8.3f} {m['fused_gemm']:8.3f} {m['floor']:8.3f} "
               f"{r['fused_over_eager']:7.3f} {r['fused_over_compile']:7.3f} {r['fused_over_floor']:7.3f} "
-              f"{r['split_over_floor']:7.3f} {r['gemm_over_floor']:7.3f} {r['max_rel_vs_eager']['fusedqkv']:8.1e} "
+              f"{r['split_over_floor']:7.3f} {r['gemm_over_floor']:7.3f} {r['pairs_over_floor']:7.3f} "
+              f"{r['max_rel_vs_eager']['fusedqkv']:8.1e} "
               f"{r['max_rel_vs_eager']['fused_gemm']:8.1e} {r['pass']}")
     return 0 if all(r["pass"] for r in rows) else 1
 

@@ -579,6 +579,31 @@ _FP8_DUAL = ("fp8_dual_amax", "fp8_dual_finish", "fp8_dual_cast")
 _FMAX = {"fp8e4nv": 448.0, "fp8e5": 57344.0}
 
 
+# the LoRA block builder (ops/lora.block_b, kernels/lora_blocks.py): sm_90 and sm_100a (the GPUs the LoRA
+# block is measured on), each integer mode once, the pair counts and both WRITE_ZEROS values, the
+# launcher's BLOCK_M and its two BLOCK_R ends (a rank sum of 16 and >= 64), bf16/fp16/fp32 B and blocks
+# (fp32 B into a bf16 block: autocast's fp32 adapters); unused pairs' pointers are the block's
+LORA_BLOCK_JOBS = [  # (cc, B dtype, block dtype, N_PAIRS, WRITE_ZEROS, BLOCK_R, ints)
+    (90, "bf16", "bf16", 3, True, 64, "plain"),
+    (90, "fp32", "bf16", 4, False, 16, "div16"),
+    (100, "fp16", "fp16", 1, True, 64, "ones"),
+    (100, "fp32", "fp32", 2, True, 16, "i64"),
+]
+
+
+def _lora_block_job(cc, b_dtype, dtype, n_pairs, write_zeros, block_r, ints, level="cubin", one=None):
+    types = {"out_ptr": "*" + dtype, **{f"b{k}_ptr": "*" + (b_dtype if k < n_pairs else dtype) for k in range(4)}}
+    return dict(kernel="lora_blocks.lora_block_kernel", cc=cc, types=types, ints=ints, one=one, level=level,
+                consts=dict(N_PAIRS=n_pairs, WRITE_ZEROS=write_zeros, BLOCK_M=64, BLOCK_R=block_r),
+                options={"num_warps": 4},
+                label=f"lora_block sm{cc} {b_dtype}->{dtype} pairs={n_pairs} zeros={write_zeros} r{block_r} "
+                      f"ints={ints}{'' if one is None else ' one=' + one}")
+
+
+def lora_block_jobs() -> list:
+    return [_lora_block_job(*row) for row in LORA_BLOCK_JOBS]
+
+
 def _fp8_job(family, cc, ints, src="bf16", f8="fp8e4nv", pow2=True, per_column=True, transpose=True, level="cubin",
              one=None, row_per=True, col_per=True, f8_col=None):
     if family in _FP8_DUAL:
@@ -710,7 +735,7 @@ def full_jobs() -> list:
     covers = _covers(stage_jobs() + stage_all_heads_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs())
     return (covers + named_jobs() + corner_jobs() + matmul_jobs()
             + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)] + gemm_jobs() + fp8_jobs()
-            + wide_head_jobs())
+            + wide_head_jobs() + lora_block_jobs())
 
 
 def one_at_a_time_jobs(kernel_args: dict) -> list:
@@ -752,16 +777,18 @@ def _kernel(path: str):
 # integer arguments that are sizes (token, head, row counts, matrix dims): below 2**31 on any GPU
 # (and TMA coordinates are 32-bit); the others are strides, which pass 2**31 elements on big tensors
 SIZE_ARGS = {"M", "S", "HQ", "HKV", "NQG", "R", "C", "K", "fin_rows", "n_rows", "n", "NQ", "NK"}
+# runtime fp32 arguments (not integers)
+FLOAT_ARGS = {"eps", "scale0", "scale1", "scale2", "scale3"}
 
 
 def int_args(kernel) -> list:
     """The kernel's runtime integer arguments: every non-constexpr parameter that is not a
-    pointer, a descriptor or eps."""
+    pointer, a descriptor or a float (FLOAT_ARGS)."""
     import inspect
 
     params = inspect.signature(kernel.fn).parameters.values()  # a JITFunction or the interpreter's
     return [p.name for p in params if "constexpr" not in str(p.annotation)
-            and not p.name.endswith(("_ptr", "_desc")) and p.name != "eps"]
+            and not p.name.endswith(("_ptr", "_desc")) and p.name not in FLOAT_ARGS]
 
 
 def _cpu() -> float:
@@ -802,7 +829,7 @@ def compile_job(job: dict) -> dict:
                     if spec == "D":
                         attrs[(i,)] = [["tt.divisibility", 16]]
             else:
-                sig[n] = types.get(n) or job.get("default_ptr") or ("fp32" if n == "eps" else None)
+                sig[n] = types.get(n) or job.get("default_ptr") or ("fp32" if n in FLOAT_ARGS else None)
                 assert sig[n], f"no type for {n}"
                 if sig[n].startswith("*"):  # the JIT marks 16-byte aligned tensors
                     attrs[(i,)] = [["tt.divisibility", 16]]

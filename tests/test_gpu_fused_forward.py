@@ -314,3 +314,62 @@ def test_lora_in_the_fused_gemm_at_other_addresses_ranks_and_in_a_cuda_graph():
     torch.cuda.synchronize()
     for a, b_ in zip(eager[:3], captured[:3]):
         assert torch.equal(a, b_)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_lora_block_builder_equals_the_torch_ops_bitwise():
+    """``block_b``'s one Triton launch per four pairs (kernels/lora_blocks.py) against ``torch.zeros`` +
+    ``torch.mul(B, s, out=view)``: bitwise for bf16/fp16/fp32 adapters and blocks (fp32 adapters into a
+    bf16 block: autocast), odd rows and ranks, a transposed and a sliced B, five pairs (two launches),
+    rows no pair covers; a second call (the bound launch) repeats it."""
+    from fusedqkv.ops.lora import _BUILDS, block_b
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    specs = [(0, 300, 16, 2.0), (300, 77, 5, 0.75), (377, 64, 16, 1 / 3), (0, 300, 3, -1.7), (377, 50, 1, 0.3)]
+    for b_dtype, dtype in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                           (torch.float32, torch.float32), (torch.float32, torch.bfloat16)):
+        pairs, cols, c = [], [], 0
+        for k, (row, rows, r, s) in enumerate(specs):
+            if k == 1:
+                b = (torch.randn(r, rows, device="cuda", generator=g) * 3).to(b_dtype).t()
+            elif k == 2:
+                b = (torch.randn(rows, r + 3, device="cuda", generator=g) * 3).to(b_dtype)[:, 1:r + 1]
+            else:
+                b = (torch.randn(rows, r, device="cuda", generator=g) * 3).to(b_dtype)
+            pairs.append((row, rows, None, b, s, True))
+            cols.append(c)
+            c += r
+        want = block_b(pairs, cols, 500, c, dtype, "torch")
+        for _ in range(2):
+            got = block_b(pairs, cols, 500, c, dtype, "triton")
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (b_dtype, dtype)
+        assert not got[441:].float().any()
+    launches = [launch for launches in _BUILDS.values() for launch, _ in launches]
+    assert launches and all(launch.bound == (internals.raw_launch_gate() is not None) for launch in launches)
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_lora_block_path_matches_the_per_pair_path(mode):
+    """At 512 tokens (bench_lora's r=16 on q/k/v, 091's shape, bf16) the split forward takes the block
+    path (one ``addmm_`` over the block, dU in one GEMM) by the rule; its outputs and the gradients of
+    x, every A and every B match the per-pair path (``lora_block="off"``) within bf16 rounding, and the
+    same call with the one-launch forward where it runs (``fused_forward=mode``)."""
+    from fusedqkv.ops.lora import LoRAUpdate
+
+    x, w, wq, wk, cos, sin = _inputs(4096, 32, 8, 1, 512, True, torch.bfloat16)
+    x.requires_grad_()
+    adapters = _adapters(4096, 32, 8, 16, torch.bfloat16)
+    pairs = [(row, rows, a, b, s, True) for row, rows, a, b, s in adapters]
+    assert LoRAUpdate(pairs, [], w.shape[0], x.dtype).block_pays(512, 2, 3)
+    with config.override(lora_block="off"):
+        ref, _ = _lora_call(x, w, wq, wk, cos, sin, 32, 8, "after_rope", adapters, "off")
+    with config.override(lora_block="auto"):
+        got, _ = _lora_call(x, w, wq, wk, cos, sin, 32, 8, "after_rope", adapters, mode)
+    names = ["q", "k", "v", "dx", "dA_q", "dA_k", "dA_v", "dB_q", "dB_k", "dB_v"]
+    for name, a, r in zip(names, got, ref):
+        rel = float((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))
+        assert rel < 1e-2, (name, rel)

@@ -66,6 +66,10 @@ class Config:
     fused_forward_min_rounds: float = 8.0
     # overrides of that kernel's tile (qkv_rope_norm_gemm.TILE) as (name, value) pairs: for tests and sweeps
     fused_forward_tile: Optional[tuple] = None
+    # the LoRA products over the adapters' block-diagonal B, one product instead of one per pair
+    # (ops/lora.LoRAUpdate.block_pays): "auto" where the saved launches outweigh the block's zeros,
+    # "on" always, "off" never (one product per pair)
+    lora_block: str = "auto"
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":

@@ -70,7 +70,7 @@ class ForwardPlan:
         sz = self.sz
         if lora is not None and self.fused_lora is not None and FusedGemmForward.takes_rank(lora.rank, self.dtype):
             return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd,
-                                   lora.gemm_operands(hidden_states.reshape(self.M, self.hidden)))
+                                   lora.gemm_operands(hidden_states.reshape(self.M, self.hidden), self.backend))
         if self.fused is not None:
             return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd)
         lt, launch = self.lt_qkv, self.launch
@@ -93,7 +93,7 @@ class ForwardPlan:
         if qkv_residual is not None:
             qkv.add_(qkv_residual)
         elif lora is not None:
-            lora.forward(qkv.view(self.M, -1), hidden_states.reshape(self.M, self.hidden))
+            lora.forward(qkv.view(self.M, -1), hidden_states.reshape(self.M, self.hidden), self.backend)
         if launch is None:
             q, k, rq, rk, v = forward_torch(qkv, q_norm_weight, k_norm_weight, cos, sin, sz["num_heads"],
                                             sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"], self.variant)
