@@ -650,6 +650,24 @@ def fp8_jobs() -> list:
             if family == "fp8_dual_amax":
                 axes = dict(cc=FP8_TARGETS, ints=INT_MODES, src=axes["src"], row_per=(True, False))
         jobs += [_fp8_job(family, **r) for r in pairwise(axes, seed=3)]
+    return jobs + fp8_weight_jobs()
+
+
+# W's two casts as each recipe's forward makes them (fp8.weight_casts: a bf16 W, sizes in multiples of 16;
+# the forward's side per row or the tensor's, the dX side per column or the tensor's, both e4m3): the
+# exact specialisations the GPU runs, to sm_90 cubins (the pairwise covers above hold their pairs only)
+FP8_WEIGHT_RECIPES = {"rowwise": (True, True, True), "rowwise_with_gw_hp": (True, False, True),
+                      "tensorwise": (False, False, False)}  # row per axis, column per axis, pow2
+
+
+def fp8_weight_jobs() -> list:
+    jobs = []
+    for name, (row_per, col_per, pow2) in FP8_WEIGHT_RECIPES.items():
+        families = (["fp8_dual_amax"] if name != "rowwise_with_gw_hp" else []) + ["fp8_dual_cast"] \
+            + (["fp8_dual_finish"] if row_per or col_per else [])  # (the amax: rowwise's specialisation)
+        for family in families:
+            j = _fp8_job(family, 90, "div16", pow2=pow2, row_per=row_per, col_per=col_per)
+            jobs.append(dict(j, label=f"{j['label']} weight={name}"))
     return jobs
 
 

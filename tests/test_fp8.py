@@ -464,3 +464,105 @@ def test_dual_casts_run_where_both_gemms_are_fp8(monkeypatch):
     with pytest.raises(Taken):
         fp8.backward(g, x, w, fp8.RECIPES["rowwise"], True, True)
     assert len(calls) == 1
+
+
+# ------------------------------------------------------------------ W's two casts from one pass
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", [(96, 64), (48, 80)])
+def test_weight_casts_equal_the_one_cast_kernels_bitwise(interpret, monkeypatch, name, shape):
+    """W's forward cast (per row or the tensor's) and its dX cast (per column or the tensor's,
+    column-major) from one amax pass + one cast pass: every code and scale the one-cast kernels'
+    (same interpreter), every scale torchao's steps' (bitwise)."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    _small_tiles(monkeypatch)
+    r = fp8.RECIPES[name]
+    pow2 = r.round_scales_to_power_of_2
+    N, K = shape
+    w = _dual_operand(N, K, N) * 0.05
+    (wa, ws), (wb, wbs) = fp8.weight_casts(w, r)
+    want_a, want_as = fp8.cast_rows(w, r.weight, pow2)
+    want_b, want_bs = fp8.cast_columns(w, r.weight_for_grad_input, pow2)
+    assert wa.shape == wb.shape == (N, K) and wa.stride() == (K, 1) and wb.stride() == want_b.stride() == (1, N)
+    assert torch.equal(wa.view(torch.uint8), want_a.view(torch.uint8))
+    assert torch.equal(wb.t().view(torch.uint8), want_b.t().view(torch.uint8))
+    for got, want, cast, dim in ((ws, want_as, r.weight, -1), (wbs, want_bs, r.weight_for_grad_input, 0)):
+        assert got.shape == want.shape and torch.equal(got, want)
+        assert torch.equal(got.reshape(-1), fp8.cast_torch(w, cast, dim, pow2)[1].reshape(-1))
+    monkeypatch.setattr(fp8, "DUAL_WEIGHT_CASTS", False)
+    assert fp8.weight_casts(w, r) is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gemms_with_the_kept_weight_cast_equal_the_one_cast_path_bitwise(interpret, monkeypatch, name):
+    """fp8.forward with W's forward cast and fp8.backward with W's dX cast, both from
+    fp8.weight_casts, equal bitwise the GEMMs that cast W themselves; a cast of another shape is
+    refused naming the argument."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    torch.manual_seed(7)
+    tokens, K, N = 37, 64, 96
+    x = torch.randn(tokens, K, dtype=torch.bfloat16) * 3
+    w = torch.randn(N, K, dtype=torch.bfloat16) * 0.05
+    w[-1, -1] = 1.5  # an outlier in the last row and column blocks
+    g = torch.randn(tokens, N, dtype=torch.bfloat16)
+    r = fp8.RECIPES[name]
+    w_fwd, w_dx = fp8.weight_casts(w, r)
+    assert torch.equal(fp8.forward(x, w, r, w_cast=w_fwd), fp8.forward(x, w, r))
+    got = fp8.backward(g, x, w, r, True, True, w_cast=w_dx)
+    want = fp8.backward(g, x, w, r, True, True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="w_cast"):
+        fp8.grad_input(g, w[:, :32], r, w_cast=w_dx)
+
+
+def test_block_keeps_the_weights_dx_cast_only_where_the_backward_needs_it(interpret, monkeypatch):
+    """The block's eager fwd+bwd with W's casts from one pass and the dX cast kept (saved for the
+    backward) equals, bitwise, the path that casts W per GEMM (fp8.DUAL_WEIGHT_CASTS off); W is cast
+    once in all (a dual cast) where dX is needed, the one-cast way where it is not or grad is off."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    calls, dx_casts = [], []  # shapes cast by the dual kernels; by the dX GEMM's own cast of W
+    dual, cast_columns = fp8._dual_triton, fp8.cast_columns
+    monkeypatch.setattr(fp8, "_dual_triton", lambda t, *a, **k: calls.append(tuple(t.shape)) or dual(t, *a, **k))
+    monkeypatch.setattr(fp8, "cast_columns",
+                        lambda t, *a, **k: dx_casts.append(tuple(t.shape)) or cast_columns(t, *a, **k))
+    torch.manual_seed(8)
+    B, S, hq, hkv, d, K = 1, 16, 4, 2, 16, 64
+    N = (hq + 2 * hkv) * d
+    base = [torch.randn(B, S, K, dtype=torch.bfloat16), torch.randn(N, K, dtype=torch.bfloat16) * 0.05,
+            torch.rand(d) + 0.5, torch.rand(d) + 0.5]
+    ang = torch.randn(B, S, d)
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    gs = None
+
+    def run(name, need_x=True):
+        nonlocal gs
+        inputs = [t.clone().requires_grad_(i > 0 or need_x) for i, t in enumerate(base)]
+        out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
+                                            qk_norm_position="after_rope", fp8=name, backend="torch")
+        gs = gs or [torch.randn_like(o) for o in out]
+        torch.autograd.backward(out, gs)
+        return list(out) + [t.grad for t in inputs]
+
+    for name in NAMES:
+        calls.clear()
+        dx_casts.clear()
+        got = run(name)
+        assert calls.count((N, K)) == 1 and not dx_casts, (calls, dx_casts)  # W cast once, the dX copy kept
+        monkeypatch.setattr(fp8, "DUAL_WEIGHT_CASTS", False)
+        calls.clear()
+        want = run(name)
+        assert (N, K) not in calls and dx_casts == [(N, K)]
+        monkeypatch.setattr(fp8, "DUAL_WEIGHT_CASTS", True)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        calls.clear()
+        run(name, need_x=False)  # no dX: W's forward cast alone
+        assert (N, K) not in calls
+    calls.clear()
+    with torch.no_grad():
+        fusedqkv.gqa_qkv_rope_qk_norm(*[t.clone().requires_grad_() for t in base], cos, sin, num_heads=hq,
+                                      num_kv_heads=hkv, eps=1e-6, qk_norm_position="after_rope", fp8="rowwise",
+                                      backend="torch")
+    assert (N, K) not in calls

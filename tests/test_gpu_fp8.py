@@ -169,3 +169,61 @@ def test_backward_with_dual_casts_equals_float8_linear_and_the_old_path_bitwise(
         xr = x.clone().requires_grad_()
         f8(xr).backward(g)
         assert torch.equal(dx, xr.grad) and torch.equal(dw, f8.weight.grad)
+
+
+# W's two casts from one pass in the forward, the dX one kept for the backward (fp8.weight_casts)
+
+
+@cuda
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", [(6144, 4096), (10240, 5120), (1040, 208)])
+def test_weight_casts_equal_the_one_cast_path_and_torchaos_steps_bitwise(name, shape):
+    r = fp8.RECIPES[name]
+    pow2 = r.round_scales_to_power_of_2
+    w = _operand(*shape, seed=shape[0] + 11) / 1e4
+    w[-1, -1] = -7.0  # the largest magnitude in the last row and column blocks
+    (wa, ws), (wb, wbs) = fp8.weight_casts(w, r)
+    a, a_inv = fp8.cast_rows(w, r.weight, pow2)
+    b, b_inv = fp8.cast_columns(w, r.weight_for_grad_input, pow2)
+    assert wa.stride() == a.stride() and wb.stride() == b.stride()
+    assert torch.equal(wa.view(torch.uint8), a.view(torch.uint8)) and torch.equal(ws, a_inv)
+    assert torch.equal(wb.t().view(torch.uint8), b.t().view(torch.uint8)) and torch.equal(wbs, b_inv)
+    for got, inv, cast, dim in ((wa, ws, r.weight, -1), (wb, wbs, r.weight_for_grad_input, 0)):
+        want, want_inv = fp8.cast_torch(w, cast, dim, pow2)
+        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+        assert torch.equal(inv.reshape(want_inv.shape), want_inv)
+
+
+@cuda
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tokens", [2048, 131])
+def test_block_with_the_kept_weight_cast_equals_the_old_path_bitwise(name, tokens, monkeypatch):
+    """The block's fwd+bwd (091's head layout at hidden 1024) with W cast once for both GEMMs and the
+    dX cast kept: outputs, dX, dW and the norm weights' gradients bitwise DUAL_WEIGHT_CASTS off's;
+    W's dX cast made once, in the forward."""
+    torch.manual_seed(12)
+    hq, hkv, d, K = 8, 2, 128, 1024
+    N = (hq + 2 * hkv) * d
+    base = [torch.randn(1, tokens, K, device="cuda", dtype=torch.bfloat16),
+            _operand(N, K, 13) / 1e4, torch.rand(d, device="cuda") + 0.5, torch.rand(d, device="cuda") + 0.5]
+    ang = torch.randn(1, tokens, d, device="cuda")
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    gs = [torch.randn(1, h, tokens, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+    dx_casts = []
+    cast_columns = fp8.cast_columns
+    monkeypatch.setattr(fp8, "cast_columns", lambda t, *a, **k: dx_casts.append(t.shape) or cast_columns(t, *a, **k))
+
+    def run():
+        inputs = [t.clone().requires_grad_() for t in base]
+        out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
+                                            qk_norm_position="after_rope", fp8=name)
+        torch.autograd.backward(out, gs)
+        return list(out) + [t.grad for t in inputs]
+
+    new = run()
+    assert not dx_casts
+    monkeypatch.setattr(fp8, "DUAL_WEIGHT_CASTS", False)
+    old = run()
+    assert dx_casts == [(N, K)]
+    for a, b in zip(new, old):
+        assert torch.equal(a, b)

@@ -307,3 +307,20 @@ def test_job_list_follows_the_launchers(monkeypatch):
             assert warps == max(1, min(16, block_t * oc._p2(d // 2) // 128)), (m, d)
     # the finishes' rows per step: 32 to head_dim 256, 16 at 512 (the jobs take the launchers')
     assert [stage.finish_rows(d) for d in (2, 128, 256, 512)] == [32, 32, 32, 16]
+
+
+def test_fp8_weight_jobs_are_the_recipes_weight_casts():
+    """The offline jobs of W's dual cast are each recipe's: the forward's side (r.weight) per row or
+    the tensor's, the dX side (r.weight_for_grad_input) per column or the tensor's, both e4m3, its
+    power-of-two rule; each job compiled (its family's test) to an sm_90 cubin."""
+    from fusedqkv.ops import fp8
+
+    assert set(oc.FP8_WEIGHT_RECIPES) == set(fp8.RECIPES)
+    for name, (row_per, col_per, pow2) in oc.FP8_WEIGHT_RECIPES.items():
+        r = fp8.RECIPES[name]
+        assert (row_per, col_per, pow2) == (not r.weight.tensorwise, not r.weight_for_grad_input.tensorwise,
+                                            r.round_scales_to_power_of_2)
+        assert r.weight.dtype == r.weight_for_grad_input.dtype == fp8.E4M3
+        jobs = [j for j in JOBS if j["label"].endswith(f" weight={name}")]
+        assert jobs and all(j["cc"] == 90 and j["level"] == "cubin" and "fp8e4nv/fp8e4nv" in j["label"]
+                            for j in jobs)

@@ -368,18 +368,24 @@ def _col_scale(inv: torch.Tensor) -> torch.Tensor:
     return inv if inv.dim() == 0 else inv.reshape(1, -1)
 
 
-def forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x W^T`` ``[M, N]`` in x's dtype, both operands cast per ``r``."""
+def forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torch.Tensor] = None,
+            w_cast=None) -> torch.Tensor:
+    """``x W^T`` ``[M, N]`` in x's dtype, both operands cast per ``r``; ``w_cast``: W's cast for
+    this GEMM (data ``[N, K]``, inverse scale) where made beforehand (:func:`weight_casts`)."""
     xa, xs = cast_rows(x2d, r.input, r.round_scales_to_power_of_2)
-    wa, ws = cast_rows(w, r.weight, r.round_scales_to_power_of_2)  # W's rows: the output's columns
+    wa, ws = (_checked_w_cast(w_cast, w, "w_cast") if w_cast is not None  # W's rows: the output's columns
+              else cast_rows(w, r.weight, r.round_scales_to_power_of_2))
     return _mm(xa, xs, wa.t(), _col_scale(ws), x2d.dtype, r.fast_accum[0], r.round_scales_to_power_of_2, out)
 
 
 def grad_input(g2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torch.Tensor] = None,
-               g_cast=None) -> torch.Tensor:
-    """``dX = dQKV W`` ``[M, K]``; ``g_cast``: dQKV's cast (data, inverse scale) where made beforehand."""
+               g_cast=None, w_cast=None) -> torch.Tensor:
+    """``dX = dQKV W`` ``[M, K]``; ``g_cast``: dQKV's cast (data, inverse scale) where made beforehand;
+    ``w_cast``: W's (data ``[N, K]`` column-major, inverse scale), kept from the forward
+    (:func:`weight_casts`)."""
     ga, gs = g_cast if g_cast is not None else cast_rows(g2d, r.grad_output, r.round_scales_to_power_of_2)
-    wb, ws = cast_columns(w, r.weight_for_grad_input, r.round_scales_to_power_of_2)
+    wb, ws = (_checked_w_cast(w_cast, w, "w_cast") if w_cast is not None
+              else cast_columns(w, r.weight_for_grad_input, r.round_scales_to_power_of_2))
     return _mm(ga, gs, wb, ws, g2d.dtype, r.fast_accum[1], r.round_scales_to_power_of_2, out)
 
 
@@ -410,10 +416,11 @@ def _dual_ok(g2d: torch.Tensor, r: Fp8Recipe) -> bool:
 
 
 def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, need_x: bool, need_w: bool,
-             out: Optional[torch.Tensor] = None):
+             out: Optional[torch.Tensor] = None, w_cast=None):
     """``(dX, dW)`` (None where not needed): :func:`grad_input` into ``out`` and :func:`grad_weight`,
     with dQKV's two casts (per row for dX, per column transposed for dW) from one amax pass and
-    one cast pass where both GEMMs run in FP8 on the GPU (:func:`_dual_triton`); bitwise the same."""
+    one cast pass where both GEMMs run in FP8 on the GPU (:func:`_dual_triton`); bitwise the same.
+    ``w_cast``: W's cast for dX kept from the forward (:func:`weight_casts`), or None (cast here)."""
     row = col = None
     if need_x and need_w and _dual_ok(g2d, r):
         if g2d.stride(1) != 1:
@@ -422,7 +429,38 @@ def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe
                                        r.round_scales_to_power_of_2, _inner_pad(g2d))
         row, col = (ga, gs), (gt, gts)
         del ga, gs, gt, gts
-    dx = grad_input(g2d, w, r, out, g_cast=row) if need_x else None
+    dx = grad_input(g2d, w, r, out, g_cast=row, w_cast=w_cast) if need_x else None
     row = None  # dX's fp8 dQKV freed before dW's casts allocate (as on the one-cast path)
     dw = grad_weight(g2d, x2d, r, g_cast=col) if need_w else None
     return dx, dw
+
+
+# W's two casts (the forward GEMM's, per row; the dX GEMM's, per column, transposed) from one amax pass
+# and one cast pass of W in the forward, the dX one kept for the backward: N x K fp8 bytes held per
+# layer from forward to backward. False: each GEMM casts W itself (benchmarks/bench_fp8.py --old-casts
+# times both).
+DUAL_WEIGHT_CASTS = True
+
+
+def weight_casts(w: torch.Tensor, r: Fp8Recipe):
+    """``((data [N, K] row-major, inverse scale), (data [N, K] column-major, inverse scale))``: W
+    ``[N, K]`` cast for the forward GEMM (``r.weight``, each row's scale or the tensor's) and for
+    the dX GEMM (``r.weight_for_grad_input``, each column's or the tensor's), bitwise
+    ``cast_rows(w, r.weight)`` and ``cast_columns(w, r.weight_for_grad_input)``, from one read of W
+    for the amaxes and one for both casts (:func:`_dual_triton`). None where each GEMM casts its own
+    (:data:`DUAL_WEIGHT_CASTS` off, off the GPU, an empty W)."""
+    if not (DUAL_WEIGHT_CASTS and _triton(w) and w.numel() > 0):
+        return None
+    if w.dim() != 2:
+        raise ValueError(f"w: expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    wa, ws, wt, wts = _dual_triton(w, r.weight, r.weight_for_grad_input, r.round_scales_to_power_of_2)
+    return (wa, ws), (wt.t(), wts)
+
+
+def _checked_w_cast(w_cast, w: torch.Tensor, name: str):
+    data, inv = w_cast
+    if data.shape != w.shape:
+        raise ValueError(f"{name}: a cast of a weight of shape {tuple(data.shape)}, expected {tuple(w.shape)}")
+    return data, inv
