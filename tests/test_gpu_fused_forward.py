@@ -199,6 +199,13 @@ def test_auto_takes_the_fused_forward_only_where_it_pays_and_is_supported():
         assert forward_plan(*small[:6], 32, 8, 1e-6, "after_rope", "triton").fused is None
     with config.override(fused_forward="off"):
         assert forward_plan(*big[:6], 32, 8, 1e-6, "after_rope", "triton").fused is None
+    # LoRA plans (a residual): the kernel with the adapters inside from ~3 tiles per consumer (2048 tokens: 2.9)
+    lora_small = _inputs(4096, 32, 8, 1, 512, True, torch.bfloat16)
+    assert consumer_rounds(2048, 48 * 128, 128, sms) >= config.current().fused_forward_lora_min_rounds
+    assert consumer_rounds(512, 48 * 128, 128, sms) < config.current().fused_forward_lora_min_rounds
+    with config.override(fused_forward="auto"):
+        assert forward_plan(*small[:6], 32, 8, 1e-6, "after_rope", "triton", residual=True).fused_lora is not None
+        assert forward_plan(*lora_small[:6], 32, 8, 1e-6, "after_rope", "triton", residual=True).fused_lora is None
     x, w, wq, wk, cos, sin = big
     with config.override(fused_forward="on"):  # variants it does not cover keep cuBLAS + the stage
         bias = torch.zeros(w.shape[0], device="cuda", dtype=w.dtype)

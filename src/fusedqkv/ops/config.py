@@ -64,6 +64,9 @@ class Config:
     # wherever it can run, "off" never
     fused_forward: str = "auto"
     fused_forward_min_rounds: float = 8.0
+    # the same bound for the kernel that takes LoRA adapters inside its GEMM: it also saves the in-place
+    # update's read and write of qkv, and wins from ~3 tiles per consumer (NOTES, session 22)
+    fused_forward_lora_min_rounds: float = 2.0
     # overrides of that kernel's tile (qkv_rope_norm_gemm.TILE) as (name, value) pairs: for tests and sweeps
     fused_forward_tile: Optional[tuple] = None
     # the LoRA products over the adapters' block-diagonal B, one product instead of one per pair

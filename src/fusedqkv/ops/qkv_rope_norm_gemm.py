@@ -4,7 +4,7 @@
 ``plan_fused_forward`` decides at plan time whether the training forward takes it (the variant,
 the device, Triton's Gluon gate, and the shape: where each consumer warpgroup gets fewer than
 ``config.fused_forward_min_rounds`` tiles, cuBLAS + the forward stage is faster -- NOTES, session
-13); ``fused_gemm_unsupported`` says why a call cannot take it. ``FusedGemmForward`` holds the
+13; with LoRA adapters, ``config.fused_forward_lora_min_rounds``, session 22); ``fused_gemm_unsupported`` says why a call cannot take it. ``FusedGemmForward`` holds the
 launch of one plan: tile config, layouts and grid decided once; its ``bound_launch`` fixes every
 argument but the addresses, and after the first launch calls the compiled kernel's launcher
 directly (``ops/launch.py``), re-encoding a descriptor only when its tensor moved.
@@ -80,7 +80,8 @@ def plan_fused_forward(sz: dict, x, w, bias, cfg, small=(), lora: bool = False) 
         return None
     M, N, D = sz["batch"] * sz["seq"], sz["qkv"], sz["head_dim"]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if cfg.fused_forward == "auto" and consumer_rounds(M, N, D, sms) < cfg.fused_forward_min_rounds:
+    min_rounds = cfg.fused_forward_lora_min_rounds if lora else cfg.fused_forward_min_rounds
+    if cfg.fused_forward == "auto" and consumer_rounds(M, N, D, sms) < min_rounds:
         return None
     if any(t is not None and t.stride(-1) != 1 for t in small):
         return None
