@@ -384,7 +384,9 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
              # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
              num_warps=num_warps, enable_fp_fusion=not exact,
              # (the register caps were measured for the plain query/key path)
-             **({"maxnreg": MAX_REGISTERS_GROUPED_8 if grouped and block_t == 8 else MAX_REGISTERS}
+             # (the amax partials' registers: the grouped cap spilled them, sm_90 offline)
+             **({"maxnreg": MAX_REGISTERS_GROUPED_8 if grouped and block_t == 8 and not (row_amax or col_amax)
+                 else MAX_REGISTERS}
                 if num_warps == 4 and device.type == "cuda" and not qk_variant else {})),
     )
     finish = None if not variant.norm_weight or fused else NormWeightFinish(w_part, n_prog, gwq, gwk, D)
