@@ -197,8 +197,10 @@ def _qk_variant(v) -> bool:
     return bool(v.rot or v.interleaved or not v.norm_weight or v.q_gate)
 
 
-def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="cubin", one=None, variant="plain"):
-    """One compile of ``rope_qk_norm_bwd_kernel``."""
+def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="cubin", one=None, variant="plain",
+               amax=""):
+    """One compile of ``rope_qk_norm_bwd_kernel``; ``amax``: dQKV's amax partials for the FP8 dual cast
+    ("rows", "rows+cols"; "" none: the pointers None, as the launcher passes them)."""
     var = variant_of(variant, d)
     exact = mode.startswith("091")
     nar = mode in ("091", "091_finish_outside", "train_after", "train_after_nocs")
@@ -218,7 +220,8 @@ def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="
                   SUPER=finish_rows(d),
                   RECOMPUTE_RSTD=not exact, PF=3, GROUPED=grouped,
                   NQG=-(-hq // gsize) if grouped else 1, NKG=-(-hkv // gsize) if grouped else 1,
-                  GSIZE=max(gsize, 1), TMA=tma, LP2=cc >= 90, **var.constexprs(d))
+                  GSIZE=max(gsize, 1), TMA=tma, LP2=cc >= 90, **var.constexprs(d),
+                  ROW_AMAX=amax.startswith("rows"), COL_AMAX=amax.endswith("cols"))
     types = {}
     for n in ("gq_ptr", "gk_ptr", "gv_ptr", "xq_ptr", "xk_ptr", "cos_ptr", "sin_ptr", "dqkv_ptr", "gcos_ptr",
               "gsin_ptr", "gg_ptr", "xv_ptr"):
@@ -233,14 +236,20 @@ def _stage_job(cc, mode, layout, d, dtype, heads, ints, norm_fp32=False, level="
     for n in ("gq_desc", "xq_desc", "gk_desc", "xk_desc"):
         types[n] = f"tensordesc<{act}[1, 1, {block_t}, {half}]>" if tma else "*" + act
     types["eps"] = "fp32"
+    none_args = []
+    for n, on in (("arow_ptr", consts["ROW_AMAX"]), ("acol_ptr", consts["COL_AMAX"])):
+        if on:
+            types[n] = "*" + act  # in dQKV's dtype
+        else:
+            none_args.append(n)
     options = {"num_warps": num_warps, "num_stages": 3, "enable_fp_fusion": not exact}
     if num_warps == 4 and not _qk_variant(var):
-        options["maxnreg"] = 96 if grouped and block_t == 8 else 128
+        options["maxnreg"] = 96 if grouped and block_t == 8 and not amax else 128
     label = (f"stage sm{cc} {mode} {layout} d{d} {dtype}{'/normfp32' if norm_fp32 else ''} "
              f"hq{hq}/hkv{hkv} ints={ints}{'' if variant == 'plain' else ' variant=' + variant}"
-             f"{'' if one is None else ' one=' + one}")
+             f"{'' if one is None else ' one=' + one}{' amax=' + amax if amax else ''}")
     return dict(kernel="rope_qk_norm.rope_qk_norm_bwd_kernel", cc=cc, consts=consts, types=types, ints=ints,
-                one=one, options=options, level=level, label=label)
+                one=one, options=options, level=level, label=label, none_args=tuple(none_args))
 
 
 # (tokens per block, heads per group or 0, TMA) of the stage's layouts (ops/rope_qk_norm._launch_config);
@@ -570,7 +579,7 @@ FP8_KERNELS = {
     "fp8_outer_scale": ("outer_scale_kernel", dict(BR=128, BC=64), ("y_ptr", "a_ptr", "b_ptr")),
     # session 21: dQKV's two casts from one amax pass, a finish and one cast pass (ops/fp8._dual_triton)
     "fp8_dual_amax": ("dual_amax_kernel", dict(BR=128, BC=64), ("x_ptr", "rpart_ptr", "cpart_ptr")),
-    "fp8_dual_finish": ("dual_finish_kernel", dict(FB=128, BP=64),
+    "fp8_dual_finish": ("dual_finish_kernel", dict(FB=128, BP=64, FBC=128, BPC=64),
                         ("rpart_ptr", "cpart_ptr", "rscale_ptr", "rinv_ptr", "cscale_ptr", "cinv_ptr")),
     "fp8_dual_cast": ("dual_cast_kernel", dict(BR=128, BC=64),
                       ("x_ptr", "yr_ptr", "yt_ptr", "rscale_ptr", "cscale_ptr", "tamax_ptr", "rinv_ptr", "cinv_ptr")),
@@ -671,6 +680,33 @@ def fp8_weight_jobs() -> list:
     return jobs
 
 
+# dQKV's amax partials written by the backward stage (fp8.STAGE_AMAX; ops/rope_qk_norm.plan_backward_stage's
+# row_amax/col_amax): the training stage's layouts as the FP8 recipes run them (rows and columns: rowwise and
+# the per-column custom mixes; rows alone: tensorwise), on the FP8 GEMMs' product targets, to cubins; and the
+# finish of the stage's partials (bf16, the column programs FBC 32 wide, BPC 256 partial rows a step)
+STAGE_AMAX_TARGETS = (90, 100)
+
+
+def stage_amax_jobs() -> list:
+    jobs = [  # (their stack frames recorded: the register caps hold without spills)
+        dict(_stage_job(cc, "train_after", "all8_tma", 128, "bf16", (32, 8), "div16", amax="rows+cols"), no_spill=True)
+        for cc in STAGE_AMAX_TARGETS]
+    jobs += [dict(_stage_job(90, "train_before_nocs", "group16", 128, "bf16", (32, 8), "plain", amax="rows"),
+                  no_spill=True),
+             _stage_job(90, "train_before", "all8", 80, "fp16", (7, 7), "ones", amax="rows+cols", variant="v_norm",
+                        level="ttgir")]
+    for cc in STAGE_AMAX_TARGETS:
+        for row_per, col_per, pow2 in ((True, True, True), (False, True, False))[:2 if cc == 90 else 1]:
+            j = _fp8_job("fp8_dual_finish", cc, "div16", pow2=pow2, row_per=row_per, col_per=col_per)
+            j["consts"].update(BP=16, FBC=32, BPC=256)
+            j["types"].update(rpart_ptr="*bf16", cpart_ptr="*bf16")
+            jobs.append(dict(j, label=f"{j['label']} stage_amax"))
+    j = _fp8_job("fp8_dual_cast", 90, "div16", f8="fp8e5", pow2=False, row_per=False, col_per=False)
+    j["types"].update(tamax_ptr="*bf16")
+    jobs.append(dict(j, label=f"{j['label']} stage_amax"))
+    return jobs
+
+
 # head_dim 512 (Gemma 4's global layers), on the targets that train it (sm_90, sm_100a): the launchers'
 # specialisations there, not in the pairwise covers above (each compile costs the suite CPU time); their
 # cubins' stack frames are recorded (``no_spill``: test_gpu_targets holds them to none)
@@ -753,7 +789,7 @@ def full_jobs() -> list:
     covers = _covers(stage_jobs() + stage_all_heads_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs())
     return (covers + named_jobs() + corner_jobs() + matmul_jobs()
             + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)] + gemm_jobs() + fp8_jobs()
-            + wide_head_jobs() + lora_block_jobs())
+            + wide_head_jobs() + lora_block_jobs() + stage_amax_jobs())
 
 
 def one_at_a_time_jobs(kernel_args: dict) -> list:

@@ -566,3 +566,132 @@ def test_block_keeps_the_weights_dx_cast_only_where_the_backward_needs_it(interp
                                       num_kv_heads=hkv, eps=1e-6, qk_norm_position="after_rope", fp8="rowwise",
                                       backend="torch")
     assert (N, K) not in calls
+
+
+# ------------------------------------------------------------------ dQKV's amax partials from the backward stage
+
+# the stage's tilings (tokens per block, heads per step, warps, pipeline stages, heads per group or 0); None:
+# the launcher's at few tokens (4-token blocks, groups of 8 heads)
+_STAGE_TILES = {"launcher": None, "every_head": (8, 1, 0, 3, 0), "two_heads_a_step": (4, 2, 0, 3, 0),
+                "groups_of_two": (8, 1, 0, 3, 2)}
+
+
+class _Recorder:
+    """A kernel whose launches record their first argument's shape (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel, shapes):
+        self.kernel, self.shapes = kernel, shapes
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.shapes.append(tuple(args[0].shape))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def _block_fwd_bwd(name, S, v_norm=False):
+    """The block's eager fwd+bwd through the Triton stage and casts (interpreted): outputs and gradients.
+    Gradient outliers at the last token (every dQKV column's max in the last row, in the last, partial,
+    token block) and in v's last column (every row's max in dQKV's last column)."""
+    torch.manual_seed(9)
+    B, hq, hkv, d, K = 1, 4, 2, 16, 64
+    N = (hq + 2 * hkv) * d
+    base = [torch.randn(B, S, K, dtype=torch.bfloat16), torch.randn(N, K, dtype=torch.bfloat16) * 0.05,
+            torch.rand(d) + 0.5, torch.rand(d) + 0.5]
+    ang = torch.randn(B, S, d)
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    inputs = [t.clone().requires_grad_() for t in base]
+    kw = dict(v_norm=True) if v_norm else {}
+    out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
+                                        qk_norm_position="after_rope", fp8=name, backend="triton", **kw)
+    gs = [torch.randn_like(o) for o in out]
+    for g in gs[:2]:
+        g[0, :, -1] *= 100  # q and k: [B, H, S, D]
+    gs[2][0, :, -1] = 300 + torch.arange(hkv * d, dtype=torch.float32).view(hkv, d)  # v's at the last token
+    gs[2][0, -1, :-1, -1] = torch.linspace(40, 90, S - 1)  # each row's largest in v's last column
+    torch.autograd.backward(out, gs)
+    return list(out) + [t.grad for t in inputs]
+
+
+@pytest.mark.parametrize("tile", list(_STAGE_TILES))
+@pytest.mark.parametrize("name", ["rowwise", "tensorwise"])
+def test_stage_amax_partials_equal_the_amax_pass_bitwise(interpret, monkeypatch, name, tile):
+    """The backward stage writing dQKV's amax partials (fp8.STAGE_AMAX) against the dual cast's amax
+    pass: the same dQKV, every row's and column's amax exactly dQKV's (the partials cover every element:
+    the maxima sit in the last, partial, token block and the last column), dX, dW and every other
+    output and gradient bitwise; the amax pass not launched for dQKV."""
+    from fusedqkv.kernels import fp8_cast
+    from fusedqkv.ops import config
+
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    S = 37  # blocks of 8 (4) tokens: the last one of 5 (1)
+    N, M = 128, S
+    amax_shapes, seen = [], []
+    monkeypatch.setattr(fp8_cast, "dual_amax_kernel", _Recorder(fp8_cast.dual_amax_kernel, amax_shapes))
+    dual = fp8._dual_triton
+
+    def record(t, *a, parts=None, **k):
+        if tuple(t.shape) == (M, N):
+            seen.append((t.clone(), parts))
+        return dual(t, *a, parts=parts, **k)
+
+    monkeypatch.setattr(fp8, "_dual_triton", record)
+    with config.override(stage_tile=_STAGE_TILES[tile]):
+        got = _block_fwd_bwd(name, S)
+        assert (M, N) not in amax_shapes
+        monkeypatch.setattr(fp8, "STAGE_AMAX", False)
+        want = _block_fwd_bwd(name, S)
+        assert (M, N) in amax_shapes
+    (t, parts), (t_old, parts_old) = seen
+    assert parts_old is None and torch.equal(t, t_old)
+    rows, cols = parts
+    assert rows.dtype == cols.dtype == torch.bfloat16 if name == "rowwise" else cols is None
+    a = t.abs().float()
+    assert torch.equal(rows.float().amax(0), a.amax(1))
+    # the planted maxima: rows' in the last column, v's columns' in the last row
+    assert torch.equal(a.amax(1)[:-1], a[:-1, -1]) and torch.equal(a.amax(0)[-32:], a[-1, -32:])
+    if cols is not None:
+        assert torch.equal(cols.float().amax(0), a.amax(0))
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+
+
+def test_stage_amax_partials_with_v_normed(interpret, monkeypatch):
+    """v normed (its backward in the stage's value program): the partials still cover v's columns."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    seen = []
+    dual = fp8._dual_triton
+    monkeypatch.setattr(fp8, "_dual_triton", lambda t, *a, parts=None, **k: (
+        seen.append((t.clone(), parts)) if parts is not None else None) or dual(t, *a, parts=parts, **k))
+    got = _block_fwd_bwd("rowwise", 21, v_norm=True)
+    (t, (rows, cols)), = seen
+    a = t.abs().float()
+    assert torch.equal(rows.float().amax(0), a.amax(1)) and torch.equal(cols.float().amax(0), a.amax(0))
+    monkeypatch.setattr(fp8, "STAGE_AMAX", False)
+    for x, y in zip(got, _block_fwd_bwd("rowwise", 21, v_norm=True)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("which", list(_DUAL_CASTS))
+def test_dual_cast_from_given_partials_equals_the_amax_pass_bitwise(interpret, monkeypatch, which):
+    """_dual_triton with the amax partials given (bf16, as the stage writes them; odd partial counts,
+    more than the finish reduces a step) equals its own amax pass, codes and scales; partials of the
+    wrong shape are refused naming ``parts``."""
+    monkeypatch.setattr(fp8, "_FBC_STAGE", 16)
+    monkeypatch.setattr(fp8, "_FPC_STAGE", 4)
+    monkeypatch.setattr(fp8, "_FP_STAGE", 2)
+    row_cast, col_cast, pow2 = _DUAL_CASTS[which]
+    R, C = 37, 80
+    t = _dual_operand(R, C, 5)
+    a = t.abs()
+    rows = torch.stack([a[:, i:i + 16].amax(1) for i in range(0, C, 16)])  # 5 row partials
+    cols = torch.stack([a[i:i + 4].amax(0) for i in range(0, R, 4)])  # 10 column partials (the last of 1 row)
+    got = fp8._dual_triton(t, row_cast, col_cast, pow2, pad_to=16, parts=(rows, cols))
+    want = fp8._dual_triton(t, row_cast, col_cast, pow2, pad_to=16)
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+    with pytest.raises(ValueError, match="parts"):
+        fp8._dual_triton(t, row_cast, col_cast, pow2, parts=(rows[:, :-1], cols))
+    if not col_cast.tensorwise:
+        with pytest.raises(ValueError, match="parts"):
+            fp8._dual_triton(t, row_cast, col_cast, pow2, parts=(rows, None))

@@ -227,3 +227,68 @@ def test_block_with_the_kept_weight_cast_equals_the_old_path_bitwise(name, token
     assert dx_casts == [(N, K)]
     for a, b in zip(new, old):
         assert torch.equal(a, b)
+
+
+# dQKV's amax partials written by the backward stage (fp8.STAGE_AMAX) instead of the dual cast's amax pass
+
+
+@cuda
+@pytest.mark.parametrize("name", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("batch, seq", [(2, 4099), (1, 2048), (1, 131)])
+def test_block_with_the_stage_amax_partials_equals_the_amax_pass_bitwise(name, batch, seq, monkeypatch):
+    """The block's fwd+bwd (091's head layout at hidden 1024; the stage's three layouts: 8-token blocks
+    of every head per sequence through TMA, groups of 16 heads, 4-token groups of 8) with dQKV's amax
+    partials from the stage: dX, dW, every output and gradient bitwise STAGE_AMAX off's; the partials'
+    maxima exactly dQKV's rows' and columns' (outliers in the last token and the last column); the
+    amax pass not launched for dQKV."""
+    from fusedqkv.kernels import fp8_cast
+
+    torch.manual_seed(14)
+    hq, hkv, d, K = 8, 2, 128, 1024
+    N, M = (hq + 2 * hkv) * d, batch * seq
+    base = [torch.randn(batch, seq, K, device="cuda", dtype=torch.bfloat16),
+            _operand(N, K, 15) / 1e4, torch.rand(d, device="cuda") + 0.5, torch.rand(d, device="cuda") + 0.5]
+    ang = torch.randn(batch, seq, d, device="cuda")
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    gs = [torch.randn(batch, h, seq, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+    gs[2][-1, :, -1] = 300.0  # v's columns: their largest in dQKV's last row
+    gs[2][:, -1, :, -1] = 200.0  # every row's largest in dQKV's last column
+    seen, amax_pass = [], []
+    dual, amax_kernel = fp8._dual_triton, fp8_cast.dual_amax_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(t, *a, **k):
+                amax_pass.append(tuple(t.shape))
+                return amax_kernel[grid](t, *a, **k)
+            return launch
+
+    def record(t, *a, parts=None, **k):
+        if tuple(t.shape) == (M, N):
+            seen.append((t.clone(), parts))
+        return dual(t, *a, parts=parts, **k)
+
+    monkeypatch.setattr(fp8, "_dual_triton", record)
+    monkeypatch.setattr(fp8_cast, "dual_amax_kernel", Recorder())
+
+    def run():
+        inputs = [t.clone().requires_grad_() for t in base]
+        out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
+                                            qk_norm_position="after_rope", fp8=name)
+        torch.autograd.backward(out, gs)
+        return list(out) + [t.grad for t in inputs]
+
+    new = run()
+    assert (M, N) not in amax_pass
+    monkeypatch.setattr(fp8, "STAGE_AMAX", False)
+    old = run()
+    assert (M, N) in amax_pass
+    for a, b in zip(new, old):
+        assert torch.equal(a, b)
+    (t, (rows, cols)), (t_old, parts_old) = seen
+    assert parts_old is None and torch.equal(t, t_old)
+    a = t.abs().float()
+    assert torch.equal(rows.float().amax(0), a.amax(1))
+    assert (cols is None) == (name == "tensorwise")
+    if cols is not None:
+        assert torch.equal(cols.float().amax(0), a.amax(0))

@@ -324,3 +324,26 @@ def test_fp8_weight_jobs_are_the_recipes_weight_casts():
         jobs = [j for j in JOBS if j["label"].endswith(f" weight={name}")]
         assert jobs and all(j["cc"] == 90 and j["level"] == "cubin" and "fp8e4nv/fp8e4nv" in j["label"]
                             for j in jobs)
+
+
+def test_stage_amax_jobs_compile_without_spills(compiled):
+    """The backward stage writing dQKV's amax partials (fp8.STAGE_AMAX) compiles on sm_90 and sm_100a,
+    its cubins without a stack frame (the register caps the launcher gives it), and the finish and cast
+    of its partials (bf16) with the launcher's tiles."""
+    from fusedqkv.ops import fp8
+
+    jobs = oc.stage_amax_jobs()
+    stage = [j for j in jobs if j["label"].startswith("stage ")]
+    assert {j["cc"] for j in stage} == set(oc.STAGE_AMAX_TARGETS)
+    assert all(j["consts"]["ROW_AMAX"] and "arow_ptr" in j["types"] for j in stage)
+    for j in jobs:
+        r = compiled[j["label"]]
+        assert r["ok"], (j["label"], r["error"])
+        if j.get("no_spill") and r["info"].get("stack") is not None:
+            assert r["info"]["stack"] == 0, (j["label"], r["info"])
+        if j["label"].startswith("fp8_dual_finish"):
+            c = j["consts"]
+            assert (c["FB"], c["BP"], c["FBC"], c["BPC"]) == (fp8._FB, fp8._FP_STAGE, fp8._FBC_STAGE, fp8._FPC_STAGE)
+    # the default build: the partials' pointers None (constexprs), so the kernel's code is unchanged
+    default = oc._stage_job(90, "train_after", "all8_tma", 128, "bf16", (32, 8), "div16")
+    assert default["none_args"] == ("arow_ptr", "acol_ptr") and not default["consts"]["COL_AMAX"]

@@ -29,13 +29,14 @@ def _scale_of(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 @triton.jit
 def _column_amax(part_ptr, n_part, C, cols, cmask, BP: tl.constexpr, W: tl.constexpr):
-    """The amax of columns ``cols`` over the ``n_part`` partial rows ``[n_part, C]`` at ``part_ptr``,
-    ``BP`` rows a step in a fixed order."""
+    """The amax of columns ``cols`` over the ``n_part`` partial rows ``[n_part, C]`` at ``part_ptr``
+    (fp32, or the operand's 16-bit dtype: partials of its values, exact in it), ``BP`` rows a step in
+    a fixed order."""
     amax = tl.zeros([W], tl.float32)
     for p0 in range(0, n_part, BP):
         ps = p0 + tl.arange(0, BP)
         t = tl.load(part_ptr + ps[:, None] * C + cols[None, :], mask=(ps < n_part)[:, None] & cmask[None, :], other=0.0)
-        amax = tl.maximum(amax, tl.max(t, 0))
+        amax = tl.maximum(amax, tl.max(t.to(tl.float32), 0))
     return amax
 
 
@@ -149,10 +150,13 @@ def dual_amax_kernel(x_ptr, rpart_ptr, cpart_ptr, R, C, stride_xr, n_rpart, ROW_
 @triton.jit
 def dual_finish_kernel(rpart_ptr, cpart_ptr, rscale_ptr, rinv_ptr, cscale_ptr, cinv_ptr, R, C, n_rpart, n_cpart,
                        n_row_prog, ROW_PER: tl.constexpr, COL_PER: tl.constexpr, FP8_MAX_R: tl.constexpr,
-                       FP8_MAX_C: tl.constexpr, POW2: tl.constexpr, FB: tl.constexpr, BP: tl.constexpr):
-    """Programs ``0..n_row_prog``: ``FB`` rows' scales from ``rpart`` (``ROW_PER``); the others ``FB``
-    columns' from ``cpart`` (``COL_PER``). Scale to ``*scale`` (the cast's), its reciprocal to ``*inv``
-    (the GEMM's)."""
+                       FP8_MAX_C: tl.constexpr, POW2: tl.constexpr, FB: tl.constexpr, BP: tl.constexpr,
+                       FBC: tl.constexpr, BPC: tl.constexpr):
+    """Programs ``0..n_row_prog``: ``FB`` rows' scales from ``rpart [n_rpart, R]`` (``ROW_PER``,
+    ``BP`` partials a step); the others ``FBC`` columns' from ``cpart [n_cpart, C]`` (``COL_PER``,
+    ``BPC`` a step). Partials in fp32 or in the operand's dtype (the backward stage's: maxima of its
+    stored values, exact in it). Scale to ``*scale`` (the cast's), its reciprocal to ``*inv`` (the
+    GEMM's)."""
     pid = tl.program_id(0)
     if ROW_PER:
         if pid < n_row_prog:
@@ -163,17 +167,17 @@ def dual_finish_kernel(rpart_ptr, cpart_ptr, rscale_ptr, rinv_ptr, cscale_ptr, c
                 ps = p0 + tl.arange(0, BP)
                 t = tl.load(rpart_ptr + ps.to(tl.int64)[:, None] * R + rows[None, :],
                             mask=(ps < n_rpart)[:, None] & rm[None, :], other=0.0)
-                amax = tl.maximum(amax, tl.max(t, 0))
+                amax = tl.maximum(amax, tl.max(t.to(tl.float32), 0))
             scale = _scale_of(amax, FP8_MAX_R, POW2)
             tl.store(rscale_ptr + rows, scale, mask=rm)
             tl.store(rinv_ptr + rows, tl.div_rn(tl.full([FB], 1.0, tl.float32), scale), mask=rm)
     if COL_PER:
         if pid >= n_row_prog:
-            cols = (pid - n_row_prog) * FB + tl.arange(0, FB)
+            cols = (pid - n_row_prog) * FBC + tl.arange(0, FBC)
             cm = cols < C
-            scale = _scale_of(_column_amax(cpart_ptr, n_cpart, C, cols, cm, BP, FB), FP8_MAX_C, POW2)
+            scale = _scale_of(_column_amax(cpart_ptr, n_cpart, C, cols, cm, BPC, FBC), FP8_MAX_C, POW2)
             tl.store(cscale_ptr + cols, scale, mask=cm)
-            tl.store(cinv_ptr + cols, tl.div_rn(tl.full([FB], 1.0, tl.float32), scale), mask=cm)
+            tl.store(cinv_ptr + cols, tl.div_rn(tl.full([FBC], 1.0, tl.float32), scale), mask=cm)
 
 
 @triton.jit
@@ -183,7 +187,7 @@ def dual_cast_kernel(x_ptr, yr_ptr, yt_ptr, rscale_ptr, cscale_ptr, tamax_ptr, r
     """Tile ``(pr, pc)`` of ``x [R, C]`` read once, cast twice: with its rows' scales (``ROW_PER``) or
     the tensor's to ``yr [R, C]`` row-major, with its columns' scales (``COL_PER``) or the tensor's to
     ``yt [C, R_pad]`` (rows ``R..R_pad`` of x as zeros: the GEMM's inner dimension padded). The tensor's
-    scale from its amax (``tamax``), its reciprocal written by program (0, 0)."""
+    scale from its amax (``tamax``: fp32 or x's dtype), its reciprocal written by program (0, 0)."""
     pr, pc = tl.program_id(0), tl.program_id(1)
     rows = pr * BR + tl.arange(0, BR)
     cols = pc * BC + tl.arange(0, BC)
@@ -193,7 +197,7 @@ def dual_cast_kernel(x_ptr, yr_ptr, yt_ptr, rscale_ptr, cscale_ptr, tamax_ptr, r
     if ROW_PER:
         rs = tl.load(rscale_ptr + rows, mask=rm, other=1.0)[:, None]
     else:
-        rs = _scale_of(tl.load(tamax_ptr), FP8_MAX_R, POW2)
+        rs = _scale_of(tl.load(tamax_ptr).to(tl.float32), FP8_MAX_R, POW2)
         if (pr == 0) & (pc == 0):
             tl.store(rinv_ptr, tl.div_rn(1.0, rs))
     yr = tl.clamp(x * rs, -FP8_MAX_R, FP8_MAX_R).to(yr_ptr.dtype.element_ty)
@@ -201,7 +205,7 @@ def dual_cast_kernel(x_ptr, yr_ptr, yt_ptr, rscale_ptr, cscale_ptr, tamax_ptr, r
     if COL_PER:
         cs = tl.load(cscale_ptr + cols, mask=cm, other=1.0)[None, :]
     else:
-        cs = _scale_of(tl.load(tamax_ptr), FP8_MAX_C, POW2)
+        cs = _scale_of(tl.load(tamax_ptr).to(tl.float32), FP8_MAX_C, POW2)
         if (pr == 0) & (pc == 0):
             tl.store(cinv_ptr, tl.div_rn(1.0, cs))
     yt = tl.clamp(x * cs, -FP8_MAX_C, FP8_MAX_C).to(yt_ptr.dtype.element_ty)

@@ -91,6 +91,46 @@ def _store_cast(ptr, x, mask):
 
 
 @triton.jit
+def _stored_abs(x, ptr, mask):
+    """|x| as ``_store_cast(ptr, x, mask)`` stores it (rounded to the destination dtype), in fp32;
+    0 where masked: the value an amax of the stored tensor sees."""
+    if x.dtype == ptr.dtype.element_ty:
+        y = x
+    elif _SOFT_BF16_ROUND and ptr.dtype.element_ty == tl.bfloat16:
+        y = _bf16_rne(x)
+    else:
+        y = x.to(ptr.dtype.element_ty)
+    return tl.where(mask, tl.abs(y.to(tl.float32)), 0.0)
+
+
+@triton.jit
+def _store_col_amax(acol_ptr, a, h0, H1, cols, cmask, HB: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
+                    HEAD_STRIDE: tl.constexpr):
+    """A head step's column amaxes: ``a`` [HB * BLOCK_T rows, W] (|stored values|, row = (head,
+    token)), the max over each head's tokens stored at ``acol_ptr + (h0 + head) * HEAD_STRIDE +
+    cols`` (in the partials' dtype: the maxima of stored values are exact in it)."""
+    if HB == 1:
+        tl.store(acol_ptr + h0 * HEAD_STRIDE + cols, tl.max(a, 0).to(acol_ptr.dtype.element_ty), mask=cmask)
+    else:
+        hh = tl.arange(0, HB)
+        m = tl.max(tl.reshape(a, [HB, BLOCK_T, W]), 1)
+        tl.store(acol_ptr + (h0 + hh)[:, None] * HEAD_STRIDE + cols[None, :], m.to(acol_ptr.dtype.element_ty),
+                 mask=(h0 + hh < H1)[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _store_row_amax(arow_ptr, ra, tok0, t_end, HB: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A program's row amaxes ``ra`` [HB * BLOCK_T] (row = (head, token)): the max over each token's
+    rows, stored at ``arow_ptr + token`` for its tokens ``tok0 .. t_end``."""
+    if HB == 1:
+        m = ra
+    else:
+        m = tl.max(tl.reshape(ra, [HB, BLOCK_T]), 0)
+    t = tok0 + tl.arange(0, BLOCK_T)
+    tl.store(arow_ptr + t, m.to(arow_ptr.dtype.element_ty), mask=t < t_end)
+
+
+@triton.jit
 def pair_cols(dh, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Columns within a head of the two elements of RoPE pairs ``dh``: NeoX rotate-half
     ``(i, i + HALF)``, or interleaved (GPT-J / Llama 4) ``(2i, 2i + 1)``."""
@@ -292,11 +332,12 @@ def _head_set_bwd(
     dqkv_ptr, s_dqkv_t, col0,
     H0, H1, b, s, tok, rmask, hb,
     c1, c2, s1, s2, eps, cs1, cs2, sn1, sn2,
-    g_desc, x_desc, b0, s0,
+    g_desc, x_desc, b0, s0, acol_ptr, ra,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
     DT: tl.constexpr, EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr,
     SAVED_ROTATED: tl.constexpr, GRAD_COS_SIN: tl.constexpr, BLOCK_T: tl.constexpr, HB: tl.constexpr,
     RECOMPUTE_RSTD: tl.constexpr, PF: tl.constexpr, TMA: tl.constexpr, LP2: tl.constexpr,
+    ROW_AMAX: tl.constexpr, COL_AMAX: tl.constexpr,
 ):
     """Backward of heads [H0, H1) of one head set (query or key) for BLOCK_T tokens.
 
@@ -311,7 +352,11 @@ def _head_set_bwd(
     [1, 1, BLOCK_T, D/2]; HB == 1 and the block's tokens are s0 + i of batch b0): one thread
     issues each tile's copy, so the loop spends no instructions on addresses and masks and
     keeps PF - 1 head steps in flight through shared memory; rows past the sequence come
-    back zero."""
+    back zero.
+
+    ROW_AMAX: the max |dQKV| (as stored) of each row over these heads' columns joins ``ra`` ([HB *
+    BLOCK_T] fp32, returned last); COL_AMAX: each of their columns' max over the block's tokens is
+    stored at ``acol_ptr + col0 + column`` (the program's row of column partials)."""
     d = tl.arange(0, HALF_P2)[None, :]
     dmask = tl.arange(0, HALF_P2) < HALF
     w1 = tl.load(w_ptr + tl.arange(0, HALF_P2) * sw, mask=dmask, other=0.0).to(tl.float32)[None, :]
@@ -415,6 +460,15 @@ def _head_set_bwd(
         wg2 = tl.fma(wn2, a2, wg2)
         _store_cast(out_row + h0 * D + d, dx1, mask)
         _store_cast(out_row + h0 * D + d + HALF, dx2, mask)
+        if ROW_AMAX or COL_AMAX:
+            am1 = _stored_abs(dx1, out_row, mask)
+            am2 = _stored_abs(dx2, out_row, mask)
+            if ROW_AMAX:
+                ra = tl.maximum(ra, tl.maximum(tl.max(am1, 1), tl.max(am2, 1)))
+            if COL_AMAX:
+                cols = tl.arange(0, HALF_P2)
+                _store_col_amax(acol_ptr + col0, am1, h0, H1, cols, dmask, HB, BLOCK_T, HALF_P2, D)
+                _store_col_amax(acol_ptr + col0 + HALF, am2, h0, H1, cols, dmask, HB, BLOCK_T, HALF_P2, D)
         if GRAD_COS_SIN:
             # d/dcos: g * p ; d/dsin: g * rotate_half(p), rotate_half(p) = cat(-p2, p1)
             if LP:
@@ -427,7 +481,7 @@ def _head_set_bwd(
                 cs2 += _rnd(q2 * p2, DT, EXACT)
                 sn1 += _rnd(-(q1 * p2), DT, EXACT)
                 sn2 += _rnd(q2 * p1, DT, EXACT)
-    return cs1, cs2, sn1, sn2, tl.sum(wg1, axis=0), tl.sum(wg2, axis=0)
+    return cs1, cs2, sn1, sn2, tl.sum(wg1, axis=0), tl.sum(wg2, axis=0), ra
 
 
 @triton.jit
@@ -691,9 +745,12 @@ def _value_out(gv_ptrs, xv_ptrs, o_ptrs, vmask, rows_valid, eps, D: tl.constexpr
         rv = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1, keep_dims=True) / D + eps)
         rv = tl.where(rows_valid[:, None], rv, 0.0)
         grad_rv = tl.sum(gvf * xv, axis=1, keep_dims=True)
-        _store_cast(o_ptrs, gvf * rv + grad_rv * ((-(rv * rv * rv) / D) * xv), vmask)
+        y = gvf * rv + grad_rv * ((-(rv * rv * rv) / D) * xv)
+        _store_cast(o_ptrs, y, vmask)
     else:
-        tl.store(o_ptrs, v.to(o_ptrs.dtype.element_ty), mask=vmask)  # same dtype: a copy
+        y = v.to(o_ptrs.dtype.element_ty)
+        tl.store(o_ptrs, y, mask=vmask)  # same dtype: a copy
+    return y  # what was stored (before its rounding to dQKV's dtype)
 
 
 @triton.jit
@@ -784,6 +841,9 @@ def rope_qk_norm_bwd_kernel(
     # Q_GATE: the gate's gradient [B, Hq, S, D]; V_NORM: the raw v [B, Hkv, S, D] with the strides
     # of k (both views of the projection output); else placeholders never read
     gg_ptr, sgg_b, sgg_h, sgg_s, sgg_d, xv_ptr,
+    # ROW_AMAX / COL_AMAX: dQKV's amax partials, in its dtype: rows [kinds, M], columns [programs, dQKV's
+    # columns] (else None)
+    arow_ptr, acol_ptr,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, D_P2: tl.constexpr,
     BLOCK_T: tl.constexpr, HB: tl.constexpr,
     EXACT: tl.constexpr, NORM_AFTER_ROPE: tl.constexpr, SAVED_ROTATED: tl.constexpr,
@@ -792,7 +852,7 @@ def rope_qk_norm_bwd_kernel(
     GROUPED: tl.constexpr, NQG: tl.constexpr, NKG: tl.constexpr, GSIZE: tl.constexpr, TMA: tl.constexpr,
     LP2: tl.constexpr,
     PASS: tl.constexpr, PASS_P2: tl.constexpr, INTERLEAVED: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-    Q_GATE: tl.constexpr, V_NORM: tl.constexpr,
+    Q_GATE: tl.constexpr, V_NORM: tl.constexpr, ROW_AMAX: tl.constexpr, COL_AMAX: tl.constexpr,
 ):
     """Grid (token blocks, kinds). Program (pid, kind) takes a block of BLOCK_T tokens, and either every query
     and key head of it (grad_cos/grad_sin complete in the program: no partials), or -- GROUPED,
@@ -804,7 +864,12 @@ def rope_qk_norm_bwd_kernel(
     (< NQG + NKG), or the value copy (the last).
 
     The block's variants (training mode only; see the module docstring) run the query and key
-    heads through ``_head_set_bwd_variants``; V_NORM and Q_GATE change the value program."""
+    heads through ``_head_set_bwd_variants``; V_NORM and Q_GATE change the value program.
+
+    ROW_AMAX / COL_AMAX (the FP8 casts' amaxes of dQKV, so that no pass reads dQKV for them): program
+    (pid, kind) stores the max |dQKV| (the stored values) of each of its tokens' rows over the columns
+    it writes to ``arow[kind, token]``, and of each column it writes over its tokens to
+    ``acol[pid, column]``; every element of dQKV is in exactly one of each (plain query/key path only)."""
     pid = tl.program_id(0)
     kind = tl.program_id(1)
     n_prog = tl.num_programs(0)
@@ -817,6 +882,12 @@ def rope_qk_norm_bwd_kernel(
     QOHS: tl.constexpr = 2 * D if Q_GATE else D
     rows = tl.arange(0, R)
     hb = rows // BLOCK_T
+    tl.static_assert(not ((ROW_AMAX or COL_AMAX) and VARIANT), "dQKV's amax partials: plain query/key path only")
+    ra = tl.zeros([R], tl.float32)  # ROW_AMAX: each row's max |dQKV| so far
+    if COL_AMAX:
+        acol_row = acol_ptr + pid.to(tl.int64) * (HQ * QOHS + 2 * HKV * D)
+    else:
+        acol_row = acol_ptr
     if TMA:
         # blocks never straddle two sequences (a TMA box is one batch's rows): block pid is
         # tokens s0 .. s0 + BLOCK_T of sequence b0, those past S masked (and zero-filled)
@@ -856,13 +927,13 @@ def rope_qk_norm_bwd_kernel(
                         PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT,
                     )
                 else:
-                    c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+                    c_1, c_2, s_1, s_2, a1, a2, ra = _head_set_bwd(
                         gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
                         rq_ptr, srq_b, srq_h, srq_s, wq_ptr, swq, dqkv_ptr, s_dqkv_t, 0,
                         h0, tl.minimum(h0 + GSIZE, HQ), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
-                        gq_desc, xq_desc, b0, s0,
+                        gq_desc, xq_desc, b0, s0, acol_row, ra,
                         D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                        RECOMPUTE_RSTD, PF, TMA, LP2,
+                        RECOMPUTE_RSTD, PF, TMA, LP2, ROW_AMAX, COL_AMAX,
                     )
             else:
                 h0 = (kind - NQG) * GSIZE
@@ -875,14 +946,16 @@ def rope_qk_norm_bwd_kernel(
                         PASS, PASS_P2, INTERLEAVED, NORM_WEIGHT,
                     )
                 else:
-                    c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+                    c_1, c_2, s_1, s_2, a1, a2, ra = _head_set_bwd(
                         gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
                         rk_ptr, srk_b, srk_h, srk_s, wk_ptr, swk, dqkv_ptr, s_dqkv_t, HQ * D,
                         h0, tl.minimum(h0 + GSIZE, HKV), b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
-                        gk_desc, xk_desc, b0, s0,
+                        gk_desc, xk_desc, b0, s0, acol_row, ra,
                         D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                        RECOMPUTE_RSTD, PF, TMA, LP2,
+                        RECOMPUTE_RSTD, PF, TMA, LP2, ROW_AMAX, COL_AMAX,
                     )
+            if ROW_AMAX:
+                _store_row_amax(arow_ptr + kind.to(tl.int64) * M, ra, tok0, t_end, HB, BLOCK_T)
             # partials: this group's head sums of grad_cos/sin per token [groups, 2, M, D] and its
             # norm-weight row [blocks, groups, D], fp32 (the variants store theirs)
             if GRAD_COS_SIN:
@@ -933,13 +1006,13 @@ def rope_qk_norm_bwd_kernel(
                 _finish_norm_weight_levels(pid, n_prog, wpart_ptr, wsup_ptr, tick_ptr,
                                            gwq_ptr, sgwq, gwk_ptr, sgwk, D, D_P2, SUPER)
         else:
-            c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+            c_1, c_2, s_1, s_2, a1, a2, ra = _head_set_bwd(
                 gq_ptr, sgq_b, sgq_h, sgq_s, sgq_d, xq_ptr, sxq_b, sxq_h, sxq_s, sxq_d,
                 rq_ptr, srq_b, srq_h, srq_s, wq_ptr, swq, dqkv_ptr, s_dqkv_t, 0,
                 0, HQ, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, z, z, z, z,
-                gq_desc, xq_desc, b0, s0,
+                gq_desc, xq_desc, b0, s0, acol_row, ra,
                 D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                RECOMPUTE_RSTD, PF, TMA, LP2,
+                RECOMPUTE_RSTD, PF, TMA, LP2, ROW_AMAX, COL_AMAX,
             )
             # norm-weight partials [programs, 2 (query, key), D] fp32
             wrow = wpart_ptr + pid * 2 * D
@@ -957,16 +1030,18 @@ def rope_qk_norm_bwd_kernel(
                 s_1 = z
                 s_2 = z
             # otherwise (fp32, one rounding) the key contributions add to the query sums
-            c_1, c_2, s_1, s_2, a1, a2 = _head_set_bwd(
+            c_1, c_2, s_1, s_2, a1, a2, ra = _head_set_bwd(
                 gk_ptr, sgk_b, sgk_h, sgk_s, sgk_d, xk_ptr, sxk_b, sxk_h, sxk_s, sxk_d,
                 rk_ptr, srk_b, srk_h, srk_s, wk_ptr, swk, dqkv_ptr, s_dqkv_t, HQ * D,
                 0, HKV, b, s, tok, rmask, hb, c1, c2, s1, s2, eps, c_1, c_2, s_1, s_2,
-                gk_desc, xk_desc, b0, s0,
+                gk_desc, xk_desc, b0, s0, acol_row, ra,
                 D, HALF, HALF_P2, DT, EXACT, NORM_AFTER_ROPE, SAVED_ROTATED, GRAD_COS_SIN, BLOCK_T, HB,
-                RECOMPUTE_RSTD, PF, TMA, LP2,
+                RECOMPUTE_RSTD, PF, TMA, LP2, ROW_AMAX, COL_AMAX,
             )
             tl.store(wrow + D + dh, a1, mask=hm)
             tl.store(wrow + D + HALF + dh, a2, mask=hm)
+            if ROW_AMAX:
+                _store_row_amax(arow_ptr, ra, tok0, t_end, HB, BLOCK_T)
             if GRAD_COS_SIN:
                 _store_cos_sin(gcos_ptr, sgcos_b, sgcos_s, sgcos_d, gsin_ptr, sgsin_b, sgsin_s, sgsin_d,
                                c_1, c_2, s_1, s_2, tok0, t_end, S, EXACT,
@@ -987,8 +1062,18 @@ def rope_qk_norm_bwd_kernel(
         # type -- i64 once an argument is beyond 32 bits -- and scf.if joins same-named variables)
         for hv in range(0, HKV, HB):
             vmask = (rmask & (hv + hb < HKV))[:, None] & (dv < D)
-            _value_out(v_row + hv * sgv_h, xv_ptr + b[:, None] * sxk_b + s[:, None] * sxk_s + (hv + hb[:, None]) * sxk_h
-                       + dv * sxk_d, o_row + hv * D, vmask, rmask & (hv + hb < HKV), eps, D, V_NORM)
+            vy = _value_out(v_row + hv * sgv_h, xv_ptr + b[:, None] * sxk_b + s[:, None] * sxk_s
+                            + (hv + hb[:, None]) * sxk_h + dv * sxk_d, o_row + hv * D, vmask, rmask & (hv + hb < HKV),
+                            eps, D, V_NORM)
+            if ROW_AMAX or COL_AMAX:
+                av = _stored_abs(vy, o_row, vmask)
+                if ROW_AMAX:
+                    ra = tl.maximum(ra, tl.max(av, 1))
+                if COL_AMAX:
+                    vc = tl.arange(0, D_P2)
+                    _store_col_amax(acol_row + (HQ + HKV) * D, av, hv, HKV, vc, vc < D, HB, BLOCK_T, D_P2, D)
+        if ROW_AMAX:
+            _store_row_amax(arow_ptr + kind.to(tl.int64) * M, ra, tok0, t_end, HB, BLOCK_T)
         if Q_GATE:
             g_row = gg_ptr + b[:, None] * sgg_b + s[:, None] * sgg_s + hb[:, None] * sgg_h + dv * sgg_d
             og_row = dqkv_ptr + tok[:, None].to(tl.int64) * s_dqkv_t + D + hb[:, None] * (2 * D) + dv

@@ -236,24 +236,48 @@ def _cast_triton(t: torch.Tensor, cast: Cast, pow2: bool, transpose: bool, pad_t
 
 
 _FB, _FP = 128, 64  # dual finish: rows (columns) per program, partials per step
+# ... of the backward stage's partials (many more column partials: one row per 8-token block): narrower
+# column programs (more of them) and more partial rows per load, so that the finish keeps many loads
+# in flight; the row partials are a few per token (one per program kind)
+_FBC_STAGE, _FPC_STAGE, _FP_STAGE = 32, 256, 16
 
 
-def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pad_to: int = 1):
+def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pad_to: int = 1, parts=None):
     """``t [R, C]`` cast twice from two reads of it (session 21): ``(row data [R, C] row-major,
     its inverse scale [R, 1] or [], column data transposed [C, R_pad], its inverse scale [1, C] or
     [])``, each bitwise the one of ``cast_rows(t, row_cast)`` / ``cast_columns_t(t, col_cast)``.
     Launches: the tile amaxes (rows' and columns' partials, one read), the partials' reduction to
-    scales (tiny), the cast (one read, both writes); a tensorwise scale's amax is ``part.amax()``."""
+    scales (tiny), the cast (one read, both writes); a tensorwise scale's amax is ``part.amax()``.
+
+    ``parts``: ``(row partials [n, R], column partials [m, C] or None)`` made beforehand (the backward
+    stage's, of the values it stored: fp32 or t's dtype), each row's (column's) amax their max over
+    the first dimension: the amax pass is skipped. The column partials are needed where
+    ``col_cast`` is per column; the row partials always (a tensorwise amax is theirs)."""
     from ..kernels.fp8_cast import dual_amax_kernel, dual_cast_kernel, dual_finish_kernel
 
     R, C = t.shape
     dev = t.device
     row_per, col_per = not row_cast.tensorwise, not col_cast.tensorwise
     n_rb, n_cb = triton_cdiv(R, _BR), triton_cdiv(C, _BC)
-    cpart = torch.empty((n_rb, C), dtype=torch.float32, device=dev)
-    rpart = torch.empty((n_cb, R) if row_per else (1,), dtype=torch.float32, device=dev)
-    dual_amax_kernel[(n_rb, n_cb)](t, rpart, cpart, R, C, t.stride(0), n_cb, ROW_PART=row_per, BR=_BR, BC=_BC,
-                                   num_warps=4)
+    if parts is None:
+        cpart = torch.empty((n_rb, C), dtype=torch.float32, device=dev)
+        rpart = torch.empty((n_cb, R) if row_per else (1,), dtype=torch.float32, device=dev)
+        dual_amax_kernel[(n_rb, n_cb)](t, rpart, cpart, R, C, t.stride(0), n_cb, ROW_PART=row_per, BR=_BR, BC=_BC,
+                                       num_warps=4)
+        n_rpart, n_cpart, fb_c, bp_r, bp_c = n_cb, n_rb, _FB, _FP, _FP
+        tamax_of = cpart
+    else:
+        rpart, cpart = parts
+        if rpart is None or rpart.dim() != 2 or rpart.shape[1] != R or not rpart.is_contiguous():
+            raise ValueError(f"parts: row partials of shape [n, {R}] (contiguous) expected, got "
+                             f"{None if rpart is None else tuple(rpart.shape)}")
+        if col_per and (cpart is None or cpart.dim() != 2 or cpart.shape[1] != C or not cpart.is_contiguous()):
+            raise ValueError(f"parts: column partials of shape [m, {C}] (contiguous) expected for per-column "
+                             f"scales, got {None if cpart is None else tuple(cpart.shape)}")
+        if cpart is None:
+            cpart = rpart  # (never read: no per-column scales)
+        n_rpart, n_cpart, fb_c, bp_r, bp_c = rpart.shape[0], cpart.shape[0], _FBC_STAGE, _FP_STAGE, _FPC_STAGE
+        tamax_of = rpart  # every element is in exactly one row partial: the far smaller set
     f32 = dict(dtype=torch.float32, device=dev)
     r_inv = torch.empty((R, 1), **f32) if row_per else torch.empty((), **f32)
     c_inv = torch.empty((1, C), **f32) if col_per else torch.empty((), **f32)
@@ -262,11 +286,12 @@ def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pa
     fmax_r, fmax_c = torch.finfo(row_cast.dtype).max, torch.finfo(col_cast.dtype).max
     if row_per or col_per:
         n_row_prog = triton_cdiv(R, _FB) if row_per else 0
-        n_prog = n_row_prog + (triton_cdiv(C, _FB) if col_per else 0)
-        dual_finish_kernel[(n_prog,)](rpart, cpart, r_scale, r_inv, c_scale, c_inv, R, C, n_cb, n_rb, n_row_prog,
-                                      ROW_PER=row_per, COL_PER=col_per, FP8_MAX_R=fmax_r, FP8_MAX_C=fmax_c,
-                                      POW2=pow2, FB=_FB, BP=_FP, num_warps=4)
-    tamax = cpart.amax().reshape(1) if not (row_per and col_per) else cpart  # the tensor's (a max: deterministic)
+        n_prog = n_row_prog + (triton_cdiv(C, fb_c) if col_per else 0)
+        dual_finish_kernel[(n_prog,)](rpart, cpart, r_scale, r_inv, c_scale, c_inv, R, C, n_rpart, n_cpart,
+                                      n_row_prog, ROW_PER=row_per, COL_PER=col_per, FP8_MAX_R=fmax_r,
+                                      FP8_MAX_C=fmax_c, POW2=pow2, FB=_FB, BP=bp_r, FBC=fb_c, BPC=bp_c, num_warps=4)
+    # the tensor's amax (a max: deterministic)
+    tamax = tamax_of.amax().reshape(1) if not (row_per and col_per) else cpart
     R_pad = triton_cdiv(R, pad_to) * pad_to
     yr = torch.empty((R, C), dtype=row_cast.dtype, device=dev)
     yt = torch.empty((C, R_pad), dtype=col_cast.dtype, device=dev)
@@ -415,18 +440,37 @@ def _dual_ok(g2d: torch.Tensor, r: Fp8Recipe) -> bool:
     return DUAL_CASTS and _triton(g2d) and g2d.numel() > 0 and r.grad_output_for_grad_weight.dtype is not None
 
 
+# dQKV's amax partials written by the backward stage as it stores dQKV (the dual cast's amax pass, a
+# read of dQKV, skipped; bitwise the same scales). False: the dual cast reads dQKV for them
+# (benchmarks/bench_fp8.py --old-casts times both).
+STAGE_AMAX = True
+
+
+def stage_amax(r: Optional[Fp8Recipe], need_x: bool, need_w: bool) -> tuple:
+    """``(rows, columns)``: which of dQKV's amax partials :func:`backward`'s dual cast takes from the
+    backward stage for recipe ``r`` (both False where it does not run: :data:`STAGE_AMAX` or
+    :data:`DUAL_CASTS` off, one gradient, dW in high precision). Rows always (each row's scale, or
+    the tensor's amax); columns where dW's dQKV is scaled per column."""
+    if not (STAGE_AMAX and DUAL_CASTS and r is not None and need_x and need_w
+            and r.grad_output_for_grad_weight.dtype is not None):
+        return False, False
+    return True, not r.grad_output_for_grad_weight.tensorwise
+
+
 def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, need_x: bool, need_w: bool,
-             out: Optional[torch.Tensor] = None, w_cast=None):
+             out: Optional[torch.Tensor] = None, w_cast=None, g_amax=None):
     """``(dX, dW)`` (None where not needed): :func:`grad_input` into ``out`` and :func:`grad_weight`,
     with dQKV's two casts (per row for dX, per column transposed for dW) from one amax pass and
     one cast pass where both GEMMs run in FP8 on the GPU (:func:`_dual_triton`); bitwise the same.
-    ``w_cast``: W's cast for dX kept from the forward (:func:`weight_casts`), or None (cast here)."""
+    ``w_cast``: W's cast for dX kept from the forward (:func:`weight_casts`), or None (cast here).
+    ``g_amax``: dQKV's amax partials ``(rows, columns or None)`` from the backward stage
+    (:func:`stage_amax`), or None (the dual cast's amax pass makes them)."""
     row = col = None
     if need_x and need_w and _dual_ok(g2d, r):
         if g2d.stride(1) != 1:
             g2d = g2d.contiguous()
         ga, gs, gt, gts = _dual_triton(g2d, r.grad_output, r.grad_output_for_grad_weight,
-                                       r.round_scales_to_power_of_2, _inner_pad(g2d))
+                                       r.round_scales_to_power_of_2, _inner_pad(g2d), parts=g_amax)
         row, col = (ga, gs), (gt, gts)
         del ga, gs, gt, gts
     dx = grad_input(g2d, w, r, out, g_cast=row, w_cast=w_cast) if need_x else None

@@ -263,21 +263,26 @@ class StagePlan:
     """The backward stage of one input signature: its launch, the norm-weight finish when that
     is not fused (``finish``: a :class:`NormWeightFinish` for the caller to launch or hand to
     the Triton dW), and what the call must supply besides its own tensors (``call_inputs``):
-    the stream's tickets and, where the partials don't fit in the scratch, a buffer of
-    ``part_bytes``."""
+    the stream's tickets, where the partials don't fit in the scratch a buffer of
+    ``part_bytes``, and dQKV's amax partials where the stage writes them (``amax_shapes``:
+    entry name -> shape, in dQKV's dtype ``amax_dtype``)."""
 
-    def __init__(self, launch, finish, n_tick, own_partials, part_bytes, device):
+    def __init__(self, launch, finish, n_tick, own_partials, part_bytes, device, amax_shapes=None, amax_dtype=None):
         self.launch, self.finish = launch, finish
         self.n_tick, self.own_partials, self.part_bytes = n_tick, own_partials, part_bytes
         self.device = device
+        self.amax_shapes, self.amax_dtype = amax_shapes or {}, amax_dtype
 
     def call_inputs(self, stream: int = 0) -> dict:
-        """The table entries the stage adds to the caller's, by name: ``tickets``, ``partials``."""
+        """The table entries the stage adds to the caller's, by name: ``tickets``, ``partials``,
+        ``amax_rows``, ``amax_cols`` (per call: the FP8 casts read them after the stage)."""
         out = {}
         if self.n_tick:
             out["tickets"] = _device.tickets(self.device, stream, self.n_tick)
         if self.own_partials:
             out["partials"] = torch.empty(self.part_bytes // 4, dtype=torch.float32, device=self.device)
+        for name, shape in self.amax_shapes.items():
+            out[name] = torch.empty(shape, dtype=self.amax_dtype, device=self.device)
         return out
 
     def launches(self, with_finish: bool = True) -> list:
@@ -287,7 +292,8 @@ class StagePlan:
 
 def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                         scratch, *, exact: bool, norm_after_rope: bool, saved_rotated: bool, eps, finish_outside: bool,
-                        cfg: config.Config, variant: Variant = PLAIN, gg=None, xv=None) -> StagePlan:
+                        cfg: config.Config, variant: Variant = PLAIN, gg=None, xv=None, row_amax: bool = False,
+                        col_amax: bool = False) -> StagePlan:
     """Plan the stage kernel over table slots (``rq``/``rk`` None: rstd recomputed with ``eps``;
     ``gcos`` None: no grad_cos/grad_sin; ``scratch`` None or a slot whose memory may hold the
     fp32 partials). ``finish_outside``: leave the norm-weight gradients' last reduction (a
@@ -298,7 +304,11 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
     ``variant``: the block's variants, training mode only (see :func:`rope_qk_norm_backward`;
     ``wq``..``gwk`` None without a norm weight, ``gg`` the gate's gradient with ``q_gate``, ``xv``
     the raw v with ``v_norm``). Those of the query/key heads run without TMA; ``all_heads`` in
-    persistent programs of every head of a token (``_plan_all_heads_stage``)."""
+    persistent programs of every head of a token (``_plan_all_heads_stage``).
+
+    ``row_amax`` / ``col_amax`` (the FP8 backward's dual cast of dQKV): the stage also writes the
+    amax partials of the dQKV it stores, rows' ``amax_rows [kinds, M]`` and columns' ``amax_cols
+    [programs, dQKV's columns]`` (table entries, in dQKV's dtype: see :func:`stage_amax_supported`)."""
     B, HQ, S, D = gq.like.shape
     HKV = gk.like.shape[1]
     M = B * S
@@ -312,6 +322,9 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
         return _plan_all_heads_stage(table, gq, gk, gv, xq, xk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                                      norm_after_rope=norm_after_rope, eps=eps, cfg=cfg, variant=variant, gg=gg, xv=xv)
     qk_variant = bool(variant.rot or variant.interleaved or not variant.norm_weight or variant.q_gate)
+    if (row_amax or col_amax) and not stage_amax_supported(variant, exact):
+        raise ValueError(f"row_amax/col_amax: dQKV's amax partials come from the plain training stage only, not "
+                         f"exact={exact} or variant {variant}")
     block_t, hb, num_warps, prefetch, gsize = cfg.stage_tile or _launch_config(M, HQ, HKV, D, device)
     if cfg.stage_tile:
         num_warps = _warps_for(block_t * hb, D, 4)
@@ -340,6 +353,14 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
     own_partials = not (fused and scratch is not None and _scratch_fits(scratch.like, nbytes))
     if own_partials:
         scratch = table.add("partials", torch.empty(nbytes // 4, dtype=torch.float32, device=device))
+    n_kinds = nqg + nkg + 1 if grouped else 2
+    amax_shapes = {}
+    if row_amax:
+        amax_shapes["amax_rows"] = (n_kinds, M)
+    if col_amax:
+        amax_shapes["amax_cols"] = (n_prog, dqkv.like.shape[1])
+    amax_slots = {name: table.add(name, torch.empty(shape, dtype=dqkv.like.dtype, device=device))
+                  for name, shape in amax_shapes.items()}
     part_names = ("w_part", "w_sup", "cs_part", "w_grp")
     parts = [table.derive(name, scratch, off, shape) for name, off, shape in zip(part_names, offs, shapes)]
     w_part, w_sup = parts[:2]
@@ -349,25 +370,36 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
     recompute = rq is None
     box = [1, 1, block_t, D // 2]
     launch = BoundLaunch(
-        rope_qk_norm_bwd_kernel, (n_prog, nqg + nkg + 1 if grouped else 2),
+        rope_qk_norm_bwd_kernel, (n_prog, n_kinds),
         (*stage_tensor_args(gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                             w_part, w_sup, tick or w_part, cs_part, w_grp),
          M, S, HQ, HKV, float(eps) if recompute else 0.0,
          *((Desc(gq, box), Desc(xq, box), Desc(gk, box), Desc(xk, box)) if tma else (gq, gq, gq, gq)),
-         *variant_tensor_args(gv, xk, gg, xv)),
+         *variant_tensor_args(gv, xk, gg, xv), amax_slots.get("amax_rows"), amax_slots.get("amax_cols")),
         dict(D=D, D_P2=_next_pow2(D), BLOCK_T=block_t, HB=hb,
              EXACT=exact, NORM_AFTER_ROPE=norm_after_rope, SAVED_ROTATED=saved_rotated,
              GRAD_COS_SIN=grad_cos_sin, FUSED_FINISH=fused, SUPER=super_rows, RECOMPUTE_RSTD=recompute,
              PF=prefetch, GROUPED=grouped, NQG=nqg, NKG=nkg, GSIZE=max(gsize, 1), TMA=tma,
-             LP2=sm90_or_newer(device), **variant.constexprs(D),
+             LP2=sm90_or_newer(device), **variant.constexprs(D), ROW_AMAX=row_amax, COL_AMAX=col_amax,
              # EXACT mode reproduces separately rounded eager ops: no mul+add contraction into FMA
              num_warps=num_warps, enable_fp_fusion=not exact,
              # (the register caps were measured for the plain query/key path)
-             **({"maxnreg": MAX_REGISTERS_GROUPED_8 if grouped and block_t == 8 else MAX_REGISTERS}
+             # (the amax partials' registers: the grouped cap spilled them, sm_90 offline)
+             **({"maxnreg": MAX_REGISTERS_GROUPED_8 if grouped and block_t == 8 and not (row_amax or col_amax)
+                 else MAX_REGISTERS}
                 if num_warps == 4 and device.type == "cuda" and not qk_variant else {})),
     )
     finish = None if not variant.norm_weight or fused else NormWeightFinish(w_part, n_prog, gwq, gwk, D)
-    return StagePlan(launch, finish, n_tick, own_partials, nbytes, device)
+    return StagePlan(launch, finish, n_tick, own_partials, nbytes, device, amax_shapes, dqkv.like.dtype)
+
+
+def stage_amax_supported(variant: Variant, exact: bool = False) -> bool:
+    """Whether the stage can write dQKV's amax partials: the training mode's plain query/key path
+    (``rope_qk_norm_bwd_kernel`` with ``_head_set_bwd``; v normed or not). Not the query/key
+    variants, ``all_heads`` (another kernel), nor ``k_eq_v`` (v's gradient is added to k's after the
+    stage, so the stored values are not what the casts read)."""
+    qk_variant = bool(variant.rot or variant.interleaved or not variant.norm_weight or variant.q_gate)
+    return not (exact or qk_variant or variant.all_heads or variant.k_eq_v)
 
 
 # the all-heads stage's persistent programs per SM and pipeline stages of their token loop (where

@@ -22,7 +22,7 @@ from .device import current_stream
 from .variant import PLAIN, heads_of
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
-from .rope_qk_norm import backward_torch, pick_backend, plan_backward_stage
+from .rope_qk_norm import backward_torch, pick_backend, plan_backward_stage, stage_amax_supported
 
 # the call's table entries, by name (``saved_q``/``saved_k``/``saved_v``: the q, k and v column blocks of
 # the saved qkv); the norm weights and their gradients only with weighted norms, the gate's gradient
@@ -96,6 +96,7 @@ class TrainingBackwardPlan:
         g_x = hidden_states.new_empty((B, S, self.hidden)) if self.need_x else None
         a = None  # the bound call's addresses in RUN_ORDER (then the stage's own entries)
         ptrs = tensors = None
+        g_amax = None  # dQKV's amax partials from the stage (FP8: fp8.stage_amax)
         if self.stage is None:  # the torch backend
             saved_q, saved_k, saved_v = self._saved_heads(qkv)
             backward_torch(grad_q, grad_k, grad_v, saved_q, saved_k, None, None, q_norm_weight, k_norm_weight,
@@ -130,6 +131,8 @@ class TrainingBackwardPlan:
                 named["saved_q"], named["saved_k"], named["saved_v"] = self._saved_heads(qkv)
                 tensors = self.table.tensors(named)
             stage.launch.launch(tensors, ptrs, stream)
+            if "amax_rows" in extra:
+                g_amax = (extra["amax_rows"], extra.get("amax_cols"))
             if self._gather is None and all(launch.bound for launch in stage.launches()):
                 self._gather = self.table.gather(RUN_ORDER + tuple(extra))
         if self.variant.k_eq_v:  # v is k: its gradient joins k's (the GEMMs read the [Q | K] columns)
@@ -141,7 +144,7 @@ class TrainingBackwardPlan:
         if self.fp8 is not None:  # dQKV's two casts in two passes where both GEMMs run (fp8.backward)
             g_w = fp8.backward(dqkv, hidden_states.reshape(M, self.hidden), qkv_weight, self.fp8, self.need_x,
                                self.need_w, out=g_x.view(M, self.hidden) if self.need_x else None,
-                               w_cast=fp8_weight)[1]
+                               w_cast=fp8_weight, g_amax=g_amax)[1]
         elif self.need_x:
             if self.lt_dx is not None and lt_ok:
                 self.lt_dx(a[9], qkv_weight.data_ptr(), a[16], stream)  # dqkv, W, grad_hidden_states
@@ -165,7 +168,8 @@ class TrainingBackwardPlan:
 
 def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight,
                             cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend,
-                            need_b=False, grad_gate=None, variant=PLAIN, fp8_key="", *, cfg) -> TrainingBackwardPlan:
+                            need_b=False, grad_gate=None, variant=PLAIN, fp8_key="", stage_amax=False, *,
+                            cfg) -> TrainingBackwardPlan:
     B, S, n_tot = qkv.shape
     hq, hkv = num_heads, num_kv_heads
     nq = 2 * hq if variant.q_gate else hq
@@ -191,6 +195,11 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
                 grad_gate=None if grad_gate is None else (grad_gate if grad_gate.dtype == dt
                                                           else grad_gate.to(dt)).transpose(1, 2),
                 saved_v=saved_v if variant.v_norm else None)
+    # FP8: the stage writes dQKV's amax partials for the dual cast where it runs (``stage_amax``: the module
+    # flags at the lookup, part of the plan's key); the GEMMs read what the stage stored (not with k_eq_v)
+    row_amax, col_amax = fp8.stage_amax(recipe, need_x, need_w) if stage_amax else (False, False)
+    if not (fp8._triton(dqkv) and stage_amax_supported(variant)):
+        row_amax = col_amax = False
     table = Table()
     slot = {name: None if like[name] is None else table.add(name, like[name]) for name in CALL_ENTRIES}
     s_gcos = s_gsin = s_gx = None
@@ -205,7 +214,7 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
                                 slot["sin"], slot["dqkv"], s_gcos, s_gsin, slot["grad_q_norm_weight"],
                                 slot["grad_k_norm_weight"], s_gx, exact=False, norm_after_rope=norm_after_rope,
                                 saved_rotated=False, eps=eps, finish_outside=False, cfg=cfg, variant=variant,
-                                gg=slot["grad_gate"], xv=slot["saved_v"])
+                                gg=slot["grad_gate"], xv=slot["saved_v"], row_amax=row_amax, col_amax=col_amax)
     table.release()
     aligned = all(t.data_ptr() % 16 == 0 for t in (gq, gk, gv, qkv, q_norm_weight, k_norm_weight, cos, sin,
                                                     like["grad_gate"]) if t is not None)
@@ -236,11 +245,12 @@ def training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_
         tensors += (q_norm_weight, k_norm_weight)
     if grad_gate is not None:
         tensors += (grad_gate,)
+    stage_amax = bool(fp8_key) and fp8.STAGE_AMAX and fp8.DUAL_CASTS
     scalars = (num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b, variant,
-               q_norm_weight is None, grad_gate is None, fp8_key)
+               q_norm_weight is None, grad_gate is None, fp8_key, stage_amax)
     build_args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
                   num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b, grad_gate,
-                  variant, fp8_key)
+                  variant, fp8_key, stage_amax)
     call = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, grad_gate)
     plan = PLANS.lookup(tensors, scalars, build_args)
     try:
