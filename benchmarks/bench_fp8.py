@@ -7,10 +7,12 @@ weights and inputs (bf16 activations and weights, all trainable):
   torchao       torchao's Float8Linear (rowwise) on the fused q/k/v weight, then HF's RMSNorm and
                 RoPE, under torch.compile (inductor, one static compile per size)
   bf16_floor    the three GEMMs through cuBLAS: x W^T, dQKV W, dQKV^T X
-  fp8_<r>_old   (--old-casts, rowwise and tensorwise) fp8=<r> with fusedqkv.ops.fp8.DUAL_CASTS and
-                DUAL_WEIGHT_CASTS off: dQKV and W cast once per GEMM (session 20's casts)
-  fp8_<r>_s21   (--old-casts) fp8=<r> with DUAL_WEIGHT_CASTS off alone: dQKV's two casts from two reads
-                (session 21), W cast by each GEMM instead of once in the forward for both (session 22)
+  fp8_<r>_old   (--old-casts, rowwise and tensorwise) fp8=<r> with fusedqkv.ops.fp8.DUAL_CASTS,
+                DUAL_WEIGHT_CASTS and KEEP_INPUT_AMAX off: dQKV, W and x cast once per GEMM (session 20's)
+  fp8_<r>_s21   (--old-casts) fp8=<r> with DUAL_WEIGHT_CASTS and KEEP_INPUT_AMAX off: dQKV's two casts from
+                two reads (session 21), W cast by each GEMM instead of once in the forward for both
+  fp8_<r>_s22   (--old-casts) fp8=<r> with KEEP_INPUT_AMAX off alone: dW's cast of x finds x's amaxes
+                itself instead of keeping the forward's (session 22's casts)
   fp8_floor     the three torch._scaled_mm calls of the rowwise recipe on operands cast beforehand,
                 as the block issues them (rowwise scales in cuBLASLt's epilogue; fast accumulation in
                 the forward only): no cast, no stage
@@ -158,16 +160,16 @@ class Row:
         return call
 
     @staticmethod
-    def dual_casts(fn, dqkv: bool, weight: bool):
-        """``fn`` with fp8.DUAL_CASTS set to ``dqkv`` and fp8.DUAL_WEIGHT_CASTS to ``weight`` while it
-        runs (and while it is captured)."""
+    def dual_casts(fn, dqkv: bool, weight: bool, input_amax: bool):
+        """``fn`` with fp8.DUAL_CASTS set to ``dqkv``, fp8.DUAL_WEIGHT_CASTS to ``weight`` and
+        fp8.KEEP_INPUT_AMAX to ``input_amax`` while it runs (and while it is captured)."""
         def call():
-            prev = fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS
-            fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS = dqkv, weight
+            prev = fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.KEEP_INPUT_AMAX
+            fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.KEEP_INPUT_AMAX = dqkv, weight, input_amax
             try:
                 return fn()
             finally:
-                fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS = prev
+                fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.KEEP_INPUT_AMAX = prev
         return call
 
     def errors(self):
@@ -200,8 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also each fp8 provider's GPU kernels over 3 eager fwd+bwd calls (torch.profiler)")
     ap.add_argument("--old-casts", action="store_true",
-                    help="also time fp8_{rowwise,tensorwise}_old (fp8.DUAL_CASTS and DUAL_WEIGHT_CASTS off: session "
-                         "20's casts) and fp8_{rowwise,tensorwise}_s21 (DUAL_WEIGHT_CASTS off: session 21's)")
+                    help="also time fp8_{rowwise,tensorwise}_old (fp8.DUAL_CASTS, DUAL_WEIGHT_CASTS and "
+                         "KEEP_INPUT_AMAX off: session 20's casts), _s21 (DUAL_WEIGHT_CASTS and KEEP_INPUT_AMAX "
+                         "off: session 21's) and _s22 (KEEP_INPUT_AMAX off: session 22's)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     raise_compile_limits(64)
@@ -222,8 +225,9 @@ def main(argv=None) -> int:
         fns.update({f"fp8_{r}": row.fwd_bwd(row.fused(r)) for r in RECIPES})
         if args.old_casts:
             for r in ("rowwise", "tensorwise"):
-                fns[f"fp8_{r}_old"] = row.dual_casts(row.fwd_bwd(row.fused(r)), False, False)
-                fns[f"fp8_{r}_s21"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, False)
+                fns[f"fp8_{r}_old"] = row.dual_casts(row.fwd_bwd(row.fused(r)), False, False, False)
+                fns[f"fp8_{r}_s21"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, False, False)
+                fns[f"fp8_{r}_s22"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, True, False)
         fns.update(torchao=row.torchao_call(compiled), bf16_floor=row.bf16_floor(), fp8_floor=row.fp8_floor())
         err = row.errors()
         ms = time_providers(fns, args.reps, flusher)
@@ -243,6 +247,8 @@ def main(argv=None) -> int:
             r["tensorwise_over_old"] = med["fp8_tensorwise"] / med["fp8_tensorwise_old"]
             r["rowwise_over_s21"] = f / med["fp8_rowwise_s21"]
             r["tensorwise_over_s21"] = med["fp8_tensorwise"] / med["fp8_tensorwise_s21"]
+            r["rowwise_over_s22"] = f / med["fp8_rowwise_s22"]
+            r["tensorwise_over_s22"] = med["fp8_tensorwise"] / med["fp8_tensorwise_s22"]
         if args.profile and device.type == "cuda":
             r["kernels"] = {p: kernel_profile(fns[p], 3, 16) for p in fns if p.startswith("fp8_")}
             for p, ks in r["kernels"].items():
@@ -270,6 +276,9 @@ def main(argv=None) -> int:
             print(f"{'':<29} session 21's casts: fp8_rowwise_s21 {m['fp8_rowwise_s21']:.3f} ms (new/s21 "
                   f"{r['rowwise_over_s21']:.3f}), fp8_tensorwise_s21 {m['fp8_tensorwise_s21']:.3f} ms (new/s21 "
                   f"{r['tensorwise_over_s21']:.3f})")
+            print(f"{'':<29} session 22's casts: fp8_rowwise_s22 {m['fp8_rowwise_s22']:.3f} ms (new/s22 "
+                  f"{r['rowwise_over_s22']:.3f}), fp8_tensorwise_s22 {m['fp8_tensorwise_s22']:.3f} ms (new/s22 "
+                  f"{r['tensorwise_over_s22']:.3f})")
     return 0 if all(r["pass"] for r in out) else 1
 
 
