@@ -566,12 +566,12 @@ FP8_KERNELS = {
     "fp8_rowwise_whole": ("rowwise_cast_kernel", dict(ROWS=1, BLOCK_C=8192, WHOLE_ROW=True),
                           ("x_ptr", "y_ptr", "inv_ptr")),
     # the rowwise cast of x that also stores its column amaxes' partials (ops/fp8.input_cast_keeping_amax):
-    # 16 rows per program, 2 whole rows of 4096 at a time (8 warps) or 16 rows in 256-column chunks
+    # 16 rows per program, one whole row of 4096 at a time (8 warps) or 16 rows in 256-column chunks
     "fp8_rowwise_colamax": ("rowwise_cast_colamax_kernel",
                             dict(PART_ROWS=16, ROWS=16, BLOCK_C=256, WHOLE_ROW=False),
                             ("x_ptr", "y_ptr", "inv_ptr", "cpart_ptr")),
     "fp8_rowwise_colamax_whole": ("rowwise_cast_colamax_kernel",
-                                  dict(PART_ROWS=16, ROWS=2, BLOCK_C=4096, WHOLE_ROW=True),
+                                  dict(PART_ROWS=16, ROWS=1, BLOCK_C=4096, WHOLE_ROW=True),
                                   ("x_ptr", "y_ptr", "inv_ptr", "cpart_ptr")),
     "fp8_tile_amax": ("tile_amax_kernel", dict(BR=128, BC=64), ("x_ptr", "part_ptr")),
     "fp8_cast": ("cast_kernel", dict(BR=128, BC=64, BP=64), ("x_ptr", "y_ptr", "part_ptr", "inv_ptr")),
@@ -682,11 +682,11 @@ def fp8_weight_jobs() -> list:
 
 # x's cast with its amaxes kept for dW (fp8.input_cast_keeping_amax) as the GPU runs it on sm_90 and sm_100a:
 # a bf16 x, hidden a multiple of 16; the rowwise cast with column partials at the launcher's whole-row
-# steps (hidden 4096: 2 rows of 4096; 5120 and 8192: 1 row of 8192; 2048: 1 of 2048 at 4 warps) and its
+# steps (hidden 4096: 1 row of 4096; 5120 and 8192: 1 row of 8192; 2048: 1 of 2048 at 4 warps) and its
 # chunked loops (above 8192), the partials' reduction (tile amax of fp32), the per-column cast from them
 # (rowwise: e4m3, pow2) and the tensorwise recipe's cast of x (its tile amax and cast as before, jobs above)
 FP8_INPUT_AMAX_ROWWISE = {  # label -> (ROWS, BLOCK_C, WHOLE_ROW, num_warps), PART_ROWS 16
-    "k4096": (2, 4096, True, 8), "k8192": (1, 8192, True, 8), "k2048": (1, 2048, True, 4),
+    "k4096": (1, 4096, True, 8), "k8192": (1, 8192, True, 8), "k2048": (1, 2048, True, 4),
     "chunked": (16, 256, False, 4),
 }
 

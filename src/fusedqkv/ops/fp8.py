@@ -218,9 +218,10 @@ def _rowwise_colamax_triton(t: torch.Tensor, cast: Cast, pow2: bool):
     y = torch.empty((R, C), dtype=cast.dtype, device=t.device)
     inv = torch.empty((R, 1), dtype=torch.float32, device=t.device)
     whole = next_pow2(C) <= _WHOLE_ROW_MAX
-    if whole:  # rows at a time: 8192 values per step at 8 warps (32 a thread), 2048 at 4 warps for short rows
+    if whole:  # rowwise_cast_kernel's rows at a time (its registers per step: up to 32 fp32 a thread), looped
+        # over a partial's rows; programs light enough for one wave at 8192 tokens and more
         block = next_pow2(C)
-        rows = max(1, (8192 if block >= 4096 else 2048) // block)
+        rows = 1 if C > 2048 else max(1, 2048 // block)
         part_rows, warps = max(_PART_ROWS, rows), 8 if block >= 4096 else 4
     else:  # a program's rows all in each column chunk: as many values per chunk as rowwise_cast_kernel's
         part_rows = rows = _PART_ROWS
