@@ -218,8 +218,8 @@ def _rowwise_colamax_triton(t: torch.Tensor, cast: Cast, pow2: bool):
     y = torch.empty((R, C), dtype=cast.dtype, device=t.device)
     inv = torch.empty((R, 1), dtype=torch.float32, device=t.device)
     whole = next_pow2(C) <= _WHOLE_ROW_MAX
-    if whole:  # rowwise_cast_kernel's rows at a time (its registers per step: up to 32 fp32 a thread), looped
-        # over a partial's rows; programs light enough for one wave at 8192 tokens and more
+    if whole:  # rowwise_cast_kernel's rows and warps per step (up to 32 fp32 a thread), looped over a
+        # partial's rows; the running column max adds as many registers again at most
         block = next_pow2(C)
         rows = 1 if C > 2048 else max(1, 2048 // block)
         part_rows, warps = max(_PART_ROWS, rows), 8 if block >= 4096 else 4
