@@ -7,12 +7,15 @@ weights and inputs (bf16 activations and weights, all trainable):
   torchao       torchao's Float8Linear (rowwise) on the fused q/k/v weight, then HF's RMSNorm and
                 RoPE, under torch.compile (inductor, one static compile per size)
   bf16_floor    the three GEMMs through cuBLAS: x W^T, dQKV W, dQKV^T X
-  fp8_<r>_old   (--old-casts, rowwise and tensorwise) fp8=<r> with fusedqkv.ops.fp8.DUAL_CASTS and
-                DUAL_WEIGHT_CASTS off: dQKV and W cast once per GEMM (session 20's casts)
-  fp8_<r>_s21   (--old-casts) fp8=<r> with DUAL_WEIGHT_CASTS and STAGE_AMAX off: dQKV's two casts from two
-                reads (session 21), W cast by each GEMM instead of once in the forward for both (session 22)
-  fp8_<r>_s22   (--old-casts) fp8=<r> with fp8.STAGE_AMAX off alone: dQKV's amaxes from a pass of their
+  fp8_<r>_old   (--old-casts, rowwise and tensorwise) fp8=<r> with fusedqkv.ops.fp8.DUAL_CASTS,
+                DUAL_WEIGHT_CASTS, STAGE_AMAX and KEEP_INPUT_AMAX off: dQKV, W and x cast once per GEMM
+                (session 20's casts)
+  fp8_<r>_s21   (--old-casts) fp8=<r> with DUAL_WEIGHT_CASTS, STAGE_AMAX and KEEP_INPUT_AMAX off: dQKV's two
+                casts from two reads (session 21), W cast by each GEMM instead of once in the forward for both
+  fp8_<r>_nostage (--old-casts) fp8=<r> with fp8.STAGE_AMAX off alone: dQKV's amaxes from a pass of their
                 own instead of the partials the backward stage writes as it stores dQKV
+  fp8_<r>_nokeep  (--old-casts) fp8=<r> with fp8.KEEP_INPUT_AMAX off alone: dW's cast of x finds x's
+                amaxes itself instead of keeping the forward's
   fp8_floor     the three torch._scaled_mm calls of the rowwise recipe on operands cast beforehand,
                 as the block issues them (rowwise scales in cuBLASLt's epilogue; fast accumulation in
                 the forward only): no cast, no stage
@@ -160,16 +163,18 @@ class Row:
         return call
 
     @staticmethod
-    def dual_casts(fn, dqkv: bool, weight: bool, stage_amax: bool = False):
-        """``fn`` with fp8.DUAL_CASTS set to ``dqkv``, fp8.DUAL_WEIGHT_CASTS to ``weight`` and
-        fp8.STAGE_AMAX to ``stage_amax`` while it runs (and while it is captured)."""
+    def dual_casts(fn, dqkv: bool, weight: bool, stage_amax: bool, input_amax: bool):
+        """``fn`` with fp8.DUAL_CASTS set to ``dqkv``, fp8.DUAL_WEIGHT_CASTS to ``weight``,
+        fp8.STAGE_AMAX to ``stage_amax`` and fp8.KEEP_INPUT_AMAX to ``input_amax`` while it runs (and
+        while it is captured)."""
         def call():
-            prev = fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX
-            fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX = dqkv, weight, stage_amax
+            prev = fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX, fp8.KEEP_INPUT_AMAX
+            fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX, fp8.KEEP_INPUT_AMAX = (dqkv, weight, stage_amax,
+                                                                                          input_amax)
             try:
                 return fn()
             finally:
-                fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX = prev
+                fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX, fp8.KEEP_INPUT_AMAX = prev
         return call
 
     def errors(self):
@@ -202,9 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also each fp8 provider's GPU kernels over 3 eager fwd+bwd calls (torch.profiler)")
     ap.add_argument("--old-casts", action="store_true",
-                    help="also time fp8_{rowwise,tensorwise}_old (fp8.DUAL_CASTS and DUAL_WEIGHT_CASTS off: session "
-                         "20's casts), fp8_{rowwise,tensorwise}_s21 (DUAL_WEIGHT_CASTS and STAGE_AMAX off: session "
-                         "21's) and fp8_{rowwise,tensorwise}_s22 (STAGE_AMAX off: dQKV's amax pass of its own)")
+                    help="also time fp8_{rowwise,tensorwise}_old (fp8.DUAL_CASTS, DUAL_WEIGHT_CASTS, STAGE_AMAX "
+                         "and KEEP_INPUT_AMAX off: session 20's casts), _s21 (all but DUAL_CASTS off: session 21's), "
+                         "_nostage (STAGE_AMAX off alone) and _nokeep (KEEP_INPUT_AMAX off alone)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     raise_compile_limits(64)
@@ -225,9 +230,10 @@ def main(argv=None) -> int:
         fns.update({f"fp8_{r}": row.fwd_bwd(row.fused(r)) for r in RECIPES})
         if args.old_casts:
             for r in ("rowwise", "tensorwise"):
-                fns[f"fp8_{r}_old"] = row.dual_casts(row.fwd_bwd(row.fused(r)), False, False)
-                fns[f"fp8_{r}_s21"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, False)
-                fns[f"fp8_{r}_s22"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, True, False)
+                fns[f"fp8_{r}_old"] = row.dual_casts(row.fwd_bwd(row.fused(r)), False, False, False, False)
+                fns[f"fp8_{r}_s21"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, False, False, False)
+                fns[f"fp8_{r}_nostage"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, True, False, True)
+                fns[f"fp8_{r}_nokeep"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, True, True, False)
         fns.update(torchao=row.torchao_call(compiled), bf16_floor=row.bf16_floor(), fp8_floor=row.fp8_floor())
         err = row.errors()
         ms = time_providers(fns, args.reps, flusher)
@@ -247,8 +253,9 @@ def main(argv=None) -> int:
             r["tensorwise_over_old"] = med["fp8_tensorwise"] / med["fp8_tensorwise_old"]
             r["rowwise_over_s21"] = f / med["fp8_rowwise_s21"]
             r["tensorwise_over_s21"] = med["fp8_tensorwise"] / med["fp8_tensorwise_s21"]
-            r["rowwise_over_s22"] = f / med["fp8_rowwise_s22"]
-            r["tensorwise_over_s22"] = med["fp8_tensorwise"] / med["fp8_tensorwise_s22"]
+            for tag in ("nostage", "nokeep"):
+                r[f"rowwise_over_{tag}"] = f / med[f"fp8_rowwise_{tag}"]
+                r[f"tensorwise_over_{tag}"] = med["fp8_tensorwise"] / med[f"fp8_tensorwise_{tag}"]
         if args.profile and device.type == "cuda":
             r["kernels"] = {p: kernel_profile(fns[p], 3, 16) for p in fns if p.startswith("fp8_")}
             for p, ks in r["kernels"].items():
@@ -276,9 +283,12 @@ def main(argv=None) -> int:
             print(f"{'':<29} session 21's casts: fp8_rowwise_s21 {m['fp8_rowwise_s21']:.3f} ms (new/s21 "
                   f"{r['rowwise_over_s21']:.3f}), fp8_tensorwise_s21 {m['fp8_tensorwise_s21']:.3f} ms (new/s21 "
                   f"{r['tensorwise_over_s21']:.3f})")
-            print(f"{'':<29} dQKV's amax pass (no stage partials): fp8_rowwise_s22 {m['fp8_rowwise_s22']:.3f} ms "
-                  f"(new/s22 {r['rowwise_over_s22']:.3f}), fp8_tensorwise_s22 {m['fp8_tensorwise_s22']:.3f} ms "
-                  f"(new/s22 {r['tensorwise_over_s22']:.3f})")
+            print(f"{'':<29} dQKV's amax pass (no stage partials): fp8_rowwise_nostage {m['fp8_rowwise_nostage']:.3f} "
+                  f"ms (new/nostage {r['rowwise_over_nostage']:.3f}), fp8_tensorwise_nostage "
+                  f"{m['fp8_tensorwise_nostage']:.3f} ms (new/nostage {r['tensorwise_over_nostage']:.3f})")
+            print(f"{'':<29} x's amaxes not kept: fp8_rowwise_nokeep {m['fp8_rowwise_nokeep']:.3f} ms (new/nokeep "
+                  f"{r['rowwise_over_nokeep']:.3f}), fp8_tensorwise_nokeep {m['fp8_tensorwise_nokeep']:.3f} ms "
+                  f"(new/nokeep {r['tensorwise_over_nokeep']:.3f})")
     return 0 if all(r["pass"] for r in out) else 1
 
 

@@ -574,6 +574,14 @@ FP8_KERNELS = {
     "fp8_rowwise": ("rowwise_cast_kernel", dict(ROWS=4, BLOCK_C=1024, WHOLE_ROW=False), ("x_ptr", "y_ptr", "inv_ptr")),
     "fp8_rowwise_whole": ("rowwise_cast_kernel", dict(ROWS=1, BLOCK_C=8192, WHOLE_ROW=True),
                           ("x_ptr", "y_ptr", "inv_ptr")),
+    # the rowwise cast of x that also stores its column amaxes' partials (ops/fp8.input_cast_keeping_amax):
+    # 16 rows per program, one whole row of 4096 at a time (8 warps) or 16 rows in 256-column chunks
+    "fp8_rowwise_colamax": ("rowwise_cast_colamax_kernel",
+                            dict(PART_ROWS=16, ROWS=16, BLOCK_C=256, WHOLE_ROW=False),
+                            ("x_ptr", "y_ptr", "inv_ptr", "cpart_ptr")),
+    "fp8_rowwise_colamax_whole": ("rowwise_cast_colamax_kernel",
+                                  dict(PART_ROWS=16, ROWS=1, BLOCK_C=4096, WHOLE_ROW=True),
+                                  ("x_ptr", "y_ptr", "inv_ptr", "cpart_ptr")),
     "fp8_tile_amax": ("tile_amax_kernel", dict(BR=128, BC=64), ("x_ptr", "part_ptr")),
     "fp8_cast": ("cast_kernel", dict(BR=128, BC=64, BP=64), ("x_ptr", "y_ptr", "part_ptr", "inv_ptr")),
     "fp8_outer_scale": ("outer_scale_kernel", dict(BR=128, BC=64), ("y_ptr", "a_ptr", "b_ptr")),
@@ -620,14 +628,15 @@ def _fp8_job(family, cc, ints, src="bf16", f8="fp8e4nv", pow2=True, per_column=T
     name, consts, ptrs = FP8_KERNELS[family]
     consts = dict(consts)
     fmax = {"fp8e4nv": 448.0, "fp8e5": 57344.0}[f8]
-    if family in ("fp8_rowwise", "fp8_rowwise_whole", "fp8_cast"):
+    if family in ("fp8_rowwise", "fp8_rowwise_whole", "fp8_cast", "fp8_rowwise_colamax", "fp8_rowwise_colamax_whole"):
         consts.update(FP8_MAX=fmax, POW2=pow2)
     if family == "fp8_cast":
         consts.update(PER_COLUMN=per_column, TRANSPOSE=transpose)
     types = dict(x_ptr="*" + src, y_ptr="*" + (src if family == "fp8_outer_scale" else f8), inv_ptr="*fp32",
-                 part_ptr="*fp32", a_ptr="*fp32", b_ptr="*fp32")
+                 part_ptr="*fp32", a_ptr="*fp32", b_ptr="*fp32", cpart_ptr="*fp32")
+    warps = 8 if family in ("fp8_rowwise_whole", "fp8_rowwise_colamax_whole") else 4
     return dict(kernel=f"fp8_cast.{name}", cc=cc, consts=consts, types={k: types[k] for k in ptrs}, ints=ints,
-                one=one, options={"num_warps": 8 if family == "fp8_rowwise_whole" else 4}, level=level,
+                one=one, options={"num_warps": warps}, level=level,
                 label=f"{family} sm{cc} {src}->{f8} pow2={pow2} col={per_column} t={transpose} ints={ints}"
                       f"{'' if one is None else ' one=' + one}")
 
@@ -659,7 +668,7 @@ def fp8_jobs() -> list:
             if family == "fp8_dual_amax":
                 axes = dict(cc=FP8_TARGETS, ints=INT_MODES, src=axes["src"], row_per=(True, False))
         jobs += [_fp8_job(family, **r) for r in pairwise(axes, seed=3)]
-    return jobs + fp8_weight_jobs()
+    return jobs + fp8_weight_jobs() + fp8_input_amax_jobs()
 
 
 # W's two casts as each recipe's forward makes them (fp8.weight_casts: a bf16 W, sizes in multiples of 16;
@@ -704,6 +713,31 @@ def stage_amax_jobs() -> list:
     j = _fp8_job("fp8_dual_cast", 90, "div16", f8="fp8e5", pow2=False, row_per=False, col_per=False)
     j["types"].update(tamax_ptr="*bf16")
     jobs.append(dict(j, label=f"{j['label']} stage_amax"))
+    return jobs
+
+
+# x's cast with its amaxes kept for dW (fp8.input_cast_keeping_amax) as the GPU runs it on sm_90 and sm_100a:
+# a bf16 x, hidden a multiple of 16; the rowwise cast with column partials at the launcher's whole-row
+# steps (hidden 4096: 1 row of 4096; 5120 and 8192: 1 row of 8192; 2048: 1 of 2048 at 4 warps) and its
+# chunked loops (above 8192), the partials' reduction (tile amax of fp32), the per-column cast from them
+# (rowwise: e4m3, pow2) and the tensorwise recipe's cast of x (its tile amax and cast as before, jobs above)
+FP8_INPUT_AMAX_ROWWISE = {  # label -> (ROWS, BLOCK_C, WHOLE_ROW, num_warps), PART_ROWS 16
+    "k4096": (1, 4096, True, 8), "k8192": (1, 8192, True, 8), "k2048": (1, 2048, True, 4),
+    "chunked": (16, 256, False, 4),
+}
+
+
+def fp8_input_amax_jobs() -> list:
+    jobs = []
+    for cc in PRODUCT_TARGETS:
+        for tag, (rows, block, whole, warps) in FP8_INPUT_AMAX_ROWWISE.items():
+            j = _fp8_job("fp8_rowwise_colamax_whole" if whole else "fp8_rowwise_colamax", cc, "div16")
+            j = dict(j, consts=dict(j["consts"], ROWS=rows, BLOCK_C=block), options={"num_warps": warps})
+            jobs.append(dict(j, label=f"{j['label']} input={tag}", no_spill=True))
+        j = _fp8_job("fp8_tile_amax", cc, "div16", src="fp32")
+        jobs.append(dict(j, label=f"{j['label']} input=partials"))
+        j = _fp8_job("fp8_cast", cc, "div16", per_column=True, transpose=True)
+        jobs.append(dict(j, label=f"{j['label']} input=dw"))
     return jobs
 
 

@@ -695,3 +695,162 @@ def test_dual_cast_from_given_partials_equals_the_amax_pass_bitwise(interpret, m
     if not col_cast.tensorwise:
         with pytest.raises(ValueError, match="parts"):
             fp8._dual_triton(t, row_cast, col_cast, pow2, parts=(rows, None))
+
+
+# ------------------------------------------------------------------ x's amaxes for dW found by the forward's cast
+
+_INPUT_CASTS = {  # recipes whose dW GEMM casts x, and custom mixes (forward's cast of x, dW's cast of x)
+    "rowwise": fp8.RECIPES["rowwise"],
+    "tensorwise": fp8.RECIPES["tensorwise"],
+    "input_axis_dw_tensor": fp8.Fp8Recipe("custom", fp8._A, fp8._A, fp8._A, fp8._A, fp8.Cast(fp8.E5M2, True),
+                                          fp8.Cast(fp8.E5M2, True), False),
+    "input_tensor_dw_axis": fp8.Fp8Recipe("custom", fp8._T, fp8._T, fp8._A, fp8._A, fp8._A, fp8._A, True),
+}
+
+
+def _input_amax_tiles(monkeypatch, whole_row: bool):
+    """Small tiles: several partials of rows, several blocks of partials in the forward's reduction
+    (the last ones partial), more than the backward's cast reduces per step; ``whole_row`` False:
+    the rowwise cast's column-chunk loops (rows of 80 > 64, chunks of 32)."""
+    _small_tiles(monkeypatch)
+    monkeypatch.setattr(fp8, "_BR", 2)
+    monkeypatch.setattr(fp8, "_PART_ROWS", 4)
+    if not whole_row:
+        monkeypatch.setattr(fp8, "_WHOLE_ROW_MAX", 64)
+        monkeypatch.setattr(fp8, "_BLOCK_C", 32)
+
+
+@pytest.mark.parametrize("which", list(_INPUT_CASTS))
+@pytest.mark.parametrize("shape", [(37, 80), (53, 48)])
+@pytest.mark.parametrize("whole_row", [True, False])
+def test_input_cast_keeping_amax_equals_the_one_cast_kernels_bitwise(interpret, monkeypatch, which, shape, whole_row):
+    """The forward's cast of x with x's amaxes for dW kept gives the one-cast kernels' codes and
+    scales (same interpreter); dW's cast of x from the kept amaxes (no pass over x for them) gives
+    the codes and scales of the cast that finds them itself, and torchao's steps' scales (bitwise)."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    _input_amax_tiles(monkeypatch, whole_row)
+    r = _INPUT_CASTS[which]
+    pow2 = r.round_scales_to_power_of_2
+    M, K = shape
+    x = _dual_operand(M, K, M + 1) * 3
+    (xa, xs), x_amax = fp8.input_cast_keeping_amax(x, r)
+    want_a, want_as = fp8.cast_rows(x, r.input, pow2)
+    assert torch.equal(xa.view(torch.uint8), want_a.view(torch.uint8)) and torch.equal(xs, want_as)
+    dw_cast = r.input_for_grad_weight
+    assert x_amax.dtype == torch.float32 and x_amax.shape[-1] == (1 if dw_cast.tensorwise else K)
+    xt, xts = fp8.cast_columns_t(x, dw_cast, pow2, 16, amax=x_amax)
+    want_t, want_ts = fp8.cast_columns_t(x, dw_cast, pow2, 16)
+    assert xt.shape == want_t.shape == (K, 48 if M == 37 else 64)
+    assert torch.equal(xt.view(torch.uint8), want_t.view(torch.uint8))
+    assert xts.shape == want_ts.shape and torch.equal(xts, want_ts)
+    assert torch.equal(xts.reshape(-1), fp8.cast_torch(x, dw_cast, 0, pow2)[1].reshape(-1))
+
+
+@pytest.mark.parametrize("whole_row", [True, False])
+def test_input_amax_drops_no_partial(interpret, monkeypatch, whole_row):
+    """Every column's amax in x's last row (in the last, partial, block of rows and the last, partial,
+    block of partials), every row's in the last column (the last, partial, column chunk), and 37 rows:
+    a row, partial or column left out of a reduction (a mask or loop bound off by one) changes a scale."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    _input_amax_tiles(monkeypatch, whole_row)
+    M, K = 37, 80  # partials of 4 rows: 10, the last of 1 row; blocks of 2 partials: 5, the last of 1
+    x = torch.rand(M, K) * 0.5
+    x[:, -1] = torch.linspace(8, 300, M)
+    x[-1, :-1] = torch.linspace(4, 200, K - 1)
+    x = x.to(torch.bfloat16)
+    r = fp8.RECIPES["rowwise"]
+    (_, xs), x_amax = fp8.input_cast_keeping_amax(x, r)
+    _, xts = fp8.cast_columns_t(x, r.input_for_grad_weight, True, 16, amax=x_amax)
+    cast = fp8.Cast(fp8.E4M3)
+    assert torch.equal(xs, fp8.cast_torch(x, cast, -1, True)[1])
+    assert torch.equal(xts, fp8.cast_torch(x, cast, 0, True)[1])
+    # without pow2, every scale distinct: a dropped row or partial shows as a changed one
+    r = fp8.Fp8Recipe("custom", cast, cast, cast, cast, cast, cast, False)
+    (_, xs), x_amax = fp8.input_cast_keeping_amax(x, r)
+    _, xts = fp8.cast_columns_t(x, cast, False, 16, amax=x_amax)
+    assert torch.equal(xs, fp8.cast_torch(x, cast, -1, False)[1])
+    assert torch.equal(xts, fp8.cast_torch(x, cast, 0, False)[1])
+    assert len(set(xs.flatten().tolist())) == M and len(set(xts.flatten().tolist())) == K
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gemms_with_the_kept_input_amax_equal_the_one_cast_path_bitwise(interpret, monkeypatch, name):
+    """fp8.forward with x's cast and fp8.backward with x's amaxes, both from
+    fp8.input_cast_keeping_amax, equal bitwise the GEMMs that cast x themselves (nothing kept where
+    dW is in high precision, or with the flag off); amaxes or a cast of another shape are refused
+    naming the argument."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    torch.manual_seed(9)
+    tokens, K, N = 37, 64, 96
+    x = torch.randn(tokens, K, dtype=torch.bfloat16) * 3
+    x[-1, -1] = 40.0  # an outlier in the last row and column
+    w = torch.randn(N, K, dtype=torch.bfloat16) * 0.05
+    g = torch.randn(tokens, N, dtype=torch.bfloat16)
+    r = fp8.RECIPES[name]
+    kept = fp8.input_cast_keeping_amax(x, r)
+    if r.input_for_grad_weight.dtype is None:
+        assert kept is None
+        return
+    x_fwd, x_amax = kept
+    assert torch.equal(fp8.forward(x, w, r, x_cast=x_fwd), fp8.forward(x, w, r))
+    got = fp8.backward(g, x, w, r, True, True, x_amax=x_amax)
+    want = fp8.backward(g, x, w, r, True, True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="x_amax"):
+        fp8.grad_weight(g, x, r, x_amax=torch.zeros(1, K + 16))
+    with pytest.raises(ValueError, match="x_cast"):
+        fp8.forward(x[:16], w, r, x_cast=x_fwd)
+    monkeypatch.setattr(fp8, "KEEP_INPUT_AMAX", False)
+    assert fp8.input_cast_keeping_amax(x, r) is None
+
+
+def test_block_keeps_x_amaxes_only_where_the_backward_casts_x_for_dw(interpret, monkeypatch):
+    """The block's eager fwd+bwd with x's amaxes for dW found by the forward's cast of x and kept
+    equals, bitwise, the path where dW's cast finds them (fp8.KEEP_INPUT_AMAX off); the backward
+    then makes no amax pass over x. Nothing kept where dW is not needed or grad is off."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    passes, asked = [], []  # shapes of the tensors tile_amax_kernel passes over; recipes the forward asks to keep
+    part, keep = fp8._part_triton, fp8.input_cast_keeping_amax
+    monkeypatch.setattr(fp8, "_part_triton", lambda t: passes.append(tuple(t.shape)) or part(t))
+    monkeypatch.setattr(fp8, "input_cast_keeping_amax", lambda x, r: asked.append(r.name) or keep(x, r))
+    torch.manual_seed(10)
+    B, S, hq, hkv, d, K = 1, 37, 4, 2, 16, 64
+    M, N = B * S, (hq + 2 * hkv) * d
+    base = [torch.randn(B, S, K, dtype=torch.bfloat16), torch.randn(N, K, dtype=torch.bfloat16) * 0.05,
+            torch.rand(d) + 0.5, torch.rand(d) + 0.5]
+    base[0][0, -1, -1] = 30.0  # x's outlier in the last row and column
+    ang = torch.randn(B, S, d)
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    gs = None
+
+    def run(name, need_w=True):
+        nonlocal gs
+        inputs = [t.clone().requires_grad_(i != 1 or need_w) for i, t in enumerate(base)]
+        out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
+                                            qk_norm_position="after_rope", fp8=name, backend="torch")
+        gs = gs or [torch.randn_like(o) for o in out]
+        torch.autograd.backward(out, gs)
+        return list(out) + [t.grad for t in inputs]
+
+    x_passes = {"rowwise": (0, 1), "tensorwise": (1, 2), "rowwise_with_gw_hp": (0, 0)}  # kept, not kept
+    for name in NAMES:
+        passes.clear()
+        asked.clear()
+        got = run(name)
+        assert asked == [name] and passes.count((M, K)) == x_passes[name][0], passes
+        monkeypatch.setattr(fp8, "KEEP_INPUT_AMAX", False)
+        passes.clear()
+        want = run(name)
+        assert passes.count((M, K)) == x_passes[name][1], passes
+        monkeypatch.setattr(fp8, "KEEP_INPUT_AMAX", True)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        asked.clear()
+        run(name, need_w=False)  # no dW: x's forward cast alone
+        assert not asked
+    with torch.no_grad():
+        fusedqkv.gqa_qkv_rope_qk_norm(*[t.clone().requires_grad_() for t in base], cos, sin, num_heads=hq,
+                                      num_kv_heads=hkv, eps=1e-6, qk_norm_position="after_rope", fp8="rowwise",
+                                      backend="torch")
+    assert not asked

@@ -292,3 +292,68 @@ def test_block_with_the_stage_amax_partials_equals_the_amax_pass_bitwise(name, b
     assert (cols is None) == (name == "tensorwise")
     if cols is not None:
         assert torch.equal(cols.float().amax(0), a.amax(0))
+
+
+# x's amaxes for dW's cast of x found by the forward's cast of x and kept (fp8.input_cast_keeping_amax)
+
+
+@cuda
+@pytest.mark.parametrize("name", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("shape", [(8192, 4096), (8193, 5120), (131, 2048), (1000, 16384)])
+def test_input_cast_keeping_amax_equals_the_one_cast_path_and_torchaos_steps_bitwise(name, shape):
+    """x's forward cast with x's amaxes kept, and dW's cast of x from them, at the launcher's whole-row
+    steps (hidden 4096, 5120, 2048) and its chunked loops (16384): codes and scales bitwise the casts
+    that find x's amaxes themselves, and torchao's steps."""
+    r = fp8.RECIPES[name]
+    pow2 = r.round_scales_to_power_of_2
+    x = _operand(*shape, seed=shape[0] + 17) / 1e3
+    x[-1, -1] = -9.0  # the largest magnitude in the last row (its partial and block) and the last column
+    (xa, xs), x_amax = fp8.input_cast_keeping_amax(x, r)
+    a, a_inv = fp8.cast_rows(x, r.input, pow2)
+    assert torch.equal(xa.view(torch.uint8), a.view(torch.uint8)) and torch.equal(xs, a_inv)
+    xt, xts = fp8.cast_columns_t(x, r.input_for_grad_weight, pow2, 16, amax=x_amax)
+    b, b_inv = fp8.cast_columns_t(x, r.input_for_grad_weight, pow2, 16)
+    assert torch.equal(xt.view(torch.uint8), b.view(torch.uint8)) and torch.equal(xts, b_inv)
+    for got, inv, cast, dim in ((xa, xs, r.input, -1), (xt[:, :shape[0]].t(), xts, r.input_for_grad_weight, 0)):
+        want, want_inv = fp8.cast_torch(x, cast, dim, pow2)
+        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+        assert torch.equal(inv.reshape(want_inv.shape), want_inv)
+
+
+@cuda
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tokens", [2048, 131])
+def test_block_with_the_kept_input_amax_equals_the_old_path_bitwise(name, tokens, monkeypatch):
+    """The block's fwd+bwd (091's head layout at hidden 1024) with x's amaxes for dW found by the
+    forward's cast of x and kept: outputs, dX, dW and the norm weights' gradients bitwise
+    KEEP_INPUT_AMAX off's; the backward makes no amax pass over x (rowwise: none at all; tensorwise:
+    the forward's only)."""
+    torch.manual_seed(14)
+    hq, hkv, d, K = 8, 2, 128, 1024
+    N = (hq + 2 * hkv) * d
+    base = [torch.randn(1, tokens, K, device="cuda", dtype=torch.bfloat16),
+            _operand(N, K, 15) / 1e4, torch.rand(d, device="cuda") + 0.5, torch.rand(d, device="cuda") + 0.5]
+    base[0][0, -1, -1] = 40.0
+    ang = torch.randn(1, tokens, d, device="cuda")
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    gs = [torch.randn(1, h, tokens, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+    passes = []
+    part = fp8._part_triton
+    monkeypatch.setattr(fp8, "_part_triton", lambda t: passes.append(tuple(t.shape)) or part(t))
+
+    def run():
+        inputs = [t.clone().requires_grad_() for t in base]
+        out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
+                                            qk_norm_position="after_rope", fp8=name)
+        torch.autograd.backward(out, gs)
+        return list(out) + [t.grad for t in inputs]
+
+    x_passes = {"rowwise": (0, 1), "tensorwise": (1, 2), "rowwise_with_gw_hp": (0, 0)}[name]  # kept, not kept
+    new = run()
+    assert passes.count((tokens, K)) == x_passes[0], passes
+    monkeypatch.setattr(fp8, "KEEP_INPUT_AMAX", False)
+    passes.clear()
+    old = run()
+    assert passes.count((tokens, K)) == x_passes[1], passes
+    for a, b in zip(new, old):
+        assert torch.equal(a, b)

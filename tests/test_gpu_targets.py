@@ -347,3 +347,45 @@ def test_stage_amax_jobs_compile_without_spills(compiled):
     # the default build: the partials' pointers None (constexprs), so the kernel's code is unchanged
     default = oc._stage_job(90, "train_after", "all8_tma", 128, "bf16", (32, 8), "div16")
     assert default["none_args"] == ("arow_ptr", "acol_ptr") and not default["consts"]["COL_AMAX"]
+
+
+def test_fp8_input_amax_jobs_are_the_launchers():
+    """The offline jobs of x's rowwise cast with column partials (fp8.input_cast_keeping_amax) hold the
+    launcher's constexprs and warps at hidden 4096, 5120 (and 8192), 2048 and above 8192 (its chunked
+    loops), on sm_90 and sm_100a, with the partials' reduction (a tile amax of fp32) and dW's cast from
+    them; each compiled in its family's test."""
+    from fusedqkv.kernels import fp8_cast
+    from fusedqkv.ops import fp8
+
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.update(kw)
+
+    mp = pytest.MonkeyPatch()
+    with mp.context() as m:
+        m.setattr(fp8_cast, "rowwise_cast_colamax_kernel", Recorder())
+        for tag, hidden in (("k4096", 4096), ("k8192", 5120), ("k8192", 8192), ("k2048", 2048), ("chunked", 16384)):
+            seen.clear()
+            fp8._rowwise_colamax_triton(torch.zeros(40, hidden, dtype=torch.bfloat16), fp8.Cast(fp8.E4M3), True)
+            rows, block, whole, warps = oc.FP8_INPUT_AMAX_ROWWISE[tag]
+            assert (seen["ROWS"], seen["BLOCK_C"], seen["WHOLE_ROW"], seen["num_warps"], seen["PART_ROWS"]) == \
+                (rows, block, whole, warps, 16), (tag, seen)
+    jobs = [j for j in JOBS if " input=" in j["label"]]
+    assert len(jobs) == len(oc.fp8_input_amax_jobs()) and {j["cc"] for j in jobs} == set(oc.PRODUCT_TARGETS)
+    assert {j["label"].split()[-1] for j in jobs} == {f"input={t}" for t in oc.FP8_INPUT_AMAX_ROWWISE} | {
+        "input=partials", "input=dw"}
+    assert all(j["level"] == "cubin" and j["ints"] == "div16" for j in jobs)
+
+
+@pytest.mark.parametrize("cc", oc.PRODUCT_TARGETS)
+def test_fp8_input_amax_casts_do_not_spill(compiled, cc):
+    """x's rowwise cast with column partials, at the launcher's steps: cubins with no stack frame."""
+    jobs = [j for j in oc.fp8_input_amax_jobs() if j["cc"] == cc and j.get("no_spill")]
+    assert jobs
+    for j in jobs:
+        r = compiled[j["label"]]
+        assert r["ok"], (j["label"], r["error"])
+        if r["info"].get("stack") is not None:  # (None: no cuobjdump beside that Triton)
+            assert r["info"]["stack"] == 0, (j["label"], r["info"])

@@ -175,14 +175,16 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
     then sums its gradient over the batch). ``qkv_bias`` and ``qkv_residual`` optional (None;
     the residual's gradient is dQKV); the norm weights None
     for unweighted norms. ``meta``: ``(num_heads, num_kv_heads, eps, norm_after_rope, backend,
-    plan, variant, weight_source, fp8, keep_fp8_weight)``, one argument (``apply`` costs host time per
-    argument);
+    plan, variant, weight_source, fp8, keep_fp8_weight, keep_fp8_input_amax)``, one argument (``apply``
+    costs host time per argument);
     ``plan`` the forward's plan (eager calls), or None (under torch.compile: the custom ops);
     ``variant`` the block's :class:`~fusedqkv.ops.gqa_forward.Variant`; ``weight_source`` None, or a
     callable that gives qkv_weight again in the backward (which then does not keep it); ``fp8`` an
     FP8 recipe's key (:mod:`fusedqkv.ops.fp8`), "" for none; ``keep_fp8_weight`` True where the
     forward casts qkv_weight for the backward's dX GEMM too and keeps that cast (eager FP8 calls that
-    will need dX: ``fp8.weight_casts``)."""
+    will need dX: ``fp8.weight_casts``); ``keep_fp8_input_amax`` True where the forward's cast of
+    hidden_states keeps x's amaxes for the dW GEMM's cast of x (eager FP8 calls that will need dW:
+    ``fp8.input_cast_keeping_amax``)."""
 
     @staticmethod
     def forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta):
@@ -239,16 +241,21 @@ def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
              lora=None):
     """The Functions' forward: (q, k, v[, gate]); ``lora``: a LoRAUpdate whose update goes into the
     projection output before the stage (eager plans only)."""
-    num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, source, fp8, keep_fp8_weight = meta
-    w_fwd = w_dx = None
+    (num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, source, fp8, keep_fp8_weight,
+     keep_fp8_input_amax) = meta
+    w_fwd = w_dx = x_fwd = x_amax = None
     if keep_fp8_weight:  # W cast for both its GEMMs from one pass; the dX GEMM's copy kept for the backward
         casts = _fp8.weight_casts(qkv_weight, plan.fp8)
         if casts is not None:
             w_fwd, w_dx = casts
+    if keep_fp8_input_amax:  # x's amaxes for dW's cast of x found by the forward's cast of x, and kept
+        kept = _fp8.input_cast_keeping_amax(hidden_states.reshape(-1, hidden_states.shape[-1]), plan.fp8)
+        if kept is not None:
+            x_fwd, x_amax = kept
     if plan is not None:
         q, k, qkv, _, _, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                          cos, sin, qkv_bias, qkv_residual, keep_rstd=False, lora=lora,
-                                         fp8_weight=w_fwd)
+                                         fp8_weight=w_fwd, fp8_input=x_fwd)
     else:
         q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                    cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,
@@ -265,7 +272,7 @@ def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
             v = qkv.view(B, S, n_heads, D)[:, :, v0:v0 + num_kv_heads].transpose(1, 2)
     # rstd is not kept: the backward recomputes it from qkv (and v's norm from its columns)
     ctx.save_for_backward(hidden_states, None if source is not None else qkv_weight, q_norm_weight,
-                          k_norm_weight, cos, sin, qkv, *(w_dx if w_dx is not None else (None, None)))
+                          k_norm_weight, cos, sin, qkv, *(w_dx if w_dx is not None else (None, None)), x_amax)
     ctx.meta = meta
     if variant.q_gate:  # the gate: the second half of each query head's columns, unnormed
         return q, k, v, qkv.view(B, S, n_heads, D)[:, :, 1:nq:2]
@@ -276,8 +283,8 @@ def _backward(ctx, saved, grad_q, grad_k, grad_v, grad_gate, need: tuple, keep_d
     """The Functions' backward: ``(g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b[, dqkv])`` for ``need``,
     the needs of (hidden_states, qkv_weight, q/k norm weights, cos, sin, qkv_bias); ``saved``:
     ``ctx.saved_tensors``."""
-    hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv, w_dx, w_dx_inv = saved
-    num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, source, fp8, _ = ctx.meta
+    hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv, w_dx, w_dx_inv, x_amax = saved
+    num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, source, fp8, _, _ = ctx.meta
     if source is not None:  # rebuilt rather than held since the forward (QLoRA's dequantized weight)
         qkv_weight = source()
     need_cs = bool(need[4] or need[5])
@@ -286,7 +293,7 @@ def _backward(ctx, saved, grad_q, grad_k, grad_v, grad_gate, need: tuple, keep_d
             bool(need[6]))
     if plan is not None and not torch.compiler.is_compiling():
         return training_backward(*args, grad_gate, variant, keep_dqkv=keep_dqkv, fp8_key=fp8,
-                                 fp8_weight=None if w_dx is None else (w_dx, w_dx_inv))
+                                 fp8_weight=None if w_dx is None else (w_dx, w_dx_inv), fp8_x_amax=x_amax)
     return _call(_bwd_op, _bwd_impl, *args, grad_gate, *_op_flags(variant), keep_dqkv, variant.k_eq_v, fp8)
 
 
@@ -441,8 +448,12 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     # custom ops under torch.compile cast W in the backward, as does a weight the backward rebuilds)
     keep_fp8_weight = (fp8_recipe is not None and plan is not None and qkv_weight_source is None
                        and hidden_states.requires_grad and torch.is_grad_enabled())
+    # x's amaxes for the dW GEMM's cast of x found by the forward's cast of x and kept: eager calls whose
+    # backward will need dW in FP8 (fp8.input_cast_keeping_amax declines the other recipes)
+    keep_fp8_input_amax = (fp8_recipe is not None and plan is not None and qkv_weight.requires_grad
+                           and torch.is_grad_enabled())
     meta = (sz["num_heads"], sz["num_kv_heads"], sz["eps"], sz["norm_after_rope"], backend, plan, sz["variant"],
-            qkv_weight_source, fp8_key, keep_fp8_weight)
+            qkv_weight_source, fp8_key, keep_fp8_weight, keep_fp8_input_amax)
     if qkv_lora is not None:
         _check_lora(qkv_lora, hidden_states, sz)
         return _apply_lora_block(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_lora,

@@ -8,6 +8,8 @@ takes the reciprocal of the scale.
 * ``rowwise_cast_kernel``: one scale per row of ``x [R, C]``, data row-major ``[R, C]``;
   one program per ``ROWS`` rows: the whole row in registers up to 8192 columns (one read),
   else an amax loop over the row, then a cast loop.
+* ``rowwise_cast_colamax_kernel``: ``rowwise_cast_kernel``'s cast that also stores the column amaxes
+  of each block of rows it casts (partials for a later per-column cast of the same tensor).
 * ``tile_amax_kernel``: the amax of each ``[BR, BC]`` tile's columns, ``part [cdiv(R, BR), C]``
   (per-column scales reduce it; a tensor's scale is its max).
 * ``cast_kernel``: one scale per column (from ``part``) or one for the tensor (``amax``),
@@ -67,6 +69,56 @@ def rowwise_cast_kernel(x_ptr, y_ptr, inv_ptr, R, C, stride_xr, stride_yr, FP8_M
             y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
             tl.store(y_row + c0 + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     tl.store(inv_ptr + rows, tl.div_rn(tl.full([ROWS], 1.0, tl.float32), scale), mask=rmask)
+
+
+@triton.jit
+def rowwise_cast_colamax_kernel(x_ptr, y_ptr, inv_ptr, cpart_ptr, R, C, stride_xr, stride_yr,
+                                FP8_MAX: tl.constexpr, POW2: tl.constexpr, PART_ROWS: tl.constexpr,
+                                ROWS: tl.constexpr, BLOCK_C: tl.constexpr, WHOLE_ROW: tl.constexpr):
+    """``rowwise_cast_kernel``'s cast (the same codes and scales), ``PART_ROWS`` rows per program, which
+    also stores those rows' column amaxes to ``cpart[pid, :]`` (``[cdiv(R, PART_ROWS), C]`` fp32) from
+    the same read: the column scales of a later per-column cast of x then need no pass over x.
+    ``WHOLE_ROW``: ``ROWS`` whole rows at a time, a running column max in registers; else
+    ``ROWS == PART_ROWS`` rows, an amax loop over column chunks, then a cast loop that stores each
+    chunk's column amaxes."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_C)
+    part_row = cpart_ptr + pid.to(tl.int64) * C
+    if WHOLE_ROW:
+        cmax = tl.zeros([BLOCK_C], tl.float32)
+        for r0 in range(0, PART_ROWS, ROWS):
+            rows = pid * PART_ROWS + r0 + tl.arange(0, ROWS)
+            rmask = rows < R
+            m = rmask[:, None] & (cols < C)[None, :]
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :], mask=m,
+                        other=0.0).to(tl.float32)
+            a = tl.abs(x)
+            scale = _scale_of(tl.max(a, 1), FP8_MAX, POW2)
+            y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
+            tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_yr + cols[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=m)
+            tl.store(inv_ptr + rows, tl.div_rn(tl.full([ROWS], 1.0, tl.float32), scale), mask=rmask)
+            cmax = tl.maximum(cmax, tl.max(a, 0))  # rows past R load 0: no effect on a max of |x|
+        tl.store(part_row + cols, cmax, mask=cols < C)
+    else:
+        rows = pid * PART_ROWS + tl.arange(0, PART_ROWS)
+        rmask = rows < R
+        x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
+        y_row = y_ptr + rows.to(tl.int64)[:, None] * stride_yr
+        amax = tl.zeros([PART_ROWS], tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            m = rmask[:, None] & (c0 + cols < C)[None, :]
+            x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
+        scale = _scale_of(amax, FP8_MAX, POW2)
+        for c0 in range(0, C, BLOCK_C):
+            cm = c0 + cols < C
+            m = rmask[:, None] & cm[None, :]
+            x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
+            tl.store(y_row + c0 + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+            tl.store(part_row + c0 + cols, tl.max(tl.abs(x), 0), mask=cm)
+        tl.store(inv_ptr + rows, tl.div_rn(tl.full([PART_ROWS], 1.0, tl.float32), scale), mask=rmask)
 
 
 @triton.jit

@@ -205,6 +205,34 @@ def _rowwise_triton(t: torch.Tensor, cast: Cast, pow2: bool):
     return y, inv
 
 
+_PART_ROWS = 16  # rowwise cast with column partials: rows per partial (at least the rows cast at a time)
+
+
+def _rowwise_colamax_triton(t: torch.Tensor, cast: Cast, pow2: bool):
+    """``_rowwise_triton``'s cast of ``t [R, C]`` (the same data and inverse scale, bitwise) from a
+    kernel that also stores each block of ``_PART_ROWS`` rows' column amaxes: ``(data, inv, part
+    [cdiv(R, P), C] fp32)``, ``P`` = the rows per partial (``_PART_ROWS``, or more for short rows)."""
+    from ..kernels.fp8_cast import rowwise_cast_colamax_kernel
+
+    R, C = t.shape
+    y = torch.empty((R, C), dtype=cast.dtype, device=t.device)
+    inv = torch.empty((R, 1), dtype=torch.float32, device=t.device)
+    whole = next_pow2(C) <= _WHOLE_ROW_MAX
+    if whole:  # rowwise_cast_kernel's rows and warps per step (up to 32 fp32 a thread), looped over a
+        # partial's rows; the running column max adds as many registers again at most
+        block = next_pow2(C)
+        rows = 1 if C > 2048 else max(1, 2048 // block)
+        part_rows, warps = max(_PART_ROWS, rows), 8 if block >= 4096 else 4
+    else:  # a program's rows all in each column chunk: as many values per chunk as rowwise_cast_kernel's
+        part_rows = rows = _PART_ROWS
+        block, warps = max(16, _ROWS * _BLOCK_C // _PART_ROWS), 4
+    part = torch.empty((triton_cdiv(R, part_rows), C), dtype=torch.float32, device=t.device)
+    rowwise_cast_colamax_kernel[(part.shape[0],)](
+        t, y, inv, part, R, C, t.stride(0), y.stride(0), FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2,
+        PART_ROWS=part_rows, ROWS=rows, BLOCK_C=block, WHOLE_ROW=whole, num_warps=warps)
+    return y, inv, part
+
+
 def _part_triton(t: torch.Tensor) -> torch.Tensor:
     from ..kernels.fp8_cast import tile_amax_kernel
 
@@ -214,18 +242,22 @@ def _part_triton(t: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def _cast_triton(t: torch.Tensor, cast: Cast, pow2: bool, transpose: bool, pad_to: int = 1):
+def _cast_triton(t: torch.Tensor, cast: Cast, pow2: bool, transpose: bool, pad_to: int = 1,
+                 amax: Optional[torch.Tensor] = None):
     """Per-column or tensorwise cast; ``transpose``: data ``[C, R_pad]`` (``R_pad`` = R rounded
-    up to ``pad_to``, the padding zeros)."""
+    up to ``pad_to``, the padding zeros). ``amax``: t's amaxes found beforehand (then no pass over t
+    for them): column partials ``[P, C]`` (any P >= 1 blocks of rows), or for a tensorwise cast the
+    tensor's amax ``[1]``."""
     from ..kernels.fp8_cast import cast_kernel
 
     R, C = t.shape
-    part = _part_triton(t)
     per_column = not cast.tensorwise
+    part = _part_triton(t) if amax is None else _checked_amax(amax, C, per_column, "amax")
     if per_column:
         inv = torch.empty((1, C), dtype=torch.float32, device=t.device)
     else:
-        part = part.amax().reshape(1)  # the tensor's amax (deterministic: a max)
+        if part.dim() == 2:
+            part = part.amax().reshape(1)  # the tensor's amax (deterministic: a max)
         inv = torch.empty((), dtype=torch.float32, device=t.device)
     R_pad = -(-R // pad_to) * pad_to if transpose else R
     y = torch.empty((C, R_pad) if transpose else (R, C), dtype=cast.dtype, device=t.device)
@@ -233,6 +265,14 @@ def _cast_triton(t: torch.Tensor, cast: Cast, pow2: bool, transpose: bool, pad_t
         t, y, part, inv, R, R_pad, C, t.stride(0), part.shape[0] if per_column else 1, PER_COLUMN=per_column,
         TRANSPOSE=transpose, FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, BR=_BR, BC=_BC, BP=_BP, num_warps=4)
     return y, inv
+
+
+def _checked_amax(amax: torch.Tensor, C: int, per_column: bool, name: str) -> torch.Tensor:
+    if amax.dtype != torch.float32 or not (amax.dim() == 2 and amax.shape[0] >= 1 and amax.shape[1] == C
+                                           or not per_column and tuple(amax.shape) == (1,)):
+        want = f"[P, {C}]" if per_column else f"[P, {C}] or [1]"
+        raise ValueError(f"{name}: expected fp32 amaxes of shape {want}, got {tuple(amax.shape)} {amax.dtype}")
+    return amax if amax.is_contiguous() else amax.contiguous()
 
 
 _FB, _FP = 128, 64  # dual finish: rows (columns) per program, partials per step
@@ -322,13 +362,15 @@ def cast_rows(t: torch.Tensor, cast: Cast, pow2: bool):
     return data.contiguous(), inv  # row-major whatever t's layout (cuBLASLt's FP8 GEMM takes a row-major a)
 
 
-def cast_columns_t(t: torch.Tensor, cast: Cast, pow2: bool, pad_to: int = 1):
+def cast_columns_t(t: torch.Tensor, cast: Cast, pow2: bool, pad_to: int = 1, amax: Optional[torch.Tensor] = None):
     """(data of ``t^T``, ``[C, R_pad]`` row-major; inverse scale ``[1, C]`` or ``[]``): scales over
-    each column of ``t`` (the GEMM's inner dimension is R; padded with zeros to ``pad_to``)."""
+    each column of ``t`` (the GEMM's inner dimension is R; padded with zeros to ``pad_to``).
+    ``amax``: t's amaxes where found beforehand (see :func:`_cast_triton`; the GPU path reads them,
+    the torch path recomputes)."""
     if _triton(t):
         if t.stride(1) != 1:
             t = t.contiguous()
-        return _cast_triton(t, cast, pow2, transpose=True, pad_to=pad_to)
+        return _cast_triton(t, cast, pow2, transpose=True, pad_to=pad_to, amax=amax)
     data, inv = cast_torch(t, cast, 0, pow2)
     return data.t().contiguous(), inv
 
@@ -394,10 +436,12 @@ def _col_scale(inv: torch.Tensor) -> torch.Tensor:
 
 
 def forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torch.Tensor] = None,
-            w_cast=None) -> torch.Tensor:
+            w_cast=None, x_cast=None) -> torch.Tensor:
     """``x W^T`` ``[M, N]`` in x's dtype, both operands cast per ``r``; ``w_cast``: W's cast for
-    this GEMM (data ``[N, K]``, inverse scale) where made beforehand (:func:`weight_casts`)."""
-    xa, xs = cast_rows(x2d, r.input, r.round_scales_to_power_of_2)
+    this GEMM (data ``[N, K]``, inverse scale) where made beforehand (:func:`weight_casts`);
+    ``x_cast``: x's (data ``[M, K]``, inverse scale; :func:`input_cast_keeping_amax`)."""
+    xa, xs = (_checked_x_cast(x_cast, x2d) if x_cast is not None
+              else cast_rows(x2d, r.input, r.round_scales_to_power_of_2))
     wa, ws = (_checked_w_cast(w_cast, w, "w_cast") if w_cast is not None  # W's rows: the output's columns
               else cast_rows(w, r.weight, r.round_scales_to_power_of_2))
     return _mm(xa, xs, wa.t(), _col_scale(ws), x2d.dtype, r.fast_accum[0], r.round_scales_to_power_of_2, out)
@@ -414,18 +458,23 @@ def grad_input(g2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[t
     return _mm(ga, gs, wb, ws, g2d.dtype, r.fast_accum[1], r.round_scales_to_power_of_2, out)
 
 
-def grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, r: Fp8Recipe, g_cast=None) -> torch.Tensor:
+def grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, r: Fp8Recipe, g_cast=None,
+                x_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``dW = dQKV^T X`` ``[N, K]``: in FP8 (both cast per channel, over the tokens), or in
     high precision where the recipe says so (``torch.mm``, as torchao runs it). ``g_cast``: dQKV's
-    transposed cast (data ``[N, M_pad]``, inverse scale) where made beforehand."""
+    transposed cast (data ``[N, M_pad]``, inverse scale) where made beforehand; ``x_amax``: x's
+    amaxes kept from the forward's cast of x (:func:`input_cast_keeping_amax`): x's cast here then
+    makes no pass over x for them."""
     if r.grad_output_for_grad_weight.dtype is None:
         from . import host_gemm
 
         return host_gemm.mm(g2d.t(), x2d)
     pow2, pad = r.round_scales_to_power_of_2, _inner_pad(g2d)
+    if x_amax is not None:
+        _checked_amax(x_amax, x2d.shape[1], not r.input_for_grad_weight.tensorwise, "x_amax")
     ga, gs = (g_cast if g_cast is not None  # [N, M_pad], [1, N]
               else cast_columns_t(g2d, r.grad_output_for_grad_weight, pow2, pad))
-    xb, xs = cast_columns_t(x2d, r.input_for_grad_weight, pow2, pad)        # [K, M_pad], [1, K]
+    xb, xs = cast_columns_t(x2d, r.input_for_grad_weight, pow2, pad, x_amax)  # [K, M_pad], [1, K]
     return _mm(ga, gs if gs.dim() == 0 else gs.reshape(-1, 1), xb.t(), xs, g2d.dtype, r.fast_accum[2], pow2)
 
 
@@ -458,13 +507,14 @@ def stage_amax(r: Optional[Fp8Recipe], need_x: bool, need_w: bool) -> tuple:
 
 
 def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, need_x: bool, need_w: bool,
-             out: Optional[torch.Tensor] = None, w_cast=None, g_amax=None):
+             out: Optional[torch.Tensor] = None, w_cast=None, g_amax=None, x_amax: Optional[torch.Tensor] = None):
     """``(dX, dW)`` (None where not needed): :func:`grad_input` into ``out`` and :func:`grad_weight`,
     with dQKV's two casts (per row for dX, per column transposed for dW) from one amax pass and
     one cast pass where both GEMMs run in FP8 on the GPU (:func:`_dual_triton`); bitwise the same.
     ``w_cast``: W's cast for dX kept from the forward (:func:`weight_casts`), or None (cast here).
     ``g_amax``: dQKV's amax partials ``(rows, columns or None)`` from the backward stage
-    (:func:`stage_amax`), or None (the dual cast's amax pass makes them)."""
+    (:func:`stage_amax`), or None (the dual cast's amax pass makes them). ``x_amax``: x's amaxes
+    kept from the forward (:func:`input_cast_keeping_amax`), or None."""
     row = col = None
     if need_x and need_w and _dual_ok(g2d, r):
         if g2d.stride(1) != 1:
@@ -475,7 +525,7 @@ def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe
         del ga, gs, gt, gts
     dx = grad_input(g2d, w, r, out, g_cast=row, w_cast=w_cast) if need_x else None
     row = None  # dX's fp8 dQKV freed before dW's casts allocate (as on the one-cast path)
-    dw = grad_weight(g2d, x2d, r, g_cast=col) if need_w else None
+    dw = grad_weight(g2d, x2d, r, g_cast=col, x_amax=x_amax) if need_w else None
     return dx, dw
 
 
@@ -507,4 +557,44 @@ def _checked_w_cast(w_cast, w: torch.Tensor, name: str):
     data, inv = w_cast
     if data.shape != w.shape:
         raise ValueError(f"{name}: a cast of a weight of shape {tuple(data.shape)}, expected {tuple(w.shape)}")
+    return data, inv
+
+
+# x's amaxes for the dW GEMM's per-column (or tensorwise) cast of x found by the forward's cast of x, from
+# the same read, and kept for the backward, whose cast of x then makes no amax pass over x. Held from
+# forward to backward per layer: column partials of x, cdiv(M, 2048) x K fp32 (rowwise), or the tensor's
+# amax (tensorwise). False: the dW GEMM's cast finds x's amaxes itself (benchmarks/bench_fp8.py
+# --old-casts times both).
+KEEP_INPUT_AMAX = True
+
+
+def input_cast_keeping_amax(x2d: torch.Tensor, r: Fp8Recipe):
+    """``((data [M, K] row-major, inverse scale), x_amax)``: x ``[M, K]`` cast for the forward GEMM
+    (``r.input``), bitwise ``cast_rows(x2d, r.input)``, and x's amaxes for the dW GEMM's cast of x
+    (``r.input_for_grad_weight``) found by the same pass: its column partials ``[P, K]`` (fp32; the
+    per-row cast's partials of ``_PART_ROWS`` rows, reduced in the forward by ``_BR`` of them, so P =
+    ``cdiv(M, _PART_ROWS * _BR)``: the backward's cast reduces few) or, for a tensorwise dW cast, the
+    tensor's amax ``[1]``. Pass ``x_amax`` to :func:`backward`. None where there is nothing to keep
+    (:data:`KEEP_INPUT_AMAX` off, off the GPU, an empty x, dW in high precision)."""
+    if not (KEEP_INPUT_AMAX and _triton(x2d) and x2d.numel() > 0 and r.input_for_grad_weight.dtype is not None):
+        return None
+    if x2d.dim() != 2:
+        raise ValueError(f"x2d: expected a 2-D input [M, K], got shape {tuple(x2d.shape)}")
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    pow2, dw_per_column = r.round_scales_to_power_of_2, not r.input_for_grad_weight.tensorwise
+    if r.input.tensorwise:  # the forward's cast needs the tensor's amax: its tile partials kept or reduced
+        part = _part_triton(x2d)
+        tamax = part.amax().reshape(1)
+        xa, xs = _cast_triton(x2d, r.input, pow2, transpose=False, amax=tamax)
+        return (xa, xs), part if dw_per_column else tamax
+    xa, xs, part = _rowwise_colamax_triton(x2d, r.input, pow2)
+    part = _part_triton(part)  # blocks of _BR partials (abs of an amax is itself): the backward reduces few
+    return (xa, xs), part if dw_per_column else part.amax().reshape(1)
+
+
+def _checked_x_cast(x_cast, x2d: torch.Tensor):
+    data, inv = x_cast
+    if data.shape != x2d.shape:
+        raise ValueError(f"x_cast: a cast of an input of shape {tuple(data.shape)}, expected {tuple(x2d.shape)}")
     return data, inv

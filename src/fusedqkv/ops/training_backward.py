@@ -73,11 +73,13 @@ class TrainingBackwardPlan:
         return heads_of(qkv, self.hq, self.hkv, self.D, self.variant.q_gate, self.variant.k_eq_v)[:3]
 
     def run(self, grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
-            grad_gate=None, keep_dqkv=False, fp8_weight=None):
+            grad_gate=None, keep_dqkv=False, fp8_weight=None, fp8_x_amax=None):
         """(g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_bias); the gradients not needed (or absent: no norm
         weights) are None. ``grad_gate`` ``[B, S, Hq, D]`` with a gate. ``keep_dqkv``: dQKV too, as
         ``[B, S, qkv]`` (the gradient of a residual added to the projection output). ``fp8_weight``
-        (FP8 plans): qkv_weight's cast for dX kept from the forward (``fp8.weight_casts``), or None."""
+        (FP8 plans): qkv_weight's cast for dX kept from the forward (``fp8.weight_casts``), or None;
+        ``fp8_x_amax``: hidden_states' amaxes for dW's cast of it, kept from the forward
+        (``fp8.input_cast_keeping_amax``), or None."""
         dt, dev, M = self.dtype, self.device, self.M
         if grad_q.dtype != dt or grad_k.dtype != dt or grad_v.dtype != dt:
             grad_q, grad_k, grad_v = grad_q.to(dt), grad_k.to(dt), grad_v.to(dt)
@@ -144,7 +146,7 @@ class TrainingBackwardPlan:
         if self.fp8 is not None:  # dQKV's two casts in two passes where both GEMMs run (fp8.backward)
             g_w = fp8.backward(dqkv, hidden_states.reshape(M, self.hidden), qkv_weight, self.fp8, self.need_x,
                                self.need_w, out=g_x.view(M, self.hidden) if self.need_x else None,
-                               w_cast=fp8_weight, g_amax=g_amax)[1]
+                               w_cast=fp8_weight, g_amax=g_amax, x_amax=fp8_x_amax)[1]
         elif self.need_x:
             if self.lt_dx is not None and lt_ok:
                 self.lt_dx(a[9], qkv_weight.data_ptr(), a[16], stream)  # dqkv, W, grad_hidden_states
@@ -234,12 +236,13 @@ PLANS = PlanCache("training_backward", build_training_backward)
 
 def training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
                       num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b=False,
-                      grad_gate=None, variant=PLAIN, keep_dqkv=False, fp8_key="", fp8_weight=None):
+                      grad_gate=None, variant=PLAIN, keep_dqkv=False, fp8_key="", fp8_weight=None, fp8_x_amax=None):
     """The training block's gradients (see :class:`TrainingBackwardPlan`). ``q_norm_weight``/
     ``k_norm_weight`` None: unweighted norms (their gradients None); ``grad_gate`` with a gate;
     ``keep_dqkv``: dQKV appended (see :meth:`TrainingBackwardPlan.run`); ``fp8_key``: the forward's
     FP8 recipe (:mod:`fusedqkv.ops.fp8`), "" for none; ``fp8_weight``: qkv_weight's cast for dX kept
-    from the forward, or None."""
+    from the forward, or None; ``fp8_x_amax``: hidden_states' amaxes for dW's cast kept from the
+    forward, or None."""
     tensors = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, cos, sin)
     if q_norm_weight is not None:
         tensors += (q_norm_weight, k_norm_weight)
@@ -254,7 +257,7 @@ def training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_
     call = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, grad_gate)
     plan = PLANS.lookup(tensors, scalars, build_args)
     try:
-        return plan.run(*call, keep_dqkv, fp8_weight)
+        return plan.run(*call, keep_dqkv, fp8_weight, fp8_x_amax)
     except Misaligned:
         plan = PLANS.full_lookup(list(tensors), ("unaligned",) + scalars, build_args, remember=False)
-        return plan.run(*call, keep_dqkv, fp8_weight)
+        return plan.run(*call, keep_dqkv, fp8_weight, fp8_x_amax)

@@ -58,7 +58,7 @@ class ForwardPlan:
         self._gather = None  # the table's addresses from the call's, in the launch's entry order (bound launches)
 
     def run(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias=None, qkv_residual=None,
-            keep_rstd=True, lora=None, fp8_weight=None):
+            keep_rstd=True, lora=None, fp8_weight=None, fp8_input=None):
         """(q, k, qkv, rstd_q, rstd_k, v); cos/sin ``[batch, seq, rot]`` (expanded); v None unless
         the variant norms it. ``qkv_residual`` (plans built with one): ``[batch, seq, qkv]`` added to
         the projection output before RoPE and the norms (a LoRA update). ``lora`` (plans built with
@@ -67,7 +67,8 @@ class ForwardPlan:
         width can be a TMA operand, else in place after the GEMM (the LoRA GEMMs accumulating into
         it). ``keep_rstd=False``: a caller that does not read rstd (the eager training forward);
         bound launches then write it to a kept scratch and return None for both. ``fp8_weight``
-        (FP8 plans): qkv_weight's cast for the GEMM made beforehand (``fp8.weight_casts``), or None."""
+        (FP8 plans): qkv_weight's cast for the GEMM made beforehand (``fp8.weight_casts``), or None;
+        ``fp8_input``: hidden_states' (``fp8.input_cast_keeping_amax``), or None."""
         sz = self.sz
         if lora is not None and self.fused_lora is not None and FusedGemmForward.takes_rank(lora.rank, self.dtype):
             return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd,
@@ -78,7 +79,7 @@ class ForwardPlan:
         bound = launch is not None and launch.bound
         if self.fp8 is not None:
             qkv = fp8.forward(hidden_states.reshape(self.M, self.hidden), qkv_weight, self.fp8,
-                              w_cast=fp8_weight).view(self.qkv_shape)
+                              w_cast=fp8_weight, x_cast=fp8_input).view(self.qkv_shape)
             if qkv_bias is not None:  # after the GEMM, as Float8Linear adds it
                 qkv.add_(qkv_bias)
         elif lt is not None and bound:
@@ -262,12 +263,13 @@ def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, s
 
 
 def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
-                qkv_bias=None, qkv_residual=None, keep_rstd=True, lora=None, fp8_weight=None):
+                qkv_bias=None, qkv_residual=None, keep_rstd=True, lora=None, fp8_weight=None, fp8_input=None):
     """``plan.run``; a call whose addresses the plan was not specialised for gets its own plan.
-    ``keep_rstd=False``: the caller does not read rstd; ``fp8_weight``: see :meth:`ForwardPlan.run`."""
+    ``keep_rstd=False``: the caller does not read rstd; ``fp8_weight``, ``fp8_input``: see
+    :meth:`ForwardPlan.run`."""
     try:
         return plan.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual,
-                        keep_rstd, lora, fp8_weight)
+                        keep_rstd, lora, fp8_weight, fp8_input)
     except Misaligned:
         sz, var = plan.sz, plan.variant
         position = "after_rope" if sz["norm_after_rope"] else "before_rope"
@@ -282,4 +284,4 @@ def run_forward(plan: ForwardPlan, hidden_states, qkv_weight, q_norm_weight, k_n
         own = PLANS.full_lookup(list(_guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                               qkv_bias)), scalars, args, remember=False)
         return own.run(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual,
-                       keep_rstd, lora, fp8_weight)
+                       keep_rstd, lora, fp8_weight, fp8_input)
