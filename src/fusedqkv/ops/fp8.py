@@ -493,17 +493,25 @@ def _dual_ok(g2d: torch.Tensor, r: Fp8Recipe) -> bool:
 # read of dQKV, skipped; bitwise the same scales). False: the dual cast reads dQKV for them
 # (benchmarks/bench_fp8.py --old-casts times both).
 STAGE_AMAX = True
+# ... including the column partials (dW's dQKV scaled per column: rowwise). Off: on the H200 the stage
+# writing them ran 2.5x slower (92 -> 228 us at 091 8192), far more than the amax pass it saves (~31 us):
+# such recipes keep the pass (NOTES, session 22)
+STAGE_AMAX_COLUMNS = False
 
 
 def stage_amax(r: Optional[Fp8Recipe], need_x: bool, need_w: bool) -> tuple:
     """``(rows, columns)``: which of dQKV's amax partials :func:`backward`'s dual cast takes from the
     backward stage for recipe ``r`` (both False where it does not run: :data:`STAGE_AMAX` or
-    :data:`DUAL_CASTS` off, one gradient, dW in high precision). Rows always (each row's scale, or
-    the tensor's amax); columns where dW's dQKV is scaled per column."""
+    :data:`DUAL_CASTS` off, one gradient, dW in high precision, or dW's dQKV scaled per column with
+    :data:`STAGE_AMAX_COLUMNS` off). Rows always (each row's scale, or the tensor's amax); columns
+    where dW's dQKV is scaled per column."""
     if not (STAGE_AMAX and DUAL_CASTS and r is not None and need_x and need_w
             and r.grad_output_for_grad_weight.dtype is not None):
         return False, False
-    return True, not r.grad_output_for_grad_weight.tensorwise
+    columns = not r.grad_output_for_grad_weight.tensorwise
+    if columns and not STAGE_AMAX_COLUMNS:
+        return False, False
+    return True, columns
 
 
 def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, need_x: bool, need_w: bool,

@@ -248,7 +248,7 @@ def training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_
         tensors += (q_norm_weight, k_norm_weight)
     if grad_gate is not None:
         tensors += (grad_gate,)
-    stage_amax = bool(fp8_key) and fp8.STAGE_AMAX and fp8.DUAL_CASTS
+    stage_amax = bool(fp8_key) and fp8.STAGE_AMAX and fp8.DUAL_CASTS and (True, fp8.STAGE_AMAX_COLUMNS)
     scalars = (num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b, variant,
                q_norm_weight is None, grad_gate is None, fp8_key, stage_amax)
     build_args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
