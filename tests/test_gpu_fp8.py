@@ -45,6 +45,15 @@ def test_triton_casts_equal_torchaos_steps_bitwise(tensorwise, dtype, shape):
         assert torch.equal(inv.reshape(want_inv.shape), want_inv)
 
 
+def _assert_torchaos_casts(src, casts, pow2):
+    """Each ``(data, inverse scale, cast, dim)`` of ``casts`` (data laid out as ``src``) bitwise torchao's
+    steps on ``src`` (``fp8.cast_torch``)."""
+    for got, inv, cast, dim in casts:
+        want, want_inv = fp8.cast_torch(src, cast, dim, pow2)
+        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+        assert torch.equal(inv.reshape(want_inv.shape), want_inv)
+
+
 def _float8_linear(w, name):
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
     with torch.no_grad():
@@ -188,10 +197,7 @@ def test_weight_casts_equal_the_one_cast_path_and_torchaos_steps_bitwise(name, s
     assert wa.stride() == a.stride() and wb.stride() == b.stride()
     assert torch.equal(wa.view(torch.uint8), a.view(torch.uint8)) and torch.equal(ws, a_inv)
     assert torch.equal(wb.t().view(torch.uint8), b.t().view(torch.uint8)) and torch.equal(wbs, b_inv)
-    for got, inv, cast, dim in ((wa, ws, r.weight, -1), (wb, wbs, r.weight_for_grad_input, 0)):
-        want, want_inv = fp8.cast_torch(w, cast, dim, pow2)
-        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
-        assert torch.equal(inv.reshape(want_inv.shape), want_inv)
+    _assert_torchaos_casts(w, ((wa, ws, r.weight, -1), (wb, wbs, r.weight_for_grad_input, 0)), pow2)
 
 
 @cuda
@@ -315,10 +321,8 @@ def test_input_cast_keeping_amax_equals_the_one_cast_path_and_torchaos_steps_bit
     xt, xts = fp8.cast_columns_t(x, r.input_for_grad_weight, pow2, 16, amax=x_amax)
     b, b_inv = fp8.cast_columns_t(x, r.input_for_grad_weight, pow2, 16)
     assert torch.equal(xt.view(torch.uint8), b.view(torch.uint8)) and torch.equal(xts, b_inv)
-    for got, inv, cast, dim in ((xa, xs, r.input, -1), (xt[:, :shape[0]].t(), xts, r.input_for_grad_weight, 0)):
-        want, want_inv = fp8.cast_torch(x, cast, dim, pow2)
-        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
-        assert torch.equal(inv.reshape(want_inv.shape), want_inv)
+    _assert_torchaos_casts(x, ((xa, xs, r.input, -1), (xt[:, :shape[0]].t(), xts, r.input_for_grad_weight, 0)),
+                           pow2)
 
 
 @cuda
