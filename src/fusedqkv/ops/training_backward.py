@@ -248,9 +248,9 @@ def training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_
         tensors += (q_norm_weight, k_norm_weight)
     if grad_gate is not None:
         tensors += (grad_gate,)
-    stage_amax = bool(fp8_key) and fp8.STAGE_AMAX and fp8.DUAL_CASTS and (True, fp8.STAGE_AMAX_COLUMNS)
+    stage_amax = bool(fp8_key) and fp8.STAGE_AMAX and fp8.DUAL_CASTS
     scalars = (num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b, variant,
-               q_norm_weight is None, grad_gate is None, fp8_key, stage_amax)
+               q_norm_weight is None, grad_gate is None, fp8_key, stage_amax, stage_amax and fp8.STAGE_AMAX_COLUMNS)
     build_args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
                   num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b, grad_gate,
                   variant, fp8_key, stage_amax)
