@@ -43,6 +43,18 @@ def _column_amax(part_ptr, n_part, C, cols, cmask, BP: tl.constexpr, W: tl.const
 
 
 @triton.jit
+def _rows_amax(x_row, rmask, C, cols, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The amax of each of ``ROWS`` rows (``x_row``: their pointers, ``rmask``: which exist) over
+    their ``C`` columns, ``BLOCK_C`` at a time."""
+    amax = tl.zeros([ROWS], tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        m = rmask[:, None] & (c0 + cols < C)[None, :]
+        x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
+    return amax
+
+
+@triton.jit
 def rowwise_cast_kernel(x_ptr, y_ptr, inv_ptr, R, C, stride_xr, stride_yr, FP8_MAX: tl.constexpr,
                         POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, WHOLE_ROW: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -57,12 +69,7 @@ def rowwise_cast_kernel(x_ptr, y_ptr, inv_ptr, R, C, stride_xr, stride_yr, FP8_M
         y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
         tl.store(y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     else:
-        amax = tl.zeros([ROWS], tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            m = rmask[:, None] & (c0 + cols < C)[None, :]
-            x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
-        scale = _scale_of(amax, FP8_MAX, POW2)
+        scale = _scale_of(_rows_amax(x_row, rmask, C, cols, ROWS, BLOCK_C), FP8_MAX, POW2)
         for c0 in range(0, C, BLOCK_C):
             m = rmask[:, None] & (c0 + cols < C)[None, :]
             x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
@@ -105,12 +112,7 @@ def rowwise_cast_colamax_kernel(x_ptr, y_ptr, inv_ptr, cpart_ptr, R, C, stride_x
         rmask = rows < R
         x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
         y_row = y_ptr + rows.to(tl.int64)[:, None] * stride_yr
-        amax = tl.zeros([PART_ROWS], tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            m = rmask[:, None] & (c0 + cols < C)[None, :]
-            x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
-        scale = _scale_of(amax, FP8_MAX, POW2)
+        scale = _scale_of(_rows_amax(x_row, rmask, C, cols, PART_ROWS, BLOCK_C), FP8_MAX, POW2)
         for c0 in range(0, C, BLOCK_C):
             cm = c0 + cols < C
             m = rmask[:, None] & cm[None, :]
