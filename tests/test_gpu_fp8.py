@@ -54,6 +54,16 @@ def _assert_torchaos_casts(src, casts, pow2):
         assert torch.equal(inv.reshape(want_inv.shape), want_inv)
 
 
+def _block_fwd_bwd(base, cos, sin, grads, hq, hkv, name):
+    """The block's outputs (091's after-RoPE order, ``fp8=name``), then the gradients of fresh leaves
+    cloned from ``base`` (hidden_states, the weight, the norm weights) for output gradients ``grads``."""
+    inputs = [t.clone().requires_grad_() for t in base]
+    out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
+                                        qk_norm_position="after_rope", fp8=name)
+    torch.autograd.backward(out, grads)
+    return list(out) + [t.grad for t in inputs]
+
+
 def _float8_linear(w, name):
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
     with torch.no_grad():
@@ -220,11 +230,7 @@ def test_block_with_the_kept_weight_cast_equals_the_old_path_bitwise(name, token
     monkeypatch.setattr(fp8, "cast_columns", lambda t, *a, **k: dx_casts.append(t.shape) or cast_columns(t, *a, **k))
 
     def run():
-        inputs = [t.clone().requires_grad_() for t in base]
-        out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
-                                            qk_norm_position="after_rope", fp8=name)
-        torch.autograd.backward(out, gs)
-        return list(out) + [t.grad for t in inputs]
+        return _block_fwd_bwd(base, cos, sin, gs, hq, hkv, name)
 
     new = run()
     assert not dx_casts
@@ -279,11 +285,7 @@ def test_block_with_the_stage_amax_partials_equals_the_amax_pass_bitwise(name, b
     monkeypatch.setattr(fp8_cast, "dual_amax_kernel", Recorder())
 
     def run():
-        inputs = [t.clone().requires_grad_() for t in base]
-        out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
-                                            qk_norm_position="after_rope", fp8=name)
-        torch.autograd.backward(out, gs)
-        return list(out) + [t.grad for t in inputs]
+        return _block_fwd_bwd(base, cos, sin, gs, hq, hkv, name)
 
     new = run()
     assert (M, N) not in amax_pass
@@ -347,11 +349,7 @@ def test_block_with_the_kept_input_amax_equals_the_old_path_bitwise(name, tokens
     monkeypatch.setattr(fp8, "_part_triton", lambda t: passes.append(tuple(t.shape)) or part(t))
 
     def run():
-        inputs = [t.clone().requires_grad_() for t in base]
-        out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
-                                            qk_norm_position="after_rope", fp8=name)
-        torch.autograd.backward(out, gs)
-        return list(out) + [t.grad for t in inputs]
+        return _block_fwd_bwd(base, cos, sin, gs, hq, hkv, name)
 
     x_passes = {"rowwise": (0, 1), "tensorwise": (1, 2), "rowwise_with_gw_hp": (0, 0)}[name]  # kept, not kept
     new = run()
