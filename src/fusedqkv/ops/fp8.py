@@ -440,9 +440,9 @@ def forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torc
     """``x W^T`` ``[M, N]`` in x's dtype, both operands cast per ``r``; ``w_cast``: W's cast for
     this GEMM (data ``[N, K]``, inverse scale) where made beforehand (:func:`weight_casts`);
     ``x_cast``: x's (data ``[M, K]``, inverse scale; :func:`input_cast_keeping_amax`)."""
-    xa, xs = (_checked_x_cast(x_cast, x2d) if x_cast is not None
+    xa, xs = (_checked_cast(x_cast, x2d, "x_cast") if x_cast is not None
               else cast_rows(x2d, r.input, r.round_scales_to_power_of_2))
-    wa, ws = (_checked_w_cast(w_cast, w, "w_cast") if w_cast is not None  # W's rows: the output's columns
+    wa, ws = (_checked_cast(w_cast, w, "w_cast") if w_cast is not None  # W's rows: the output's columns
               else cast_rows(w, r.weight, r.round_scales_to_power_of_2))
     return _mm(xa, xs, wa.t(), _col_scale(ws), x2d.dtype, r.fast_accum[0], r.round_scales_to_power_of_2, out)
 
@@ -453,7 +453,7 @@ def grad_input(g2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[t
     ``w_cast``: W's (data ``[N, K]`` column-major, inverse scale), kept from the forward
     (:func:`weight_casts`)."""
     ga, gs = g_cast if g_cast is not None else cast_rows(g2d, r.grad_output, r.round_scales_to_power_of_2)
-    wb, ws = (_checked_w_cast(w_cast, w, "w_cast") if w_cast is not None
+    wb, ws = (_checked_cast(w_cast, w, "w_cast") if w_cast is not None
               else cast_columns(w, r.weight_for_grad_input, r.round_scales_to_power_of_2))
     return _mm(ga, gs, wb, ws, g2d.dtype, r.fast_accum[1], r.round_scales_to_power_of_2, out)
 
@@ -561,10 +561,11 @@ def weight_casts(w: torch.Tensor, r: Fp8Recipe):
     return (wa, ws), (wt.t(), wts)
 
 
-def _checked_w_cast(w_cast, w: torch.Tensor, name: str):
-    data, inv = w_cast
-    if data.shape != w.shape:
-        raise ValueError(f"{name}: a cast of a weight of shape {tuple(data.shape)}, expected {tuple(w.shape)}")
+def _checked_cast(cast, like: torch.Tensor, name: str):
+    """``cast`` (data, inverse scale) made beforehand, refused unless its data has ``like``'s shape."""
+    data, inv = cast
+    if data.shape != like.shape:
+        raise ValueError(f"{name}: a cast of a tensor of shape {tuple(data.shape)}, expected {tuple(like.shape)}")
     return data, inv
 
 
@@ -599,10 +600,3 @@ def input_cast_keeping_amax(x2d: torch.Tensor, r: Fp8Recipe):
     xa, xs, part = _rowwise_colamax_triton(x2d, r.input, pow2)
     part = _part_triton(part)  # blocks of _BR partials (abs of an amax is itself): the backward reduces few
     return (xa, xs), part if dw_per_column else part.amax().reshape(1)
-
-
-def _checked_x_cast(x_cast, x2d: torch.Tensor):
-    data, inv = x_cast
-    if data.shape != x2d.shape:
-        raise ValueError(f"x_cast: a cast of an input of shape {tuple(data.shape)}, expected {tuple(x2d.shape)}")
-    return data, inv

@@ -321,7 +321,7 @@ def plan_backward_stage(table: Table, gq, gk, gv, xq, xk, rq, rk, wq, wk, cos, s
     if variant.all_heads:
         return _plan_all_heads_stage(table, gq, gk, gv, xq, xk, wq, wk, cos, sin, dqkv, gcos, gsin, gwq, gwk,
                                      norm_after_rope=norm_after_rope, eps=eps, cfg=cfg, variant=variant, gg=gg, xv=xv)
-    qk_variant = bool(variant.rot or variant.interleaved or not variant.norm_weight or variant.q_gate)
+    qk_variant = variant.qk_variant
     if (row_amax or col_amax) and not stage_amax_supported(variant, exact):
         raise ValueError(f"row_amax/col_amax: dQKV's amax partials come from the plain training stage only, not "
                          f"exact={exact} or variant {variant}")
@@ -398,8 +398,7 @@ def stage_amax_supported(variant: Variant, exact: bool = False) -> bool:
     (``rope_qk_norm_bwd_kernel`` with ``_head_set_bwd``; v normed or not). Not the query/key
     variants, ``all_heads`` (another kernel), nor ``k_eq_v`` (v's gradient is added to k's after the
     stage, so the stored values are not what the casts read)."""
-    qk_variant = bool(variant.rot or variant.interleaved or not variant.norm_weight or variant.q_gate)
-    return not (exact or qk_variant or variant.all_heads or variant.k_eq_v)
+    return not (exact or variant.qk_variant or variant.all_heads or variant.k_eq_v)
 
 
 # the all-heads stage's persistent programs per SM and pipeline stages of their token loop (where

@@ -39,6 +39,12 @@ class Variant:
     def rotary(self, d: int) -> int:
         return self.rot or d
 
+    @property
+    def qk_variant(self) -> bool:
+        """Whether the query/key heads take the stages' variant path (partial or interleaved RoPE,
+        unweighted norms, a gate) rather than the plain one."""
+        return bool(self.rot or self.interleaved or not self.norm_weight or self.q_gate)
+
     def qkv_heads(self, hq: int, hkv: int) -> int:
         """Head-sized column blocks of the projection output: query (and gate), key, value (none with
         ``k_eq_v``)."""
