@@ -115,13 +115,17 @@ def build_stack(stack, args, cfg_kw, device):
         if lt is None:
             raise RuntimeError("liger_kernel is not installed and no .whl/liger_kernel-*.whl was found")
     model = bench_hf.build_model(cfg_kw, dtype, device, args.attn, args.seed)
+    dense_qkv = stack == bench_hf.DENSE_QKV
+    if args.qlora:  # as bench_hf --qlora: before apply_to, q/k/v left dense in the bound stack
+        bench_hf.quantize_4bit(model, args.qlora, dtype, skip=bench_hf.QKV_NAMES if dense_qkv else ())
     if lt is not None:
         lt.apply_liger_kernel_to_qwen3(model=model)
     if "fusedqkv" in stack:
         n_fused = fusedqkv.apply_to(model)
         assert n_fused == cfg_kw["num_hidden_layers"], n_fused
     if args.lora:  # as bench_hf --lora: after apply_to, PEFT all-linear, base frozen
-        model = bench_hf.add_lora(model, args.lora, "random", args.seed)
+        model = bench_hf.add_lora(model, args.lora, "random", args.seed,
+                                  exclude=[*bench_hf.QKV_NAMES, "qkv_proj"] if dense_qkv else None)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=device == "cuda")
     return model, opt
 
@@ -672,6 +676,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora", type=int, default=0, metavar="R", help="as bench_hf.py --lora (random B)")
     p.add_argument("--autocast", action="store_true", help="as bench_hf.py --autocast")
+    p.add_argument("--qlora", choices=("nf4", "fp4"), default=None, help="as bench_hf.py --qlora (with --lora)")
     p.add_argument("--tiny", action="store_true", help="tiny model, batch 2 x seq 64, few steps: the CPU check")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--no-traces", action="store_true", help="do not keep the Chrome traces")
