@@ -33,6 +33,7 @@ wall time is its host time; the attention forward per step is host time either w
 
     PYTHONPATH=src python benchmarks/host_hf.py --out /tmp/host_hf [--cprofile]
     PYTHONPATH=src python benchmarks/host_hf.py --device cuda --out $OUT/host_hf
+    PYTHONPATH=src python benchmarks/host_hf.py --device cuda --qlora nf4 --cprofile --out $OUT/host_qlora
 
 Prints a table last; writes host_hf.json to --out.
 """
@@ -64,7 +65,7 @@ def model_config(device: str, layers: int) -> dict:
                 rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
-def build(stack: str, cfg_kw: dict, device: str, dtype: torch.dtype, rank: int, seed: int):
+def build(stack: str, cfg_kw: dict, device: str, dtype: torch.dtype, rank: int, seed: int, qlora=None):
     import transformers
     from peft import LoraConfig, get_peft_model
 
@@ -76,6 +77,11 @@ def build(stack: str, cfg_kw: dict, device: str, dtype: torch.dtype, rank: int, 
     with torch.device(device):
         model = transformers.Qwen3ForCausalLM(cfg)
     model.to(dtype).train()
+    if qlora:  # every decoder linear 4-bit before apply_to, as bench_hf --qlora (a model loaded quantized)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_hf
+
+        bench_hf.quantize_4bit(model, qlora, dtype)
     if stack == "peft+fusedqkv":
         assert fusedqkv.apply_to(model) == cfg_kw["num_hidden_layers"]
     torch.manual_seed(seed + 7)
@@ -124,10 +130,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cprofile", action="store_true", help="also the Python profile of the fused stack's steps")
     ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--qlora", choices=("nf4", "fp4"), default=None,
+                    help="QLoRA: every decoder linear bitsandbytes 4-bit (as bench_hf.py --qlora; CUDA only)")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device")
+    if args.qlora and not cuda:
+        ap.error("--qlora needs --device cuda (bitsandbytes' 4-bit layers quantize on their CUDA device)")
     if not cuda:
         torch.set_num_threads(1)  # the host's Python is what is measured; one core, less noise
     layers = args.layers or (28 if cuda else 4)
@@ -146,7 +156,7 @@ def main(argv=None) -> int:
 
     models, clocks, captured = {}, {}, {}
     for stack in STACKS:
-        model = build(stack, cfg_kw, args.device, dtype, args.rank, args.seed)
+        model = build(stack, cfg_kw, args.device, dtype, args.rank, args.seed, args.qlora)
         attns = attention_modules(model)
         assert len(attns) == layers, len(attns)
         # the inputs of one attention layer's call, for the forward alone (without the step's KV
@@ -309,6 +319,7 @@ def cprofile_steps(model, ids, autocast, n: int, sync) -> str:
     st = pstats.Stats(pr, stream=s)
     s.write(f"--- cProfile, {n} steps of peft+fusedqkv \n")
     st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(r"fusedqkv|bitsandbytes|peft", 45)
     # (cProfile counts each resumption of a generator as a call: a loop over model.parameters()
     # shows one "call" per parameter)
     walks = {name: sum(v[1] for k, v in st.stats.items() if k[2] == name)

@@ -162,6 +162,51 @@ def test_qlora_backward_rebuilds_the_dequantized_weight(checkpoints):
     assert (n_tot, m.config.hidden_size) not in saved
 
 
+def test_qlora_kept_absmax_is_bitwise_and_follows_the_quant_state(checkpoints):
+    """The kept plan keeps each 4-bit projection's dequantized absmax (config.qlora_absmax "keep"):
+    the step is bitwise the "recompute" one, bitsandbytes' blockwise dequantization of the absmax runs
+    once per projection (not twice per step), and a projection quantized again is read anew."""
+    import bitsandbytes.functional as bf
+
+    from fusedqkv.ops import config
+
+    m, _ = _pair(checkpoints("qwen3"), "apply_first")
+    m.base_model.model.gradient_checkpointing_disable()
+    ids = _ids(m.config.vocab_size, 3)
+    with config.override(qlora_absmax="recompute"):
+        want, w = _step(m, ids)
+    qkv_absmax = {id(a.get_submodule(f"{p}.base_layer").weight.quant_state.absmax)
+                  for a in fused_modules(m) for p in ("q_proj", "k_proj", "v_proj")}
+    n_4bit = len(qkv_absmax)
+    calls = []  # the blockwise dequantizations of a q/k/v absmax (o_proj and the MLP are 4-bit too)
+    real = bf.dequantize_blockwise
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bf, "dequantize_blockwise", lambda a, *r, **k: (id(a) in qkv_absmax and calls.append(1)) or
+                   real(a, *r, **k))
+        got, g = _step(m, ids)
+        assert len(calls) == n_4bit  # made by the first forward, read by its backward
+        got2, g2 = _step(m, ids)
+        assert len(calls) == n_4bit  # kept
+    assert torch.equal(got, want) and torch.equal(got2, want)
+    assert all(torch.equal(g[n], w[n]) and torch.equal(g2[n], w[n]) for n in w)
+    # q_proj quantized again from other values: a new quantization state, so a new absmax
+    q = fused_modules(m)[0].q_proj.base_layer
+    dense = bf.dequantize_4bit(q.weight.data, q.weight.quant_state)
+    q.weight = bnb.nn.Params4bit(1.5 * dense, requires_grad=False, quant_type="nf4", compress_statistics=True).to("cpu")
+    with config.override(qlora_absmax="recompute"):
+        want3, w3 = _step(m, ids)
+    got3, g3 = _step(m, ids)
+    assert not torch.equal(want3, want)
+    assert torch.equal(got3, want3) and all(torch.equal(g3[n], w3[n]) for n in w3)
+    # the absmax written in place (its version counter moves): read anew too
+    with torch.no_grad():
+        q.weight.quant_state.absmax.copy_(q.weight.quant_state.absmax.flip(0))
+    with config.override(qlora_absmax="recompute"):
+        want4, _ = _step(m, ids)
+    got4, _ = _step(m, ids)
+    assert not torch.equal(want4, want3) and torch.equal(got4, want4)
+
+
 def test_qlora_adapters_round_trip_and_state_dict(checkpoints, tmp_path):
     path = checkpoints("qwen3")
     m, ref = _pair(path, "apply_first")

@@ -58,6 +58,19 @@ class ProjectionPlan:
         self.key = None
         # the parameters whose id() is in the key stay alive with the plan (no id reused meanwhile)
         self.kept = [w for p in self.lora.pairs for w in (p[3].weight, p[4].weight)]
+        self._dequantized = {}  # (dtype, device) -> qlora.DequantizedQKV, kept with the plan
+
+    def dequantized(self, bases: list, dtype: torch.dtype, device: torch.device):
+        """The 4-bit slots' :class:`~.qlora.DequantizedQKV` in ``dtype``: on a kept plan one per dtype
+        and device, keeping the projections' dequantized absmax between calls; else a new one."""
+        from .qlora import DequantizedQKV
+
+        if self.key is None:
+            return DequantizedQKV(bases, dtype, device)
+        source = self._dequantized.get((dtype, device))
+        if source is None or source.bases != bases:
+            source = self._dequantized[(dtype, device)] = DequantizedQKV(bases, dtype, device, keep_absmax=True)
+        return source
 
     def per_call(self) -> None:
         """What the fingerprint does not cover, on a kept plan: the rows' replaced ``.data``, the

@@ -14,6 +14,17 @@ The dequantized weight is not kept for the backward: the block's backward calls
 dequantizes again in its backward, so one layer's dense weight is live at a time (the point of
 QLoRA's memory). Under ``torch.compile`` the weight is a traced tensor the graph keeps instead.
 
+With double quantisation bitsandbytes first dequantizes the weight's absmax (its own blockwise
+dequantization, then the offset added) on every call: three ops and their Python a projection,
+twice a step, for values that change only when the weight is quantized again. Where the caller
+keeps the :class:`DequantizedQKV` (the kept projection plan), it keeps each projection's absmax
+dequantized too (``config.qlora_absmax == "keep"``, the default): 4 bytes per ``blocksize``
+weights (1/16 of the bf16 weight's bytes at blocksize 64, 1/8 of the 4-bit weight's), and one
+``dequantize_4bit`` a projection per call, on a flat quantization state carrying the kept absmax
+(bitsandbytes' public path for an absmax given). The kept absmax is dropped whenever the
+weight's quantization state is another object or its absmax, nested state or offset were
+written since (their version counters); it is never computed while a CUDA graph is captured.
+
 ``Linear8bitLt`` is refused: its product quantizes the activations too (LLM.int8(), with fp16
 outlier columns above ``llm_int8_threshold``), which a GEMM on the dequantized weight does not
 reproduce.
@@ -25,7 +36,8 @@ import sys
 
 import torch
 
-from ..ops.device import current_stream, workspace
+from ..ops import config as _config
+from ..ops.device import capturing, current_stream, workspace
 
 # bitsandbytes' 4-bit layer classes whose forward is x W^T + b with W = dequantize_4bit(weight)
 _4BIT = ("Linear4bit", "LinearNF4", "LinearFP4")
@@ -95,12 +107,38 @@ class DequantizedQKV:
     ``bases``: the bitsandbytes layers in row order (Gemma 4's shared K/V: k twice). Each call
     dequantizes them again (bitsandbytes' ``dequantize_4bit``, into the rows of the stream's
     workspace: in place on CUDA where the dtypes agree, else through a copy): the forward and the backward both
-    call it, so nothing dense is held between them."""
+    call it, so nothing dense is held between them. ``keep_absmax``: keep each base's dequantized
+    absmax (double quantisation; the module docstring) -- for an object that lives across calls."""
 
-    def __init__(self, bases: list, dtype: torch.dtype, device: torch.device):
+    def __init__(self, bases: list, dtype: torch.dtype, device: torch.device, keep_absmax: bool = False):
         self.bases, self.dtype, self.device = bases, dtype, device
         self.rows = [m.out_features for m in bases]
         self.n_tot, self.hidden = sum(self.rows), bases[0].in_features
+        self.keep_absmax = keep_absmax
+        self._flat = {}  # id(base) -> (the objects and versions it was made from, the flat QuantState)
+
+    def _state(self, m, qs):
+        """The QuantState to dequantize base ``m`` with: ``qs`` itself, or with double quantisation
+        and a kept absmax, a flat state over the dequantized absmax (made once per state of ``qs``)."""
+        if not (self.keep_absmax and qs.nested and _config.current().qlora_absmax == "keep"):
+            return qs
+        nested, offset = qs.state2, qs.offset
+        made_of = (qs, qs.absmax, nested, nested.absmax, offset)
+        versions = (qs.absmax._version, nested.absmax._version,
+                    offset._version if isinstance(offset, torch.Tensor) else None)
+        kept = self._flat.get(id(m))
+        if kept is not None and kept[1] == versions and all(a is b for a, b in zip(kept[0], made_of)):
+            return kept[2]
+        if capturing(self.device):  # nothing allocated during a capture outlives it
+            return qs
+        from bitsandbytes.functional import QuantState, dequantize_blockwise
+
+        absmax = dequantize_blockwise(qs.absmax, nested)  # bitsandbytes' own steps, as dequantize_4bit takes them
+        absmax += offset
+        flat = QuantState(absmax=absmax.float(), shape=qs.shape, code=qs.code, blocksize=qs.blocksize,
+                          quant_type=qs.quant_type, dtype=qs.dtype)
+        self._flat[id(m)] = (made_of, versions, flat)  # the bases live as long as this object
+        return flat
 
     def __call__(self) -> torch.Tensor:
         from bitsandbytes.functional import dequantize_4bit
@@ -113,7 +151,7 @@ class DequantizedQKV:
         w = buf[:n * self.dtype.itemsize].view(self.dtype).view(self.n_tot, self.hidden)
         start = 0
         for m, rows in zip(self.bases, self.rows):
-            qs = quant_state(m)
+            qs = self._state(m, quant_state(m))
             part = w[start:start + rows]
             if qs.dtype == self.dtype and part.is_cuda:
                 dequantize_4bit(m.weight.data, qs, out=part)

@@ -351,7 +351,7 @@ class _FusedAttention:
             # (qkv_weight_source) rather than held (k_eq_v: rows [Q | K], v taken from k in the block)
             bases = [m for _, m, _ in slots]
             dt = qlora.block_dtype(hidden_states)
-            source = qlora.DequantizedQKV(bases, dt, hidden_states.device)
+            source = plan.dequantized(bases, dt, hidden_states.device)
             w, b = source(), qlora.fused_bias(bases, dt)
             if torch.compiler.is_compiling():
                 source = None

@@ -8,7 +8,7 @@ a changed setting can never run on a plan built under another. Tests change sett
 Environment variables (read at import; 0 turns a path off):
 ``FUSEDQKV_CHAIN_MAX_TOKENS`` (128), ``FUSEDQKV_HYBRID_MAX_TOKENS`` (2560),
 ``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_STAGE_TMA`` (1), ``FUSEDQKV_CUBLASLT`` (1);
-``FUSEDQKV_FUSED_FORWARD`` (auto, on or off).
+``FUSEDQKV_FUSED_FORWARD`` (auto, on or off); ``FUSEDQKV_QLORA_ABSMAX`` (keep or recompute).
 Where the defaults come from: benchmarks/NOTES.md.
 """
 
@@ -73,6 +73,10 @@ class Config:
     # (ops/lora.LoRAUpdate.block_pays): "auto" where the saved launches outweigh the block's zeros,
     # "on" always, "off" never (one product per pair)
     lora_block: str = "auto"
+    # QLoRA with double quantisation: each 4-bit q/k/v projection's absmax kept dequantized beside the kept
+    # projection plan ("keep": 4 bytes per blocksize weights; one bitsandbytes op a projection per call) or
+    # dequantized again by bitsandbytes every call ("recompute": three ops a projection) -- integrations.qlora
+    qlora_absmax: str = "keep"
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":
@@ -93,7 +97,8 @@ class Config:
                    norm_finish_in_dw=flag("FUSEDQKV_NORM_FINISH_IN_DW", True),
                    stage_tma=flag("FUSEDQKV_STAGE_TMA", True),
                    cublaslt=flag("FUSEDQKV_CUBLASLT", True),
-                   fused_forward=_choice(env, "FUSEDQKV_FUSED_FORWARD", ("auto", "on", "off"), "auto"))
+                   fused_forward=_choice(env, "FUSEDQKV_FUSED_FORWARD", ("auto", "on", "off"), "auto"),
+                   qlora_absmax=_choice(env, "FUSEDQKV_QLORA_ABSMAX", ("keep", "recompute"), "keep"))
 
 
 def _choice(env, name: str, choices: tuple, default: str) -> str:
