@@ -51,6 +51,15 @@ in every stack, after apply_to in the fused ones; targets 12 % (qwen3_8b, 4 laye
 fp32 adapters then compute in bf16 and the fused block runs them inside the op (without it, a bf16
 model with PEFT's fp32 adapters takes the residual path, as PEFT rounds their update to bf16).
 
+--interleave: every stack built before the first step, then one step of each per round, the order
+rotated every round, so that a host whose speed drifts (the device hosts swing by +-20 % within a
+run) weighs on every stack alike; peak memory per stack is then its model's memory plus its steps'
+largest peak above what was allocated when they started. Not with compile stacks. The QLoRA row:
+
+    PYTHONPATH=src:/tmp/site TRITON_INTERPRET=0 python3 benchmarks/bench_hf.py --family qwen3 --layers 28 --lora 16 \
+        --lora-init random --autocast --qlora nf4 --interleave --stacks hf-fp32,hf,hf+fusedqkv,hf+fusedqkv:dense-qkv \
+        --steps 20 --out $OUT/qlora06
+
 --fp8 RECIPE (issue 35): torchao float8 training (convert_to_float8_training) of every linear but
 lm_head in the hf/compile(hf) stacks, and apply_to(model, fp8=RECIPE) with q/k/v left to the block
 in the fused ones; ``hf-bf16`` and ``compile(hf-bf16)`` are the same without float8. Loss rule:
@@ -311,88 +320,135 @@ def autocast_of(args, device, dtype):
     return contextlib.nullcontext()
 
 
-def run_stack(stack, args, cfg_kw, data, device):
-    import fusedqkv
+class StackRun:
+    """One stack: built (model, optimizer) at construction, then :meth:`step` once per training step
+    (CUDA events around each, no sync), then :meth:`result` (which frees it)."""
 
-    fam = FAMILIES[args.family]
-    dtype = stack_dtype(stack)
-    if "liger" in stack:
-        lt = import_liger()
-        if lt is None:
-            raise RuntimeError("liger_kernel is not installed and no .whl/liger_kernel-*.whl was found")
-    model = build_model(cfg_kw, dtype, device, args.attn, args.seed, args.family)
-    dense_qkv = stack == DENSE_QKV
-    if args.qlora:  # before apply_to, as a model loaded quantized is
-        n_4bit = quantize_4bit(model, args.qlora, dtype, skip=QKV_NAMES if dense_qkv else ())
-        log(f"{stack}: {n_4bit} linear layers {args.qlora} 4-bit")
-    n_fused = 0
-    if "liger" in stack:
-        getattr(lt, fam.liger)(model=model)
-    fp8 = args.fp8 if stack != "hf-fp32" and stack not in BF16_STACKS else None
-    if "fusedqkv" in stack:
-        n_fused = fusedqkv.apply_to(model, fp8=fp8)
-        assert n_fused == cfg_kw["num_hidden_layers"], n_fused
-    if fp8:  # torchao's float8 on every linear but the output layer (as torchtitan); fused q/k/v: the block's
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    def __init__(self, stack, args, cfg_kw, device):
+        import fusedqkv
 
-        def convert(mod, fqn):
-            name = fqn.split(".")[-1]
-            return name != "lm_head" and ("fusedqkv" not in stack or name not in ("q_proj", "k_proj", "v_proj"))
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(fp8), module_filter_fn=convert)
-    if args.lora:  # after apply_to (the README's order)
-        model = add_lora(model, args.lora, args.lora_init, args.seed,
-                         exclude=[*QKV_NAMES, "qkv_proj"] if dense_qkv else None)
-    compiled = stack.startswith("compile(")
-    if compiled:  # after apply_to, before the optimizer (the compiled module shares the parameters)
-        model = torch.compile(model, backend=args.compile_backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=device == "cuda")
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base_mem = torch.cuda.memory_allocated()
-    autocast = autocast_of(args, device, dtype)
-    losses, times, events = [], [], []
-    for step in range(args.steps):
-        ids = data[step % len(data)].to(device, non_blocking=True)
+        self.stack, self.args, self.device = stack, args, device
+        fam = FAMILIES[args.family]
+        self.dtype = dtype = stack_dtype(stack)
+        if "liger" in stack:
+            lt = import_liger()
+            if lt is None:
+                raise RuntimeError("liger_kernel is not installed and no .whl/liger_kernel-*.whl was found")
+        self.cuda = cuda = device == "cuda"
+        mem0 = torch.cuda.memory_allocated() if cuda else 0
+        model = build_model(cfg_kw, dtype, device, args.attn, args.seed, args.family)
+        dense_qkv = stack == DENSE_QKV
+        if args.qlora:  # before apply_to, as a model loaded quantized is
+            n_4bit = quantize_4bit(model, args.qlora, dtype, skip=QKV_NAMES if dense_qkv else ())
+            log(f"{stack}: {n_4bit} linear layers {args.qlora} 4-bit")
+        self.n_fused = 0
+        if "liger" in stack:
+            getattr(lt, fam.liger)(model=model)
+        fp8 = args.fp8 if stack != "hf-fp32" and stack not in BF16_STACKS else None
+        if "fusedqkv" in stack:
+            self.n_fused = fusedqkv.apply_to(model, fp8=fp8)
+            assert self.n_fused == cfg_kw["num_hidden_layers"], self.n_fused
+        if fp8:  # torchao's float8 on every linear but the output layer (as torchtitan); fused q/k/v: the block's
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            def convert(mod, fqn):
+                name = fqn.split(".")[-1]
+                return name != "lm_head" and ("fusedqkv" not in stack or name not in ("q_proj", "k_proj", "v_proj"))
+            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(fp8), module_filter_fn=convert)
+        if args.lora:  # after apply_to (the README's order)
+            model = add_lora(model, args.lora, args.lora_init, args.seed,
+                             exclude=[*QKV_NAMES, "qkv_proj"] if dense_qkv else None)
+        self.compiled = stack.startswith("compile(")
+        if self.compiled:  # after apply_to, before the optimizer (the compiled module shares the parameters)
+            model = torch.compile(model, backend=args.compile_backend)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=cuda)
         if cuda:
+            torch.cuda.synchronize()
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            self.base_mem = torch.cuda.memory_allocated()
+            self.own_mem = self.base_mem - mem0  # this stack's model (its optimizer state comes with step 1)
+        self.autocast = autocast_of(args, device, dtype)
+        self.losses, self.times, self.events, self.step_peaks = [], [], [], []
+
+    def step(self, ids, own_peak: bool = False) -> None:
+        """One training step; ``own_peak``: also this step's peak allocation above what was allocated
+        when it started (other stacks resident: --interleave)."""
+        cuda = self.cuda
+        if cuda:
+            if own_peak:
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         else:
             t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with autocast:
-            loss = model(input_ids=ids, labels=ids).loss
+        self.opt.zero_grad(set_to_none=True)
+        with self.autocast:
+            loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
-        opt.step()
+        self.opt.step()
         if cuda:
             end.record()
-            events.append((start, end))
+            self.events.append((start, end))
+            if own_peak:
+                self.step_peaks.append(torch.cuda.max_memory_allocated() - before)
         else:
-            times.append((time.perf_counter() - t0) * 1e3)
-        losses.append(loss.detach())
-    if cuda:
-        torch.cuda.synchronize()
-        times = [s.elapsed_time(e) for s, e in events]
-    losses = [float(x) for x in losses]
-    if not all(math.isfinite(x) for x in losses):
-        raise RuntimeError(f"{stack}: non-finite loss {losses}")
-    timed = times[args.warmup:] or times
-    res = dict(stack=stack, dtype=str(dtype).replace("torch.", ""), layers_fused=n_fused, losses=losses,
-               step_ms=times, step_ms_median=statistics.median(timed), step_ms_mean=statistics.fmean(timed),
-               step_ms_min=min(timed))
-    if cuda:
-        res["peak_mem_bytes"] = torch.cuda.max_memory_allocated()
-        res["mem_before_bytes"] = base_mem
-    del model, opt, loss
-    if compiled:
-        torch._dynamo.reset()  # the compiled graphs and their guards go with the model
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return res
+            self.times.append((time.perf_counter() - t0) * 1e3)
+        self.losses.append(loss.detach())
+
+    def result(self) -> dict:
+        args, stack = self.args, self.stack
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.times = [s.elapsed_time(e) for s, e in self.events]
+        losses = [float(x) for x in self.losses]
+        if not all(math.isfinite(x) for x in losses):
+            raise RuntimeError(f"{stack}: non-finite loss {losses}")
+        times = self.times
+        timed = times[args.warmup:] or times
+        res = dict(stack=stack, dtype=str(self.dtype).replace("torch.", ""), layers_fused=self.n_fused, losses=losses,
+                   step_ms=times, step_ms_median=statistics.median(timed), step_ms_mean=statistics.fmean(timed),
+                   step_ms_min=min(timed))
+        if self.cuda:
+            if self.step_peaks:  # interleaved: the steps' own peaks above their start, plus the stack's model
+                res["peak_mem_bytes"] = self.own_mem + max(self.step_peaks)
+                res["peak_mem_rule"] = "model + max over steps of the step's peak above its start (interleaved)"
+            else:
+                res["peak_mem_bytes"] = torch.cuda.max_memory_allocated()
+            res["mem_before_bytes"] = self.base_mem
+        self.free()
+        return res
+
+    def free(self) -> None:
+        self.model = self.opt = None
+        self.losses = [float(x) for x in self.losses]
+        if self.compiled:
+            torch._dynamo.reset()  # the compiled graphs and their guards go with the model
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def run_stack(stack, args, cfg_kw, data, device):
+    run = StackRun(stack, args, cfg_kw, device)
+    for step in range(args.steps):
+        run.step(data[step % len(data)].to(device, non_blocking=True))
+    return run.result()
+
+
+def run_interleaved(stacks, args, cfg_kw, data, device) -> dict:
+    """--interleave: every stack built first, then step by step, one step of each stack per round
+    in an order rotated every round (a drifting host affects every stack alike)."""
+    runs = [StackRun(stack, args, cfg_kw, device) for stack in stacks]
+    for step in range(args.steps):
+        ids = data[step % len(data)].to(device, non_blocking=True)
+        k = step % len(runs)
+        for run in runs[k:] + runs[:k]:
+            run.step(ids, own_peak=True)
+    return {run.stack: run.result() for run in runs}
 
 
 def _max_diff(a, b) -> float:
@@ -580,6 +636,9 @@ def main(argv=None):
     p.add_argument("--qlora", choices=("nf4", "fp4"), default=None,
                    help="with --lora: QLoRA, the decoder's linear layers bitsandbytes 4-bit (double quantisation, "
                         "the stack's dtype as compute dtype)")
+    p.add_argument("--interleave", action="store_true",
+                   help="build every stack first, then run them one step each per round, in rotating order (the "
+                        "host's drift shared by all; peak memory per stack from its own steps)")
     p.add_argument("--tiny", action="store_true", help="tiny model, batch 2 x seq 64, 6 steps: the CPU check")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--plot", metavar="JSON",
@@ -634,6 +693,8 @@ def main(argv=None):
         p.error("--qlora needs --lora R (QLoRA trains adapters over the frozen 4-bit weights)")
     model_label = (f"{fam.label}-shaped, {cfg_kw['num_hidden_layers']} layers"
                    + (", every layer full attention" if fam.all_full_attention else ""))
+    if args.interleave and any(s.startswith("compile(") for s in stacks):
+        p.error("--interleave: compile stacks would share dynamo's cache and its reset; run them without it")
     report = dict(config=dict(model="tiny " + fam.label.split("-")[0] if args.tiny else model_label,
                               family=args.family,
                               model_config=cfg_kw, batch=args.batch, seq=args.seq,
@@ -643,16 +704,23 @@ def main(argv=None):
                               compile_backend=args.compile_backend, min_step_reduction=min_reduction,
                               lora=dict(r=args.lora, alpha=2 * args.lora, target_modules="all-linear",
                                         init=args.lora_init, qlora=args.qlora) if args.lora else None,
-                              autocast=args.autocast, fp8=args.fp8,
+                              autocast=args.autocast, fp8=args.fp8, interleave=args.interleave,
                               fp8_loss_rule=(f"max_t |loss_fused - loss_bf16| <= {FP8_SPREAD_FACTOR} max_t "
                                              "|loss_torchao - loss_bf16| + 1e-3" if args.fp8 else None)),
                   env=env_info(device), results={})
-    for stack in stacks:
-        log(f"{stack}: {args.steps} steps")
-        r = run_stack(stack, args, cfg_kw, data, device)
+    def logged(stack, r):
         report["results"][stack] = r
         log(f"{stack}: {r['step_ms_median']:.2f} ms/step, loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
             + (f", peak {r['peak_mem_bytes'] / 2**30:.2f} GiB" if "peak_mem_bytes" in r else ""))
+
+    if args.interleave:
+        log(f"{', '.join(stacks)}: {args.steps} steps each, interleaved")
+        for stack, r in run_interleaved(stacks, args, cfg_kw, data, device).items():
+            logged(stack, r)
+    else:
+        for stack in stacks:
+            log(f"{stack}: {args.steps} steps")
+            logged(stack, run_stack(stack, args, cfg_kw, data, device))
     report["env"] = env_info(device)  # liger's version once imported
     report["criteria"], report["passed"] = judge(report["results"], args.tiny, min_reduction, fp8=bool(args.fp8))
     report["qkv_bound"] = qkv_bound(report["results"], min_reduction)
