@@ -81,6 +81,9 @@ from fusedqkv.ops.internals import raise_compile_limits  # noqa: E402
 
 PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_split", "fused_gemm", "fused_pairs", "floor")
 QLORA_PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_dense", "floor")
+# named with --configs only (not in "all"): the Qwen3-0.6B attention input of bench_hf's 28-layer LoRA/QLoRA rows
+EXTRA_CONFIGS = {"qwen3_0.6b_h1024_q16_kv8": dict(hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+                                                  qk_norm_position="before_rope")}
 SMOKE_CONFIGS = {"smoke": dict(hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm_position="before_rope")}
 EPS = 1e-6
 
@@ -269,7 +272,9 @@ def run_qlora(args, device, dtype, configs, sizes, backend, flusher, names) -> i
         for tokens in (int(t) for t in args.tokens.split(",")):
             b, s = sizes[tokens]
             row = Row(configs[cname], b, s, args.rank, device, dtype, quant_type=args.qlora)
-            fns = {"peft_eager": row.fwd_bwd(row.peft_qkv), "fusedqkv": row.fwd_bwd(row.fused_qlora_qkv),
+            fused = row.fwd_bwd(row.fused_qlora_qkv)
+            fns = {"peft_eager": row.fwd_bwd(row.peft_qkv), "fusedqkv": fused,
+                   "fused_split": under(fused, fused_forward="off"), "fused_gemm": under(fused, fused_forward="on"),
                    "fused_dense": row.fwd_bwd(row.fused_qkv), "floor": row.floor()}
             failed = {}
             try:
@@ -304,13 +309,14 @@ def run_qlora(args, device, dtype, configs, sizes, backend, flusher, names) -> i
                   f, indent=1)
     fmt = lambda v: f"{v:8.3f}" if v is not None else f"{'failed':>8}"  # noqa: E731
     print(f"QLoRA {args.qlora} r={args.rank}, fwd+bwd, ms (median): fusedqkv (dequant + fused) vs PEFT QLoRA")
-    print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'f_dense':>8} {'floor':>8} "
-          f"{'f/eager':>7} {'f/comp':>7} {'f/dense':>7} {'err':>8} pays")
+    print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'f_split':>8} {'f_gemm':>8} "
+          f"{'f_dense':>8} {'floor':>8} {'f/eager':>7} {'f/comp':>7} {'f/dense':>7} {'err':>8} pays")
     for r in rows:
         m = r["ms"]
         g = lambda k: r.get(k, float("nan"))  # noqa: E731
         print(f"{r['config']:<22} {r['tokens']:>6} {fmt(m.get('peft_eager'))} {fmt(m.get('peft_compile'))} "
-              f"{fmt(m.get('fusedqkv'))} {fmt(m.get('fused_dense'))} {fmt(m.get('floor'))} "
+              f"{fmt(m.get('fusedqkv'))} {fmt(m.get('fused_split'))} {fmt(m.get('fused_gemm'))} "
+              f"{fmt(m.get('fused_dense'))} {fmt(m.get('floor'))} "
               f"{g('fused_over_peft_eager'):7.3f} {g('fused_over_peft_compile'):7.3f} {g('fused_over_fused_dense'):7.3f} "
               f"{r['max_rel_vs_eager'].get('fusedqkv', float('nan')):8.1e} {r['pays']}")
     return 0 if all(r["pays"] for r in rows) else 1
@@ -336,6 +342,11 @@ def main() -> int:
         device, dtype, configs, sizes, backend = torch.device("cuda"), torch.bfloat16, CONFIGS, SIZES, "inductor"
     flusher = timing.L2Flusher(device) if device.type == "cuda" else None
     names = list(configs) if args.configs == "all" else args.configs.split(",")
+    if not args.smoke:
+        configs = {**configs, **EXTRA_CONFIGS}
+    unknown = [n for n in names if n not in configs]
+    if unknown:
+        ap.error(f"--configs: unknown {', '.join(unknown)}; expected 'all' or names of {', '.join(configs)}")
     if args.qlora:
         return run_qlora(args, device, dtype, configs, sizes, backend, flusher, names)
     rows = []

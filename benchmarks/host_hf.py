@@ -232,7 +232,7 @@ def main(argv=None) -> int:
             return out
 
     samples = {s: {"step": [], "attn_in_step": [], "attn_alone": []} for s in STACKS}
-    part_samples, dropped = {}, []
+    part_samples, dropped, recompute = {}, [], []
     n_alone = 20 if cuda else 200
     for r in range(args.rounds):
         for stack in STACKS:
@@ -240,6 +240,11 @@ def main(argv=None) -> int:
             samples[stack]["step"].append(per_step)
             samples[stack]["attn_in_step"].append(in_attn)
             samples[stack]["attn_alone"].append(attn_alone(stack, n_alone))
+        if args.qlora:  # the same fused model with bitsandbytes dequantizing the absmax every call (A/B)
+            from fusedqkv.ops import config as fconfig
+
+            with fconfig.override(qlora_absmax="recompute"):
+                recompute.append(timed_steps("peft+fusedqkv"))
         if _PLANS is not None:
             dropped.append(attn_alone("peft+fusedqkv", n_alone, drop_plan=True))
         for name, t in parts().items():
@@ -268,13 +273,18 @@ def main(argv=None) -> int:
         fused_parts_us={k: v * 1e6 for k, v in part_med.items()},
         fused_attn_forward_alone_full_checks_us=statistics.median(dropped) * 1e6 if dropped else None,
         cprofile=profile,
+        qlora=args.qlora,
+        fused_absmax_recompute=dict(step_ms=statistics.median(t for t, _ in recompute) * 1e3,
+                                    attn_in_step_ms=statistics.median(a for _, a in recompute) * 1e3)
+        if recompute else None,
     )
     with open(os.path.join(args.out, "host_hf.json"), "w") as f:
         json.dump(report, f, indent=1)
 
     print(f"\nhost time, {args.device} ({report['device_name']}), Qwen3 {layers} layers, hidden "
           f"{cfg_kw['hidden_size']}, 1 x {tokens} tokens, {report['config']['dtype']}"
-          f"{' autocast bf16' if cuda else ''}, LoRA r={args.rank} all-linear; medians of {args.rounds} rounds")
+          f"{' autocast bf16' if cuda else ''}, {'Q' if args.qlora else ''}LoRA r={args.rank} all-linear"
+          f"{' ' + args.qlora if args.qlora else ''}; medians of {args.rounds} rounds")
     print(f"{'':34s}" + "".join(f"{s:>16s}" for s in STACKS) + f"{'fused/peft':>12s}")
     rows = [("step (fwd+bwd), ms", "step_ms", 1), ("attention fwd in a step, ms", "attn_in_step_ms", 1),
             ("  per attention layer, us", "attn_forward_per_layer_us", 1),
@@ -283,6 +293,10 @@ def main(argv=None) -> int:
         vals = [report["stacks"][s][key] for s in STACKS]
         print(f"{label:34s}" + "".join(f"{v:16.1f}" if v >= 100 else f"{v:16.2f}" for v in vals)
               + f"{vals[1] / vals[0]:12.2f}x")
+    if recompute:
+        r = report["fused_absmax_recompute"]
+        print(f"{'step, absmax recompute, ms':34s}{'':16s}{r['step_ms']:16.2f}")
+        print(f"{'attn fwd in a step, recompute, ms':34s}{'':16s}{r['attn_in_step_ms']:16.2f}")
     if dropped:
         print(f"{'  the same, full checks each call':34s}{'':16s}{report['fused_attn_forward_alone_full_checks_us']:16.1f}")
     for name, us in report["fused_parts_us"].items():
