@@ -17,6 +17,8 @@ the base weights frozen, on the nine rows of bench_module.py (its three block co
   fused_pairs   fusedqkv with config.lora_block="off": one forward and one dU product per adapter
                 instead of one over the block-diagonal B (ops/lora.LoRAUpdate.block_pays; the A/B of
                 session 22's change)
+  fused_block   the same with config.lora_block="on": the products over the block at every size
+                (where the rule keeps one per adapter: 8192 tokens)
   fused_residual  (--residual) session 16's path: lora_residual (R = U B_rows^T, B laid out per call,
                 through autograd) into gqa_qkv_rope_qk_norm(qkv_residual=R)
   floor         the GEMMs alone through cuBLAS: base forward x W^T, base dX = dQKV W, and the
@@ -79,7 +81,8 @@ from fusedqkv.integrations import qlora as fq_qlora  # noqa: E402
 from fusedqkv.ops import config  # noqa: E402
 from fusedqkv.ops.internals import raise_compile_limits  # noqa: E402
 
-PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_split", "fused_gemm", "fused_pairs", "floor")
+PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_split", "fused_gemm", "fused_pairs", "fused_block",
+             "floor")
 QLORA_PROVIDERS = ("peft_eager", "peft_compile", "fusedqkv", "fused_dense", "floor")
 # named with --configs only (not in "all"): the Qwen3-0.6B attention input of bench_hf's 28-layer LoRA/QLoRA rows
 EXTRA_CONFIGS = {"qwen3_0.6b_h1024_q16_kv8": dict(hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
@@ -275,7 +278,8 @@ def run_qlora(args, device, dtype, configs, sizes, backend, flusher, names) -> i
             fused = row.fwd_bwd(row.fused_qlora_qkv)
             fns = {"peft_eager": row.fwd_bwd(row.peft_qkv), "fusedqkv": fused,
                    "fused_split": under(fused, fused_forward="off"), "fused_gemm": under(fused, fused_forward="on"),
-                   "fused_dense": row.fwd_bwd(row.fused_qkv), "floor": row.floor()}
+                   "fused_block": under(fused, lora_block="on"), "fused_dense": row.fwd_bwd(row.fused_qkv),
+                   "floor": row.floor()}
             failed = {}
             try:
                 compiled = torch.compile(row.peft_qkv, backend=backend)
@@ -310,13 +314,13 @@ def run_qlora(args, device, dtype, configs, sizes, backend, flusher, names) -> i
     fmt = lambda v: f"{v:8.3f}" if v is not None else f"{'failed':>8}"  # noqa: E731
     print(f"QLoRA {args.qlora} r={args.rank}, fwd+bwd, ms (median): fusedqkv (dequant + fused) vs PEFT QLoRA")
     print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'f_split':>8} {'f_gemm':>8} "
-          f"{'f_dense':>8} {'floor':>8} {'f/eager':>7} {'f/comp':>7} {'f/dense':>7} {'err':>8} pays")
+          f"{'f_block':>8} {'f_dense':>8} {'floor':>8} {'f/eager':>7} {'f/comp':>7} {'f/dense':>7} {'err':>8} pays")
     for r in rows:
         m = r["ms"]
         g = lambda k: r.get(k, float("nan"))  # noqa: E731
         print(f"{r['config']:<22} {r['tokens']:>6} {fmt(m.get('peft_eager'))} {fmt(m.get('peft_compile'))} "
               f"{fmt(m.get('fusedqkv'))} {fmt(m.get('fused_split'))} {fmt(m.get('fused_gemm'))} "
-              f"{fmt(m.get('fused_dense'))} {fmt(m.get('floor'))} "
+              f"{fmt(m.get('fused_block'))} {fmt(m.get('fused_dense'))} {fmt(m.get('floor'))} "
               f"{g('fused_over_peft_eager'):7.3f} {g('fused_over_peft_compile'):7.3f} {g('fused_over_fused_dense'):7.3f} "
               f"{r['max_rel_vs_eager'].get('fusedqkv', float('nan')):8.1e} {r['pays']}")
     return 0 if all(r["pays"] for r in rows) else 1
@@ -358,7 +362,8 @@ def main() -> int:
             fused = row.fwd_bwd(row.fused_qkv)
             fns = {"peft_eager": row.fwd_bwd(row.peft_qkv), "peft_compile": row.fwd_bwd(compiled), "fusedqkv": fused,
                    "fused_split": under(fused, fused_forward="off"), "fused_gemm": under(fused, fused_forward="on"),
-                   "fused_pairs": under(fused, lora_block="off"), "floor": row.floor()}
+                   "fused_pairs": under(fused, lora_block="off"), "fused_block": under(fused, lora_block="on"),
+                   "floor": row.floor()}
             if args.residual:
                 fns["fused_residual"] = row.fwd_bwd(row.fused_residual_qkv)
             ref = fns["peft_eager"]()
@@ -371,7 +376,7 @@ def main() -> int:
                      fused_over_floor=med["fusedqkv"] / med["floor"],
                      split_over_floor=med["fused_split"] / med["floor"],
                      gemm_over_floor=med["fused_gemm"] / med["floor"],
-                     pairs_over_floor=med["fused_pairs"] / med["floor"])
+                     pairs_over_floor=med["fused_pairs"] / med["floor"], block_over_floor=med["fused_block"] / med["floor"])
             if args.residual:
                 r["residual_over_floor"] = med["fused_residual"] / med["floor"]
             r["pass"] = (r["fused_over_eager"] <= 0.5 and r["fused_over_compile"] < 1.0 and r["fused_over_floor"] <= 1.10)
@@ -386,7 +391,8 @@ def main() -> int:
         json.dump(dict(env=env, rows=rows, criteria="fused/eager <= 0.5, fused < compile, fused/floor <= 1.10"), f,
                   indent=1)
     print(f"{'config':<22} {'tokens':>6} {'eager':>8} {'compile':>8} {'fused':>8} {'f_split':>8} {'f_gemm':>8} "
-          f"{'floor':>8} {'f/eager':>7} {'f/comp':>7} {'f/floor':>7} {'s/floor':>7} {'g/floor':>7} {'p/floor':>7} {'err':>8} "
+          f"{'floor':>8} {'f/eager':>7} {'f/comp':>7} {'f/floor':>7} {'s/floor':>7} {'g/floor':>7} {'p/floor':>7} "
+          f"{'b/floor':>7} {'err':>8} "
           f"{'err_g':>8} pass")
     for r in rows:
         m = r["ms"]
@@ -394,6 +400,7 @@ def main() -> int:
               f"{m['fusedqkv']:8.3f} {m['fused_split']:8.3f} {m['fused_gemm']:8.3f} {m['floor']:8.3f} "
               f"{r['fused_over_eager']:7.3f} {r['fused_over_compile']:7.3f} {r['fused_over_floor']:7.3f} "
               f"{r['split_over_floor']:7.3f} {r['gemm_over_floor']:7.3f} {r['pairs_over_floor']:7.3f} "
+              f"{r['block_over_floor']:7.3f} "
               f"{r['max_rel_vs_eager']['fusedqkv']:8.1e} "
               f"{r['max_rel_vs_eager']['fused_gemm']:8.1e} {r['pass']}")
     return 0 if all(r["pass"] for r in rows) else 1
