@@ -18,11 +18,13 @@ export PYTHONPATH=src:/tmp/site
 PT="python3 -m pytest -q -p no:cacheprovider -rs"
 step t_qlora 150 t_qlora.txt $PT tests/test_gpu_qlora.py tests/test_hf_qlora.py -k "gpu or kept_absmax"
 step bqlora 150 bqlora.txt python3 benchmarks/bench_lora.py --qlora nf4 --configs qwen3_0.6b_h1024_q16_kv8 --reps 10 --out $W/bqlora
+step blora 150 blora.txt python3 benchmarks/bench_lora.py --configs 091_h4096_q32_kv8,qwen3_0.6b_h1024_q16_kv8 --tokens 2048,8192 --reps 10 --out $W/blora
 step hosthf 150 hosthf.txt python3 benchmarks/host_hf.py --device cuda --qlora nf4 --rounds 5 --cprofile --profile-steps 5 --out $W/hosthf
 step qlora06 200 qlora06.txt python3 benchmarks/bench_hf.py --family qwen3 --layers 28 --lora 16 --lora-init random \
   --autocast --qlora nf4 --interleave --stacks hf-fp32,hf,hf+fusedqkv,hf+fusedqkv:dense-qkv --steps 16 --warmup 4 --out $W/qlora06
 grep -hE "^FAILED|^ERROR|^E  " $W/t_*.txt | head -10
 tail -5 $W/bqlora.txt | cut -c1-220
+tail -5 $W/blora.txt | cut -c1-220
 grep -A60 "cumulative" $W/hosthf.txt | grep -E "fusedqkv|bitsandbytes|peft" | head -40 | cut -c1-160
 tail -14 $W/hosthf.txt
 tail -9 $W/qlora06.txt | cut -c1-260
