@@ -163,17 +163,25 @@ def _qkv_adapters(rows, rank, hidden, device="cpu"):
     return out, row
 
 
-def test_the_rule_takes_the_block_at_2048_tokens_and_not_at_8192():
-    """bench_lora's adapters (r=16 on q/k/v, 091's and h5120's rows): the split path's block at 512
-    and 2048 tokens, per pair at 8192; the one-launch forward's dU over the block at 2048, per pair
-    at 8192; a single pair never (the builder would cost the launch it saves)."""
+def test_the_rule_takes_the_block_wherever_it_saves_a_launch_at_memory_bound_ranks():
+    """bench_lora's adapters (r=16 on q/k/v: R=48, 091's and h5120's rows): the block at every size on
+    both paths (its products stay memory-bound); at r=32 (R=96) the flop rule: the block at 512
+    tokens, per pair at 8192; a single pair never (the builder would cost the launch it saves)."""
+    n = 3
     for rows in ((4096, 1024, 1024), (8192, 1024, 1024)):
-        pairs, n_tot = _qkv_adapters(rows, 16, 8, "meta")
-        update = LoRAUpdate(pairs, [], n_tot, torch.bfloat16)
-        n = 3
-        split = [update.block_pays(m, 2, 2 * n - 1 - 2) for m in (512, 2048, 8192)]
-        fused = [update.block_pays(m, 1, n - 1) for m in (512, 2048, 8192)]
-        assert split == [True, True, False] and fused == [True, True, False], rows
+        for r in (16, 32):
+            pairs, n_tot = _qkv_adapters(rows, r, 8, "meta")
+            update = LoRAUpdate(pairs, [], n_tot, torch.bfloat16)
+            assert (update.rank <= L.BLOCK_MEMORY_BOUND_RANK) == (r == 16)
+            zeros = n_tot * 3 * r - sum(rows) * r
+
+            def want(m, products, saved):
+                return r == 16 or 2 * m * zeros * products <= saved * L.BLOCK_FLOPS_PER_SAVED_LAUNCH
+            for m in (512, 2048, 8192):
+                assert update.block_pays(m, 2, 2 * n - 1 - 2) == want(m, 2, 2 * n - 1 - 2), (rows, r, m)
+                assert update.block_pays(m, 1, n - 1) == want(m, 1, n - 1), (rows, r, m)
+            if r == 32:  # the flop rule keeps the pairs at 8192 tokens, takes the block at 512
+                assert not update.block_pays(8192, 1, n - 1) and update.block_pays(512, 2, 2 * n - 1 - 2)
     one = LoRAUpdate(_qkv_adapters((64,), 4, 8)[0], [], 64, torch.bfloat16)
     assert not one.block_pays(1, 2, 2 * 1 - 1 - 2)
 
@@ -188,6 +196,7 @@ def test_the_split_forward_and_dU_follow_the_rule(monkeypatch, tokens, block):
              for row, rows, a, b, s, sh in pairs]
     # waste per token over both products: 2 * (48 * 12 - 48 * 4) * 2 = 1536 flops; 3 saved launches
     monkeypatch.setattr(L, "BLOCK_FLOPS_PER_SAVED_LAUNCH", 1536 * 20 / 3)
+    monkeypatch.setattr(L, "BLOCK_MEMORY_BOUND_RANK", 0)  # the flop rule at this tiny rank
     x = torch.randn(tokens, 16, generator=g)
     update = LoRAUpdate(pairs, [], n_tot, torch.float32)
     qkv = torch.zeros(tokens, n_tot)

@@ -47,6 +47,12 @@ Tensor = torch.Tensor
 # r=16 on q/k/v (R=48), 6144 rows: 2048 tokens waste 1.6 GFLOP over the forward's and dU's products
 # for 3 saved launches (block path); 8192 tokens 6.4 GFLOP (per-pair path).
 BLOCK_FLOPS_PER_SAVED_LAUNCH = 1e9
+# Up to this U width R the products over the block are memory-bound wherever they run (about R flops
+# per byte of qkv/dQKV against a ridge of ~200 on the H200): they move the pairs' bytes, so the zeros cost
+# nothing and the block is taken wherever it saves a launch. Measured at R=48, 8192 tokens, where the flop
+# rule above kept the pairs: fwd+bwd over the floor 1.056 (block) vs 1.061 (pairs) at 091, 1.183 vs 1.209 at
+# the Qwen3-0.6B shape (NOTES, session 23).
+BLOCK_MEMORY_BOUND_RANK = 64
 
 
 def _into(out: Tensor, a: Tensor, b: Tensor, alpha: float) -> None:
@@ -181,13 +187,18 @@ class LoRAUpdate:
 
     def block_pays(self, m: int, products: int, saved_launches: int) -> bool:
         """Whether ``products`` products over the block B (instead of one per pair) at ``m`` tokens
-        pay for their zeros by the ``saved_launches`` (:data:`BLOCK_FLOPS_PER_SAVED_LAUNCH`);
-        ``config.lora_block`` "on"/"off" decide instead."""
+        pay for their zeros by the ``saved_launches``: always up to :data:`BLOCK_MEMORY_BOUND_RANK`
+        columns of U, above by :data:`BLOCK_FLOPS_PER_SAVED_LAUNCH`; ``config.lora_block`` "on"/"off"
+        decide instead."""
         mode = _config.current().lora_block
         if mode != "auto":
             return mode == "on"
+        if saved_launches <= 0:
+            return False
+        if self.rank <= BLOCK_MEMORY_BOUND_RANK:
+            return True
         waste = 2 * m * (self.n_tot * self.rank - self.layout.area) * products
-        return saved_launches > 0 and waste <= saved_launches * BLOCK_FLOPS_PER_SAVED_LAUNCH
+        return waste <= saved_launches * BLOCK_FLOPS_PER_SAVED_LAUNCH
 
     def _block(self, backend: Optional[str]) -> Tensor:
         if backend is None:
