@@ -621,6 +621,30 @@ def lora_block_jobs() -> list:
     return [_lora_block_job(*row) for row in LORA_BLOCK_JOBS]
 
 
+# QLoRA's one-launch NF4 dequantization (ops/dequant_4bit.py, kernels/dequant_4bit.py): sm_90 and sm_100a,
+# each integer mode once, the part counts the integration builds (3: q/k/v; 2: [Q | K] of a shared K/V) and
+# one, bitsandbytes' default blocksize and another, every output dtype; unused parts' pointers are part 0's
+DEQUANT_4BIT_JOBS = [  # (cc, out dtype, N_PARTS, BLOCKSIZE, ints)
+    (90, "bf16", 3, 64, "plain"),
+    (90, "fp16", 2, 128, "div16"),
+    (100, "bf16", 3, 64, "ones"),
+    (100, "fp32", 1, 256, "i64"),
+]
+
+
+def _dequant_4bit_job(cc, dtype, n_parts, blocksize, ints, level="cubin", one=None):
+    types = {"out_ptr": "*" + dtype, "code_ptr": "*fp32",
+             **{f"q{k}_ptr": "*u8" for k in range(4)}, **{f"a{k}_ptr": "*fp32" for k in range(4)}}
+    return dict(kernel="dequant_4bit.dequant_4bit_kernel", cc=cc, types=types, ints=ints, one=one, level=level,
+                consts=dict(N_PARTS=n_parts, BLOCKSIZE=blocksize, BYTES=1024), options={"num_warps": 4},
+                label=f"dequant_4bit sm{cc} {dtype} parts={n_parts} blocksize={blocksize} ints={ints}"
+                      f"{'' if one is None else ' one=' + one}")
+
+
+def dequant_4bit_jobs() -> list:
+    return [_dequant_4bit_job(*row) for row in DEQUANT_4BIT_JOBS]
+
+
 def _fp8_job(family, cc, ints, src="bf16", f8="fp8e4nv", pow2=True, per_column=True, transpose=True, level="cubin",
              one=None, row_per=True, col_per=True, f8_col=None):
     if family in _FP8_DUAL:
@@ -823,7 +847,7 @@ def full_jobs() -> list:
     covers = _covers(stage_jobs() + stage_all_heads_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs())
     return (covers + named_jobs() + corner_jobs() + matmul_jobs()
             + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)] + gemm_jobs() + fp8_jobs()
-            + wide_head_jobs() + lora_block_jobs() + stage_amax_jobs())
+            + wide_head_jobs() + lora_block_jobs() + dequant_4bit_jobs() + stage_amax_jobs())
 
 
 def one_at_a_time_jobs(kernel_args: dict) -> list:

@@ -65,11 +65,43 @@ def test_gpu_qlora_bf16_three_way(tmp_path, order):
 
 
 @cuda
-def test_gpu_qlora_block_under_cuda_graph():
+@pytest.mark.parametrize("blocksize,nested", [(64, True), (128, False)])
+def test_gpu_one_launch_dequant_equals_bitsandbytes_bitwise(blocksize, nested):
+    """ops.dequant_4bit at the Qwen3-0.6B and 8B q/k/v shapes, bf16 and fp16: bitwise what bitsandbytes'
+    CUDA ``dequantize_4bit`` gives each projection (the kept absmax: bitsandbytes' own dequantization)."""
+    from bitsandbytes.functional import dequantize_4bit, dequantize_blockwise, quantize_4bit
+
+    from fusedqkv.ops.dequant_4bit import Dequant4bit
+
+    torch.manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float16):
+        for hidden, rows in ((1024, (2048, 1024, 1024)), (4096, (4096, 1024, 1024))):
+            quant = [quantize_4bit(torch.randn(r, hidden, device="cuda", dtype=dtype) / 8, blocksize=blocksize,
+                                   compress_statistics=nested, quant_type="nf4") for r in rows]
+            want = torch.cat([dequantize_4bit(q, qs) for q, qs in quant]).reshape(-1)
+            absmax = []
+            for _, qs in quant:
+                a = qs.absmax.float() if not nested else dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
+                absmax.append(a.float())
+            plan = Dequant4bit([r * hidden for r in rows], blocksize, dtype, torch.device("cuda"))
+            out = torch.full_like(want, float("nan"))
+            code, packed = quant[0][1].code.float().cuda(), [q.reshape(-1) for q, _ in quant]
+            plan.check(out, code, packed, absmax)
+            for _ in range(2):  # the JIT launch, then the bound one
+                out.fill_(float("nan"))
+                plan(out, code, packed, absmax, torch.cuda.current_stream().cuda_stream)
+                torch.cuda.synchronize()
+                assert torch.equal(out, want), (dtype, hidden)
+
+
+@cuda
+@pytest.mark.parametrize("keep_absmax", [False, True], ids=["bitsandbytes", "kept_absmax_one_launch"])
+def test_gpu_qlora_block_under_cuda_graph(keep_absmax):
     """The QLoRA block with its adapters inside the op (qkv_lora) captured as a CUDA graph: the
     dequantization workspace during capture is the call's own (device.workspace), the backward
     dequantizes into another; replays equal the eager call (outputs, dX, every dA and dB), and no
-    kept buffer is created by the capture."""
+    kept buffer is created by the capture. ``keep_absmax``: as the kept projection plan holds it (the
+    absmax kept from the eager calls, q/k/v dequantized in one launch)."""
     from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
 
     from fusedqkv.integrations.peft import lora_operands
@@ -84,7 +116,7 @@ def test_gpu_qlora_block_under_cuda_graph():
         lin.weight = bnb.nn.Params4bit(torch.randn(rows, hidden) / 16, requires_grad=False, quant_type="nf4",
                                        compress_statistics=True)
         bases.append(lin.cuda())
-    src = qlora.DequantizedQKV(bases, torch.bfloat16, torch.device("cuda"))
+    src = qlora.DequantizedQKV(bases, torch.bfloat16, torch.device("cuda"), keep_absmax=keep_absmax)
     slots = []
     for name, base in zip(("q_proj", "k_proj", "v_proj"), bases):
         lora = LoraLinear4bit(base, "default", LoraConfig(r=8, lora_alpha=16, init_lora_weights=False), r=8,
@@ -112,6 +144,7 @@ def test_gpu_qlora_block_under_cuda_graph():
             (q, k, v), [x] + adapters, (gq, torch.ones_like(k), torch.ones_like(v)))
 
     want = [t.clone() for t in call()]
+    assert (src._one_launch is not None) == keep_absmax
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -228,10 +228,11 @@ def test_head_dim_512_kernels_do_not_spill(compiled, cc):
 
 def test_blackwell_targets_compile_every_kernel(compiled):
     """sm_100a and sm_120a get offline compiles of every kernel the launchers select there: the
-    stage, the forward stage, the finishes and the flush on both, the products and the LoRA block builder on sm_100a."""
+    stage, the forward stage, the finishes and the flush on both, the products, the LoRA block builder and
+    QLoRA's dequantization on sm_100a."""
     fp8 = set(oc.FP8_KERNELS)
     for cc, kernels in ((100, {"stage", "stage_all_heads", "forward", "finish", "finish_cols", "tma_matmul", "l2_flush",
-                               "lora_block", *fp8}),
+                               "lora_block", "dequant_4bit", *fp8}),
                         (120, {"stage", "stage_all_heads", "forward", "finish", "finish_cols", "l2_flush", *fp8})):
         jobs = [j for j in JOBS if j["cc"] == cc]
         assert {j["label"].split()[0] for j in jobs} == kernels, cc

@@ -116,6 +116,7 @@ class DequantizedQKV:
         self.n_tot, self.hidden = sum(self.rows), bases[0].in_features
         self.keep_absmax = keep_absmax
         self._flat = {}  # id(base) -> (the objects and versions it was made from, the flat QuantState)
+        self._one_launch = None  # (key, ops.dequant_4bit.Dequant4bit, the code table on the device) or None
 
     def _state(self, m, qs):
         """The QuantState to dequantize base ``m`` with: ``qs`` itself, or with double quantisation
@@ -147,11 +148,17 @@ class DequantizedQKV:
             parts = [dequantize_4bit(m.weight.data, quant_state(m)).to(self.dtype) for m in self.bases]
             return torch.cat(parts, 0)
         n = self.n_tot * self.hidden
-        buf = workspace("qlora_qkv_weight", self.device, current_stream(self.device), n * self.dtype.itemsize)
+        stream = current_stream(self.device)
+        buf = workspace("qlora_qkv_weight", self.device, stream, n * self.dtype.itemsize)
         w = buf[:n * self.dtype.itemsize].view(self.dtype).view(self.n_tot, self.hidden)
+        states = [self._state(m, quant_state(m)) for m in self.bases]
+        one = self._one_launch_for(states, w)
+        if one is not None:  # NF4 with fp32 absmax throughout: the three projections in one launch
+            plan, code = one
+            plan(w, code, [m.weight.data for m in self.bases], [qs.absmax for qs in states], stream)
+            return w
         start = 0
-        for m, rows in zip(self.bases, self.rows):
-            qs = self._state(m, quant_state(m))
+        for m, rows, qs in zip(self.bases, self.rows, states):
             part = w[start:start + rows]
             if qs.dtype == self.dtype and part.is_cuda:
                 dequantize_4bit(m.weight.data, qs, out=part)
@@ -159,6 +166,35 @@ class DequantizedQKV:
                 part.copy_(dequantize_4bit(m.weight.data, qs))
             start += rows
         return w
+
+
+    def _one_launch_for(self, states: list, out: torch.Tensor):
+        """``(Dequant4bit, code)`` where every base is NF4 with an fp32 absmax (a kept one, or not
+        double-quantized), one blocksize, in the block's dtype (bitsandbytes would give the same
+        values); planned once per such geometry, the operands checked then. None otherwise: each
+        base through bitsandbytes' ``dequantize_4bit``."""
+        if not self.keep_absmax or _config.current().qlora_dequant != "one_launch":
+            return None
+        first = states[0]
+        if any(qs.nested or qs.quant_type != "nf4" or qs.blocksize != first.blocksize or qs.dtype != self.dtype
+               or qs.absmax.dtype != torch.float32 for qs in states):
+            return None
+        key = (first.blocksize, self.dtype, tuple(id(qs) for qs in states))
+        kept = self._one_launch
+        if kept is not None and kept[0] == key:
+            return kept[1], kept[2]
+        from ..ops import dequant_4bit as D
+
+        values = [m.out_features * m.in_features for m in self.bases]
+        if D.supported(values, first.blocksize, self.dtype, self.device) is not None or capturing(self.device):
+            return None
+        plan = D.Dequant4bit(values, first.blocksize, self.dtype, self.device)
+        code = first.code.to(device=self.device, dtype=torch.float32).contiguous()
+        plan.check(out.view(-1), code, [m.weight.data.reshape(-1) for m in self.bases], [qs.absmax for qs in states])
+        if any(not torch.equal(qs.code.to(code.device, torch.float32), code) for qs in states[1:]):
+            return None  # NF4 tables that differ: not bitsandbytes' own
+        self._one_launch = (key, plan, code)
+        return plan, code
 
 
 def fused_bias(bases: list, dtype: torch.dtype):

@@ -8,7 +8,7 @@ a changed setting can never run on a plan built under another. Tests change sett
 Environment variables (read at import; 0 turns a path off):
 ``FUSEDQKV_CHAIN_MAX_TOKENS`` (128), ``FUSEDQKV_HYBRID_MAX_TOKENS`` (2560),
 ``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_STAGE_TMA`` (1), ``FUSEDQKV_CUBLASLT`` (1);
-``FUSEDQKV_FUSED_FORWARD`` (auto, on or off); ``FUSEDQKV_QLORA_ABSMAX`` (keep or recompute).
+``FUSEDQKV_FUSED_FORWARD`` (auto, on or off); ``FUSEDQKV_QLORA_ABSMAX`` (keep or recompute); ``FUSEDQKV_QLORA_DEQUANT`` (one_launch or bitsandbytes).
 Where the defaults come from: benchmarks/NOTES.md.
 """
 
@@ -77,6 +77,9 @@ class Config:
     # projection plan ("keep": 4 bytes per blocksize weights; one bitsandbytes op a projection per call) or
     # dequantized again by bitsandbytes every call ("recompute": three ops a projection) -- integrations.qlora
     qlora_absmax: str = "keep"
+    # with the absmax kept, NF4 q/k/v dequantized in one launch of our own kernel (ops/dequant_4bit.py: bitwise
+    # bitsandbytes' values) instead of one bitsandbytes call each ("bitsandbytes")
+    qlora_dequant: str = "one_launch"
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":
@@ -98,7 +101,8 @@ class Config:
                    stage_tma=flag("FUSEDQKV_STAGE_TMA", True),
                    cublaslt=flag("FUSEDQKV_CUBLASLT", True),
                    fused_forward=_choice(env, "FUSEDQKV_FUSED_FORWARD", ("auto", "on", "off"), "auto"),
-                   qlora_absmax=_choice(env, "FUSEDQKV_QLORA_ABSMAX", ("keep", "recompute"), "keep"))
+                   qlora_absmax=_choice(env, "FUSEDQKV_QLORA_ABSMAX", ("keep", "recompute"), "keep"),
+                   qlora_dequant=_choice(env, "FUSEDQKV_QLORA_DEQUANT", ("one_launch", "bitsandbytes"), "one_launch"))
 
 
 def _choice(env, name: str, choices: tuple, default: str) -> str:
