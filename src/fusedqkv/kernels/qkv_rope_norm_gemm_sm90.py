@@ -27,9 +27,10 @@ FP8 (``SCALES``, issue 35): x and W as e4m3 codes (K-major both, as wgmma's 8-bi
 ``BK`` twice the 16-bit one, the same bytes per ring stage), the fp32 accumulator (wgmma's own, fast
 accumulation) multiplied by the recipe's inverse scales before the rounding to the output dtype, as
 ``torch._scaled_mm`` applies them on sm_90: ``SCALES == 1`` (rowwise) ``x_scale[row] * (w_scale[col] *
-acc)``, the order of torch's CUTLASS rowwise kernel; ``SCALES == 2`` (tensorwise) ``acc * (x_scale *
-w_scale)``, the one product cuBLASLt's epilogue folds the two scalars into. The epilogue after it is
-the 16-bit one.
+acc)``, the order of torch's CUTLASS rowwise kernel (cuBLASLt's outer-vector scales, which torch 2.11
+calls instead, do not document one: the rowwise recipes' power-of-two scales make every order exact);
+``SCALES == 2`` (tensorwise) ``acc * (x_scale * w_scale)``, the two scalars folded into one product as
+CUTLASS's scalar epilogue folds them. The epilogue after it is the 16-bit one.
 """
 
 from triton.experimental import gluon

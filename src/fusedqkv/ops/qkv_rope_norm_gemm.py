@@ -4,11 +4,12 @@
 ``plan_fused_forward`` decides at plan time whether the training forward takes it (the variant,
 the device, Triton's Gluon gate, and the shape: where each consumer warpgroup gets fewer than
 ``config.fused_forward_min_rounds`` tiles, cuBLAS + the forward stage is faster -- NOTES, session
-13; with LoRA adapters, ``config.fused_forward_lora_min_rounds``, session 22); ``fused_gemm_unsupported`` says why a call cannot take it.
-FP8 plans (``recipe``, issue 35, session 23) take the kernel's FP8 build under the same rules: its GEMM
-on the casts of x and W the split path makes (e4m3 codes, K-major), their inverse scales applied to the
-accumulator in the epilogue (:func:`fp8_scales`; ``config.fused_forward_fp8`` off: the split path).
-``FusedGemmForward`` holds the launch of one plan: tile config, layouts and grid decided once; its ``bound_launch`` fixes every
+13; with LoRA adapters, ``config.fused_forward_lora_min_rounds``, session 22);
+``fused_gemm_unsupported`` says why a call cannot take it. FP8 plans (``recipe``: issue 35, session
+23) take the kernel's FP8 build under the same rules: its GEMM on the casts of x and W the split path
+makes (e4m3 codes, K-major), their inverse scales applied to the accumulator in the epilogue
+(:func:`fp8_scales`; ``config.fused_forward_fp8`` off: the split path). ``FusedGemmForward`` holds
+the launch of one plan: tile config, layouts and grid decided once; its ``bound_launch`` fixes every
 argument but the addresses, and after the first launch calls the compiled kernel's launcher
 directly (``ops/launch.py``), re-encoding a descriptor only when its tensor moved.
 """
@@ -132,7 +133,7 @@ def plan_fused_forward(sz: dict, x, w, bias, cfg, small=(), lora: bool = False,
     if recipe is None and (x2d is None or x2d.stride(1) != 1 or (x2d.stride(0) * x.element_size()) % 16
                            or x.data_ptr() % 16 or w.stride(1) != 1 or (w.stride(0) * w.element_size()) % 16
                            or w.data_ptr() % 16):
-        return None  # TMA needs 16-byte aligned rows (FP8: the casts' contiguous codes, whatever x's and W's layout)
+        return None  # TMA needs 16-byte aligned rows (FP8: the casts' contiguous codes, whatever x's layout)
     if internals.gluon_gate(instead="cuBLAS + the forward stage for the training forward (up to ~6% slower at "
                             "large token counts)") is not None:
         return None
@@ -211,7 +212,8 @@ class FusedGemmForward:
         scales = (slot["x_scale"], slot["w_scale"]) if self.scales else (None, None)
         args = (Desc(slot["x"], [BM, BK], self.x_l), Desc(slot["w"], [D, BK], self.w_l),
                 Desc(slot["qkv"], half, self.o_l), Desc(slot["q"], half, self.o_l), Desc(slot["k"], half, self.o_l),
-                *lora, *scales, wq, wq.like.stride(0) if wq.like.dim() == 1 else 1, wk, wk.like.stride(0) if wk.like.dim() == 1 else 1,
+                *lora, *scales, wq, wq.like.stride(0) if wq.like.dim() == 1 else 1, wk,
+                wk.like.stride(0) if wk.like.dim() == 1 else 1,
                 slot["rstd_q"], *rq.stride(), slot["rstd_k"], *rk.stride(), slot["cos"], *cos.stride(), slot["sin"],
                 *sin.stride(), self.eps, self.M, self.N, self.K, rank, self.S, self.hq, self.hkv)
         launch = BoundLaunch(self.kernel, self.grid, args, dict(self.constexprs, num_warps=4, maxnreg=MAXNREG))
