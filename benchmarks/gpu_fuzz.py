@@ -32,7 +32,8 @@ GPU (the device session)::
 
     PYTHONPATH=src FUSEDQKV_SOL_EXECBENCH=shared/sol-execbench python3 benchmarks/gpu_fuzz.py --cases 200 --out $OUT/fuzz
 
-and the one-launch Hopper forward at every size (``auto`` takes it only for large token counts)::
+and the one-launch Hopper forward at every size (``auto`` takes it only for large token counts; the FP8
+cases with bf16 activations take its FP8 build; the run counts the cases per forward path)::
 
     PYTHONPATH=src python3 benchmarks/gpu_fuzz.py --api train --variant plain --head-dims 128 \
         --fused-forward on --cases 120 --out $OUT/fuzz_fused
@@ -435,8 +436,20 @@ def check_train(case, device, backend, fused_forward="auto") -> dict:
         gr = torch.autograd.grad(outs, wrt, go)
         return [o.detach() for o in outs] + list(gr)
 
-    with config.override(fused_forward=fused_forward):
-        ours = run("ours")
+    from fusedqkv.ops.training_forward import ForwardPlan
+
+    took, one_launch = [], ForwardPlan._run_fused  # which forward ran: the one-launch kernel's calls, seen
+
+    def seen(plan, *a, **k):
+        took.append("one-launch fp8" if plan.fp8 is not None else "one-launch")
+        return one_launch(plan, *a, **k)
+
+    ForwardPlan._run_fused = seen
+    try:
+        with config.override(fused_forward=fused_forward):
+            ours = run("ours")
+    finally:
+        ForwardPlan._run_fused = one_launch
     _sync(device)
     eager = run("eager")
     ref = run("eager", torch.float64)
@@ -458,7 +471,7 @@ def check_train(case, device, backend, fused_forward="auto") -> dict:
         detail[n] = dict(passed=good and dt_ok, err=e_ours, eager_err=e_eager, atol=atol,
                          dtype=str(a.dtype).replace("torch.", ""))
         ok &= good and dt_ok
-    return dict(ok=ok, outputs=detail)
+    return dict(ok=ok, outputs=detail, forward=took[0] if took else "split")
 
 
 # ------------------------------------------------------------------------------------- main
@@ -608,7 +621,9 @@ def _report(args, device, cases, results, total) -> int:
 
     failed = [r for r in results if not r["ok"]]
     summary = dict(cases=len(results), requested=len(cases), failed=len(failed), seconds=round(total, 1),
-                   seed=args.seed, device=str(device), torch=torch.__version__)
+                   seed=args.seed, device=str(device), torch=torch.__version__,
+                   forward={p: sum(r.get("forward") == p for r in results) for p in ("split", "one-launch",
+                                                                                     "one-launch fp8")})
     try:
         import triton
 
@@ -629,6 +644,11 @@ def _report(args, device, cases, results, total) -> int:
             rs = [r for r in results if r["case"]["api"] == api and r["case"]["dtype"] == dn]
             if rs:
                 print(f"{api:6s} {dn:6s} {len(rs):5d}  {sum(not r['ok'] for r in rs):6d}")
+    paths = [r.get("forward") for r in results if r["case"]["api"] == "train"]
+    if paths:  # the training forward's path per case (FP8 cases: the one-launch forward's FP8 build or the split path)
+        fp8 = [r.get("forward") for r in results if r["case"]["api"] == "train" and r["case"].get("fp8")]
+        counts = ", ".join(f"{p} {paths.count(p)}" for p in ("split", "one-launch", "one-launch fp8") if p in paths)
+        print(f"train forward: {counts} (FP8 cases {len(fp8)}, one-launch {fp8.count('one-launch fp8')})")
     tokens = [r["case"]["batch"] * r["case"]["seq"] for r in results]
     if tokens:
         print(f"tokens {min(tokens)}..{max(tokens)}, seq 1: {sum(r['case']['seq'] == 1 for r in results)} cases")

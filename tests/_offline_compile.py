@@ -56,12 +56,13 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   the launcher's tile (``TILE``, maxnreg ``MAXNREG``), head_dim 128, bf16/fp16, either norm position,
   weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
   beside them the plain GEMM (FUSE off), one token of one query and one key head, 16-row norm chunks
-  with fp32 norm weights, a 4-stage ring. A Gluon
+  with fp32 norm weights, a 4-stage ring, the LoRA kernel, and the FP8 build (``SCALES``: e4m3 operands
+  at the FP8 K step, rowwise and tensorwise scales; FP8 plans' activations are bf16). A Gluon
   kernel compiles from a ``GluonASTSource``; its descriptors' types (the shared layout included) are
   the launcher's, mangled as the JIT does. Its jobs name the Triton they compile under
   (``GEMM_TRITON``, the one the Gluon gate admits: ``--triton``, a child process of its own), except
-  two under the Triton imported here (label ``current-triton``): an early warning where Gluon's API
-  moves (Triton 3.8 renamed the TMA copies, 3.9 removed the old names).
+  three under the Triton imported here (label ``current-triton``; one of them the FP8 build): an early
+  warning where Gluon's API moves (Triton 3.8 renamed the TMA copies, 3.9 removed the old names).
 
 Head dims: 64, 128, 256, 80 (HALF not a power of two: padded tiles, no TMA) and 2 (the
 smallest the validation accepts). Dtypes: bf16, fp16, fp32 activations; fp32 norm weights
@@ -484,19 +485,22 @@ GEMM_ONE_TOKEN = ("M", "S", "HQ", "HKV", "srq_h", "srk_h")
 
 
 def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=False, level="cubin", one=None,
-              triton=GEMM_TRITON, lora=False, **tile):
+              triton=GEMM_TRITON, lora=False, scales=0, **tile):
     """One compile of ``qkv_rope_norm_gemm_sm90_kernel`` as ``FusedGemmForward`` launches it (``tile``:
     overrides of the launcher's ``TILE``; ``triton`` None: under the Triton imported; ``lora``: with
-    LoRA adapters' U and B descriptors, their rank sum R an integer of the ``ints`` mode)."""
-    from fusedqkv.ops.qkv_rope_norm_gemm import CONSUMER_REGS, MAXNREG, PRODUCER_REGS, TILE
+    LoRA adapters' U and B descriptors, their rank sum R an integer of the ``ints`` mode; ``scales``:
+    the FP8 build, e4m3 x and W at the launcher's FP8 K step, fp32 scale pointers)."""
+    from fusedqkv.ops.qkv_rope_norm_gemm import CONSUMER_REGS, FP8_BK, MAXNREG, PRODUCER_REGS, TILE
 
-    t = dict(TILE, **tile)
+    t = {**TILE, **({"BK": FP8_BK} if scales else {}), **tile}
     consts = dict(BM=t["BM"], BN=128, BK=t["BK"], GROUP_M=t["GROUP_M"], STAGES=t["STAGES"], FUSE=fuse,
-                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], LORA=lora, CONSUMER_REGS=CONSUMER_REGS,
-                  PRODUCER_REGS=PRODUCER_REGS)
+                  NORM_AFTER_ROPE=nar, NORM_WEIGHT=nw, RC=t["RC"], LORA=lora, SCALES=scales,
+                  CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
     act = _tt(dtype)
     norm = "*fp32" if norm_fp32 and nw else "*" + act  # unweighted: q stands in
     types = dict(wq_ptr=norm, wk_ptr=norm, rq_ptr="*fp32", rk_ptr="*fp32", cos_ptr="*" + act, sin_ptr="*" + act)
+    if scales:
+        types.update(xs_ptr="*fp32", ws_ptr="*fp32")
     spec = {n: {"one": "1", "plain": "i32"}[units] for n in GEMM_UNITS}
     spec.update({n: {"plain": "i32", "div16": "D"}[ints] for n in GEMM_INTS}, N="D")
     spec["R"] = {"plain": "i32", "div16": "D"}[ints] if lora else "D"
@@ -505,11 +509,13 @@ def _gemm_job(dtype, fuse, nar, nw, units, ints, one_token=False, norm_fp32=Fals
     tiles = " ".join(f"{k}{t[k]}" for k in TILE)
     label = (f"gemm_sm90 sm90 {dtype}{'/normfp32' if norm_fp32 else ''} fuse={fuse} nar={nar} nw={nw} {tiles} "
              f"units={units} ints={ints}{' one_token' if one_token else ''}{'' if one is None else ' one=' + one}"
-             f"{' lora' if lora else ''}{'' if triton else ' current-triton'}")
+             f"{' lora' if lora else ''}{f' fp8 scales={scales}' if scales else ''}"
+             f"{'' if triton else ' current-triton'}")
+    none_args = (() if lora else ("u_desc", "b_desc")) + (() if scales else ("xs_ptr", "ws_ptr"))
     return dict(kernel=GEMM_KERNEL, cc=90, consts=consts, types=types, ints=ints, int_spec=spec,
                 int_axes=dict(units=units, ints=ints), one_token=one_token, desc_types="_gemm_desc_types",
                 dtype=dtype, options={"num_warps": 4, "maxnreg": MAXNREG}, level=level, label=label, one=one,
-                triton=triton, none_args=() if lora else ("u_desc", "b_desc"))  # no adapters: None descriptors
+                triton=triton, none_args=none_args)  # no adapters, no FP8 scales: None arguments
 
 
 def _gemm_desc_types(job) -> dict:
@@ -523,14 +529,15 @@ def _gemm_desc_types(job) -> dict:
 
     c = job["consts"]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[job["dtype"]]
-    x_l, w_l, o_l = layouts(dtype, c["BM"], c["BN"], c["BK"])
-    t = torch.empty(256, 256, dtype=dtype)
+    operands = torch.float8_e4m3fn if c["SCALES"] else dtype
+    x_l, w_l, o_l = layouts(dtype, c["BM"], c["BN"], c["BK"], operands)
+    t, a = torch.empty(256, 256, dtype=dtype), torch.empty(256, 256, dtype=operands)
     half = [c["BM"], c["BN"] // 2]
-    descs = dict(x_desc=([c["BM"], c["BK"]], x_l), w_desc=([c["BN"], c["BK"]], w_l), qkv_desc=(half, o_l),
-                 q_desc=(half, o_l), k_desc=(half, o_l))
+    descs = dict(x_desc=(a, [c["BM"], c["BK"]], x_l), w_desc=(a, [c["BN"], c["BK"]], w_l), qkv_desc=(t, half, o_l),
+                 q_desc=(t, half, o_l), k_desc=(t, half, o_l))
     if c["LORA"]:  # U and B: x's and W's boxes
         descs.update(u_desc=descs["x_desc"], b_desc=descs["w_desc"])
-    return {n: mangle_type(TensorDescriptor.from_tensor(t, block, layout)) for n, (block, layout) in descs.items()}
+    return {n: mangle_type(TensorDescriptor.from_tensor(u, block, layout)) for n, (u, block, layout) in descs.items()}
 
 
 # the fused GEMM's axes, covered pairwise by 5 rows (the greedy cover took 6, each a ~6 s cubin under the
@@ -559,11 +566,17 @@ def gemm_jobs() -> list:
     # LoRA adapters in the GEMM (the training forward's LoRA plans; the producer's extra K steps are the same
     # code whatever the epilogue, which the rows above cover): one cubin
     jobs.append(_gemm_job("bf16", True, True, True, "one", "div16", lora=True))
+    # the FP8 build (FP8 plans: bf16 activations, e4m3 codes, the scales in the epilogue): rowwise with 091's
+    # norm position and weights, tensorwise with Qwen3's (the known spill's row), both with plain ints (the
+    # most registers); the epilogue's code after the rounding is the 16-bit rows'
+    jobs.append(_gemm_job("bf16", True, True, True, "one", "plain", scales=1))
+    jobs.append(_gemm_job("bf16", True, False, True, "one", "plain", scales=2))
     # under the Triton this process imports (outside the Gluon gate: an early warning of Gluon's API moving;
     # the kernel's TMA names follow the release), to TritonGPU IR: Gluon's front end, where a renamed or
     # removed name fails (the cubins, their shared memory and spills, are the pinned Triton's above)
     for fuse in (True, False):
         jobs.append(_gemm_job("bf16", fuse, True, True, "one", "div16", triton=None, level="ttgir"))
+    jobs.append(_gemm_job("bf16", True, True, True, "one", "div16", triton=None, level="ttgir", scales=1))
     return jobs
 
 

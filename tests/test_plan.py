@@ -236,3 +236,149 @@ def test_a_cpu_forward_plan_never_takes_the_fused_forward():
     with config.override(fused_forward="on"):
         plan = forward_plan(x, w, wq, wk, cos, sin, 4, 2, 1e-6, "before_rope", None)
     assert plan.fused is None
+
+
+# the one-launch forward's FP8 build (issue 35, session 23): which FP8 plans take it (the CPU side of the rule;
+# the kernel's numerics on the GPU: test_gpu_fused_forward.py)
+
+
+def test_the_fp8_one_launch_forward_takes_the_recipes_it_computes_as_scaled_mm_does():
+    """The named recipes' forwards (e4m3 both, fast accumulation, one granularity) take the FP8 build:
+    rowwise scales (``SCALES`` 1) or one scale each (2); activations other than bf16, a forward
+    without fast accumulation, other FP8 formats and mixed granularities keep the split path."""
+    import dataclasses
+
+    from fusedqkv.ops import fp8
+    from fusedqkv.ops.qkv_rope_norm_gemm import fp8_scales, fused_gemm_unsupported
+    from fusedqkv.ops.variant import Variant
+
+    x = torch.empty(4, 256, dtype=torch.bfloat16)
+    w = torch.empty(768, 256, dtype=torch.bfloat16)
+    plain = Variant()
+    assert {n: fp8_scales(r) for n, r in fp8.RECIPES.items()} == {"rowwise": 1, "rowwise_with_gw_hp": 1,
+                                                                  "tensorwise": 2}
+    for r in fp8.RECIPES.values():
+        assert fused_gemm_unsupported(x, w, 128, 128, plain, None, (9, 0), r) is None
+        assert "bf16" in fused_gemm_unsupported(x.half(), w.half(), 128, 128, plain, None, (9, 0), r)
+        # the 16-bit rules before it: the device, the variant, the bias
+        assert "sm_90" in fused_gemm_unsupported(x, w, 128, 128, plain, None, (10, 0), r)
+        assert "variant" in fused_gemm_unsupported(x, w, 128, 128, Variant(q_gate=True), None, (9, 0), r)
+        assert "bias" in fused_gemm_unsupported(x, w, 128, 128, plain, torch.empty(768), (9, 0), r)
+    rw = fp8.RECIPES["rowwise"]
+    refused = {"accumulation": dataclasses.replace(rw, name="custom", fast_accum=(False, False, False)),
+               "granularities": dataclasses.replace(rw, name="custom", weight=fp8.Cast(fp8.E4M3, True)),
+               "e4m3": dataclasses.replace(rw, name="custom", input=fp8.Cast(fp8.E5M2), weight=fp8.Cast(fp8.E5M2))}
+    for reason, r in refused.items():
+        assert reason in fused_gemm_unsupported(x, w, 128, 128, plain, None, (9, 0), r)
+        assert fp8_scales(r) == 0
+    assert config.Config().fused_forward_fp8
+    assert not config.Config.from_env({"FUSEDQKV_FUSED_FORWARD_FP8": "0"}).fused_forward_fp8
+
+
+def _as_an_h200(monkeypatch):
+    """The plan rule's view of the device as an H200's (sm_90, 132 SMs) with Gluon's gate open: the CPU
+    side of the rule only (nothing launches)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(internals, "gluon_gate", lambda instead=None: None)
+
+
+def _fp8_plan_inputs(tokens, hidden=256, hq=4, hkv=2, d=128, dtype=torch.bfloat16, layout="contiguous"):
+    from fusedqkv.ops.gqa_forward import validate_forward_inputs
+
+    x = torch.randn(1, tokens, hidden, dtype=dtype)
+    if layout == "transposed":  # not a matrix TMA takes: the FP8 casts' codes are, whatever x's layout
+        x = torch.randn(hidden, tokens, dtype=dtype).t().unsqueeze(0)
+    w = torch.randn((hq + 2 * hkv) * d, hidden, dtype=dtype)
+    wq, wk = torch.ones(d, dtype=dtype), torch.ones(d, dtype=dtype)
+    cos, sin = torch.ones(1, tokens, d, dtype=dtype), torch.zeros(1, tokens, d, dtype=dtype)
+    sz = validate_forward_inputs(x, w, wq, wk, cos, sin, hq, hkv, 1e-6, "after_rope")
+    return dict(sz, device=torch.device("cuda")), x, w, (cos, sin, wq, wk)
+
+
+@pytest.mark.parametrize("name", ["rowwise", "rowwise_with_gw_hp", "tensorwise"])
+def test_fp8_plans_take_the_fp8_one_launch_forward_under_the_16_bit_rules(monkeypatch, name):
+    """An FP8 plan takes the FP8 build where a bf16 plan would take the 16-bit one (``fused_forward``
+    on, or auto from ``fused_forward_min_rounds`` tiles per consumer), with or without a matrix layout
+    of x; not with ``fused_forward_fp8`` off, with LoRA adapters, or with fp16 activations. The FP8
+    build: e4m3 operands at the FP8 K step, the scales two more call tensors."""
+    from fusedqkv.ops import fp8
+    from fusedqkv.ops.qkv_rope_norm_gemm import FP8_BK, FP8_ENTRIES, consumer_rounds, plan_fused_forward
+
+    _as_an_h200(monkeypatch)
+    r = fp8.RECIPES[name]
+    cfg = config.current()
+    sz, x, w, small = _fp8_plan_inputs(256)
+    assert consumer_rounds(256, sz["qkv"], 128, 132) < cfg.fused_forward_min_rounds
+    with config.override(fused_forward="on") as on:
+        fused = plan_fused_forward(sz, x, w, None, on, small, recipe=r)
+        assert fused is not None and plan_fused_forward(sz, x, w, None, on, small) is not None
+        assert fused.constexprs["SCALES"] == (2 if r.input.tensorwise else 1)
+        assert fused.constexprs["BK"] == FP8_BK and fused.entries == FP8_ENTRIES and not fused.constexprs["LORA"]
+        t_sz, t_x, t_w, t_small = _fp8_plan_inputs(256, layout="transposed")
+        assert plan_fused_forward(t_sz, t_x, t_w, None, on, t_small) is None  # (16-bit: x not a TMA matrix)
+        assert plan_fused_forward(t_sz, t_x, t_w, None, on, t_small, recipe=r) is not None
+        assert plan_fused_forward(sz, x, w, None, on, small, lora=True, recipe=r) is None
+        h_sz, h_x, h_w, h_small = _fp8_plan_inputs(256, dtype=torch.float16)
+        assert plan_fused_forward(h_sz, h_x, h_w, None, on, h_small, recipe=r) is None
+    with config.override(fused_forward="on", fused_forward_fp8=False) as off:
+        assert plan_fused_forward(sz, x, w, None, off, small, recipe=r) is None
+        assert plan_fused_forward(sz, x, w, None, off, small) is not None  # (the 16-bit build: its own switch)
+    with config.override(fused_forward="auto") as auto:
+        assert plan_fused_forward(sz, x, w, None, auto, small, recipe=r) is None
+        big = _fp8_plan_inputs(8192, hq=32, hkv=8)  # 091's heads: 64 x 48 tiles over 264 consumers
+        assert consumer_rounds(8192, big[0]["qkv"], 128, 132) >= cfg.fused_forward_min_rounds
+        assert plan_fused_forward(*big[:3], None, auto, big[3], recipe=r) is not None
+    with config.override(fused_forward="off") as never:
+        assert plan_fused_forward(sz, x, w, None, never, small, recipe=r) is None
+
+
+@pytest.mark.parametrize("name", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("kept", [False, True])
+def test_an_fp8_one_launch_plan_launches_on_the_casts_of_x_and_w(monkeypatch, name, kept):
+    """The training forward's FP8 plan with the one-launch forward (the plan's rule as on an H200; its
+    launch recorded instead of run): the kernel's x and W are the e4m3 casts ``fp8.forward_operands``
+    makes (the kept casts where the autograd forward made them, as they are), its ``xs_ptr``/``ws_ptr``
+    their inverse scales, the rest of the call's tensors as the 16-bit build gets them; the plan holds
+    no GEMM or stage of its own."""
+    from fusedqkv.ops import fp8, training_forward
+    from fusedqkv.ops.launch import Desc, Ptr
+
+    _as_an_h200(monkeypatch)
+    rule = training_forward.plan_fused_forward  # (the rule for CPU tensors as for CUDA ones)
+    monkeypatch.setattr(training_forward, "plan_fused_forward",
+                        lambda sz, *a, **k: rule(dict(sz, device=torch.device("cuda")), *a, **k))
+    r = fp8.RECIPES[name]
+    sz, x, w, (cos, sin, wq, wk) = _fp8_plan_inputs(40)
+    with config.override(fused_forward="on") as on:
+        plan = training_forward.build_forward(x, w, wq, wk, cos, sin, 4, 2, 1e-6, "after_rope", "triton",
+                                              fp8_key=r.key, cfg=on)
+    assert plan.fused is not None and plan.fp8 is r and plan.lt_qkv is None
+    bound = plan.launch
+    params = internals.parameter_names(bound.fn)
+    slot = {n: a for n, a in zip(params, bound.args)}
+    names = plan.table.supplied
+    assert isinstance(slot["x_desc"], Desc) and names[slot["x_desc"].index] == "x"
+    assert isinstance(slot["xs_ptr"], Ptr) and slot["xs_ptr"].name == "x_scale"
+    assert isinstance(slot["ws_ptr"], Ptr) and slot["ws_ptr"].name == "w_scale"
+    assert slot["x_desc"].shape == [40, 256] and slot["x_desc"].block == [128, 128]
+    seen = {}
+    monkeypatch.setattr(bound, "launch", lambda tensors, ptrs, stream: seen.update(zip(names, tensors)))
+    x_cast = w_cast = None
+    if kept:
+        x_cast = fp8.cast_rows(x.reshape(40, 256), r.input, r.round_scales_to_power_of_2)
+        w_cast = fp8.cast_rows(w, r.weight, r.round_scales_to_power_of_2)
+    q, k, qkv, *_ = plan.run(x, w, wq, wk, cos, sin, fp8_weight=w_cast, fp8_input=x_cast)
+    (xa, xs), (wa, ws) = fp8.forward_operands(x.reshape(40, 256), w, r)
+    assert seen["x"].dtype == seen["w"].dtype == fp8.E4M3
+    for got, want in ((seen["x"], xa), (seen["w"], wa)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(seen["x_scale"], xs) and torch.equal(seen["w_scale"], ws)
+    assert seen["x_scale"].shape == (() if r.input.tensorwise else (40, 1))
+    if kept:
+        assert seen["x"].data_ptr() == x_cast[0].data_ptr() and seen["w_scale"] is w_cast[1]
+    assert seen["qkv"].data_ptr() == qkv.data_ptr() and seen["qkv"].shape == (40, 8 * 128)
+    assert seen["cos"] is cos and seen["q_norm_weight"] is wq

@@ -22,6 +22,15 @@ Semantics are the forward stage's (``rope_qk_norm_fwd.py``) for the plain block:
 RoPE see the projection rounded to its dtype, fp32 math, one rounding of q/k; NeoX rotate-half over
 the whole head, cos/sin per element; ``NORM_AFTER_ROPE``; ``NORM_WEIGHT`` (else unweighted). The
 plan keeps cuBLAS + the stage for every other variant.
+
+FP8 (``SCALES``, issue 35): x and W as e4m3 codes (K-major both, as wgmma's 8-bit operands must be;
+``BK`` twice the 16-bit one, the same bytes per ring stage), the fp32 accumulator (wgmma's own, fast
+accumulation) multiplied by the recipe's inverse scales before the rounding to the output dtype, as
+``torch._scaled_mm`` applies them on sm_90: ``SCALES == 1`` (rowwise) ``x_scale[row] * (w_scale[col] *
+acc)``, the order of torch's CUTLASS rowwise kernel (cuBLASLt's outer-vector scales, which torch 2.11
+calls instead, do not document one: the rowwise recipes' power-of-two scales make every order exact);
+``SCALES == 2`` (tensorwise) ``acc * (x_scale * w_scale)``, the two scalars folded into one product as
+CUTLASS's scalar epilogue folds them. The epilogue after it is the 16-bit one.
 """
 
 from triton.experimental import gluon
@@ -48,8 +57,10 @@ def _tile_origin(tile, n_m, n_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl
 
 
 @gluon.constexpr_function
-def _acc_layout(BN):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS.value, 1], instr_shape=[16, BN, 16])
+def _acc_layout(BN, K=16):
+    """A warpgroup's wgmma accumulator ``[*, BN]``; ``K``: the instruction's K, 32 bytes of the operands (16
+    for 16-bit, 32 for 8-bit ones). The registers' layout is K's alone: the epilogue's halves use 16."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS.value, 1], instr_shape=[16, BN, K])
 
 
 @gluon.constexpr_function
@@ -238,13 +249,28 @@ def _norm_rope_chunks(buf1, buf2, cs, w1, w2, r_ptr, sr_b, sr_h, sr_s, h,
 
 
 @gluon.jit
-def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
+def _row_scales(xs_ptr, off_m, M, BM: gl.constexpr, BN: gl.constexpr):
+    """x's inverse scales of rows [off_m, +BM) as ``[BM, 1]`` fp32, in the layout of the accumulator's halves."""
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, _acc_layout(BN // 2)))
+    return gl.expand_dims(gl.load(xs_ptr + rows, mask=rows < M, other=0.0), 1)
+
+
+@gluon.jit
+def _col_scales(ws_ptr, off_n, BN: gl.constexpr):
+    """W's inverse scales of columns [off_n, +BN/2) (W's rows: the output's columns) as ``[1, BN/2]`` fp32, in
+    the layout of the accumulator's halves (N is a multiple of BN)."""
+    cols = off_n + gl.arange(0, BN // 2, layout=gl.SliceLayout(0, _acc_layout(BN // 2)))
+    return gl.expand_dims(gl.load(ws_ptr + cols), 0)
+
+
+@gluon.jit
+def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc, xs_ptr, ws_ptr,
               wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
               cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, R, S, HQ, HKV,
               CID: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr,
-              RC: gl.constexpr, LORA: gl.constexpr):
-    acc_layout: gl.constexpr = _acc_layout(BN)
+              RC: gl.constexpr, LORA: gl.constexpr, SCALES: gl.constexpr):
+    acc_layout: gl.constexpr = _acc_layout(BN, 256 // x_bufs.dtype.primitive_bitwidth)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_m = gl.cdiv(M, BM)
@@ -269,43 +295,71 @@ def _consumer(x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kk > 0)
             it += 1
         mbarrier.arrive(turn.index(1 - CID))  # every wgmma of the tile issued: the other's turn
-        _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off_m, off_n,
+        _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off_m, off_n, xs_ptr, ws_ptr,
                            wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
                            cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, S, HQ,
-                           HKV, BM, BN, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC)
+                           HKV, BM, BN, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, SCALES)
         j += 2
         lap += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off_m, off_n,
+def _head_prefetch(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, wq_ptr, swq, wk_ptr, swk,
+                   off_m, M, S, live, is_q, BN: gl.constexpr, RC: gl.constexpr, NORM_WEIGHT: gl.constexpr):
+    """A query or key head's first chunk of cos/sin rows (nothing read unless ``live``) and its norm
+    weight's halves (1.0 where unweighted)."""
+    cs = _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, 0, M, S, live, RC,
+                        BN // 2)
+    if NORM_WEIGHT:
+        w1, w2 = _norm_weight_halves(wq_ptr, swq, wk_ptr, swk, is_q, BN // 2, RC)
+    else:
+        w1 = 1.0
+        w2 = 1.0
+    return cs, w1, w2
+
+
+@gluon.jit
+def _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off_m, off_n, xs_ptr, ws_ptr,
                        wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
                        cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, S, HQ, HKV,
                        BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, FUSE: gl.constexpr,
-                       NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr, RC: gl.constexpr):
+                       NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr, RC: gl.constexpr,
+                       SCALES: gl.constexpr):
     """A consumer's epilogue of its [BM, BN] tile, hidden behind the other consumer's MMAs."""
-    if FUSE:  # a query or key head's first cos/sin rows and norm weight, loaded while the MMAs finish
+    if FUSE:
         h = off_n // BN
         live = h < HQ + HKV
         is_q = h < HQ
-        cs = _cos_sin_chunk(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, off_m, 0, M, S,
-                            live, RC, BN // 2)
-        if NORM_WEIGHT:
-            w1, w2 = _norm_weight_halves(wq_ptr, swq, wk_ptr, swk, is_q, BN // 2, RC)
-        else:
-            w1 = 1.0
-            w2 = 1.0
+        if SCALES == 0:  # a query or key head's first cos/sin rows and norm weight, loaded while the MMAs finish
+            cs, w1, w2 = _head_prefetch(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, wq_ptr, swq,
+                                        wk_ptr, swk, off_m, M, S, live, is_q, BN, RC, NORM_WEIGHT)
+    if SCALES == 1:  # FP8: the scales instead (rowwise: 36 registers a thread)
+        sx = _row_scales(xs_ptr, off_m, M, BM, BN)
+        sw1 = _col_scales(ws_ptr, off_n, BN)
+        sw2 = _col_scales(ws_ptr, off_n + BN // 2, BN)
+    elif SCALES == 2:
+        s_xw = gl.load(xs_ptr) * gl.load(ws_ptr)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
 
     x1, x2 = _halves(acc, BM, BN)
+    if SCALES == 1:  # fp32, before the one rounding (the module's docstring: _scaled_mm's order)
+        x1 = (x1 * sw1) * sx
+        x2 = (x2 * sw2) * sx
+    elif SCALES == 2:
+        x1 = x1 * s_xw
+        x2 = x2 * s_xw
     tma.store_wait(0)  # the previous tile's copies have read the buffers
     buf1.store(x1.to(qkv_desc.dtype))
     buf2.store(x2.to(qkv_desc.dtype))
     fence_async_shared()
     _tma_store(qkv_desc, [off_m, off_n], buf1)
     _tma_store(qkv_desc, [off_m, off_n + BN // 2], buf2)
+    if FUSE and SCALES != 0:  # FP8: the head's cos/sin and norm weight once the accumulator's registers are
+        # free, while qkv's copies run (loaded with the scales, the rowwise build spilled: offline ptxas, session 23)
+        cs, w1, w2 = _head_prefetch(cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, wq_ptr, swq,
+                                    wk_ptr, swk, off_m, M, S, live, is_q, BN, RC, NORM_WEIGHT)
     if FUSE:
         if live:  # normed and rotated in place once qkv's copies have read the buffers
             tma.store_wait(0)
@@ -328,7 +382,7 @@ def _consumer_epilogue(acc, it, empty, buf1, buf2, qkv_desc, q_desc, k_desc, off
 
 @gluon.jit
 def qkv_rope_norm_gemm_sm90_kernel(
-    x_desc, w_desc, qkv_desc, q_desc, k_desc, u_desc, b_desc,
+    x_desc, w_desc, qkv_desc, q_desc, k_desc, u_desc, b_desc, xs_ptr, ws_ptr,
     wq_ptr, swq, wk_ptr, swk,
     rq_ptr, srq_b, srq_h, srq_s,
     rk_ptr, srk_b, srk_h, srk_s,
@@ -337,14 +391,16 @@ def qkv_rope_norm_gemm_sm90_kernel(
     eps, M, N, K, R, S, HQ, HKV,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     FUSE: gl.constexpr, NORM_AFTER_ROPE: gl.constexpr, NORM_WEIGHT: gl.constexpr, RC: gl.constexpr,
-    LORA: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    LORA: gl.constexpr, SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """``x_desc`` x ``[tokens, K]`` in blocks ``[BM, BK]``; ``w_desc`` W ``[N, K]`` in blocks ``[BN, BK]``
     (BN = head_dim); ``qkv_desc``/``q_desc``/``k_desc`` ``[tokens, *]`` in blocks ``[BM, BN/2]``; rstd
     ``[B, H, S]`` fp32. ``FUSE`` off: the plain GEMM (benchmarks). ``LORA``: LoRA adapters' update in
     the same accumulator, ``qkv = x W^T + U B^T`` with ``u_desc`` U ``[tokens, R]`` (x A^T of every
     adapter, side by side) in blocks ``[BM, BK]`` and ``b_desc`` B ``[N, R]`` (each adapter's scaled B
-    in its rows and U's columns, zeros elsewhere) in blocks ``[BN, BK]``; else both None."""
+    in its rows and U's columns, zeros elsewhere) in blocks ``[BN, BK]``; else both None. ``SCALES``
+    (FP8: x and W e4m3 codes; 0: 16-bit operands, ``xs_ptr``/``ws_ptr`` None): 1, ``xs_ptr`` x's inverse
+    scales ``[tokens]`` and ``ws_ptr`` W's ``[N]`` (rowwise); 2, one fp32 inverse scale each (tensorwise)."""
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     bufs = gl.allocate_shared_memory(qkv_desc.dtype, [4, BM, BN // 2], qkv_desc.layout)
@@ -360,14 +416,14 @@ def qkv_rope_norm_gemm_sm90_kernel(
     # (a literal list: a constexpr concatenated into a tuple reaches the partition as a tensor, and a
     # partition's function must appear in the call itself)
     gl.warp_specialize([
-        (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
+        (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc, xs_ptr, ws_ptr,
                        wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
                        cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, R, S, HQ, HKV,
-                       0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, LORA)),
-        (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc,
+                       0, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, LORA, SCALES)),
+        (_consumer, (x_bufs, w_bufs, ready, empty, turn, bufs, qkv_desc, q_desc, k_desc, xs_ptr, ws_ptr,
                        wq_ptr, swq, wk_ptr, swk, rq_ptr, srq_b, srq_h, srq_s, rk_ptr, srk_b, srk_h, srk_s,
                        cos_ptr, scos_b, scos_s, scos_d, sin_ptr, ssin_b, ssin_s, ssin_d, eps, M, N, K, R, S, HQ, HKV,
-                       1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, LORA)),
+                       1, BM, BN, BK, GROUP_M, STAGES, FUSE, NORM_AFTER_ROPE, NORM_WEIGHT, RC, LORA, SCALES)),
         (_producer, (x_desc, w_desc, u_desc, b_desc, x_bufs, w_bufs, ready, empty, M, N, K, R, BM, BN, BK, GROUP_M,
                      STAGES, LORA)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

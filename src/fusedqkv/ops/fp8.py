@@ -435,15 +435,33 @@ def _col_scale(inv: torch.Tensor) -> torch.Tensor:
     return inv if inv.dim() == 0 else inv.reshape(1, -1)
 
 
+def forward_operands(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, w_cast=None, x_cast=None) -> tuple:
+    """``((x data [M, K] row-major, inverse scale [M, 1] or []), (W data [N, K] row-major, inverse scale
+    [N, 1] or []))``: the forward GEMM's operands, each the cast made beforehand (``x_cast``:
+    :func:`input_cast_keeping_amax`; ``w_cast``: :func:`weight_casts`) or cast here per ``r``. W's rows
+    are the output's columns. The one-launch forward's FP8 build takes them as they are."""
+    pow2 = r.round_scales_to_power_of_2
+    x = _checked_cast(x_cast, x2d, "x_cast") if x_cast is not None else cast_rows(x2d, r.input, pow2)
+    wc = _checked_cast(w_cast, w, "w_cast") if w_cast is not None else cast_rows(w, r.weight, pow2)
+    return x, wc
+
+
+def forward_operands_like(M: int, K: int, N: int, r: Fp8Recipe, device) -> tuple:
+    """Empty tensors of the shapes, dtypes and strides :func:`forward_operands` gives recipe ``r``'s
+    forward GEMM at ``M`` tokens, ``K`` inputs and ``N`` outputs (a plan's bound launch takes them)."""
+    def like(rows: int, cast: Cast) -> tuple:
+        scale = torch.empty(() if cast.tensorwise else (rows, 1), dtype=torch.float32, device=device)
+        return torch.empty((rows, K), dtype=cast.dtype, device=device), scale
+
+    return like(M, r.input), like(N, r.weight)
+
+
 def forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torch.Tensor] = None,
             w_cast=None, x_cast=None) -> torch.Tensor:
     """``x W^T`` ``[M, N]`` in x's dtype, both operands cast per ``r``; ``w_cast``: W's cast for
     this GEMM (data ``[N, K]``, inverse scale) where made beforehand (:func:`weight_casts`);
     ``x_cast``: x's (data ``[M, K]``, inverse scale; :func:`input_cast_keeping_amax`)."""
-    xa, xs = (_checked_cast(x_cast, x2d, "x_cast") if x_cast is not None
-              else cast_rows(x2d, r.input, r.round_scales_to_power_of_2))
-    wa, ws = (_checked_cast(w_cast, w, "w_cast") if w_cast is not None  # W's rows: the output's columns
-              else cast_rows(w, r.weight, r.round_scales_to_power_of_2))
+    (xa, xs), (wa, ws) = forward_operands(x2d, w, r, w_cast, x_cast)
     return _mm(xa, xs, wa.t(), _col_scale(ws), x2d.dtype, r.fast_accum[0], r.round_scales_to_power_of_2, out)
 
 

@@ -21,7 +21,7 @@ from .device import current_stream
 from .gqa_forward import forward_outputs, forward_torch, plan_forward_stage, token_major, validate_forward_inputs
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
-from .qkv_rope_norm_gemm import ENTRIES as FUSED_ENTRIES, LORA_ENTRIES, FusedGemmForward, call_entries, plan_fused_forward
+from .qkv_rope_norm_gemm import LORA_ENTRIES, FusedGemmForward, call_entries, plan_fused_forward
 from .rope_qk_norm import pick_backend
 
 # the stage's table entries, by name (the norm weights only when the norms have them, v only when normed)
@@ -34,7 +34,9 @@ class ForwardPlan:
     def __init__(self, cfg, sz, backend, launch=None, table=None, aligned=True, lt_qkv=None, fused=None, fp8=None,
                  fused_lora=None):
         self.cfg, self.sz, self.backend, self.launch, self.table, self.aligned = cfg, sz, backend, launch, table, aligned
-        self.fp8 = fp8  # an ops.fp8.Fp8Recipe: the GEMM in FP8 (then no cuBLASLt plan, no one-launch forward)
+        # an ops.fp8.Fp8Recipe: the GEMM in FP8 (then no cuBLASLt plan; the one-launch forward's FP8 build where
+        # the plan takes it: ``fused`` with scales, on the casts of x and W)
+        self.fp8 = fp8
         self.lt_qkv = lt_qkv  # qkv = x W^T as a planned cuBLASLt call (no bias, aligned plans), or None
         # the whole forward as one Hopper launch (ops/qkv_rope_norm_gemm.FusedGemmForward; launch and table
         # are its bound launch), or None
@@ -74,7 +76,8 @@ class ForwardPlan:
             return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd,
                                    lora.gemm_operands(hidden_states.reshape(self.M, self.hidden), self.backend))
         if self.fused is not None:
-            return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd)
+            return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd,
+                                   fp8_weight=fp8_weight, fp8_input=fp8_input)
         lt, launch = self.lt_qkv, self.launch
         bound = launch is not None and launch.bound
         if self.fp8 is not None:
@@ -140,19 +143,28 @@ class ForwardPlan:
 
 
     def _run_fused(self, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd=True,
-                   lora_operands=None):
+                   lora_operands=None, fp8_weight=None, fp8_input=None):
         """The one-launch forward; ``lora_operands``: (U, B) of the LoRA adapters (the residual plan's
-        ``fused_lora`` kernel, one bound launch per rank sum, built at its first call)."""
-        x_ptr, w_ptr = hidden_states.data_ptr(), qkv_weight.data_ptr()
+        ``fused_lora`` kernel, one bound launch per rank sum, built at its first call). FP8 plans: its
+        GEMM on x's and W's casts (``fp8_weight``/``fp8_input`` where made beforehand, else made here:
+        :func:`fp8.forward_operands`), their inverse scales two more entries."""
+        x, w = hidden_states, qkv_weight
+        if self.fp8 is not None:
+            (x, xs), (w, ws) = fp8.forward_operands(hidden_states.reshape(self.M, self.hidden), qkv_weight, self.fp8,
+                                                    fp8_weight, fp8_input)
+            extra, names = (xs, ws), ("x_scale", "w_scale")
+        elif lora_operands is not None:
+            extra, names = lora_operands, ("u", "b")
+        else:
+            extra, names = (), ()
+        x_ptr, w_ptr = x.data_ptr(), w.data_ptr()
         if (x_ptr | w_ptr) & 15:  # the TMA descriptors' bases
             raise Misaligned
         dev = self.device
         qkv = hidden_states.new_empty(self.qkv_shape)  # (hidden_states' dtype is the plan's)
         if lora_operands is None:
-            extra = ()
             table, launch, gather = self.table, self.launch, self._gather
         else:
-            extra = lora_operands
             table, launch, gather = self.lora_launches.get(extra[0].shape[1], (None, None, None))
         stream = current_stream(dev)
         if launch is not None and launch.bound:
@@ -164,18 +176,16 @@ class ForwardPlan:
             pcos, psin = cos.data_ptr(), sin.data_ptr()
             if self.aligned and (wq | wk | pcos | psin) & 15:
                 raise Misaligned
-            gather = gather or self._make_gather(FUSED_ENTRIES)
+            gather = gather or self._make_gather(self.fused.entries)
             launch.launch(None, gather([x_ptr, w_ptr, qkv.data_ptr(), q.data_ptr(), k.data_ptr(), wq, wk, prq, prk,
                                         pcos, psin, *(t.data_ptr() for t in extra)]), stream)
         else:
             q, k, rq, rk, _ = forward_outputs(*self.out_dims, self.dtype, dev, False)
-            named = call_entries(self.out_dims, hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight,
-                                 rq, rk, cos, sin)
-            if extra:
-                named.update(u=extra[0], b=extra[1])
-                if launch is None:  # the first call of this rank sum
-                    table, launch = self.fused_lora.bound_launch(named)
-                    self.lora_launches[extra[0].shape[1]] = (table, launch, table.gather(LORA_ENTRIES))
+            named = call_entries(self.out_dims, x, w, qkv, q, k, q_norm_weight, k_norm_weight, rq, rk, cos, sin)
+            named.update(zip(names, extra))
+            if lora_operands is not None and launch is None:  # the first call of this rank sum
+                table, launch = self.fused_lora.bound_launch(named)
+                self.lora_launches[extra[0].shape[1]] = (table, launch, table.gather(LORA_ENTRIES))
             launch.launch(table.tensors(named), None, stream)
         return q, k, qkv, rq, rk, None
 
@@ -209,17 +219,21 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     # residual plan keeps cuBLAS + the stage (a qkv_residual tensor) and, beside it, the one-launch forward
     # that takes LoRA adapters inside its GEMM
     small = (cos, sin, q_norm_weight, k_norm_weight)
-    fused = None if residual or recipe is not None else plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg,
-                                                                           small)
+    fused = None if residual else plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg, small,
+                                                     recipe=recipe)
     fused_lora = plan_fused_forward(sz, hidden_states, qkv_weight, qkv_bias, cfg, small, lora=True) if (
         residual and recipe is None) else None
     qkv = torch.empty((b, s, sz["qkv"]), dtype=sz["dtype"], device=device)
     q, k, rq, rk, v = forward_outputs(b, s, num_heads, num_kv_heads, d, sz["dtype"], device, variant.v_norm)
     if fused is not None:  # one launch: no GEMM or stage of its own to plan
-        table, launch = fused.bound_launch(call_entries(
-            (b, s, num_heads, num_kv_heads, d), hidden_states, qkv_weight, qkv, q, k, q_norm_weight, k_norm_weight,
-            rq, rk, cos.expand(b, s, rot), sin.expand(b, s, rot)))
-        return ForwardPlan(cfg, sz, backend, launch, table, aligned, fused=fused)
+        x, w, extra = hidden_states, qkv_weight, {}
+        if recipe is not None:  # its operands: the casts' codes and inverse scales, as the calls make them
+            (x, xs), (w, ws) = fp8.forward_operands_like(M, sz["hidden"], sz["qkv"], recipe, device)
+            extra = dict(x_scale=xs, w_scale=ws)
+        named = call_entries((b, s, num_heads, num_kv_heads, d), x, w, qkv, q, k, q_norm_weight, k_norm_weight,
+                             rq, rk, cos.expand(b, s, rot), sin.expand(b, s, rot))
+        table, launch = fused.bound_launch(dict(named, **extra))
+        return ForwardPlan(cfg, sz, backend, launch, table, aligned, fused=fused, fp8=recipe)
     like = dict(qkv=qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, cos=cos.expand(b, s, rot),
                 sin=sin.expand(b, s, rot), q=q, k=k, rstd_q=rq, rstd_k=rk, v=v)
     table = Table()
