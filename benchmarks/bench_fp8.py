@@ -17,8 +17,10 @@ weights and inputs (bf16 activations and weights, all trainable):
   fp8_<r>_nokeep  (--old-casts) fp8=<r> with fp8.KEEP_INPUT_AMAX off alone: dW's cast of x finds x's
                 amaxes itself instead of keeping the forward's
   fp8_<r>_split (--old-casts) fp8=<r> with config.fused_forward_fp8 off: the forward's FP8 GEMM as
-                torch._scaled_mm, then the forward stage (session 22's path), where fp8_<r> takes the
-                one-launch forward's FP8 build (session 23; the plan's rule: from 8192 tokens on 091)
+                torch._scaled_mm, then the forward stage (session 22's path)
+  fp8_<r>_one   (--old-casts) fp8=<r> with config.fused_forward_fp8 on: the one-launch forward's FP8 build
+                wherever the 16-bit rules take the one-launch forward (from 8192 tokens on 091); fp8_<r>
+                is the plan's choice (its "auto": tensorwise only, session 23)
   fp8_floor     the three torch._scaled_mm calls of the rowwise recipe on operands cast beforehand,
                 as the block issues them (rowwise scales in cuBLASLt's epilogue; fast accumulation in
                 the forward only): no cast, no stage
@@ -221,8 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--old-casts", action="store_true",
                     help="also time fp8_{rowwise,tensorwise}_old (fp8.DUAL_CASTS, DUAL_WEIGHT_CASTS, STAGE_AMAX "
                          "and KEEP_INPUT_AMAX off: session 20's casts), _s21 (all but DUAL_CASTS off: session 21's), "
-                         "_nostage (STAGE_AMAX off alone), _nokeep (KEEP_INPUT_AMAX off alone) and _split "
-                         "(config.fused_forward_fp8 off: _scaled_mm + the stage instead of the one-launch forward)")
+                         "_nostage (STAGE_AMAX off alone), _nokeep (KEEP_INPUT_AMAX off alone), _split "
+                         "(config.fused_forward_fp8 off: _scaled_mm + the stage) and _one (config.fused_forward_fp8 "
+                         "on: the one-launch forward's FP8 build wherever it can run)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     raise_compile_limits(64)
@@ -247,7 +250,8 @@ def main(argv=None) -> int:
                 fns[f"fp8_{r}_s21"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, False, False, False)
                 fns[f"fp8_{r}_nostage"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, True, False, True)
                 fns[f"fp8_{r}_nokeep"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, True, True, False)
-                fns[f"fp8_{r}_split"] = row.with_config(row.fwd_bwd(row.fused(r)), fused_forward_fp8=False)
+                fns[f"fp8_{r}_split"] = row.with_config(row.fwd_bwd(row.fused(r)), fused_forward_fp8="off")
+                fns[f"fp8_{r}_one"] = row.with_config(row.fwd_bwd(row.fused(r)), fused_forward_fp8="on")
         fns.update(torchao=row.torchao_call(compiled), bf16_floor=row.bf16_floor(), fp8_floor=row.fp8_floor())
         err = row.errors()
         ms = time_providers(fns, args.reps, flusher)
@@ -267,7 +271,7 @@ def main(argv=None) -> int:
             r["tensorwise_over_old"] = med["fp8_tensorwise"] / med["fp8_tensorwise_old"]
             r["rowwise_over_s21"] = f / med["fp8_rowwise_s21"]
             r["tensorwise_over_s21"] = med["fp8_tensorwise"] / med["fp8_tensorwise_s21"]
-            for tag in ("nostage", "nokeep", "split"):
+            for tag in ("nostage", "nokeep", "split", "one"):
                 r[f"rowwise_over_{tag}"] = f / med[f"fp8_rowwise_{tag}"]
                 r[f"tensorwise_over_{tag}"] = med["fp8_tensorwise"] / med[f"fp8_tensorwise_{tag}"]
         if args.profile and device.type == "cuda":
@@ -306,6 +310,9 @@ def main(argv=None) -> int:
             print(f"{'':<29} the split forward (_scaled_mm + stage): fp8_rowwise_split {m['fp8_rowwise_split']:.3f} ms "
                   f"(new/split {r['rowwise_over_split']:.3f}), fp8_tensorwise_split {m['fp8_tensorwise_split']:.3f} "
                   f"ms (new/split {r['tensorwise_over_split']:.3f})")
+            print(f"{'':<29} the one-launch FP8 forward: fp8_rowwise_one {m['fp8_rowwise_one']:.3f} ms (new/one "
+                  f"{r['rowwise_over_one']:.3f}), fp8_tensorwise_one {m['fp8_tensorwise_one']:.3f} ms (new/one "
+                  f"{r['tensorwise_over_one']:.3f})")
     return 0 if all(r["pass"] for r in out) else 1
 
 

@@ -446,7 +446,9 @@ def check_train(case, device, backend, fused_forward="auto") -> dict:
 
     ForwardPlan._run_fused = seen
     try:
-        with config.override(fused_forward=fused_forward):
+        # "on": the one-launch forward wherever it can run, its FP8 build for every recipe too
+        with config.override(fused_forward=fused_forward,
+                             **({"fused_forward_fp8": "on"} if fused_forward == "on" else {})):
             ours = run("ours")
     finally:
         ForwardPlan._run_fused = one_launch

@@ -89,6 +89,8 @@ def test_refusals_and_operand_errors_name_what_is_wrong():
         plan.check(**dict(ok, absmax=[torch.zeros(2, dtype=torch.float16), ok["absmax"][1]]))
     with pytest.raises(ValueError, match="out"):
         plan.check(**dict(ok, out=torch.empty(191)))
+    with pytest.raises(ValueError, match="code.*on cpu, got torch.float32 .* on meta"):
+        plan.check(**dict(ok, code=torch.zeros(16, device="meta")))
 
 
 def test_the_fused_qlora_weight_takes_one_launch_and_equals_bitsandbytes():

@@ -404,7 +404,7 @@ def _bf16_ulps(a, b):
 def _fp8_forward(x, w, wq, wk, cos, sin, hq, hkv, position, name, one_launch):
     """The training forward's plan for ``fp8=name`` with (``one_launch``) or without the FP8 one-launch
     forward (``fused_forward`` on: wherever it can run), its outputs (q, k, qkv, rstd_q, rstd_k)."""
-    with config.override(fused_forward="on", fused_forward_fp8=one_launch):
+    with config.override(fused_forward="on", fused_forward_fp8="on" if one_launch else "off"):
         plan = forward_plan(x, w, wq, wk, cos, sin, hq, hkv, 1e-6, position, "triton", fp8_key=name)
         assert (plan.fused is not None) == one_launch and plan.fp8 is not None
         if one_launch:
@@ -466,7 +466,7 @@ def test_fp8_block_gradients_with_the_one_launch_forward_match_the_split_path(na
     got = {}
     for one_launch in (True, False):
         leaves = [t.clone().requires_grad_() for t in (x, w, wq, wk) if t is not None]
-        with config.override(fused_forward="on", fused_forward_fp8=one_launch):
+        with config.override(fused_forward="on", fused_forward_fp8="on" if one_launch else "off"):
             out = fusedqkv.gqa_qkv_rope_qk_norm(leaves[0], leaves[1], *(leaves[2:] or (None, None)), cos, sin,
                                                 num_heads=hq, num_kv_heads=hkv, eps=1e-6, qk_norm_position=position,
                                                 fp8=name)
@@ -505,14 +505,18 @@ def test_fp8_one_launch_forward_replays_in_a_cuda_graph(name):
 @hopper
 def test_auto_takes_the_fp8_one_launch_forward_where_the_16_bit_one_runs():
     """FP8 plans under ``auto``: the FP8 build from ``fused_forward_min_rounds`` tiles per consumer (8192
-    tokens of 091's heads), not below, not with ``fused_forward_fp8`` off, not with a residual (LoRA)."""
+    tokens of 091's heads), not below, not with ``fused_forward_fp8`` off, not with a residual (LoRA); its
+    "auto" for tensorwise only (rowwise measured slower than the split path, session 23)."""
     big = _inputs(4096, 32, 8, 2, 4096, True, torch.bfloat16)
     small = _inputs(4096, 32, 8, 1, 2048, True, torch.bfloat16)
     for name in ("rowwise", "tensorwise", "rowwise_with_gw_hp"):
-        with config.override(fused_forward="auto"):
+        with config.override(fused_forward="auto"):  # fused_forward_fp8 "auto": tensorwise only
+            plan = forward_plan(*big, 32, 8, 1e-6, "after_rope", "triton", fp8_key=name)
+            assert (plan.fused is not None) == (name == "tensorwise")
+        with config.override(fused_forward="auto", fused_forward_fp8="on"):
             assert forward_plan(*big, 32, 8, 1e-6, "after_rope", "triton", fp8_key=name).fused is not None
             assert forward_plan(*small, 32, 8, 1e-6, "after_rope", "triton", fp8_key=name).fused is None
             plan = forward_plan(*big, 32, 8, 1e-6, "after_rope", "triton", residual=True, fp8_key=name)
             assert plan.fused is None and plan.fused_lora is None
-        with config.override(fused_forward="auto", fused_forward_fp8=False):
+        with config.override(fused_forward="auto", fused_forward_fp8="off"):
             assert forward_plan(*big, 32, 8, 1e-6, "after_rope", "triton", fp8_key=name).fused is None

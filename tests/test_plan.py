@@ -271,8 +271,10 @@ def test_the_fp8_one_launch_forward_takes_the_recipes_it_computes_as_scaled_mm_d
     for reason, r in refused.items():
         assert reason in fused_gemm_unsupported(x, w, 128, 128, plain, None, (9, 0), r)
         assert fp8_scales(r) == 0
-    assert config.Config().fused_forward_fp8
-    assert not config.Config.from_env({"FUSEDQKV_FUSED_FORWARD_FP8": "0"}).fused_forward_fp8
+    assert config.Config().fused_forward_fp8 == "auto"
+    assert config.Config.from_env({"FUSEDQKV_FUSED_FORWARD_FP8": "off"}).fused_forward_fp8 == "off"
+    with pytest.raises(ValueError, match="FUSEDQKV_FUSED_FORWARD_FP8"):
+        config.Config.from_env({"FUSEDQKV_FUSED_FORWARD_FP8": "1"})
 
 
 def _as_an_h200(monkeypatch):
@@ -303,8 +305,9 @@ def _fp8_plan_inputs(tokens, hidden=256, hq=4, hkv=2, d=128, dtype=torch.bfloat1
 def test_fp8_plans_take_the_fp8_one_launch_forward_under_the_16_bit_rules(monkeypatch, name):
     """An FP8 plan takes the FP8 build where a bf16 plan would take the 16-bit one (``fused_forward``
     on, or auto from ``fused_forward_min_rounds`` tiles per consumer), with or without a matrix layout
-    of x; not with ``fused_forward_fp8`` off, with LoRA adapters, or with fp16 activations. The FP8
-    build: e4m3 operands at the FP8 K step, the scales two more call tensors."""
+    of x; not with ``fused_forward_fp8`` off, with LoRA adapters, or with fp16 activations; under its
+    "auto" the tensorwise recipe only. The FP8 build: e4m3 operands at the FP8 K step, the scales two
+    more call tensors."""
     from fusedqkv.ops import fp8
     from fusedqkv.ops.qkv_rope_norm_gemm import FP8_BK, FP8_ENTRIES, consumer_rounds, plan_fused_forward
 
@@ -313,7 +316,9 @@ def test_fp8_plans_take_the_fp8_one_launch_forward_under_the_16_bit_rules(monkey
     cfg = config.current()
     sz, x, w, small = _fp8_plan_inputs(256)
     assert consumer_rounds(256, sz["qkv"], 128, 132) < cfg.fused_forward_min_rounds
-    with config.override(fused_forward="on") as on:
+    with config.override(fused_forward="on") as auto_fp8:  # fused_forward_fp8 "auto"
+        assert (plan_fused_forward(sz, x, w, None, auto_fp8, small, recipe=r) is not None) == r.input.tensorwise
+    with config.override(fused_forward="on", fused_forward_fp8="on") as on:
         fused = plan_fused_forward(sz, x, w, None, on, small, recipe=r)
         assert fused is not None and plan_fused_forward(sz, x, w, None, on, small) is not None
         assert fused.constexprs["SCALES"] == (2 if r.input.tensorwise else 1)
@@ -324,10 +329,10 @@ def test_fp8_plans_take_the_fp8_one_launch_forward_under_the_16_bit_rules(monkey
         assert plan_fused_forward(sz, x, w, None, on, small, lora=True, recipe=r) is None
         h_sz, h_x, h_w, h_small = _fp8_plan_inputs(256, dtype=torch.float16)
         assert plan_fused_forward(h_sz, h_x, h_w, None, on, h_small, recipe=r) is None
-    with config.override(fused_forward="on", fused_forward_fp8=False) as off:
+    with config.override(fused_forward="on", fused_forward_fp8="off") as off:
         assert plan_fused_forward(sz, x, w, None, off, small, recipe=r) is None
         assert plan_fused_forward(sz, x, w, None, off, small) is not None  # (the 16-bit build: its own switch)
-    with config.override(fused_forward="auto") as auto:
+    with config.override(fused_forward="auto", fused_forward_fp8="on") as auto:
         assert plan_fused_forward(sz, x, w, None, auto, small, recipe=r) is None
         big = _fp8_plan_inputs(8192, hq=32, hkv=8)  # 091's heads: 64 x 48 tiles over 264 consumers
         assert consumer_rounds(8192, big[0]["qkv"], 128, 132) >= cfg.fused_forward_min_rounds
@@ -353,7 +358,7 @@ def test_an_fp8_one_launch_plan_launches_on_the_casts_of_x_and_w(monkeypatch, na
                         lambda sz, *a, **k: rule(dict(sz, device=torch.device("cuda")), *a, **k))
     r = fp8.RECIPES[name]
     sz, x, w, (cos, sin, wq, wk) = _fp8_plan_inputs(40)
-    with config.override(fused_forward="on") as on:
+    with config.override(fused_forward="on", fused_forward_fp8="on") as on:
         plan = training_forward.build_forward(x, w, wq, wk, cos, sin, 4, 2, 1e-6, "after_rope", "triton",
                                               fp8_key=r.key, cfg=on)
     assert plan.fused is not None and plan.fp8 is r and plan.lt_qkv is None

@@ -8,7 +8,7 @@ a changed setting can never run on a plan built under another. Tests change sett
 Environment variables (read at import; 0 turns a path off):
 ``FUSEDQKV_CHAIN_MAX_TOKENS`` (128), ``FUSEDQKV_HYBRID_MAX_TOKENS`` (2560),
 ``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_STAGE_TMA`` (1), ``FUSEDQKV_CUBLASLT`` (1);
-``FUSEDQKV_FUSED_FORWARD`` (auto, on or off), ``FUSEDQKV_FUSED_FORWARD_FP8`` (1);
+``FUSEDQKV_FUSED_FORWARD`` (auto, on or off), ``FUSEDQKV_FUSED_FORWARD_FP8`` (auto, on or off);
 ``FUSEDQKV_QLORA_ABSMAX`` (keep or recompute); ``FUSEDQKV_QLORA_DEQUANT`` (one_launch or bitsandbytes).
 Where the defaults come from: benchmarks/NOTES.md.
 """
@@ -69,8 +69,9 @@ class Config:
     # update's read and write of qkv, and wins from ~3 tiles per consumer (NOTES, session 22)
     fused_forward_lora_min_rounds: float = 2.0
     # FP8 plans (fp8=...) take that kernel's FP8 build under the same rules (its GEMM on the casts of x and W,
-    # the recipe's scales in its epilogue; NOTES, session 23); off: the FP8 GEMM (torch._scaled_mm) + the stage
-    fused_forward_fp8: bool = True
+    # the recipe's scales in its epilogue): "auto" for tensorwise recipes (measured 0.98-1.00x the split path;
+    # rowwise 1.01-1.03x: NOTES, session 23), "on" every recipe, "off" none (torch._scaled_mm + the stage)
+    fused_forward_fp8: str = "auto"
     # overrides of that kernel's tile (qkv_rope_norm_gemm.TILE) as (name, value) pairs: for tests and sweeps
     fused_forward_tile: Optional[tuple] = None
     # the LoRA products over the adapters' block-diagonal B, one product instead of one per pair
@@ -105,7 +106,7 @@ class Config:
                    stage_tma=flag("FUSEDQKV_STAGE_TMA", True),
                    cublaslt=flag("FUSEDQKV_CUBLASLT", True),
                    fused_forward=_choice(env, "FUSEDQKV_FUSED_FORWARD", ("auto", "on", "off"), "auto"),
-                   fused_forward_fp8=flag("FUSEDQKV_FUSED_FORWARD_FP8", True),
+                   fused_forward_fp8=_choice(env, "FUSEDQKV_FUSED_FORWARD_FP8", ("auto", "on", "off"), "auto"),
                    qlora_absmax=_choice(env, "FUSEDQKV_QLORA_ABSMAX", ("keep", "recompute"), "keep"),
                    qlora_dequant=_choice(env, "FUSEDQKV_QLORA_DEQUANT", ("one_launch", "bitsandbytes"), "one_launch"))
 

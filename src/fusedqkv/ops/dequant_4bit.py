@@ -96,8 +96,13 @@ class Dequant4bit:
     def check(self, out: torch.Tensor, code: torch.Tensor, packed: Sequence[torch.Tensor],
               absmax: Sequence[torch.Tensor]) -> None:
         """Raise ValueError naming the operand that does not fit the plan."""
+        want = self.device
+
+        def elsewhere(d: torch.device) -> bool:  # "cuda" stands for the current device, as torch places it
+            return d.type != want.type or (want.index is not None and d.index != want.index)
+
         def bad(name, t, dtype, numel):
-            if t.dtype != dtype or t.device != self.device or not t.is_contiguous() or t.numel() < numel:
+            if t.dtype != dtype or elsewhere(t.device) or not t.is_contiguous() or t.numel() < numel:
                 raise ValueError(f"Dequant4bit: {name}: expected a contiguous {dtype} tensor of at least {numel} "
                                  f"elements on {self.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
         bad("out", out, self.dtype, self.total)

@@ -8,7 +8,8 @@ the device, Triton's Gluon gate, and the shape: where each consumer warpgroup ge
 ``fused_gemm_unsupported`` says why a call cannot take it. FP8 plans (``recipe``: issue 35, session
 23) take the kernel's FP8 build under the same rules: its GEMM on the casts of x and W the split path
 makes (e4m3 codes, K-major), their inverse scales applied to the accumulator in the epilogue
-(:func:`fp8_scales`; ``config.fused_forward_fp8`` off: the split path). ``FusedGemmForward`` holds
+(:func:`fp8_scales`; ``config.fused_forward_fp8``: "auto" takes it for tensorwise recipes only --
+rowwise measured 1.01-1.03x the split path, session 23 -- "off" never). ``FusedGemmForward`` holds
 the launch of one plan: tile config, layouts and grid decided once; its ``bound_launch`` fixes every
 argument but the addresses, and after the first launch calls the compiled kernel's launcher
 directly (``ops/launch.py``), re-encoding a descriptor only when its tensor moved.
@@ -111,13 +112,15 @@ def plan_fused_forward(sz: dict, x, w, bias, cfg, small=(), lora: bool = False,
     (the epilogue spills with other strides: offline ptxas, NOTES session 13); ``lora``: the
     kernel that takes LoRA adapters' U and B as more inner columns (the calls' ranks decide the
     rest: :meth:`FusedGemmForward.bound_launch`); ``recipe``: an FP8 plan's recipe (its FP8 build,
-    where ``cfg.fused_forward_fp8``; none with ``lora``), the same rules otherwise."""
+    where ``cfg.fused_forward_fp8`` takes it -- "auto": tensorwise recipes; none with ``lora``), the same
+    rules otherwise."""
     from . import internals
     from .plan_cache import as_matrix
     device = sz["device"]
     if cfg.fused_forward == "off" or device.type != "cuda":
         return None
-    if recipe is not None and (lora or not cfg.fused_forward_fp8):
+    if recipe is not None and (lora or cfg.fused_forward_fp8 == "off"
+                               or (cfg.fused_forward_fp8 == "auto" and not recipe.input.tensorwise)):
         return None
     capability = torch.cuda.get_device_capability(device)
     if fused_gemm_unsupported(x, w, sz["head_dim"], sz["rot"], sz["variant"], bias, capability, recipe):
