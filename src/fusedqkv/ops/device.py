@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -100,6 +100,14 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def call_state(device: torch.device, is_cuda: bool) -> tuple:
+    """``(current_stream(device), capturing(device))`` at once, for a plan that knows whether its
+    device is CUDA (and asks once per call: its kept buffers take the answer as ``capture``)."""
+    if not is_cuda:
+        return 0, False
+    return internals.raw_stream(device_index(device)), torch.cuda.is_current_stream_capturing()
+
+
 # ------------------------------------------------------------------------------ per-stream buffers
 
 
@@ -129,10 +137,11 @@ def _outside_graph_pools(device: torch.device, make: Callable[[], torch.Tensor])
 
 
 
-def tickets(device: torch.device, stream: int, n: int) -> torch.Tensor:
+def tickets(device: torch.device, stream: int, n: int, capture: Optional[bool] = None) -> torch.Tensor:
     """At least ``n`` zeroed int32 tickets for kernels on ``stream`` (kept per stream; fresh per
-    call while capturing)."""
-    if capturing(device):
+    call while capturing). ``capture``: whether the stream is being captured, where the caller
+    asked already this call (None: asked here)."""
+    if capturing(device) if capture is None else capture:
         return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
     key = ("tickets", device_index(device) if device.type == "cuda" else -1, stream)
     buf = _buffers.get(key)
@@ -142,11 +151,12 @@ def tickets(device: torch.device, stream: int, n: int) -> torch.Tensor:
     return buf
 
 
-def workspace(kind: str, device: torch.device, stream: int, nbytes: int) -> torch.Tensor:
+def workspace(kind: str, device: torch.device, stream: int, nbytes: int,
+              capture: Optional[bool] = None) -> torch.Tensor:
     """A byte buffer of at least ``nbytes`` for work on ``stream``: the stream's kept buffer of this
     ``kind`` (grown to the largest asked for), or while the stream is being captured a fresh one
-    that the caller holds for the call (and does not remember)."""
-    if capturing(device):
+    that the caller holds for the call (and does not remember). ``capture``: as :func:`tickets`."""
+    if capturing(device) if capture is None else capture:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     key = (kind, device_index(device) if device.type == "cuda" else -1, stream)
     buf = _buffers.get(key)
