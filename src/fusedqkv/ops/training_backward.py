@@ -58,7 +58,6 @@ class TrainingBackwardPlan:
         self.dqkv_bytes = self.M * self.n_dqkv * self.dtype.itemsize
         self._gather = None  # RUN_ORDER's addresses -> the table's, once every stage launch is bound
         self._kept = None  # (the stream's dQKV buffer, dQKV: a view of it)
-        self.is_cuda = self.device.type == "cuda"
         # the address check (aligned plans): every address but saved_k's and saved_v's, offsets into qkv whose
         # alignment the plan's shapes fix -- the same as all of them where both offsets are 16-byte multiples
         self._check_all = not (self.k_offset | self.v_offset) & 15
@@ -94,7 +93,7 @@ class TrainingBackwardPlan:
         if grad_gate is not None:
             gg = (grad_gate if grad_gate.dtype == dt else grad_gate.to(dt)).transpose(1, 2)  # [B, Hq, S, D]
         B, S = self.B, self.S
-        stream, capture = _device.call_state(dev, self.is_cuda)
+        stream, capture = _device.call_state(dev)
         dqkv = self._dqkv(stream, keep_dqkv, capture)
         g_qw = g_kw = None  # (each like the tensor of its dtype: new_empty skips dtype and device arguments)
         if q_norm_weight is not None:

@@ -49,7 +49,6 @@ class ForwardPlan:
         self.out_dims = (b, s, sz["num_heads"], sz["num_kv_heads"], d)  # forward_outputs' sizes
         self.cs_shape = (b, s, sz["rot"])
         self.device, self.dtype = sz["device"], sz["dtype"]
-        self.is_cuda = self.device.type == "cuda"
         self.variant = sz["variant"]
         # v where the variant does not norm it: a view of qkv's value columns (k_eq_v: the raw k's),
         # as_strided's (size, stride, offset from qkv's storage offset), [B, Hkv, S, D] token-major
@@ -82,7 +81,7 @@ class ForwardPlan:
             return self._run_fused(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, keep_rstd)
         lt, launch = self.lt_qkv, self.launch
         bound = launch is not None and launch.bound
-        stream, capture = _device.call_state(self.device, self.is_cuda)
+        stream, capture = _device.call_state(self.device)
         if self.fp8 is not None:
             qkv = fp8.forward(hidden_states.reshape(self.M, self.hidden), qkv_weight, self.fp8,
                               w_cast=fp8_weight, x_cast=fp8_input).view(self.qkv_shape)
@@ -159,7 +158,7 @@ class ForwardPlan:
         else:
             extra = lora_operands
             table, launch, gather = self.lora_launches.get(extra[0].shape[1], (None, None, None))
-        stream, capture = _device.call_state(dev, self.is_cuda)
+        stream, capture = _device.call_state(dev)
         if launch is not None and launch.bound:
             b, s, hq, hkv, d = self.out_dims
             q, k = token_major(b, hq, s, d, self.dtype, dev), token_major(b, hkv, s, d, self.dtype, dev)
