@@ -39,6 +39,7 @@ from .ops.lora import LoRAUpdate
 Tensor = torch.Tensor
 
 _EMPTY_SHAPE = (0,)
+_any_autocast = _internals.any_autocast_enabled
 
 
 def _backend_arg(backend: Optional[str]) -> str:
@@ -260,22 +261,24 @@ def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
         q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
                                    cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,
                                    *_op_flags(variant), qkv_residual, variant.k_eq_v, fp8)
-    B, S, n_tot = qkv.shape
-    nq = 2 * num_heads if variant.q_gate else num_heads
-    n_heads = variant.qkv_heads(num_heads, num_kv_heads)
-    D = n_tot // n_heads
-    if not variant.v_norm:  # v: the value columns, or (k_eq_v) the raw k's
-        v0 = nq if variant.k_eq_v else nq + num_kv_heads
-        if plan is not None:  # one view op (qkv is the plan's contiguous [B, S, n_tot])
-            v = qkv.as_strided((B, num_kv_heads, S, D), (S * n_tot, D, n_tot, 1), qkv.storage_offset() + v0 * D)
-        else:
-            v = qkv.view(B, S, n_heads, D)[:, :, v0:v0 + num_kv_heads].transpose(1, 2)
+    # v: the value columns, or (k_eq_v) the raw k's; normed (v_norm): the run's own tensor
+    if plan is not None:
+        if plan.v_view is not None:  # one view op (qkv is the plan's contiguous [B, S, n_tot])
+            size, stride, offset = plan.v_view
+            v = qkv.as_strided(size, stride, qkv.storage_offset() + offset)
+    elif not variant.v_norm:
+        B, S, n_tot = qkv.shape
+        n_heads = variant.qkv_heads(num_heads, num_kv_heads)
+        v0 = (2 * num_heads if variant.q_gate else num_heads) + (0 if variant.k_eq_v else num_kv_heads)
+        v = qkv.view(B, S, n_heads, n_tot // n_heads)[:, :, v0:v0 + num_kv_heads].transpose(1, 2)
     # rstd is not kept: the backward recomputes it from qkv (and v's norm from its columns)
     ctx.save_for_backward(hidden_states, None if source is not None else qkv_weight, q_norm_weight,
                           k_norm_weight, cos, sin, qkv, *(w_dx if w_dx is not None else (None, None)), x_amax)
     ctx.meta = meta
     if variant.q_gate:  # the gate: the second half of each query head's columns, unnormed
-        return q, k, v, qkv.view(B, S, n_heads, D)[:, :, 1:nq:2]
+        B, S, n_tot = qkv.shape
+        n_heads = variant.qkv_heads(num_heads, num_kv_heads)
+        return q, k, v, qkv.view(B, S, n_heads, n_tot // n_heads)[:, :, 1:2 * num_heads:2]
     return q, k, v
 
 
@@ -377,7 +380,7 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     the bias, cos and sin cast to it, as ``F.linear`` would; the norm weights keep theirs) with
     autocast off inside: its GEMMs write preallocated outputs of one dtype.
     """
-    dev_type = hidden_states.device.type if isinstance(hidden_states, torch.Tensor) else None
+    dev_type = hidden_states.device.type if _any_autocast() and isinstance(hidden_states, torch.Tensor) else None
     if dev_type in ("cuda", "cpu") and torch.is_autocast_enabled(dev_type):
         options = dict(q_gate=q_gate, rope_style=rope_style, norm_scope=norm_scope, v_norm=v_norm, k_eq_v=k_eq_v)
         dt = torch.get_autocast_dtype(dev_type)
@@ -407,13 +410,14 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
                 V.require_tensor("k_norm_weight", k_norm_weight)
             q_norm_weight = q_norm_weight.float() + offset
             k_norm_weight = k_norm_weight.float() + offset
-    backend = _backend_arg(backend)
-    fp8_recipe = _fp8.recipe(fp8)
+    backend = "auto" if backend is None else _backend_arg(backend)
+    fp8_recipe = None if fp8 is None else _fp8.recipe(fp8)
     fp8_key = "" if fp8_recipe is None else fp8_recipe.key
-    if qkv_lora is not None and (qkv_residual is not None or torch.compiler.is_compiling()):
+    compiling = torch.compiler.is_compiling()
+    if qkv_lora is not None and (qkv_residual is not None or compiling):
         raise ValueError("qkv_lora: " + ("give qkv_residual or qkv_lora, not both" if qkv_residual is not None else
                                          "eager calls only; under torch.compile pass the update as qkv_residual"))
-    if torch.compiler.is_compiling():  # traced: plain validation, then the custom ops
+    if compiling:  # traced: plain validation, then the custom ops
         sz = validate_forward_inputs(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin,
                                      num_heads, num_kv_heads, eps, qk_norm_position, q_gate=q_gate,
                                      rope_style=rope_style, norm_scope=norm_scope, v_norm=v_norm, k_eq_v=k_eq_v)
@@ -438,7 +442,7 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
         if qkv_weight.requires_grad:
             raise ValueError("qkv_weight_source: qkv_weight requires grad; a rebuilt weight must be frozen "
                              "(its gradient would not reach the tensor the source rebuilds it from)")
-        if torch.compiler.is_compiling():
+        if compiling:
             qkv_weight_source = None  # traced: the graph keeps qkv_weight
     if cos.shape[0] != b:
         cos = cos.expand(b, s, rot)

@@ -103,11 +103,18 @@ class GQAQKVRoPEQKNorm(_BlockParams):
         return super().extra_repr() + ("" if self.fp8 is None else f", fp8={self.fp8.key!r}")
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # the parameters from _parameters where they are there, which is what Module.__getattr__ would
+        # return (a parametrized or reassigned one is read as an attribute)
+        p = self._parameters
+        w = p["qkv_weight"] if "qkv_weight" in p else self.qkv_weight
+        wq = p["q_norm_weight"] if "q_norm_weight" in p else self.q_norm_weight
+        wk = p["k_norm_weight"] if "k_norm_weight" in p else self.k_norm_weight
+        bias = p["qkv_bias"] if "qkv_bias" in p else self.qkv_bias
         return gqa_qkv_rope_qk_norm(
-            hidden_states, self.qkv_weight, self.q_norm_weight, self.k_norm_weight, cos, sin,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, eps=self.eps,
-            qk_norm_position=self.qk_norm_position, qkv_bias=self.qkv_bias,
-            norm_weight_offset=self.norm_weight_offset, fp8=self.fp8, **self._variant_kwargs())
+            hidden_states, w, wq, wk, cos, sin, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            eps=self.eps, qk_norm_position=self.qk_norm_position, qkv_bias=bias,
+            norm_weight_offset=self.norm_weight_offset, fp8=self.fp8, q_gate=self.q_gate, rope_style=self.rope_style,
+            norm_scope=self.norm_scope, v_norm=self.v_norm)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

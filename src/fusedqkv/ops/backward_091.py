@@ -183,7 +183,6 @@ class Backward091Plan:
         self.dqkv_bytes = dqkv_shape[0] * dqkv_shape[1] * dtype.itemsize if dqkv_shape is not None else 0
         self._checked = None  # the addresses of the last call that passed the address checks
         self._gather = None  # RUN_ORDER's addresses -> the table's, once every launch is bound to its kernel
-        self._extra = None  # (stream, device generation, the stage's own table entries)
         self._kept = None  # (the stream's dQKV buffer, dQKV: a view of it)
 
     def _workspace(self, stream: int, capturing: bool) -> torch.Tensor:
@@ -193,22 +192,11 @@ class Backward091Plan:
         or while a CUDA graph is being captured (the plan must not keep a graph's memory alive)."""
         if capturing or self.dqkv_bytes > _device.DQKV_KEPT_BYTES:
             return torch.empty(self.dqkv_shape, dtype=self.dtype, device=self.device)
-        buf = _device.workspace("dqkv", self.device, stream, self.dqkv_bytes)
+        buf = _device.workspace("dqkv", self.device, stream, self.dqkv_bytes, False)
         kept = self._kept
         if kept is None or kept[0] is not buf:
             kept = self._kept = (buf, buf[:self.dqkv_bytes].view(self.dtype).view(self.dqkv_shape))
         return kept[1]
-
-    def _stage_inputs(self, stream: int, capturing: bool) -> dict:
-        """The stage's own entries (tickets; partials where they don't fit in grad_hidden_states):
-        kept per stream where the stage needs no per-call partials, fresh while capturing."""
-        stage = self.stage
-        if stage.own_partials or capturing:
-            return stage.call_inputs(stream)
-        cached = self._extra
-        if cached is None or cached[0] != stream or cached[1] != _device.generation:
-            cached = self._extra = (stream, _device.generation, stage.call_inputs(stream))
-        return cached[2]
 
     def _outputs(self, args, out):
         if out is not None:
@@ -253,7 +241,7 @@ class Backward091Plan:
                 if acc & 15:  # an address the kernels were not specialised for: its own plan
                     return _run(_plan_for_alignment(self, args, out), args, out)
             self._checked = seen
-        extra = self._stage_inputs(stream, capturing)
+        extra = self.stage.kept_inputs(stream, capturing)
         launches = self.launches
         if self._gather is not None:
             seen = seen + [dqkv.data_ptr(), *[t.data_ptr() for t in extra.values()]]  # (_checked keeps the first part)
@@ -273,12 +261,12 @@ class Backward091Plan:
             launch.launch(tensors, ptrs, stream)
         if self.mm_dx:
             if self.lt_dx is not None and ptrs is not None:
-                self.lt_dx(seen[AT_DQKV], seen[AT_W], seen[AT_DX], stream)
+                self.lt_dx(seen[AT_DQKV], seen[AT_W], seen[AT_DX], stream, capturing)
             else:
                 mm_into(dqkv, W, g_hidden.view(self.dx_view) if self.dx_view else g_hidden)
         if self.mm_dw:
             if self.lt_dw is not None and ptrs is not None:
-                self.lt_dw(seen[AT_DQKV], seen[AT_X], seen[AT_DW], stream)
+                self.lt_dw(seen[AT_DQKV], seen[AT_X], seen[AT_DW], stream, capturing)
             else:
                 x = hs.view(self.x_view) if self.x_view else hs.reshape(self.dqkv_shape[0], -1)
                 mm_into(dqkv.t(), x, g_weight)

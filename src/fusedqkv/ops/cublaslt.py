@@ -210,11 +210,12 @@ class LtMatmul:
         nbytes = int.from_bytes(bytes(result)[64:72], "little")
         return algo, nbytes
 
-    def __call__(self, a_ptr: int, b_ptr: int, d_ptr: int, stream: int) -> None:
+    def __call__(self, a_ptr: int, b_ptr: int, d_ptr: int, stream: int, capture: Optional[bool] = None) -> None:
+        """``capture``: whether ``stream`` is being captured, where the caller asked already (None: asked here)."""
         algo = self.algos[0] if not ((a_ptr | b_ptr | d_ptr) & (ALIGN_HIGH - 1)) else self.algos[1]
         b_l, a_l, d_l = self.layouts
         # the stream's workspace (a fresh one, held until the call returns, while capturing)
-        ws = _device.workspace("cublaslt", self.device, stream, self.ws_bytes) if self.ws_bytes else None
+        ws = _device.workspace("cublaslt", self.device, stream, self.ws_bytes, capture) if self.ws_bytes else None
         alpha, beta = self.scalars
         status = self.lib.matmul(self.handle, self.desc, alpha, b_ptr, b_l, a_ptr, a_l, beta, d_ptr, d_l, d_ptr, d_l,
                                  algo, None if ws is None else ws.data_ptr(), self.ws_bytes, stream)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -90,14 +90,42 @@ def max_shared_bytes(device: torch.device) -> int:
     return _max_shared(device_index(device)) if device.type == "cuda" else 1 << 40
 
 
+_CUDA_INDEX: dict = {}  # device -> cuda_index(device), where it does not depend on the current device
+
+
+def cuda_index(device: torch.device) -> int:
+    """``device_index(device)`` for a CUDA device, -1 for any other (remembered per device: a
+    torch.device's ``type`` costs a string per call)."""
+    i = _CUDA_INDEX.get(device)
+    if i is None:
+        if device.type != "cuda":
+            i = -1
+        elif device.index is None:  # the current device, which may change
+            return torch.cuda.current_device()
+        else:
+            i = device.index
+        _CUDA_INDEX[device] = i
+    return i
+
+
 def current_stream(device: torch.device) -> int:
     """The raw handle of the current stream (0 for the CPU)."""
-    return internals.raw_stream(device_index(device)) if device.type == "cuda" else 0
+    i = cuda_index(device)
+    return internals.raw_stream(i) if i >= 0 else 0
 
 
 def capturing(device: torch.device) -> bool:
     """Whether the current stream of ``device`` is being captured into a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return cuda_index(device) >= 0 and torch.cuda.is_current_stream_capturing()
+
+
+def call_state(device: torch.device) -> tuple:
+    """``(current_stream(device), capturing(device))`` at once: a plan asks once per call (its kept
+    buffers and cuBLASLt calls take the answer as ``capture``)."""
+    i = cuda_index(device)
+    if i < 0:
+        return 0, False
+    return internals.raw_stream(i), torch.cuda.is_current_stream_capturing()
 
 
 # ------------------------------------------------------------------------------ per-stream buffers
@@ -129,12 +157,13 @@ def _outside_graph_pools(device: torch.device, make: Callable[[], torch.Tensor])
 
 
 
-def tickets(device: torch.device, stream: int, n: int) -> torch.Tensor:
+def tickets(device: torch.device, stream: int, n: int, capture: Optional[bool] = None) -> torch.Tensor:
     """At least ``n`` zeroed int32 tickets for kernels on ``stream`` (kept per stream; fresh per
-    call while capturing)."""
-    if capturing(device):
+    call while capturing). ``capture``: whether the stream is being captured, where the caller
+    asked already this call (None: asked here)."""
+    if capturing(device) if capture is None else capture:
         return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
-    key = ("tickets", device_index(device) if device.type == "cuda" else -1, stream)
+    key = ("tickets", cuda_index(device), stream)
     buf = _buffers.get(key)
     if buf is None or buf.numel() < n:
         size = max(n, _TICKETS_MIN)
@@ -142,13 +171,14 @@ def tickets(device: torch.device, stream: int, n: int) -> torch.Tensor:
     return buf
 
 
-def workspace(kind: str, device: torch.device, stream: int, nbytes: int) -> torch.Tensor:
+def workspace(kind: str, device: torch.device, stream: int, nbytes: int,
+              capture: Optional[bool] = None) -> torch.Tensor:
     """A byte buffer of at least ``nbytes`` for work on ``stream``: the stream's kept buffer of this
     ``kind`` (grown to the largest asked for), or while the stream is being captured a fresh one
-    that the caller holds for the call (and does not remember)."""
-    if capturing(device):
+    that the caller holds for the call (and does not remember). ``capture``: as :func:`tickets`."""
+    if capturing(device) if capture is None else capture:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    key = (kind, device_index(device) if device.type == "cuda" else -1, stream)
+    key = (kind, cuda_index(device), stream)
     buf = _buffers.get(key)
     if buf is None or buf.numel() < nbytes:
         buf = _buffers[key] = _outside_graph_pools(device, lambda: torch.empty(nbytes, dtype=torch.uint8, device=device))

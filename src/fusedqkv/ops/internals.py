@@ -162,6 +162,11 @@ else:
 set_grad_enabled = _torch_internal("torch._C._set_grad_enabled", lambda: torch._C._set_grad_enabled,
                                    _public_set_grad_enabled)
 
+# whether autocast is on for any device type (then the caller asks per device type: torch.is_autocast_enabled);
+# where unavailable, True: every call asks per device type, as before
+any_autocast_enabled = _torch_internal("torch._C._is_any_autocast_enabled", lambda: torch._C._is_any_autocast_enabled,
+                                       lambda: True)
+
 
 def autograd_apply(function_class) -> Callable:
     """``function_class.apply`` without ``torch.autograd.Function.apply``'s Python layer (a

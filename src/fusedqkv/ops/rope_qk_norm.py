@@ -272,18 +272,32 @@ class StagePlan:
         self.n_tick, self.own_partials, self.part_bytes = n_tick, own_partials, part_bytes
         self.device = device
         self.amax_shapes, self.amax_dtype = amax_shapes or {}, amax_dtype
+        self._kept = None  # (stream, device generation, call_inputs of that stream): see kept_inputs
 
-    def call_inputs(self, stream: int = 0) -> dict:
+    def call_inputs(self, stream: int = 0, capture: Optional[bool] = None) -> dict:
         """The table entries the stage adds to the caller's, by name: ``tickets``, ``partials``,
-        ``amax_rows``, ``amax_cols`` (per call: the FP8 casts read them after the stage)."""
+        ``amax_rows``, ``amax_cols`` (per call: the FP8 casts read them after the stage).
+        ``capture``: whether ``stream`` is being captured, where the caller asked already."""
         out = {}
         if self.n_tick:
-            out["tickets"] = _device.tickets(self.device, stream, self.n_tick)
+            out["tickets"] = _device.tickets(self.device, stream, self.n_tick, capture)
         if self.own_partials:
             out["partials"] = torch.empty(self.part_bytes // 4, dtype=torch.float32, device=self.device)
         for name, shape in self.amax_shapes.items():
             out[name] = torch.empty(shape, dtype=self.amax_dtype, device=self.device)
         return out
+
+    def kept_inputs(self, stream: int, capture: bool) -> dict:
+        """``call_inputs``, kept per stream where none of them is per call (no partials of the
+        stage's own, no amax partials) and ``stream`` is not being captured (``capture``): the
+        tickets are the stream's kept ones (each kernel leaves them zero); a dropped device state
+        (``fusedqkv.clear_caches()``) is asked for again."""
+        if capture or self.own_partials or self.amax_shapes:
+            return self.call_inputs(stream, capture)
+        kept = self._kept
+        if kept is None or kept[0] != stream or kept[1] != _device.generation:
+            kept = self._kept = (stream, _device.generation, self.call_inputs(stream, False))
+        return kept[2]
 
     def launches(self, with_finish: bool = True) -> list:
         fin = [self.finish.launch] if with_finish and self.finish is not None else []

@@ -13,12 +13,14 @@ the GEMMs read the ``[Q | K]`` columns).
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import or_
+
 import torch
 
 from . import device as _device
 from . import fp8, host_gemm
 from .cublaslt import plan_matmul
-from .device import current_stream
 from .variant import PLAIN, heads_of
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
@@ -56,14 +58,18 @@ class TrainingBackwardPlan:
         self.dqkv_bytes = self.M * self.n_dqkv * self.dtype.itemsize
         self._gather = None  # RUN_ORDER's addresses -> the table's, once every stage launch is bound
         self._kept = None  # (the stream's dQKV buffer, dQKV: a view of it)
+        # the address check (aligned plans): every address but saved_k's and saved_v's, offsets into qkv whose
+        # alignment the plan's shapes fix -- the same as all of them where both offsets are 16-byte multiples
+        self._check_all = not (self.k_offset | self.v_offset) & 15
 
-    def _dqkv(self, stream: int, keep: bool) -> torch.Tensor:
+    def _dqkv(self, stream: int, keep: bool, capture: bool) -> torch.Tensor:
         """dQKV ``[M, n_dqkv]``: a view of the stream's kept buffer where it is small, not returned
-        (``keep``) and no graph is being captured (calls on one stream never overlap on the GPU: the
-        next call's stage writes it only after this call's products read it); else per call."""
-        if keep or self.stage is None or self.dqkv_bytes > _device.DQKV_KEPT_BYTES or _device.capturing(self.device):
+        (``keep``) and no graph is being captured (``capture``; calls on one stream never overlap on
+        the GPU: the next call's stage writes it only after this call's products read it); else per
+        call."""
+        if keep or capture or self.stage is None or self.dqkv_bytes > _device.DQKV_KEPT_BYTES:
             return torch.empty((self.M, self.n_dqkv), dtype=self.dtype, device=self.device)
-        buf = _device.workspace("dqkv", self.device, stream, self.dqkv_bytes)
+        buf = _device.workspace("dqkv", self.device, stream, self.dqkv_bytes, False)
         kept = self._kept
         if kept is None or kept[0] is not buf:
             kept = self._kept = (buf, buf[:self.dqkv_bytes].view(self.dtype).view(self.M, self.n_dqkv))
@@ -87,8 +93,8 @@ class TrainingBackwardPlan:
         if grad_gate is not None:
             gg = (grad_gate if grad_gate.dtype == dt else grad_gate.to(dt)).transpose(1, 2)  # [B, Hq, S, D]
         B, S = self.B, self.S
-        stream = current_stream(dev)
-        dqkv = self._dqkv(stream, keep_dqkv)
+        stream, capture = _device.call_state(dev)
+        dqkv = self._dqkv(stream, keep_dqkv, capture)
         g_qw = g_kw = None  # (each like the tensor of its dtype: new_empty skips dtype and device arguments)
         if q_norm_weight is not None:
             g_qw = q_norm_weight.new_empty(q_norm_weight.shape)
@@ -106,7 +112,7 @@ class TrainingBackwardPlan:
                            self.variant, gg, saved_v)
         else:
             stage = self.stage
-            extra = stage.call_inputs(stream)
+            extra = stage.kept_inputs(stream, capture)
             if self._gather is not None:
                 q_ptr = qkv.data_ptr()
                 a = [grad_q.data_ptr(), grad_k.data_ptr(), grad_v.data_ptr(), q_ptr, q_ptr + self.k_offset,
@@ -116,12 +122,16 @@ class TrainingBackwardPlan:
                      0 if gg is None else gg.data_ptr(), q_ptr + self.v_offset,
                      0 if g_cos is None else g_cos.data_ptr(), 0 if g_sin is None else g_sin.data_ptr(),
                      0 if g_x is None else g_x.data_ptr()]
-                a += [t.data_ptr() for t in extra.values()]
+                for t in extra.values():
+                    a.append(t.data_ptr())
                 if self.aligned:
-                    acc = 0
-                    for i, p in enumerate(a):
-                        if i not in UNCHECKED:
-                            acc |= p
+                    if self._check_all:
+                        acc = reduce(or_, a)
+                    else:
+                        acc = 0
+                        for i, p in enumerate(a):
+                            if i not in UNCHECKED:
+                                acc |= p
                     if acc & 15:
                         raise Misaligned
                 ptrs = self._gather(a)
@@ -149,13 +159,13 @@ class TrainingBackwardPlan:
                                w_cast=fp8_weight, g_amax=g_amax, x_amax=fp8_x_amax)[1]
         elif self.need_x:
             if self.lt_dx is not None and lt_ok:
-                self.lt_dx(a[9], qkv_weight.data_ptr(), a[16], stream)  # dqkv, W, grad_hidden_states
+                self.lt_dx(a[9], qkv_weight.data_ptr(), a[16], stream, capture)  # dqkv, W, grad_hidden_states
             else:
                 host_gemm.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
         if self.need_w and self.fp8 is None:
             if self.lt_dw is not None and lt_ok:
                 g_w = qkv.new_empty((self.n_tot, self.hidden))  # (qkv's dtype is the plan's)
-                self.lt_dw(a[9], hidden_states.data_ptr(), g_w.data_ptr(), stream)
+                self.lt_dw(a[9], hidden_states.data_ptr(), g_w.data_ptr(), stream, capture)
             else:
                 g_w = host_gemm.mm(dqkv.t(), hidden_states.reshape(M, self.hidden))
         # the bias gradient: dQKV summed over tokens, in fp32 (torch's reduction: a fixed order)

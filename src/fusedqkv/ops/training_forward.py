@@ -17,7 +17,6 @@ from . import host_gemm
 from . import fp8
 from . import validation as V
 from .cublaslt import lt_matmul
-from .device import current_stream
 from .gqa_forward import forward_outputs, forward_torch, plan_forward_stage, token_major, validate_forward_inputs
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
@@ -53,6 +52,11 @@ class ForwardPlan:
         self.cs_shape = (b, s, sz["rot"])
         self.device, self.dtype = sz["device"], sz["dtype"]
         self.variant = sz["variant"]
+        # v where the variant does not norm it: a view of qkv's value columns (k_eq_v: the raw k's),
+        # as_strided's (size, stride, offset from qkv's storage offset), [B, Hkv, S, D] token-major
+        var, hq, hkv, n = sz["variant"], sz["num_heads"], sz["num_kv_heads"], self.n_tot
+        nq = 2 * hq if var.q_gate else hq
+        self.v_view = None if var.v_norm else ((b, hkv, s, d), (s * n, d, n, 1), (nq if var.k_eq_v else nq + hkv) * d)
         # rstd nobody reads (the eager training forward: the backward recomputes it) goes to a kept
         # per-stream scratch: rstd_q's bytes, rounded to 256 (the kernel assumes aligned pointers), then rstd_k's
         self.rstd_q_bytes = -(-b * sz["num_heads"] * s * 4 // 256) * 256
@@ -80,6 +84,7 @@ class ForwardPlan:
                                    fp8_weight=fp8_weight, fp8_input=fp8_input)
         lt, launch = self.lt_qkv, self.launch
         bound = launch is not None and launch.bound
+        stream, capture = _device.call_state(self.device)
         if self.fp8 is not None:
             qkv = fp8.forward(hidden_states.reshape(self.M, self.hidden), qkv_weight, self.fp8,
                               w_cast=fp8_weight, x_cast=fp8_input).view(self.qkv_shape)
@@ -90,7 +95,7 @@ class ForwardPlan:
             if (x_ptr | w_ptr) & 15:
                 raise Misaligned
             qkv = hidden_states.new_empty(self.qkv_shape)  # (hidden_states' dtype is the plan's)
-            lt(x_ptr, w_ptr, qkv.data_ptr(), current_stream(self.device))
+            lt(x_ptr, w_ptr, qkv.data_ptr(), stream, capture)
         elif qkv_bias is None:
             qkv = host_gemm.mm(hidden_states.reshape(self.M, self.hidden), qkv_weight.t()).view(self.qkv_shape)
         else:  # the bias rides in the GEMM: RoPE/norm see x W^T + b, as HF's Linear gives it
@@ -106,11 +111,10 @@ class ForwardPlan:
             return q, k, qkv, rq, rk, v
         dev = self.device
         if bound:
-            stream = current_stream(dev)
             b, s, hq, hkv, d = self.out_dims
             q, k = token_major(b, hq, s, d, self.dtype, dev), token_major(b, hkv, s, d, self.dtype, dev)
             v = token_major(b, hkv, s, d, self.dtype, dev) if self.variant.v_norm else None
-            rq, rk, prq, prk = self._rstd(stream, keep_rstd)
+            rq, rk, prq, prk = self._rstd(stream, keep_rstd, capture)
             wq = q_norm_weight.data_ptr() if q_norm_weight is not None else 0
             wk = k_norm_weight.data_ptr() if k_norm_weight is not None else 0
             pcos, psin = cos.data_ptr(), sin.data_ptr()
@@ -123,22 +127,22 @@ class ForwardPlan:
         q, k, rq, rk, v = forward_outputs(*self.out_dims, self.dtype, dev, self.variant.v_norm)
         named = dict(qkv=qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, cos=cos, sin=sin, q=q, k=k,
                      rstd_q=rq, rstd_k=rk, v=v)
-        launch.launch(self.table.tensors(named), None, current_stream(dev))
+        launch.launch(self.table.tensors(named), None, stream)
         return q, k, qkv, rq, rk, v
 
     def _make_gather(self, order):
         self._gather = self.table.gather(order)
         return self._gather
 
-    def _rstd(self, stream: int, keep: bool) -> tuple:
-        """(rstd_q, rstd_k, their addresses): new tensors, or (``keep`` False, not capturing) None
-        and addresses in the stream's kept scratch, which nothing reads."""
+    def _rstd(self, stream: int, keep: bool, capture: bool) -> tuple:
+        """(rstd_q, rstd_k, their addresses): new tensors, or (``keep`` False, not capturing:
+        ``capture``) None and addresses in the stream's kept scratch, which nothing reads."""
         b, s, hq, hkv, _ = self.out_dims
-        if keep or _device.capturing(self.device):
+        if keep or capture:
             rq = torch.empty((b, hq, s), dtype=torch.float32, device=self.device)
             rk = torch.empty((b, hkv, s), dtype=torch.float32, device=self.device)
             return rq, rk, rq.data_ptr(), rk.data_ptr()
-        p = _device.workspace("rstd", self.device, stream, self.rstd_bytes).data_ptr()
+        p = _device.workspace("rstd", self.device, stream, self.rstd_bytes, False).data_ptr()
         return None, None, p, p + self.rstd_q_bytes
 
 
@@ -166,11 +170,11 @@ class ForwardPlan:
             table, launch, gather = self.table, self.launch, self._gather
         else:
             table, launch, gather = self.lora_launches.get(extra[0].shape[1], (None, None, None))
-        stream = current_stream(dev)
+        stream, capture = _device.call_state(dev)
         if launch is not None and launch.bound:
             b, s, hq, hkv, d = self.out_dims
             q, k = token_major(b, hq, s, d, self.dtype, dev), token_major(b, hkv, s, d, self.dtype, dev)
-            rq, rk, prq, prk = self._rstd(stream, keep_rstd)
+            rq, rk, prq, prk = self._rstd(stream, keep_rstd, capture)
             wq = q_norm_weight.data_ptr() if q_norm_weight is not None else 0
             wk = k_norm_weight.data_ptr() if k_norm_weight is not None else 0
             pcos, psin = cos.data_ptr(), sin.data_ptr()
@@ -269,8 +273,11 @@ def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, s
     tensors = _guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
     args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
             qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope, v_norm, residual, k_eq_v, fp8_key)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or type(eps) not in (float, int):
+    if type(eps) not in (float, int):
         return build_forward(*args, cfg=_config.current())
+    for t in tensors:  # (a loop: no generator per call)
+        if not isinstance(t, torch.Tensor):
+            return build_forward(*args, cfg=_config.current())
     scalars = (num_heads, num_kv_heads, eps, qk_norm_position, backend, qkv_bias is not None, q_norm_weight is None,
                q_gate, rope_style, norm_scope, v_norm, residual, k_eq_v, fp8_key)
     return PLANS.lookup(tensors, scalars, args)
