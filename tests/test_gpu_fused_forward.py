@@ -484,7 +484,7 @@ def test_fp8_one_launch_forward_replays_in_a_cuda_graph(name):
     """The FP8 plan's forward (its casts of x and W, then the one launch) captured in a CUDA graph: the
     replay gives the eager call's outputs bitwise."""
     x, w, wq, wk, cos, sin = _inputs(4096, 32, 8, 1, 640, True, torch.bfloat16, seed=3)
-    with config.override(fused_forward="on"):
+    with config.override(fused_forward="on", fused_forward_fp8="on"):
         plan = forward_plan(x, w, wq, wk, cos, sin, 32, 8, 1e-6, "after_rope", "triton", fp8_key=name)
         assert plan.fused is not None and plan.fused.scales
         eager = run_forward(plan, x, w, wq, wk, cos, sin)

@@ -92,6 +92,14 @@ def test_gpu_one_launch_dequant_equals_bitsandbytes_bitwise(blocksize, nested):
                 plan(out, code, packed, absmax, torch.cuda.current_stream().cuda_stream)
                 torch.cuda.synchronize()
                 assert torch.equal(out, want), (dtype, hidden)
+            # weights quantized from fp32 (their state's dtype fp32): bitsandbytes' fp32 values rounded once to
+            # the block's dtype, as DequantizedQKV then copies them
+            q32, qs32 = quantize_4bit(torch.randn(rows[1], hidden, device="cuda") / 8, blocksize=blocksize,
+                                      compress_statistics=False, quant_type="nf4")
+            one = Dequant4bit([rows[1] * hidden], blocksize, dtype, torch.device("cuda"))
+            got = torch.empty(rows[1] * hidden, device="cuda", dtype=dtype)
+            one(got, code, [q32.reshape(-1)], [qs32.absmax.float()], torch.cuda.current_stream().cuda_stream)
+            assert torch.equal(got, dequantize_4bit(q32, qs32).reshape(-1).to(dtype)), (dtype, hidden)
 
 
 @cuda

@@ -170,14 +170,17 @@ class DequantizedQKV:
 
     def _one_launch_for(self, states: list, out: torch.Tensor):
         """``(Dequant4bit, code)`` where every base is NF4 with an fp32 absmax (a kept one, or not
-        double-quantized), one blocksize, in the block's dtype (bitsandbytes would give the same
-        values); planned once per such geometry, the operands checked then. None otherwise: each
-        base through bitsandbytes' ``dequantize_4bit``."""
+        double-quantized), one blocksize, its quantization dtype the block's or fp32 (where
+        bitsandbytes' values reach the block's dtype in one rounding too); planned once per such
+        geometry, the operands checked then. None otherwise: each base through bitsandbytes'
+        ``dequantize_4bit``."""
         if not self.keep_absmax or _config.current().qlora_dequant != "one_launch":
             return None
         first = states[0]
-        if any(qs.nested or qs.quant_type != "nf4" or qs.blocksize != first.blocksize or qs.dtype != self.dtype
-               or qs.absmax.dtype != torch.float32 for qs in states):
+        # bitsandbytes' values in the block's dtype: its fp32 product rounded once -- directly where the state's
+        # dtype is the block's, or through an fp32 result copied into the block's dtype (also one rounding)
+        if any(qs.nested or qs.quant_type != "nf4" or qs.blocksize != first.blocksize
+               or qs.dtype not in (self.dtype, torch.float32) or qs.absmax.dtype != torch.float32 for qs in states):
             return None
         key = (first.blocksize, self.dtype, tuple(id(qs) for qs in states))
         kept = self._one_launch
