@@ -232,7 +232,7 @@ def main(argv=None) -> int:
             return out
 
     samples = {s: {"step": [], "attn_in_step": [], "attn_alone": []} for s in STACKS}
-    part_samples, dropped, recompute = {}, [], []
+    part_samples, dropped, recompute, per_pair = {}, [], [], []
     n_alone = 20 if cuda else 200
     for r in range(args.rounds):
         for stack in STACKS:
@@ -245,6 +245,14 @@ def main(argv=None) -> int:
 
             with fconfig.override(qlora_absmax="recompute"):
                 recompute.append(timed_steps("peft+fusedqkv"))
+        if cuda:  # the same fused model with the LoRA backward's per-pair 16-bit dA/dB products (A/B)
+            from fusedqkv.ops import lora as flora
+
+            flora.WIDE_GRAD_PRODUCTS = False
+            try:
+                per_pair.append(timed_steps("peft+fusedqkv"))
+            finally:
+                flora.WIDE_GRAD_PRODUCTS = True
         if _PLANS is not None:
             dropped.append(attn_alone("peft+fusedqkv", n_alone, drop_plan=True))
         for name, t in parts().items():
@@ -277,6 +285,8 @@ def main(argv=None) -> int:
         fused_absmax_recompute=dict(step_ms=statistics.median(t for t, _ in recompute) * 1e3,
                                     attn_in_step_ms=statistics.median(a for _, a in recompute) * 1e3)
         if recompute else None,
+        fused_per_pair_products=dict(step_ms=statistics.median(t for t, _ in per_pair) * 1e3,
+                                     samples_step_ms=[t * 1e3 for t, _ in per_pair]) if per_pair else None,
     )
     with open(os.path.join(args.out, "host_hf.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -297,6 +307,9 @@ def main(argv=None) -> int:
         r = report["fused_absmax_recompute"]
         print(f"{'step, absmax recompute, ms':34s}{'':16s}{r['step_ms']:16.2f}")
         print(f"{'attn fwd in a step, recompute, ms':34s}{'':16s}{r['attn_in_step_ms']:16.2f}")
+    if per_pair:
+        r = report["fused_per_pair_products"]
+        print(f"{'step, per-pair dA/dB products, ms':34s}{'':16s}{r['step_ms']:16.2f}")
     if dropped:
         print(f"{'  the same, full checks each call':34s}{'':16s}{report['fused_attn_forward_alone_full_checks_us']:16.1f}")
     for name, us in report["fused_parts_us"].items():

@@ -384,6 +384,45 @@ def test_lora_block_path_matches_the_per_pair_path(mode):
         assert rel < 1e-2, (name, rel)
 
 
+@cuda
+@pytest.mark.parametrize("tokens", [512, 8192])
+def test_fp32_adapters_take_fp32_products_for_da_and_db(tokens, monkeypatch):
+    """Autocast's case (fp32 adapters, bf16 block): dA and every dB from fp32 products, dB from one
+    product over all pairs (``WIDE_GRAD_PRODUCTS``); against fp64 at most the per-pair bf16 path's
+    error, each gradient a contiguous fp32 tensor."""
+    from fusedqkv.ops import lora as L
+
+    hidden, n_tot = 1024, 4096
+    g = torch.Generator(device="cuda").manual_seed(7)
+    pairs = [(row, rows, (torch.randn(16, hidden, device="cuda", generator=g) / 32).requires_grad_(),
+              (torch.randn(rows, 16, device="cuda", generator=g) * 0.1).requires_grad_(), s, True)
+             for row, rows, s in ((0, 2048, 2.0), (2048, 1024, 0.75), (3072, 1024, 1.0 / 3))]
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    dqkv = torch.randn(tokens, n_tot, device="cuda", generator=g).bfloat16()
+    ref = []
+    for row, rows, a, b, s, _ in pairs:  # fp64 of the same bf16 operands the block multiplies
+        u = x.double() @ a.detach().bfloat16().double().t()
+        ref.append((dqkv[:, row:row + rows].double().t() @ u) * s)
+    da_ref = [(dqkv[:, row:row + rows].double() @ (b.detach().bfloat16().double() * s)).t() @ x.double()
+              for row, rows, a, b, s, _ in pairs]
+
+    def run(wide):
+        monkeypatch.setattr(L, "WIDE_GRAD_PRODUCTS", wide)
+        update = L.LoRAUpdate(pairs, [], n_tot, torch.bfloat16)
+        qkv = torch.zeros(tokens, n_tot, device="cuda", dtype=torch.bfloat16)
+        update.forward(qkv, x)
+        torch.cuda.synchronize()
+        return update.backward(dqkv, None, x, [True] * 6)
+
+    old, new = run(False), run(True)
+    for i in range(3):
+        for got, was, want in ((new[3 + i], old[3 + i], ref[i]), (new[i], old[i], da_ref[i])):
+            assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == want.shape
+            err_new = float((got.double() - want).norm() / want.norm())
+            err_old = float((was.double() - want).norm() / want.norm())
+            assert err_new <= err_old * 1.01 + 1e-7, (i, err_new, err_old)
+
+
 # the one-launch forward's FP8 build (issue 35, session 23): FP8 plans' GEMM on the casts of x and W, the
 # recipe's inverse scales on the accumulator before the rounding, against the split FP8 path (the same casts,
 # torch._scaled_mm -- torch's CUTLASS rowwise kernel, cuBLASLt tensorwise -- then the forward stage)

@@ -17,8 +17,10 @@ Where it pays (:meth:`LoRAUpdate.block_pays`), the per-pair products become one 
 block-diagonal ``Bb [n_tot, R]`` (each pair's ``s_i B_i`` at its rows and U's columns, zeros
 elsewhere; built in one launch, :func:`block_b`): ``qkv += U Bb^T`` and ``dU = dQKV Bb``. The
 one-launch Hopper forward takes ``(U, Bb)`` as more inner columns (:meth:`LoRAUpdate.gemm_operands`).
-dB stays per pair: each a contiguous ``[rows_i, r_i]`` (autograd would copy a strided view of one
-product into the parameter's layout).
+dB stays per pair (each a contiguous ``[rows_i, r_i]``: autograd would copy a strided view of one
+product into the parameter's layout), except for fp32 adapters on CUDA (autocast's): there one fp32
+product ``dQKV^T U`` gives every pair's dB as a diagonal block, which the pair's scaling op copies
+out (:data:`WIDE_GRAD_PRODUCTS`), and dA_shared is an fp32 product too.
 
 B is used as the parameter it is (no layout per call), each adapter cast to the block's dtype
 once per call (the backward reuses the forward's casts or its ``Bb``). Nothing computed from the
@@ -53,6 +55,10 @@ BLOCK_FLOPS_PER_SAVED_LAUNCH = 1e9
 # rule above kept the pairs: fwd+bwd over the floor 1.056 (block) vs 1.061 (pairs) at 091, 1.183 vs 1.209 at
 # the Qwen3-0.6B shape (NOTES, session 23).
 BLOCK_MEMORY_BOUND_RANK = 64
+# fp32 adapters under autocast (16-bit products): dA and every pair's dB as fp32 products, dB from one product
+# over all pairs (its diagonal blocks), not per pair in 16 bits then cast -- fewer ops a layer on a host-bound
+# QLoRA step, and one rounding (fp32) instead of two (NOTES, session 24). False: the per-pair path.
+WIDE_GRAD_PRODUCTS = True
 
 
 def _into(out: Tensor, a: Tensor, b: Tensor, alpha: float) -> None:
@@ -255,6 +261,11 @@ class LoRAUpdate:
         self.u = u = us[0] if len(us) == 1 else torch.cat(us, 1)
         return u
 
+    def _wide_products(self, dqkv2d: Tensor) -> bool:
+        """Whether the backward's dA/dB products can give fp32 from 16-bit operands in one op
+        (``torch.mm(..., out_dtype=torch.float32)``: CUDA only; :data:`WIDE_GRAD_PRODUCTS`)."""
+        return WIDE_GRAD_PRODUCTS and dqkv2d.is_cuda and self.dtype in (torch.bfloat16, torch.float16)
+
     def backward(self, dqkv2d: Tensor, g_x2d: Optional[Tensor], x2d: Tensor, needs: list) -> list:
         """Gradients of :attr:`params` (None where ``needs`` says not needed); ``g_x2d += dU_shared
         A_shared`` in place when given."""
@@ -270,17 +281,30 @@ class LoRAUpdate:
             for (row, rows, _, _, s, _), b, c, r in zip(self.pairs, bs, self.cols, self.ranks):
                 _into(du[:, c:c + r], dqkv2d[:, row:row + rows], b, s)
         grads: list = [None] * (2 * n + len(self.xds))
+        wide = self._wide_products(dqkv2d)
         if self.n_shared and any(needs[:self.n_shared]):
-            da = du[:, :self.r_shared].t() @ x2d
             a_dtypes = {p[2].dtype for p in self.pairs[:self.n_shared]}
-            if len(a_dtypes) == 1:  # one cast for all shared A (their rows are views of it)
-                a_dtype = a_dtypes.pop()
-                da = da if da.dtype == a_dtype else da.to(a_dtype)
+            if wide and a_dtypes == {torch.float32}:  # fp32 adapters: the product's fp32 result, no cast
+                da = torch.mm(du[:, :self.r_shared].t(), x2d, out_dtype=torch.float32)
+            else:
+                da = du[:, :self.r_shared].t() @ x2d
+                if len(a_dtypes) == 1:  # one cast for all shared A (their rows are views of it)
+                    a_dtype = a_dtypes.pop()
+                    da = da if da.dtype == a_dtype else da.to(a_dtype)
+        db_all = None
+        if (wide and sum(needs[n:2 * n]) > 1 and all(p[3].dtype == torch.float32 for p in self.pairs)
+                and self.block_pays(m, 1, sum(needs[n:2 * n]) - 1)):
+            # every pair's dB from one product (its diagonal blocks), in fp32: then one scaling op a pair
+            # instead of a product and a cast
+            db_all = torch.mm(dqkv2d.t(), u, out_dtype=torch.float32)
         for i, ((row, rows, A, B, s, shared), c, r) in enumerate(zip(self.pairs, self.cols, self.ranks)):
             if needs[n + i]:
-                db = torch.empty((rows, r), dtype=self.dtype, device=dqkv2d.device)
-                _into(db, dqkv2d[:, row:row + rows].t(), u[:, c:c + r], s)
-                grads[n + i] = db if db.dtype == B.dtype else db.to(B.dtype)
+                if db_all is not None:
+                    grads[n + i] = torch.mul(db_all[row:row + rows, c:c + r], s)
+                else:
+                    db = torch.empty((rows, r), dtype=self.dtype, device=dqkv2d.device)
+                    _into(db, dqkv2d[:, row:row + rows].t(), u[:, c:c + r], s)
+                    grads[n + i] = db if db.dtype == B.dtype else db.to(B.dtype)
             if needs[i]:
                 if shared:
                     g = da[c:c + r]
