@@ -13,7 +13,11 @@ weights and inputs (bf16 activations and weights, all trainable):
   fp8_<r>_s21   (--old-casts) fp8=<r> with DUAL_WEIGHT_CASTS, STAGE_AMAX and KEEP_INPUT_AMAX off: dQKV's two
                 casts from two reads (session 21), W cast by each GEMM instead of once in the forward for both
   fp8_<r>_nostage (--old-casts) fp8=<r> with fp8.STAGE_AMAX off alone: dQKV's amaxes from a pass of their
-                own instead of the partials the backward stage writes as it stores dQKV
+                own instead of the partials the backward stage writes as it stores dQKV (rowwise_with_gw_hp
+                too: its dX's row cast with its own amax pass instead of the stage's row partials, which it
+                takes for rows longer than fp8.STAGE_AMAX_ROW_CAST_ABOVE, 8192: h5120's, not 091's)
+  fp8_rowwise_with_gw_hp_allrows (--old-casts) with fp8.STAGE_AMAX_ROW_CAST_ABOVE 0: the stage's row
+                partials for dX's row cast at every row length (091's rows too)
   fp8_<r>_nokeep  (--old-casts) fp8=<r> with fp8.KEEP_INPUT_AMAX off alone: dW's cast of x finds x's
                 amaxes itself instead of keeping the forward's
   fp8_<r>_split (--old-casts) fp8=<r> with config.fused_forward_fp8 off: the forward's FP8 GEMM as
@@ -183,6 +187,20 @@ class Row:
         return call
 
     @staticmethod
+    def fp8_flags(fn, **flags):
+        """``fn`` with fusedqkv.ops.fp8's module flags ``flags`` set while it runs (and while it is captured)."""
+        def call():
+            prev = {k: getattr(fp8, k) for k in flags}
+            for k, v in flags.items():
+                setattr(fp8, k, v)
+            try:
+                return fn()
+            finally:
+                for k, v in prev.items():
+                    setattr(fp8, k, v)
+        return call
+
+    @staticmethod
     def with_config(fn, **changes):
         """``fn`` under ``config.override(**changes)`` while it runs (and while it is captured: its plans
         are that config's)."""
@@ -223,7 +241,8 @@ def main(argv=None) -> int:
     ap.add_argument("--old-casts", action="store_true",
                     help="also time fp8_{rowwise,tensorwise}_old (fp8.DUAL_CASTS, DUAL_WEIGHT_CASTS, STAGE_AMAX "
                          "and KEEP_INPUT_AMAX off: session 20's casts), _s21 (all but DUAL_CASTS off: session 21's), "
-                         "_nostage (STAGE_AMAX off alone), _nokeep (KEEP_INPUT_AMAX off alone), _split "
+                         "_nostage (STAGE_AMAX off alone; rowwise_with_gw_hp's too, and its _allrows: "
+                         "STAGE_AMAX_ROW_CAST_ABOVE 0), _nokeep (KEEP_INPUT_AMAX off alone), _split "
                          "(config.fused_forward_fp8 off: _scaled_mm + the stage) and _one (config.fused_forward_fp8 "
                          "on: the one-launch forward's FP8 build wherever it can run)")
     args = ap.parse_args(argv)
@@ -252,6 +271,9 @@ def main(argv=None) -> int:
                 fns[f"fp8_{r}_nokeep"] = row.dual_casts(row.fwd_bwd(row.fused(r)), True, True, True, False)
                 fns[f"fp8_{r}_split"] = row.with_config(row.fwd_bwd(row.fused(r)), fused_forward_fp8="off")
                 fns[f"fp8_{r}_one"] = row.with_config(row.fwd_bwd(row.fused(r)), fused_forward_fp8="on")
+            gw_hp = "rowwise_with_gw_hp"
+            fns[f"fp8_{gw_hp}_nostage"] = row.dual_casts(row.fwd_bwd(row.fused(gw_hp)), True, True, False, True)
+            fns[f"fp8_{gw_hp}_allrows"] = row.fp8_flags(row.fwd_bwd(row.fused(gw_hp)), STAGE_AMAX_ROW_CAST_ABOVE=0)
         fns.update(torchao=row.torchao_call(compiled), bf16_floor=row.bf16_floor(), fp8_floor=row.fp8_floor())
         err = row.errors()
         ms = time_providers(fns, args.reps, flusher)
@@ -274,6 +296,10 @@ def main(argv=None) -> int:
             for tag in ("nostage", "nokeep", "split", "one"):
                 r[f"rowwise_over_{tag}"] = f / med[f"fp8_rowwise_{tag}"]
                 r[f"tensorwise_over_{tag}"] = med["fp8_tensorwise"] / med[f"fp8_tensorwise_{tag}"]
+            r["gw_hp_over_nostage"] = med["fp8_rowwise_with_gw_hp"] / med["fp8_rowwise_with_gw_hp_nostage"]
+            r["gw_hp_nostage_over_bf16_floor"] = med["fp8_rowwise_with_gw_hp_nostage"] / med["bf16_floor"]
+            r["gw_hp_allrows_over_nostage"] = (med["fp8_rowwise_with_gw_hp_allrows"]
+                                               / med["fp8_rowwise_with_gw_hp_nostage"])
         if args.profile and device.type == "cuda":
             r["kernels"] = {p: kernel_profile(fns[p], 3, 16) for p in fns if p.startswith("fp8_")}
             for p, ks in r["kernels"].items():
@@ -303,7 +329,12 @@ def main(argv=None) -> int:
                   f"{r['tensorwise_over_s21']:.3f})")
             print(f"{'':<29} dQKV's amax pass (no stage partials): fp8_rowwise_nostage {m['fp8_rowwise_nostage']:.3f} "
                   f"ms (new/nostage {r['rowwise_over_nostage']:.3f}), fp8_tensorwise_nostage "
-                  f"{m['fp8_tensorwise_nostage']:.3f} ms (new/nostage {r['tensorwise_over_nostage']:.3f})")
+                  f"{m['fp8_tensorwise_nostage']:.3f} ms (new/nostage {r['tensorwise_over_nostage']:.3f}), "
+                  f"fp8_rowwise_with_gw_hp_nostage {m['fp8_rowwise_with_gw_hp_nostage']:.3f} ms (new/nostage "
+                  f"{r['gw_hp_over_nostage']:.3f}; nostage/bf16_floor {r['gw_hp_nostage_over_bf16_floor']:.3f})")
+            print(f"{'':<29} gw_hp's row cast from the stage's partials at every row length: "
+                  f"fp8_rowwise_with_gw_hp_allrows {m['fp8_rowwise_with_gw_hp_allrows']:.3f} ms (allrows/nostage "
+                  f"{r['gw_hp_allrows_over_nostage']:.3f})")
             print(f"{'':<29} x's amaxes not kept: fp8_rowwise_nokeep {m['fp8_rowwise_nokeep']:.3f} ms (new/nokeep "
                   f"{r['rowwise_over_nokeep']:.3f}), fp8_tensorwise_nokeep {m['fp8_tensorwise_nokeep']:.3f} ms "
                   f"(new/nokeep {r['tensorwise_over_nokeep']:.3f})")

@@ -51,7 +51,7 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   the per-column/tensorwise cast (transposed or not) and the outer scale, pairwise over the
   activation dtype, the FP8 format, the power-of-two scales and the integer modes; the dual casts
   (session 21: amax partials, finish, one cast to two layouts) also over rows and columns each per
-  axis or per tensor, and each side's FP8 format.
+  axis or per tensor, and each side's FP8 format; the rowwise cast from row partials (session 24).
 * ``qkv_rope_norm_gemm_sm90_kernel`` (Gluon, ``ops/qkv_rope_norm_gemm``; sm_90 only: wgmma, setmaxnreg):
   the launcher's tile (``TILE``, maxnreg ``MAXNREG``), head_dim 128, bf16/fp16, either norm position,
   weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
@@ -598,6 +598,9 @@ FP8_KERNELS = {
     "fp8_tile_amax": ("tile_amax_kernel", dict(BR=128, BC=64), ("x_ptr", "part_ptr")),
     "fp8_cast": ("cast_kernel", dict(BR=128, BC=64, BP=64), ("x_ptr", "y_ptr", "part_ptr", "inv_ptr")),
     "fp8_outer_scale": ("outer_scale_kernel", dict(BR=128, BC=64), ("y_ptr", "a_ptr", "b_ptr")),
+    # session 24: the rowwise cast from row amax partials found beforehand (the stage's, in x's dtype)
+    "fp8_rowwise_parts": ("rowwise_cast_parts_kernel", dict(BR=128, BC=64, BP=16),
+                          ("x_ptr", "y_ptr", "part_ptr", "inv_ptr")),
     # session 21: dQKV's two casts from one amax pass, a finish and one cast pass (ops/fp8._dual_triton)
     "fp8_dual_amax": ("dual_amax_kernel", dict(BR=128, BC=64), ("x_ptr", "rpart_ptr", "cpart_ptr")),
     "fp8_dual_finish": ("dual_finish_kernel", dict(FB=128, BP=64, FBC=128, BPC=64),
@@ -665,12 +668,14 @@ def _fp8_job(family, cc, ints, src="bf16", f8="fp8e4nv", pow2=True, per_column=T
     name, consts, ptrs = FP8_KERNELS[family]
     consts = dict(consts)
     fmax = {"fp8e4nv": 448.0, "fp8e5": 57344.0}[f8]
-    if family in ("fp8_rowwise", "fp8_rowwise_whole", "fp8_cast", "fp8_rowwise_colamax", "fp8_rowwise_colamax_whole"):
+    if family in ("fp8_rowwise", "fp8_rowwise_whole", "fp8_cast", "fp8_rowwise_colamax", "fp8_rowwise_colamax_whole",
+                  "fp8_rowwise_parts"):
         consts.update(FP8_MAX=fmax, POW2=pow2)
     if family == "fp8_cast":
         consts.update(PER_COLUMN=per_column, TRANSPOSE=transpose)
     types = dict(x_ptr="*" + src, y_ptr="*" + (src if family == "fp8_outer_scale" else f8), inv_ptr="*fp32",
-                 part_ptr="*fp32", a_ptr="*fp32", b_ptr="*fp32", cpart_ptr="*fp32")
+                 part_ptr="*" + (src if family == "fp8_rowwise_parts" else "fp32"), a_ptr="*fp32", b_ptr="*fp32",
+                 cpart_ptr="*fp32")
     warps = 8 if family in ("fp8_rowwise_whole", "fp8_rowwise_colamax_whole") else 4
     return dict(kernel=f"fp8_cast.{name}", cc=cc, consts=consts, types={k: types[k] for k in ptrs}, ints=ints,
                 one=one, options={"num_warps": warps}, level=level,
@@ -728,8 +733,10 @@ def fp8_weight_jobs() -> list:
 
 # dQKV's amax partials written by the backward stage (fp8.STAGE_AMAX; ops/rope_qk_norm.plan_backward_stage's
 # row_amax/col_amax): the training stage's layouts as the FP8 recipes run them (rows and columns: rowwise and
-# the per-column custom mixes; rows alone: tensorwise), on the FP8 GEMMs' product targets, to cubins; and the
-# finish of the stage's partials (bf16, the column programs FBC 32 wide, BPC 256 partial rows a step)
+# the per-column custom mixes; rows alone: tensorwise, and rowwise_with_gw_hp's or a frozen weight's row cast
+# at 8-token blocks of every head, session 24), on the FP8 GEMMs' product targets, to cubins; the finish of the
+# stage's partials (bf16, the column programs FBC 32 wide, BPC 256 partial rows a step) and the row cast from
+# them (bf16 partials, e4m3, power-of-two scales)
 STAGE_AMAX_TARGETS = (90, 100)
 
 
@@ -737,6 +744,8 @@ def stage_amax_jobs() -> list:
     jobs = [  # (their stack frames recorded: the register caps hold without spills)
         dict(_stage_job(cc, "train_after", "all8_tma", 128, "bf16", (32, 8), "div16", amax="rows+cols"), no_spill=True)
         for cc in STAGE_AMAX_TARGETS]
+    jobs += [dict(_stage_job(cc, "train_after", "all8_tma", 128, "bf16", (32, 8), "div16", amax="rows"), no_spill=True)
+             for cc in STAGE_AMAX_TARGETS]
     jobs += [dict(_stage_job(90, "train_before_nocs", "group16", 128, "bf16", (32, 8), "plain", amax="rows"),
                   no_spill=True),
              _stage_job(90, "train_before", "all8", 80, "fp16", (7, 7), "ones", amax="rows+cols", variant="v_norm",
@@ -750,6 +759,9 @@ def stage_amax_jobs() -> list:
     j = _fp8_job("fp8_dual_cast", 90, "div16", f8="fp8e5", pow2=False, row_per=False, col_per=False)
     j["types"].update(tamax_ptr="*bf16")
     jobs.append(dict(j, label=f"{j['label']} stage_amax"))
+    for cc in STAGE_AMAX_TARGETS:
+        j = _fp8_job("fp8_rowwise_parts", cc, "div16")
+        jobs.append(dict(j, label=f"{j['label']} stage_amax", no_spill=True))
     return jobs
 
 

@@ -589,10 +589,11 @@ class _Recorder:
         return launch
 
 
-def _block_fwd_bwd(name, S, v_norm=False):
-    """The block's eager fwd+bwd through the Triton stage and casts (interpreted): outputs and gradients.
-    Gradient outliers at the last token (every dQKV column's max in the last row, in the last, partial,
-    token block) and in v's last column (every row's max in dQKV's last column)."""
+def _block_fwd_bwd(name, S, v_norm=False, frozen_w=False):
+    """The block's eager fwd+bwd through the Triton stage and casts (interpreted): outputs and gradients
+    (``frozen_w``: the weight's None, no dW). Gradient outliers at the last token (every dQKV column's max
+    in the last row, in the last, partial, token block) and in v's last column (every row's max in dQKV's
+    last column)."""
     torch.manual_seed(9)
     B, hq, hkv, d, K = 1, 4, 2, 16, 64
     N = (hq + 2 * hkv) * d
@@ -600,7 +601,7 @@ def _block_fwd_bwd(name, S, v_norm=False):
             torch.rand(d) + 0.5, torch.rand(d) + 0.5]
     ang = torch.randn(B, S, d)
     cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
-    inputs = [t.clone().requires_grad_() for t in base]
+    inputs = [t.clone().requires_grad_(not (frozen_w and i == 1)) for i, t in enumerate(base)]
     kw = dict(v_norm=True) if v_norm else {}
     out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
                                         qk_norm_position="after_rope", fp8=name, backend="triton", **kw)
@@ -697,6 +698,99 @@ def test_dual_cast_from_given_partials_equals_the_amax_pass_bitwise(interpret, m
     if not col_cast.tensorwise:
         with pytest.raises(ValueError, match="parts"):
             fp8._dual_triton(t, row_cast, col_cast, pow2, parts=(rows, None))
+
+
+def test_stage_amax_decides_per_recipe_and_gradients(monkeypatch):
+    """Which partials the stage writes: the dual cast's where both GEMMs are FP8 (rows alone for
+    tensorwise; none for rowwise, its columns off), the rows for dX's per-row cast where it casts dQKV
+    alone (rowwise_with_gw_hp, or no dW) and dQKV's rows are too long to cast whole from one read (above
+    8192 columns), none without dX or with a tensorwise dX cast alone; each switch turns its own off, and
+    the plan's key holds them all."""
+    rw, hp, tw = (fp8.RECIPES[n] for n in ("rowwise", "rowwise_with_gw_hp", "tensorwise"))
+    long, short = 10240, 8192  # h5120_q64_kv8's dQKV columns; 091's are 6144
+    assert fp8.stage_amax(tw, True, True, short) == (True, False) and fp8.stage_amax(rw, True, True) == (False, False)
+    assert fp8.stage_amax(hp, True, True, long) == fp8.stage_amax(hp, True, False, long) == (True, False)
+    assert fp8.stage_amax(rw, True, False, long) == (True, False)
+    assert fp8.stage_amax(hp, True, True, short) == fp8.stage_amax(rw, True, False, short) == (False, False)
+    assert fp8.stage_amax(tw, True, False, long) == fp8.stage_amax(hp, False, True, long) \
+        == fp8.stage_amax(None, True, True, long) == (False, False)
+    key = fp8.stage_amax_key("rowwise_with_gw_hp")
+    assert fp8.stage_amax_key("") == ()
+    monkeypatch.setattr(fp8, "STAGE_AMAX_ROW_CAST_ABOVE", 0)
+    assert fp8.stage_amax(hp, True, True, short) == (True, False) and fp8.stage_amax_key("rowwise_with_gw_hp") != key
+    monkeypatch.setattr(fp8, "DUAL_CASTS", False)  # the dual cast's partials only
+    assert fp8.stage_amax(tw, True, True, long) == (False, False)
+    assert fp8.stage_amax(hp, True, True, long) == (True, False)
+    monkeypatch.setattr(fp8, "STAGE_AMAX_ROW_CAST", False)
+    assert fp8.stage_amax(hp, True, True, long) == fp8.stage_amax(rw, True, False, long) == (False, False)
+    assert fp8.stage_amax_key("rowwise_with_gw_hp") != key
+    monkeypatch.setattr(fp8, "STAGE_AMAX_ROW_CAST", True)
+    monkeypatch.setattr(fp8, "STAGE_AMAX", False)
+    assert fp8.stage_amax(hp, True, True, long) == (False, False) and fp8.stage_amax_key("rowwise_with_gw_hp") == ()
+
+
+@pytest.mark.parametrize("name, tile, frozen_w", [("rowwise_with_gw_hp", "every_head", False),
+                                                  ("rowwise", "groups_of_two", True)])
+def test_row_cast_from_stage_partials_equals_its_amax_pass_bitwise(interpret, monkeypatch, name, tile, frozen_w):
+    """dX's GEMM alone casting dQKV (dW in bf16, or no dW): the stage writes the row partials
+    (fp8.STAGE_AMAX_ROW_CAST) and the row cast takes them instead of its amax pass: the same dQKV, its
+    cast (codes and scales) and every output and gradient bitwise the path without them, the scales
+    torchao's steps'; the rowwise cast's amax pass not launched for dQKV."""
+    from fusedqkv.kernels import fp8_cast
+    from fusedqkv.ops import config
+
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    monkeypatch.setattr(fp8, "STAGE_AMAX_ROW_CAST_ABOVE", 0)  # (by default rows longer than 8192 only)
+    S = 37
+    N, M = 128, S
+    passes, seen = [], []
+    monkeypatch.setattr(fp8_cast, "rowwise_cast_kernel", _Recorder(fp8_cast.rowwise_cast_kernel, passes))
+    cast_rows = fp8.cast_rows
+
+    def record(t, cast, pow2, row_amax=None):
+        out = cast_rows(t, cast, pow2, row_amax)
+        if tuple(t.shape) == (M, N):
+            seen.append((t.clone(), row_amax, out))
+        return out
+
+    monkeypatch.setattr(fp8, "cast_rows", record)
+    with config.override(stage_tile=_STAGE_TILES[tile]):
+        got = _block_fwd_bwd(name, S, frozen_w=frozen_w)
+        assert (M, N) not in passes
+        monkeypatch.setattr(fp8, "STAGE_AMAX_ROW_CAST", False)
+        want = _block_fwd_bwd(name, S, frozen_w=frozen_w)
+        assert (M, N) in passes
+    (t, rows, (data, inv)), (t_old, rows_old, (data_old, inv_old)) = seen
+    assert rows_old is None and torch.equal(t, t_old)
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows.float().amax(0), t.abs().float().amax(1))
+    assert torch.equal(data.view(torch.uint8), data_old.view(torch.uint8)) and torch.equal(inv, inv_old)
+    r = fp8.RECIPES[name]
+    assert torch.equal(inv, fp8.cast_torch(t, r.grad_output, -1, r.round_scales_to_power_of_2)[1])
+    assert (got[4] is None) == (want[4] is None) == frozen_w  # the weight's gradient (q, k, v, then x's)
+    for x, y in zip(got, want):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+@pytest.mark.parametrize("cast", [fp8.Cast(fp8.E4M3), fp8.Cast(fp8.E5M2)], ids=str)
+def test_row_cast_from_given_partials_equals_the_amax_pass_bitwise(interpret, monkeypatch, cast):
+    """cast_rows with the row partials given (bf16, as the stage writes them; an odd count, more than a
+    step reduces) equals its own amax pass, codes and scales, with several row and column tiles (the
+    last ones partial); partials of the wrong shape are refused naming ``row_amax``."""
+    _small_tiles(monkeypatch)
+    monkeypatch.setattr(fp8, "_FP_STAGE", 2)
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    R, C = 37, 80
+    t = _dual_operand(R, C, 7)
+    t[5, -1] = 500.0  # a row's amax in the last (partial) column tile
+    a = t.abs()
+    rows = torch.stack([a[:, i:i + 16].amax(1) for i in range(0, C, 16)])  # 5 row partials
+    for pow2 in (True, False):
+        got = fp8.cast_rows(t, cast, pow2, row_amax=rows)
+        want = fp8.cast_rows(t, cast, pow2)
+        for x, y in zip(got, want):
+            assert x.shape == y.shape and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+    with pytest.raises(ValueError, match="row_amax"):
+        fp8.cast_rows(t, cast, True, row_amax=rows[:, :-1])
 
 
 # ------------------------------------------------------------------ x's amaxes for dW found by the forward's cast

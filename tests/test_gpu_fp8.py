@@ -303,6 +303,44 @@ def test_block_with_the_stage_amax_partials_equals_the_amax_pass_bitwise(name, b
         assert torch.equal(cols.float().amax(0), a.amax(0))
 
 
+@cuda
+@pytest.mark.parametrize("batch, seq", [(2, 4099), (1, 2048), (1, 131)])
+def test_gw_hp_row_cast_from_the_stage_partials_equals_its_amax_pass_bitwise(batch, seq, monkeypatch):
+    """rowwise_with_gw_hp (dX's GEMM alone casts dQKV, per row) with the stage's row partials
+    (fp8.STAGE_AMAX_ROW_CAST): dQKV's cast (codes and scales), every output and gradient bitwise the
+    path with the row cast's own amax pass (the stage's three layouts); the scales torchao's steps'."""
+    monkeypatch.setattr(fp8, "STAGE_AMAX_ROW_CAST_ABOVE", 0)  # (by default rows longer than 8192 only)
+    torch.manual_seed(16)
+    hq, hkv, d, K = 8, 2, 128, 1024
+    N, M = (hq + 2 * hkv) * d, batch * seq
+    base = [torch.randn(batch, seq, K, device="cuda", dtype=torch.bfloat16),
+            _operand(N, K, 17) / 1e4, torch.rand(d, device="cuda") + 0.5, torch.rand(d, device="cuda") + 0.5]
+    ang = torch.randn(batch, seq, d, device="cuda")
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    gs = [torch.randn(batch, h, seq, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+    gs[2][:, -1, :, -1] = 200.0  # every row's largest in dQKV's last column
+    seen = []
+    cast_rows = fp8.cast_rows
+
+    def record(t, cast, pow2, row_amax=None):
+        out = cast_rows(t, cast, pow2, row_amax)
+        if tuple(t.shape) == (M, N):
+            seen.append((t.clone(), row_amax, out))
+        return out
+
+    monkeypatch.setattr(fp8, "cast_rows", record)
+    new = _block_fwd_bwd(base, cos, sin, gs, hq, hkv, "rowwise_with_gw_hp")
+    monkeypatch.setattr(fp8, "STAGE_AMAX_ROW_CAST", False)
+    old = _block_fwd_bwd(base, cos, sin, gs, hq, hkv, "rowwise_with_gw_hp")
+    for a, b in zip(new, old):
+        assert torch.equal(a, b)
+    (t, rows, (data, inv)), (t_old, rows_old, (data_old, inv_old)) = seen
+    assert rows is not None and rows_old is None and torch.equal(t, t_old)
+    assert torch.equal(rows.float().amax(0), t.abs().float().amax(1))
+    assert torch.equal(data.view(torch.uint8), data_old.view(torch.uint8)) and torch.equal(inv, inv_old)
+    assert torch.equal(inv, fp8.cast_torch(t, fp8.RECIPES["rowwise_with_gw_hp"].grad_output, -1, True)[1])
+
+
 # x's amaxes for dW's cast of x found by the forward's cast of x and kept (fp8.input_cast_keeping_amax)
 
 

@@ -329,8 +329,9 @@ def test_fp8_weight_jobs_are_the_recipes_weight_casts():
 
 def test_stage_amax_jobs_compile_without_spills(compiled):
     """The backward stage writing dQKV's amax partials (fp8.STAGE_AMAX) compiles on sm_90 and sm_100a,
-    its cubins without a stack frame (the register caps the launcher gives it), and the finish and cast
-    of its partials (bf16) with the launcher's tiles."""
+    its cubins without a stack frame (the register caps the launcher gives it), rows alone too at the
+    8-token TMA layout (rowwise_with_gw_hp's row cast), and the finish and casts of its partials (bf16)
+    with the launcher's tiles."""
     from fusedqkv.ops import fp8
 
     jobs = oc.stage_amax_jobs()
@@ -345,6 +346,12 @@ def test_stage_amax_jobs_compile_without_spills(compiled):
         if j["label"].startswith("fp8_dual_finish"):
             c = j["consts"]
             assert (c["FB"], c["BP"], c["FBC"], c["BPC"]) == (fp8._FB, fp8._FP_STAGE, fp8._FBC_STAGE, fp8._FPC_STAGE)
+        if j["label"].startswith("fp8_rowwise_parts"):  # the row cast from the stage's row partials
+            c = j["consts"]
+            assert (c["BR"], c["BC"], c["BP"]) == (fp8._BR, fp8._BC, fp8._FP_STAGE)
+            assert j["types"]["part_ptr"] == "*bf16"
+    assert {j["cc"] for j in jobs if j["label"].startswith("fp8_rowwise_parts")} == set(oc.STAGE_AMAX_TARGETS)
+    assert {j["cc"] for j in stage if not j["consts"]["COL_AMAX"] and j["consts"]["TMA"]} == set(oc.STAGE_AMAX_TARGETS)
     # the default build: the partials' pointers None (constexprs), so the kernel's code is unchanged
     default = oc._stage_job(90, "train_after", "all8_tma", 128, "bf16", (32, 8), "div16")
     assert default["none_args"] == ("arow_ptr", "acol_ptr") and not default["consts"]["COL_AMAX"]

@@ -10,6 +10,8 @@ takes the reciprocal of the scale.
   else an amax loop over the row, then a cast loop.
 * ``rowwise_cast_colamax_kernel``: ``rowwise_cast_kernel``'s cast that also stores the column amaxes
   of each block of rows it casts (partials for a later per-column cast of the same tensor).
+* ``rowwise_cast_parts_kernel``: ``rowwise_cast_kernel``'s cast with each row's amax from row partials
+  found beforehand (the backward stage's): one read of the operand, no amax pass.
 * ``tile_amax_kernel``: the amax of each ``[BR, BC]`` tile's columns, ``part [cdiv(R, BR), C]``
   (per-column scales reduce it; a tensor's scale is its max).
 * ``cast_kernel``: one scale per column (from ``part``) or one for the tensor (``amax``),
@@ -121,6 +123,33 @@ def rowwise_cast_colamax_kernel(x_ptr, y_ptr, inv_ptr, cpart_ptr, R, C, stride_x
             tl.store(y_row + c0 + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
             tl.store(part_row + c0 + cols, tl.max(tl.abs(x), 0), mask=cm)
         tl.store(inv_ptr + rows, tl.div_rn(tl.full([PART_ROWS], 1.0, tl.float32), scale), mask=rmask)
+
+
+@triton.jit
+def rowwise_cast_parts_kernel(x_ptr, y_ptr, part_ptr, inv_ptr, R, C, stride_xr, n_part, FP8_MAX: tl.constexpr,
+                              POW2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
+    """``rowwise_cast_kernel``'s cast (the same codes and scales) of tile ``(pr, pc)`` of ``x [R, C]``
+    into ``y [R, C]`` row-major, each row's amax the max of its partials ``part [n_part, R]`` (fp32, or
+    x's 16-bit dtype: maxima of its values, exact in it), ``BP`` a step: x is read once. Every column
+    tile reduces its rows' few partials (cheaper than a launch of its own); those of column tile 0
+    store the inverse scales."""
+    pr, pc = tl.program_id(0), tl.program_id(1)
+    rows = pr * BR + tl.arange(0, BR)
+    cols = pc * BC + tl.arange(0, BC)
+    rm, cm = rows < R, cols < C
+    amax = tl.zeros([BR], tl.float32)
+    for p0 in range(0, n_part, BP):
+        ps = p0 + tl.arange(0, BP)
+        t = tl.load(part_ptr + ps.to(tl.int64)[:, None] * R + rows[None, :], mask=(ps < n_part)[:, None] & rm[None, :],
+                    other=0.0)
+        amax = tl.maximum(amax, tl.max(t.to(tl.float32), 0))
+    scale = _scale_of(amax, FP8_MAX, POW2)
+    if pc == 0:
+        tl.store(inv_ptr + rows, tl.div_rn(tl.full([BR], 1.0, tl.float32), scale), mask=rm)
+    m = rm[:, None] & cm[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

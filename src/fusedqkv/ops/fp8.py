@@ -233,6 +233,23 @@ def _rowwise_colamax_triton(t: torch.Tensor, cast: Cast, pow2: bool):
     return y, inv, part
 
 
+def _rowwise_parts_triton(t: torch.Tensor, cast: Cast, pow2: bool, parts: torch.Tensor):
+    """``_rowwise_triton``'s cast of ``t [R, C]`` (the same data and inverse scale, bitwise) with each
+    row's amax the max of its partials ``parts [n, R]`` (the backward stage's row partials of the
+    values it stored: fp32 or t's dtype) instead of a pass over t: one read of t, one launch."""
+    from ..kernels.fp8_cast import rowwise_cast_parts_kernel
+
+    R, C = t.shape
+    if parts.dim() != 2 or parts.shape[0] < 1 or parts.shape[1] != R or not parts.is_contiguous():
+        raise ValueError(f"row_amax: row partials of shape [n, {R}] (contiguous) expected, got {tuple(parts.shape)}")
+    y = torch.empty((R, C), dtype=cast.dtype, device=t.device)
+    inv = torch.empty((R, 1), dtype=torch.float32, device=t.device)
+    rowwise_cast_parts_kernel[(triton_cdiv(R, _BR), triton_cdiv(C, _BC))](
+        t, y, parts, inv, R, C, t.stride(0), parts.shape[0], FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2,
+        BR=_BR, BC=_BC, BP=_FP_STAGE, num_warps=4)
+    return y, inv
+
+
 def _part_triton(t: torch.Tensor) -> torch.Tensor:
     from ..kernels.fp8_cast import tile_amax_kernel
 
@@ -349,14 +366,19 @@ def _triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def cast_rows(t: torch.Tensor, cast: Cast, pow2: bool):
+def cast_rows(t: torch.Tensor, cast: Cast, pow2: bool, row_amax: Optional[torch.Tensor] = None):
     """(data ``[R, C]`` row-major, inverse scale ``[R, 1]`` or ``[]``): scales over each row
-    (the operand whose rows are the GEMM's output rows, inner dimension C)."""
+    (the operand whose rows are the GEMM's output rows, inner dimension C). ``row_amax``: t's row
+    amax partials ``[n, R]`` found beforehand (see :func:`_rowwise_parts_triton`): a per-row cast on
+    the GPU then makes no amax pass over t (elsewhere, and for a tensorwise cast, the amaxes are
+    found again)."""
     if _triton(t):
         if t.stride(1) != 1:
             t = t.contiguous()
         if cast.tensorwise:
             return _cast_triton(t, cast, pow2, transpose=False)
+        if row_amax is not None and t.numel() > 0:
+            return _rowwise_parts_triton(t, cast, pow2, row_amax)
         return _rowwise_triton(t, cast, pow2)
     data, inv = cast_torch(t, cast, -1, pow2)
     return data.contiguous(), inv  # row-major whatever t's layout (cuBLASLt's FP8 GEMM takes a row-major a)
@@ -466,11 +488,13 @@ def forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torc
 
 
 def grad_input(g2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torch.Tensor] = None,
-               g_cast=None, w_cast=None) -> torch.Tensor:
+               g_cast=None, w_cast=None, g_row_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``dX = dQKV W`` ``[M, K]``; ``g_cast``: dQKV's cast (data, inverse scale) where made beforehand;
     ``w_cast``: W's (data ``[N, K]`` column-major, inverse scale), kept from the forward
-    (:func:`weight_casts`)."""
-    ga, gs = g_cast if g_cast is not None else cast_rows(g2d, r.grad_output, r.round_scales_to_power_of_2)
+    (:func:`weight_casts`); ``g_row_amax``: dQKV's row amax partials for its cast here (``cast_rows``'
+    ``row_amax``), or None."""
+    ga, gs = (g_cast if g_cast is not None
+              else cast_rows(g2d, r.grad_output, r.round_scales_to_power_of_2, g_row_amax))
     wb, ws = (_checked_cast(w_cast, w, "w_cast") if w_cast is not None
               else cast_columns(w, r.weight_for_grad_input, r.round_scales_to_power_of_2))
     return _mm(ga, gs, wb, ws, g2d.dtype, r.fast_accum[1], r.round_scales_to_power_of_2, out)
@@ -508,28 +532,45 @@ def _dual_ok(g2d: torch.Tensor, r: Fp8Recipe) -> bool:
 
 
 # dQKV's amax partials written by the backward stage as it stores dQKV (the dual cast's amax pass, a
-# read of dQKV, skipped; bitwise the same scales). False: the dual cast reads dQKV for them
+# read of dQKV, skipped; bitwise the same scales). False: the casts read dQKV for them
 # (benchmarks/bench_fp8.py --old-casts times both).
 STAGE_AMAX = True
 # ... including the column partials (dW's dQKV scaled per column: rowwise). Off: on the H200 the stage
 # writing them ran 2.5x slower (92 -> 228 us at 091 8192), far more than the amax pass it saves (~31 us):
 # such recipes keep the pass (NOTES, session 22)
 STAGE_AMAX_COLUMNS = False
+# ... the row partials also where dX's GEMM alone casts dQKV, per row (rowwise_with_gw_hp, or no dW): its
+# row cast takes them instead of its amax pass (session 24). Needs STAGE_AMAX.
+STAGE_AMAX_ROW_CAST = True
+# ... for rows longer than this: shorter ones are cast whole from one read of dQKV anyway (_rowwise_triton;
+# session 22's profile: ~4.25 TB/s at 091 8192), where the stage's row maxima would only add to its time
+# (tensorwise's +4.5 us there). 0: every row length (benchmarks/bench_fp8.py --old-casts times it).
+STAGE_AMAX_ROW_CAST_ABOVE = _WHOLE_ROW_MAX
 
 
-def stage_amax(r: Optional[Fp8Recipe], need_x: bool, need_w: bool) -> tuple:
-    """``(rows, columns)``: which of dQKV's amax partials :func:`backward`'s dual cast takes from the
-    backward stage for recipe ``r`` (both False where it does not run: :data:`STAGE_AMAX` or
-    :data:`DUAL_CASTS` off, one gradient, dW in high precision, or dW's dQKV scaled per column with
-    :data:`STAGE_AMAX_COLUMNS` off). Rows always (each row's scale, or the tensor's amax); columns
-    where dW's dQKV is scaled per column."""
-    if not (STAGE_AMAX and DUAL_CASTS and r is not None and need_x and need_w
-            and r.grad_output_for_grad_weight.dtype is not None):
+def stage_amax(r: Optional[Fp8Recipe], need_x: bool, need_w: bool, columns: int = 0) -> tuple:
+    """``(rows, columns)``: which of dQKV's amax partials :func:`backward` takes from the backward
+    stage for recipe ``r`` (both False where none: :data:`STAGE_AMAX` off, no dX, bf16). With both
+    GEMMs in FP8 the dual cast's: rows (each row's scale, or the tensor's amax) and columns where dW's
+    dQKV is scaled per column; none with :data:`DUAL_CASTS` off, or columns needed and
+    :data:`STAGE_AMAX_COLUMNS` off. With dX's GEMM alone casting dQKV (dW in high precision, or no
+    dW): rows where that cast is per row, :data:`STAGE_AMAX_ROW_CAST` is on and dQKV's rows (its
+    ``columns``) are longer than :data:`STAGE_AMAX_ROW_CAST_ABOVE`."""
+    if not (STAGE_AMAX and r is not None and need_x):
         return False, False
-    columns = not r.grad_output_for_grad_weight.tensorwise
-    if columns and not STAGE_AMAX_COLUMNS:
-        return False, False
-    return True, columns
+    if need_w and r.grad_output_for_grad_weight.dtype is not None:  # the dual cast's
+        columns = not r.grad_output_for_grad_weight.tensorwise
+        if not DUAL_CASTS or columns and not STAGE_AMAX_COLUMNS:
+            return False, False
+        return True, columns
+    return STAGE_AMAX_ROW_CAST and not r.grad_output.tensorwise and columns > STAGE_AMAX_ROW_CAST_ABOVE, False
+
+
+def stage_amax_key(fp8_key: str) -> tuple:
+    """The module flags :func:`stage_amax` reads, as a plan's key holds them (``()`` without FP8)."""
+    if not (fp8_key and STAGE_AMAX):
+        return ()
+    return STAGE_AMAX, DUAL_CASTS, STAGE_AMAX_COLUMNS, STAGE_AMAX_ROW_CAST, STAGE_AMAX_ROW_CAST_ABOVE
 
 
 def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, need_x: bool, need_w: bool,
@@ -539,8 +580,9 @@ def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe
     one cast pass where both GEMMs run in FP8 on the GPU (:func:`_dual_triton`); bitwise the same.
     ``w_cast``: W's cast for dX kept from the forward (:func:`weight_casts`), or None (cast here).
     ``g_amax``: dQKV's amax partials ``(rows, columns or None)`` from the backward stage
-    (:func:`stage_amax`), or None (the dual cast's amax pass makes them). ``x_amax``: x's amaxes
-    kept from the forward (:func:`input_cast_keeping_amax`), or None."""
+    (:func:`stage_amax`), or None (the casts' amax passes make them): the dual cast's, or the rows
+    alone for dX's per-row cast where no dual cast runs. ``x_amax``: x's amaxes kept from the forward
+    (:func:`input_cast_keeping_amax`), or None."""
     row = col = None
     if need_x and need_w and _dual_ok(g2d, r):
         if g2d.stride(1) != 1:
@@ -549,7 +591,8 @@ def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe
                                        r.round_scales_to_power_of_2, _inner_pad(g2d), parts=g_amax)
         row, col = (ga, gs), (gt, gts)
         del ga, gs, gt, gts
-    dx = grad_input(g2d, w, r, out, g_cast=row, w_cast=w_cast) if need_x else None
+    g_row_amax = g_amax[0] if row is None and g_amax is not None else None
+    dx = grad_input(g2d, w, r, out, g_cast=row, w_cast=w_cast, g_row_amax=g_row_amax) if need_x else None
     row = None  # dX's fp8 dQKV freed before dW's casts allocate (as on the one-cast path)
     dw = grad_weight(g2d, x2d, r, g_cast=col, x_amax=x_amax) if need_w else None
     return dx, dw

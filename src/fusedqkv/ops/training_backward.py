@@ -207,9 +207,10 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
                 grad_gate=None if grad_gate is None else (grad_gate if grad_gate.dtype == dt
                                                           else grad_gate.to(dt)).transpose(1, 2),
                 saved_v=saved_v if variant.v_norm else None)
-    # FP8: the stage writes dQKV's amax partials for the dual cast where it runs (``stage_amax``: the module
-    # flags at the lookup, part of the plan's key); the GEMMs read what the stage stored (not with k_eq_v)
-    row_amax, col_amax = fp8.stage_amax(recipe, need_x, need_w) if stage_amax else (False, False)
+    # FP8: the stage writes dQKV's amax partials for its casts (the dual cast's, or dX's row cast alone:
+    # fp8.stage_amax; ``stage_amax``: the module flags at the lookup, part of the plan's key); the GEMMs
+    # read what the stage stored (not with k_eq_v)
+    row_amax, col_amax = fp8.stage_amax(recipe, need_x, need_w, n_tot) if stage_amax else (False, False)
     if not (fp8._triton(dqkv) and stage_amax_supported(variant)):
         row_amax = col_amax = False
     table = Table()
@@ -258,12 +259,12 @@ def training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_
         tensors += (q_norm_weight, k_norm_weight)
     if grad_gate is not None:
         tensors += (grad_gate,)
-    stage_amax = bool(fp8_key) and fp8.STAGE_AMAX and fp8.DUAL_CASTS
+    amax_flags = fp8.stage_amax_key(fp8_key)  # what decides the stage's amax partials (fp8.stage_amax)
     scalars = (num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b, variant,
-               q_norm_weight is None, grad_gate is None, fp8_key, stage_amax, stage_amax and fp8.STAGE_AMAX_COLUMNS)
+               q_norm_weight is None, grad_gate is None, fp8_key, amax_flags)
     build_args = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin,
                   num_heads, num_kv_heads, eps, norm_after_rope, need_x, need_w, need_cs, backend, need_b, grad_gate,
-                  variant, fp8_key, stage_amax)
+                  variant, fp8_key, bool(amax_flags))
     call = (grad_q, grad_k, grad_v, hidden_states, qkv_weight, qkv, q_norm_weight, k_norm_weight, cos, sin, grad_gate)
     plan = PLANS.lookup(tensors, scalars, build_args)
     try:
