@@ -329,7 +329,8 @@ def test_fp8_weight_jobs_are_the_recipes_weight_casts():
 
 def test_stage_amax_jobs_compile_without_spills(compiled):
     """The backward stage writing dQKV's amax partials (fp8.STAGE_AMAX) compiles on sm_90 and sm_100a,
-    its cubins without a stack frame (the register caps the launcher gives it), rows alone too at the
+    its cubins without a stack frame where the plans run them (the register caps the launcher gives it;
+    rows and columns, off by default, may keep one), rows alone too at the
     8-token TMA layout (rowwise_with_gw_hp's row cast), and the finish and casts of its partials (bf16)
     with the launcher's tiles."""
     from fusedqkv.ops import fp8
