@@ -424,7 +424,7 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
         if qkv_bias is not None:
             V.require_shape("qkv_bias", qkv_bias, (sz["qkv"],), f"[{_qkv_rows(sz['variant'])}]")
         if fp8_recipe is not None:
-            _fp8.check_supported(sz["device"], sz["hidden"], sz["qkv"])
+            _fp8.check_supported(sz["device"], sz["hidden"], sz["qkv"], fp8_recipe)
         plan = None
         b, s, rot = sz["batch"], sz["seq"], sz["rot"]
     else:

@@ -204,6 +204,13 @@ def projection_slots(attn, projs: tuple, quantized: bool = False) -> list:
     return out
 
 
+def _is_torchao_mx(m) -> bool:
+    """torchao's MX training in a projection's place: an ``MXFP8Linear``, or a weight that
+    ``MXFP8TrainingOpConfig`` wrapped (``MXFP8TrainingWeightWrapperTensor``)."""
+    return any(type(o).__module__.startswith("torchao.prototype") and type(o).__name__.upper().startswith("MX")
+               for o in (m, getattr(m, "weight", None)))
+
+
 def _is_float8_linear(m) -> bool:
     mod = sys.modules.get("torchao.float8.float8_linear")
     return mod is not None and type(m) is getattr(mod, "Float8Linear", None)

@@ -44,7 +44,7 @@ from torch.nn import functional as F
 from ..autograd import gqa_qkv_rope_qk_norm
 from ..ops.fp8 import check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config
 from .fused_projection import (FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _is_float8_linear,
-                               unwrap_lora)
+                               _is_torchao_mx, unwrap_lora)
 from .projection_plan import projection_plan
 from . import qlora
 from ..ops.validation import ALL_HEADS_MAX_HEAD_DIM as _ALL_HEADS_MAX_HEAD_DIM, MAX_HEAD_DIM as _MAX_HEAD_DIM
@@ -696,6 +696,11 @@ def _check_linear(path: str, p, hidden: int) -> nn.Module:
                 raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {kind} has forward hooks, which the fused "
                                             f"block would not run")
         p = base
+    elif _is_torchao_mx(p):
+        raise UnsupportedModelError(
+            f"fusedqkv.apply_to: {path} is torchao's MXFP8 training layer ({type(p).__name__}, or its weight "
+            f"{type(p.weight).__name__}); the fused block does not take it over (its default scales are RCEIL, "
+            f"the block's fp8='mxfp8' torchao's to_mx FLOOR): call apply_to(model, fp8='mxfp8') on plain Linear layers")
     elif type(p) is not nn.Linear and not _is_float8_linear(p):
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path} is a {type(p).__name__}; only a plain torch.nn.Linear or a bitsandbytes "
@@ -943,7 +948,7 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
                                             f"4-bit q/k/v; FP8 GEMMs over dequantized 4-bit weights are not built")
             rows = sum(spec.split)  # (k_eq_v: [Q | K])
             try:  # the sizes only: the device is checked where the block runs
-                fp8_check_supported(torch.device("cpu"), getattr(m, spec.projs[0]).in_features, rows)
+                fp8_check_supported(torch.device("cpu"), getattr(m, spec.projs[0]).in_features, rows, recipe)
             except ValueError as e:
                 raise UnsupportedModelError(f"fusedqkv.apply_to: {name} {path}: {e}") from None
             had = spec.block_kwargs.get("fp8")

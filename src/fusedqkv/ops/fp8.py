@@ -27,19 +27,24 @@ from .launch import next_pow2
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12  # torchao's amax floor
+MX_BLOCK = 32  # values per e8m0 scale (MX)
 _NAMES = {E4M3: "e4m3", E5M2: "e5m2"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Cast:
     """How one GEMM operand is cast: ``dtype`` None leaves it in high precision; otherwise one
-    scale for the tensor (``tensorwise``) or one per row/column along the GEMM's inner dimension."""
+    scale for the tensor (``tensorwise``), one per row/column along the GEMM's inner dimension, or
+    (``block``: MX) one power of two per ``block`` values along it."""
 
     dtype: Optional[torch.dtype] = E4M3
     tensorwise: bool = False
+    block: int = 0  # MX: one e8m0 scale per ``block`` values along the inner dimension (0: none)
 
     def __str__(self) -> str:
-        return "hp" if self.dtype is None else f"{_NAMES[self.dtype]}/{'tensor' if self.tensorwise else 'axis'}"
+        if self.dtype is None:
+            return "hp"
+        return f"{_NAMES[self.dtype]}/{f'mx{self.block}' if self.block else 'tensor' if self.tensorwise else 'axis'}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,22 +71,41 @@ class Fp8Recipe:
         if self.input.dtype is None or self.grad_output.dtype is None:
             raise ValueError(f"fp8 recipe {self.name!r}: the forward and dX GEMMs in high precision are not an "
                              "FP8 recipe; use fp8=None")
+        fp8_casts = [c for c in self.casts() if c.dtype is not None]
+        if len({c.block for c in fp8_casts}) > 1:
+            raise ValueError(f"fp8 recipe {self.name!r}: MX block scales on some FP8 operands and not on others "
+                             f"({', '.join(map(str, self.casts()))}); expected all or none")
+        if self.mx and any(c != _MX for c in fp8_casts):
+            raise ValueError(f"fp8 recipe {self.name!r}: MX casts other than e4m3 in blocks of 32 (mxfp8) are "
+                             f"not built, got {', '.join(map(str, self.casts()))}")
+
+    def casts(self) -> tuple:
+        """The six roles' casts, in the fields' order."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self)[1:7])
+
+    @property
+    def mx(self) -> bool:
+        """MX block scales (e8m0, torchao's MX training meaning): the GEMMs need Blackwell (sm_100)."""
+        return self.input.block > 0
 
     @property
     def key(self) -> str:
         """The recipe as one string (the custom ops' argument): its name where it is one of :data:`RECIPES`."""
         if RECIPES.get(self.name) == self:
             return self.name
-        roles = ",".join(str(getattr(self, f.name)) for f in dataclasses.fields(self)[1:7])
+        roles = ",".join(map(str, self.casts()))
         return f"custom:{roles}:{int(self.round_scales_to_power_of_2)}:{''.join(str(int(b)) for b in self.fast_accum)}"
 
 
-_A, _T, _HP = Cast(E4M3, False), Cast(E4M3, True), Cast(None)
+_A, _T, _HP, _MX = Cast(E4M3, False), Cast(E4M3, True), Cast(None), Cast(E4M3, False, 32)
 RECIPES = {
     # torchao's Float8LinearRecipeName values, field by field (tests compare them with torchao's)
     "tensorwise": Fp8Recipe("tensorwise", _T, _T, Cast(E5M2, True), _T, _T, Cast(E5M2, True), False),
     "rowwise": Fp8Recipe("rowwise", _A, _A, _A, _A, _A, _A, True),
     "rowwise_with_gw_hp": Fp8Recipe("rowwise_with_gw_hp", _A, _A, _A, _T, _HP, _HP, True),
+    # torchao's MX training (mx_formats' to_mx, ScaleCalculationMode.FLOOR): e4m3 in blocks of 32 along each
+    # GEMM's inner dimension, e8m0 scales; sm_100 only (elsewhere on CUDA refused; on the CPU emulated)
+    "mxfp8": Fp8Recipe("mxfp8", _MX, _MX, _MX, _MX, _MX, _MX, False),
 }
 
 
@@ -89,7 +113,10 @@ def _parse_cast(text: str) -> Cast:
     if text == "hp":
         return _HP
     dt, _, gran = text.partition("/")
-    return Cast({v: k for k, v in _NAMES.items()}[dt], gran == "tensor")
+    dtype = {v: k for k, v in _NAMES.items()}[dt]
+    if gran.startswith("mx"):
+        return Cast(dtype, False, int(gran[2:]))
+    return Cast(dtype, gran == "tensor")
 
 
 def recipe(fp8) -> Optional[Fp8Recipe]:
@@ -109,9 +136,6 @@ def recipe(fp8) -> Optional[Fp8Recipe]:
                 return Fp8Recipe("custom", *casts, bool(int(pow2)), tuple(c == "1" for c in fast))
             except (ValueError, KeyError, TypeError):
                 pass
-        if fp8 == "mxfp8":
-            raise ValueError("fp8: 'mxfp8' (e8m0 block scales) needs Blackwell (sm_100) and is not built; expected "
-                             f"None or one of {sorted(RECIPES)}")
     raise ValueError(f"fp8: expected None, one of {sorted(RECIPES)} or an Fp8Recipe, got {fp8!r}")
 
 
@@ -151,16 +175,24 @@ def _recipe_of_config(config) -> Fp8Recipe:
     return got
 
 
-def check_supported(device: torch.device, hidden: int, n_tot: int) -> None:
+def check_supported(device: torch.device, hidden: int, n_tot: int, r: Optional[Fp8Recipe] = None) -> None:
     """ValueError where the scaled GEMMs cannot run: FP8 GEMMs need sm_89+ on CUDA, and
-    inner and outer sizes that are multiples of 16."""
+    inner and outer sizes that are multiples of 16; recipe ``r``'s MX GEMMs (``r.mx``) need sm_100+
+    on CUDA (on the CPU they are emulated) and hidden and qkv rows in multiples of 32 (the blocks)."""
     if device.type == "cuda" and _device.capability(device) < (8, 9):
         major, minor = _device.capability(device)
         raise ValueError(f"fp8: FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
                          f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
+    mx = r is not None and r.mx
+    if mx and device.type == "cuda" and _device.capability(device) < (10, 0):
+        major, minor = _device.capability(device)
+        raise ValueError(f"fp8={r.key!r}: MXFP8 GEMMs (e8m0 block scales) need a Blackwell GPU, compute "
+                         f"capability 10.0 (sm_100) or newer; {torch.cuda.get_device_name(device)} is "
+                         f"{major}.{minor} (sm_{major}{minor})")
+    step = MX_BLOCK if mx else 16
     for name, n in (("hidden_states' last dimension (hidden)", hidden), ("qkv_weight's rows", n_tot)):
-        if n % 16:
-            raise ValueError(f"fp8: {name} must be a multiple of 16 for FP8 GEMMs, got {n}")
+        if n % step:
+            raise ValueError(f"fp8: {name} must be a multiple of {step} for {'MX' if mx else 'FP8'} GEMMs, got {n}")
 
 
 # ------------------------------------------------------------------------ the casts
@@ -483,6 +515,8 @@ def forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torc
     """``x W^T`` ``[M, N]`` in x's dtype, both operands cast per ``r``; ``w_cast``: W's cast for
     this GEMM (data ``[N, K]``, inverse scale) where made beforehand (:func:`weight_casts`);
     ``x_cast``: x's (data ``[M, K]``, inverse scale; :func:`input_cast_keeping_amax`)."""
+    if r.mx:
+        return _mx_forward(x2d, w, out)
     (xa, xs), (wa, ws) = forward_operands(x2d, w, r, w_cast, x_cast)
     return _mm(xa, xs, wa.t(), _col_scale(ws), x2d.dtype, r.fast_accum[0], r.round_scales_to_power_of_2, out)
 
@@ -492,7 +526,9 @@ def grad_input(g2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[t
     """``dX = dQKV W`` ``[M, K]``; ``g_cast``: dQKV's cast (data, inverse scale) where made beforehand;
     ``w_cast``: W's (data ``[N, K]`` column-major, inverse scale), kept from the forward
     (:func:`weight_casts`); ``g_row_amax``: dQKV's row amax partials for its cast here (``cast_rows``'
-    ``row_amax``), or None."""
+    ``row_amax``), or None. MX recipes cast both here (the other arguments None)."""
+    if r.mx:
+        return _mx_grad_input(g2d, w, out)
     ga, gs = (g_cast if g_cast is not None
               else cast_rows(g2d, r.grad_output, r.round_scales_to_power_of_2, g_row_amax))
     wb, ws = (_checked_cast(w_cast, w, "w_cast") if w_cast is not None
@@ -511,6 +547,8 @@ def grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, r: Fp8Recipe, g_cast=None,
         from . import host_gemm
 
         return host_gemm.mm(g2d.t(), x2d)
+    if r.mx:
+        return _mx_grad_weight(g2d, x2d)
     pow2, pad = r.round_scales_to_power_of_2, _inner_pad(g2d)
     if x_amax is not None:
         _checked_amax(x_amax, x2d.shape[1], not r.input_for_grad_weight.tensorwise, "x_amax")
@@ -518,6 +556,93 @@ def grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, r: Fp8Recipe, g_cast=None,
               else cast_columns_t(g2d, r.grad_output_for_grad_weight, pow2, pad))
     xb, xs = cast_columns_t(x2d, r.input_for_grad_weight, pow2, pad, x_amax)  # [K, M_pad], [1, K]
     return _mm(ga, gs if gs.dim() == 0 else gs.reshape(-1, 1), xb.t(), xs, g2d.dtype, r.fast_accum[2], pow2)
+
+
+# ------------------------------------------------------------------------ MX (mxfp8)
+
+_MX_BR, _MX_BC = 32, 128  # MX cast tile: rows (a divisor of the scales' 128-row tiles), columns (4 blocks)
+
+
+def mx_cast_torch(a: torch.Tensor, pad_to: int = MX_BLOCK):
+    """(codes ``[R, C_pad]`` e4m3 row-major, scales ``[R, C_pad / 32]`` e8m0): ``a [R, C]`` (any
+    layout: a transposed view casts over its rows' blocks just as well) cast with one scale per 32
+    values of a row, torchao's ``to_mx`` arithmetic (FLOOR) op by op; ``C_pad``: C rounded up to
+    ``pad_to`` (a multiple of 32), the padding zeros."""
+    R, C = a.shape
+    C_pad = triton_cdiv(C, pad_to) * pad_to
+    t = a.to(torch.float32)
+    if C_pad != C:
+        t = torch.nn.functional.pad(t, (0, C_pad - C))
+    t = t.reshape(R, C_pad // MX_BLOCK, MX_BLOCK)
+    amax = t.abs().amax(-1, keepdim=True)
+    # e8m0: the amax's exponent field less 8 (e4m3's largest power of two), clamped to 0..255
+    e = ((amax.view(torch.int32) >> 23) & 0xFF) - 8
+    e = torch.where(torch.isnan(amax), 255, e.clamp(0, 255))
+    scale = torch.clamp((e << 23).view(torch.float32), min=2.0 ** -126)
+    fmax = torch.finfo(E4M3).max
+    data = torch.clamp(t / scale, -fmax, fmax).to(E4M3).reshape(R, C_pad)
+    return data, e.squeeze(-1).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def mx_cast_triton(a: torch.Tensor, pad_to: int = MX_BLOCK):
+    """(codes ``[R, C_pad]`` e4m3 row-major, scales in cuBLAS's blocked layout, flat e8m0
+    ``[cdiv(R, 128) * 128 * cdiv(C_pad / 32, 4) * 4]``): :func:`mx_cast_torch`'s cast of ``a``
+    (through its strides: a transposed view is read in place) from one read, the scales as
+    ``torch._scaled_mm`` takes them for MX (:mod:`fusedqkv.kernels.mx_cast`)."""
+    from ..kernels.mx_cast import mx_cast_kernel
+    from .config import INTERPRET
+
+    R, C = a.shape
+    C_pad = triton_cdiv(C, pad_to) * pad_to
+    n_scale_cols = triton_cdiv(C_pad // MX_BLOCK, 4) * 4
+    R_tiles = triton_cdiv(R, 128) * 128
+    y = torch.empty((R, C_pad), dtype=torch.uint8, device=a.device)
+    s = torch.empty((R_tiles * n_scale_cols,), dtype=torch.uint8, device=a.device)
+    mx_cast_kernel[(R_tiles // _MX_BR, n_scale_cols * MX_BLOCK // _MX_BC)](
+        a, y, s, R, C, C_pad, a.stride(0), a.stride(1), n_scale_cols, FP8_MAX=torch.finfo(E4M3).max,
+        SOFT_ROUND=INTERPRET, BR=_MX_BR, BC=_MX_BC, num_warps=4)
+    return y.view(E4M3), s.view(torch.float8_e8m0fnu)
+
+
+def mx_cast(a: torch.Tensor, pad_to: int = MX_BLOCK):
+    """``a [R, C]`` cast for an MX GEMM with its blocks along the rows (the GEMM's inner dimension
+    is C): the kernel on CUDA (scales blocked), :func:`mx_cast_torch` elsewhere (scales ``[R, C/32]``)."""
+    return mx_cast_triton(a, pad_to) if _triton(a) else mx_cast_torch(a, pad_to)
+
+
+def mx_mm(a, b, out_dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``A B^T`` ``[R_a, R_b]`` from two MX casts (:func:`mx_cast`) of ``A [R_a, K]`` and ``B [R_b, K]``:
+    on CUDA ``torch._scaled_mm`` with e8m0 block scales (as torchao's mxfp8 cuBLAS path issues it:
+    bf16 out); on the CPU an emulation (what torchao's emulated MX GEMM computes): each block's
+    codes times its scale in fp32, an fp32 product, one rounding to ``out_dtype``."""
+    (ad, sa), (bd, sb) = a, b
+    if ad.is_cuda:
+        y = torch._scaled_mm(ad, bd.t(), sa, sb, out_dtype=torch.bfloat16)
+    else:
+        def dequant(d, s):
+            scale = torch.exp2(s.view(torch.uint8).to(torch.float32) - 127)  # e8m0: 2^(e - 127), exact
+            return (d.to(torch.float32).reshape(*s.shape, MX_BLOCK) * scale[..., None]).reshape(d.shape)
+
+        y = dequant(ad, sa) @ dequant(bd, sb).t()
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _mx_forward(x2d: torch.Tensor, w: torch.Tensor, out=None) -> torch.Tensor:
+    # x [M, K] and W [N, K], both blocked along K
+    return mx_mm(mx_cast(x2d), mx_cast(w), x2d.dtype, out)
+
+
+def _mx_grad_input(g2d: torch.Tensor, w: torch.Tensor, out=None) -> torch.Tensor:
+    # dQKV [M, N] blocked along N; W^T [K, N] (a view: the kernel reads W in place) along N
+    return mx_mm(mx_cast(g2d), mx_cast(w.t()), g2d.dtype, out)
+
+
+def _mx_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    # dQKV^T [N, M] and X^T [K, M] blocked along the tokens (M padded to 32 with zeros)
+    return mx_mm(mx_cast(g2d.t()), mx_cast(x2d.t()), g2d.dtype)
 
 
 # Session 21 (issue 35): dQKV's two casts from two reads of it instead of three (rowwise: three launches
@@ -528,7 +653,8 @@ DUAL_CASTS = True
 
 
 def _dual_ok(g2d: torch.Tensor, r: Fp8Recipe) -> bool:
-    return DUAL_CASTS and _triton(g2d) and g2d.numel() > 0 and r.grad_output_for_grad_weight.dtype is not None
+    return (DUAL_CASTS and _triton(g2d) and g2d.numel() > 0 and r.grad_output_for_grad_weight.dtype is not None
+            and not r.mx)
 
 
 # dQKV's amax partials written by the backward stage as it stores dQKV (the dual cast's amax pass, a
@@ -556,7 +682,7 @@ def stage_amax(r: Optional[Fp8Recipe], need_x: bool, need_w: bool, columns: int 
     :data:`STAGE_AMAX_COLUMNS` off. With dX's GEMM alone casting dQKV (dW in high precision, or no
     dW): rows where that cast is per row, :data:`STAGE_AMAX_ROW_CAST` is on and dQKV's rows (its
     ``columns``) are longer than :data:`STAGE_AMAX_ROW_CAST_ABOVE`."""
-    if not (STAGE_AMAX and r is not None and need_x):
+    if not (STAGE_AMAX and r is not None and need_x) or r.mx:  # (MX: block amaxes, found by its cast)
         return False, False
     if need_w and r.grad_output_for_grad_weight.dtype is not None:  # the dual cast's
         columns = not r.grad_output_for_grad_weight.tensorwise
@@ -612,7 +738,7 @@ def weight_casts(w: torch.Tensor, r: Fp8Recipe):
     ``cast_rows(w, r.weight)`` and ``cast_columns(w, r.weight_for_grad_input)``, from one read of W
     for the amaxes and one for both casts (:func:`_dual_triton`). None where each GEMM casts its own
     (:data:`DUAL_WEIGHT_CASTS` off, off the GPU, an empty W)."""
-    if not (DUAL_WEIGHT_CASTS and _triton(w) and w.numel() > 0):
+    if not (DUAL_WEIGHT_CASTS and _triton(w) and w.numel() > 0) or r.mx:
         return None
     if w.dim() != 2:
         raise ValueError(f"w: expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
@@ -646,7 +772,8 @@ def input_cast_keeping_amax(x2d: torch.Tensor, r: Fp8Recipe):
     ``cdiv(M, _PART_ROWS * _BR)``: the backward's cast reduces few) or, for a tensorwise dW cast, the
     tensor's amax ``[1]``. Pass ``x_amax`` to :func:`backward`. None where there is nothing to keep
     (:data:`KEEP_INPUT_AMAX` off, off the GPU, an empty x, dW in high precision)."""
-    if not (KEEP_INPUT_AMAX and _triton(x2d) and x2d.numel() > 0 and r.input_for_grad_weight.dtype is not None):
+    if not (KEEP_INPUT_AMAX and _triton(x2d) and x2d.numel() > 0 and r.input_for_grad_weight.dtype is not None
+            and not r.mx):
         return None
     if x2d.dim() != 2:
         raise ValueError(f"x2d: expected a 2-D input [M, K], got shape {tuple(x2d.shape)}")

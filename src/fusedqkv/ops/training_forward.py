@@ -212,7 +212,7 @@ def build_forward(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     device = sz["device"]
     recipe = fp8.recipe(fp8_key)
     if recipe is not None:
-        fp8.check_supported(device, sz["hidden"], sz["qkv"])
+        fp8.check_supported(device, sz["hidden"], sz["qkv"], recipe)
     backend = pick_backend(device, None if backend in (None, "auto") else backend)
     M = sz["batch"] * sz["seq"]
     if backend == "torch" or M == 0:
