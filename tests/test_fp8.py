@@ -3,6 +3,7 @@ torchao's, the projection's three GEMMs against torchao's ``Float8Linear`` (bitw
 block against ``Float8Linear`` + a plain-PyTorch RoPE/norm, the cast kernels in the interpreter,
 ``apply_to(fp8=...)`` and torchao's conversion before and after ``apply_to``."""
 
+import dataclasses
 import math
 
 import pytest
@@ -44,7 +45,7 @@ def test_a_custom_torchao_config_round_trips_through_its_key():
 
 
 @pytest.mark.parametrize("bad, match", [("rowwize", "fp8: expected None"), (3, "fp8: expected None"),
-                                        ("mxfp8", "Blackwell"), ("custom:x", "fp8: expected None")])
+                                        ("mxfp9", "fp8: expected None"), ("custom:x", "fp8: expected None")])
 def test_bad_fp8_argument_is_named(bad, match):
     with pytest.raises(ValueError, match=match):
         fp8.recipe(bad)
@@ -950,3 +951,137 @@ def test_block_keeps_x_amaxes_only_where_the_backward_casts_x_for_dw(interpret, 
                                       num_kv_heads=hkv, eps=1e-6, qk_norm_position="after_rope", fp8="rowwise",
                                       backend="torch")
     assert not asked
+
+
+# ------------------------------------------------------------------------ mxfp8 (Blackwell; emulated on the CPU)
+
+from torchao.prototype.mx_formats.mx_tensor import to_mx  # noqa: E402
+from torchao.prototype.mx_formats.utils import from_blocked  # noqa: E402
+
+
+def test_mxfp8_recipe_and_key_round_trip():
+    r = fp8.recipe("mxfp8")
+    assert r is fp8.RECIPES["mxfp8"] and r.mx and r.key == "mxfp8" and fp8.recipe(r.key) is r
+    assert all(c == fp8.Cast(fp8.E4M3, False, 32) for c in r.casts()) and str(r.input) == "e4m3/mx32"
+    assert not any(fp8.RECIPES[n].mx for n in NAMES)
+    hp = dataclasses.replace(r, name="custom", input_for_grad_weight=fp8.Cast(None),
+                             grad_output_for_grad_weight=fp8.Cast(None))  # torchao's wgrad_with_hp
+    assert hp.key.startswith("custom:e4m3/mx32,") and fp8.recipe(hp.key) == hp and hp.key != r.key
+    with pytest.raises(ValueError, match="MX block scales on some"):
+        dataclasses.replace(r, name="custom", weight=fp8.Cast(fp8.E4M3))
+    with pytest.raises(ValueError, match="not built"):
+        dataclasses.replace(r, name="custom", grad_output=fp8.Cast(fp8.E5M2, False, 32))
+
+
+def test_mxfp8_is_refused_below_sm100_before_any_launch(monkeypatch):
+    """An H200 (sm_90) refuses the recipe at planning, naming it, its capability and sm_100."""
+    monkeypatch.setattr(fp8._device, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    r = fp8.recipe("mxfp8")
+    with pytest.raises(ValueError, match=r"fp8='mxfp8'.*sm_100.*H200 is 9\.0 \(sm_90\)"):
+        fp8.check_supported(torch.device("cuda", 0), 64, 256, r)
+    fp8.check_supported(torch.device("cuda", 0), 64, 256, fp8.RECIPES["rowwise"])  # the others still run
+    monkeypatch.setattr(fp8._device, "capability", lambda device: (10, 0))
+    fp8.check_supported(torch.device("cuda", 0), 64, 256, r)
+    with pytest.raises(ValueError, match="multiple of 32 for MX"):
+        fp8.check_supported(torch.device("cpu"), 48, 256, r)
+    from fusedqkv.ops.qkv_rope_norm_gemm import fp8_unsupported
+    assert "MX" in fp8_unsupported(r)  # the one-launch (sm_90) forward never takes it
+
+
+def _mx_ref(t: torch.Tensor):
+    scale, data = to_mx(t.contiguous(), torch.float8_e4m3fn, 32)
+    return data.view(torch.uint8), scale.view(torch.uint8)
+
+
+def test_mx_cast_kernel_equals_torchaos_to_mx_bitwise(interpret):
+    """Codes and e8m0 scales (un-blocked) of the kernel and of the torch path, bitwise torchao's
+    ``to_mx``: blocks along rows and (a transposed view, the dW GEMM's) along columns, with a block of
+    zeros, values at and past e4m3's max, and padding rows/blocks of the blocked layout zero."""
+    torch.manual_seed(5)
+    R, C = 40, 96
+    t = (torch.randn(R, C) * torch.logspace(-3, 3, C)).to(torch.bfloat16)
+    t[3, 32:64] = 0
+    t[5, :32] = torch.linspace(-448, 448, 32)
+    t[6, 64:] = 452.0
+    t[7, :32] = torch.linspace(-1e-3, 1e-3, 32) * 2.0 ** -10  # e4m3 subnormal codes
+    for a in (t, t[:, :64].t()):  # [40, 96] blocked along 96; [64, 40] along 40 (padded to 64)
+        rows, cols = a.shape
+        pad = -(-cols // 32) * 32
+        want_d, want_s = _mx_ref(torch.nn.functional.pad(a.float(), (0, pad - cols)).to(a.dtype))
+        d, s = fp8.mx_cast_torch(a)
+        assert torch.equal(d.view(torch.uint8), want_d) and torch.equal(s.view(torch.uint8), want_s)
+        d, s = fp8.mx_cast_triton(a)
+        assert d.shape == (rows, pad) and torch.equal(d.view(torch.uint8), want_d)
+        sb = s.view(torch.uint8)
+        n_sc = -(-pad // 128) * 4
+        assert sb.numel() == -(-rows // 128) * 128 * n_sc
+        full = from_blocked(sb, -(-rows // 128) * 128, n_sc)
+        assert torch.equal(full[:rows, :pad // 32], want_s) and not full[rows:].any() and not full[:, pad // 32:].any()
+
+
+def test_mxfp8_block_emulated_equals_torchaos_mx_dequantization():
+    """The block with fp8='mxfp8' on the CPU (emulation) against an fp32 reference whose three GEMMs
+    multiply torchao's MX dequantizations of the same operands (torchao's emulated MX path): q/k/v and
+    every gradient."""
+    torch.manual_seed(6)
+    B, S, hq, hkv, d, K = 2, 16, 4, 2, 16, 64
+    N = (hq + 2 * hkv) * d
+    x = torch.randn(B, S, K) * 2  # fp32 activations: the stage then differs by fp32 rounding alone
+    w = torch.randn(N, K) * 0.05
+    wq, wk = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    ang = torch.randn(B, S, d)
+    cos, sin = ang.cos(), ang.sin()
+    eps = 1e-6
+    inputs = [t.clone().requires_grad_() for t in (x, w, wq, wk)]
+    out = fusedqkv.gqa_qkv_rope_qk_norm(*inputs, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=eps, fp8="mxfp8")
+
+    def dq(t):  # torchao's MX round trip of t [R, C] (blocks along C), in fp32
+        scale, data = to_mx(t.contiguous(), torch.float8_e4m3fn, 32)
+        e = scale.view(torch.uint8).float() - 127
+        return (data.float().reshape(*scale.shape, 32) * torch.exp2(e)[..., None]).reshape(t.shape)
+
+    class MXMM(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x2, w_):
+            ctx.save_for_backward(x2, w_)
+            return (dq(x2) @ dq(w_).t()).to(x2.dtype)
+
+        @staticmethod
+        def backward(ctx, g):
+            x2, w_ = ctx.saved_tensors
+            g = g.contiguous()
+            return (dq(g) @ dq(w_.t()).t()).to(x2.dtype), (dq(g.t()) @ dq(x2.t()).t()).to(w_.dtype)
+
+    xr, wr, wqr, wkr = (t.clone().requires_grad_() for t in (x, w, wq, wk))
+    qkv = MXMM.apply(xr.reshape(-1, K), wr).reshape(B, S, N)
+    ref = _reference_stage(qkv, wqr, wkr, cos, sin, hq, hkv, d, eps, False)
+    for o, r_ in zip(out, ref):
+        assert _rel(o, r_) < 1e-5
+    gs = [torch.randn_like(o) for o in out]
+    torch.autograd.backward(out, gs)
+    torch.autograd.backward(ref, gs)
+    for got, want in zip((t.grad for t in inputs), (xr.grad, wr.grad, wqr.grad, wkr.grad)):
+        assert _rel(got, want) < 1e-4, _rel(got, want)  # (equal here: fp32 activations)
+    plain = fusedqkv.gqa_qkv_rope_qk_norm(x, w, wq, wk, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=eps)
+    assert not torch.equal(plain[0], out[0])  # MX did run
+
+
+def test_mxfp8_module_and_apply_to_take_the_recipe():
+    blk = fusedqkv.GQAQKVRoPEQKNorm(64, 4, 2, 16, fp8="mxfp8", dtype=torch.bfloat16)
+    assert "fp8='mxfp8'" in repr(blk)
+    from fusedqkv.integrations.fused_projection import _is_torchao_mx
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    assert _is_torchao_mx(MXFP8Linear(64, 64, bias=False)) and not _is_torchao_mx(torch.nn.Linear(4, 4))
+    from _hf_models import batch
+
+    m = _tiny_qwen3()
+    assert fusedqkv.apply_to(m, fp8="mxfp8") == 2
+    assert "fp8=mxfp8" in repr(m.model.layers[0].self_attn)
+    m(batch()).logits.float().pow(2).mean().backward()
+    assert m.model.layers[0].self_attn.qkv_proj.weight.grad is not None
+    m = _tiny_qwen3()  # torchao's MX training layers in q/k/v_proj's place: refused, named
+    attn = m.model.layers[0].self_attn
+    attn.q_proj = MXFP8Linear(attn.q_proj.in_features, attn.q_proj.out_features, bias=False)
+    with pytest.raises(fusedqkv.UnsupportedModelError, match="MXFP8 training layer"):
+        fusedqkv.apply_to(m)
