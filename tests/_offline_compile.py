@@ -52,6 +52,8 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   activation dtype, the FP8 format, the power-of-two scales and the integer modes; the dual casts
   (session 21: amax partials, finish, one cast to two layouts) also over rows and columns each per
   axis or per tensor, and each side's FP8 format; the rowwise cast from row partials (session 24).
+* ``mx_cast_kernel`` (``ops/fp8.mx_cast_triton``, the mxfp8 recipe; sm_100a only): one job, the
+  transposed read of a bf16 operand at the launcher's tile.
 * ``qkv_rope_norm_gemm_sm90_kernel`` (Gluon, ``ops/qkv_rope_norm_gemm``; sm_90 only: wgmma, setmaxnreg):
   the launcher's tile (``TILE``, maxnreg ``MAXNREG``), head_dim 128, bf16/fp16, either norm position,
   weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
@@ -637,6 +639,19 @@ def lora_block_jobs() -> list:
     return [_lora_block_job(*row) for row in LORA_BLOCK_JOBS]
 
 
+# the mxfp8 recipe's cast (ops/fp8.mx_cast_triton, kernels/mx_cast.py; session 24, issue 35): sm_100a only (the MX
+# GEMMs are Blackwell's; the recipe is refused below sm_100), one job: a bf16 operand read transposed (the dW
+# GEMM's, stride_xr the constant 1: the load's layout converted for the row-major stores; the row casts are
+# the same code with stride_xc 1), the launcher's tile, the hardware's e4m3 cast
+MX_CAST_TILE = dict(BR=32, BC=128)
+
+
+def mx_cast_jobs(level="cubin") -> list:
+    return [dict(kernel="mx_cast.mx_cast_kernel", cc=100, consts=dict(FP8_MAX=448.0, SOFT_ROUND=False, **MX_CAST_TILE),
+                 types={"x_ptr": "*bf16", "y_ptr": "*u8", "s_ptr": "*u8"}, ints="div16", one="stride_xr",
+                 options={"num_warps": 4}, level=level, label="mx_cast sm100 bf16->fp8e4nv transposed ints=div16")]
+
+
 # QLoRA's one-launch NF4 dequantization (ops/dequant_4bit.py, kernels/dequant_4bit.py): sm_90 and sm_100a,
 # each integer mode once, the part counts the integration builds (3: q/k/v; 2: [Q | K] of a shared K/V) and
 # one, bitsandbytes' default blocksize and another, every output dtype; unused parts' pointers are part 0's
@@ -872,7 +887,7 @@ def full_jobs() -> list:
     covers = _covers(stage_jobs() + stage_all_heads_jobs() + forward_jobs() + finish_jobs() + finish_cols_jobs())
     return (covers + named_jobs() + corner_jobs() + matmul_jobs()
             + [_flush_job(m, cc=cc) for m in INT_MODES for cc in (90, 100, 120)] + gemm_jobs() + fp8_jobs()
-            + wide_head_jobs() + lora_block_jobs() + dequant_4bit_jobs() + stage_amax_jobs())
+            + wide_head_jobs() + lora_block_jobs() + dequant_4bit_jobs() + stage_amax_jobs() + mx_cast_jobs())
 
 
 def one_at_a_time_jobs(kernel_args: dict) -> list:

@@ -229,11 +229,11 @@ def test_head_dim_512_kernels_do_not_spill(compiled, cc):
 
 def test_blackwell_targets_compile_every_kernel(compiled):
     """sm_100a and sm_120a get offline compiles of every kernel the launchers select there: the
-    stage, the forward stage, the finishes and the flush on both, the products, the LoRA block builder and
-    QLoRA's dequantization on sm_100a."""
+    stage, the forward stage, the finishes and the flush on both, the products, the LoRA block builder,
+    QLoRA's dequantization and the mxfp8 cast on sm_100a."""
     fp8 = set(oc.FP8_KERNELS)
     for cc, kernels in ((100, {"stage", "stage_all_heads", "forward", "finish", "finish_cols", "tma_matmul", "l2_flush",
-                               "lora_block", "dequant_4bit", *fp8}),
+                               "lora_block", "dequant_4bit", "mx_cast", *fp8}),
                         (120, {"stage", "stage_all_heads", "forward", "finish", "finish_cols", "l2_flush", *fp8})):
         jobs = [j for j in JOBS if j["cc"] == cc]
         assert {j["label"].split()[0] for j in jobs} == kernels, cc
@@ -317,7 +317,7 @@ def test_fp8_weight_jobs_are_the_recipes_weight_casts():
     power-of-two rule; each job compiled (its family's test) to an sm_90 cubin."""
     from fusedqkv.ops import fp8
 
-    assert set(oc.FP8_WEIGHT_RECIPES) == set(fp8.RECIPES)
+    assert set(oc.FP8_WEIGHT_RECIPES) == {n for n, r in fp8.RECIPES.items() if not r.mx}  # (MX: fp8.mx_cast)
     for name, (row_per, col_per, pow2) in oc.FP8_WEIGHT_RECIPES.items():
         r = fp8.RECIPES[name]
         assert (row_per, col_per, pow2) == (not r.weight.tensorwise, not r.weight_for_grad_input.tensorwise,
@@ -362,6 +362,22 @@ def test_stage_amax_jobs_compile_without_spills(compiled):
     # the default build: the partials' pointers None (constexprs), so the kernel's code is unchanged
     default = oc._stage_job(90, "train_after", "all8_tma", 128, "bf16", (32, 8), "div16")
     assert default["none_args"] == ("arow_ptr", "acol_ptr") and not default["consts"]["COL_AMAX"]
+
+
+def test_mx_cast_job_is_the_launchers(compiled):
+    """The mxfp8 cast (fp8.mx_cast_triton) compiles for sm_100a alone (the recipe is refused below it) at
+    the launcher's tile with the hardware's e4m3 cast, a transposed read (the dW GEMM's operands), its
+    cubin without a stack frame."""
+    from fusedqkv.ops import fp8
+
+    jobs = [j for j in JOBS if j["label"].startswith("mx_cast")]
+    assert [(j["cc"], j["one"]) for j in jobs] == [(100, "stride_xr")]
+    c = jobs[0]["consts"]
+    assert (c["BR"], c["BC"], c["FP8_MAX"], c["SOFT_ROUND"]) == (fp8._MX_BR, fp8._MX_BC, 448.0, False)
+    r = compiled[jobs[0]["label"]]
+    assert r["ok"], r["error"]
+    if r["info"].get("stack") is not None:  # (None: no cuobjdump beside that Triton)
+        assert r["info"]["stack"] == 0, r["info"]
 
 
 def test_fp8_input_amax_jobs_are_the_launchers():
