@@ -398,3 +398,36 @@ def test_block_with_the_kept_input_amax_equals_the_old_path_bitwise(name, tokens
     assert passes.count((tokens, K)) == x_passes[1], passes
     for a, b in zip(new, old):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------ mxfp8 (sm_100; never run here: NOTES, session 24)
+
+blackwell = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (10, 0),
+                               reason="needs an sm_100 (Blackwell) GPU")
+
+
+@blackwell
+@pytest.mark.parametrize("shape", [(256, 512), (200, 96)])
+def test_mx_cast_kernel_equals_the_torch_cast_bitwise(shape):
+    """The kernel's codes and blocked scales are the torch path's (torchao's to_mx steps), rows and a
+    transposed view (the dW GEMM's operands, padded to 32)."""
+    from torchao.prototype.mx_formats.utils import to_blocked
+
+    t = _operand(*shape, 7)
+    for a in (t, t.t()):
+        d, s = fp8.mx_cast_triton(a)
+        want_d, want_s = fp8.mx_cast_torch(a)
+        assert torch.equal(d.view(torch.uint8), want_d.view(torch.uint8))
+        assert torch.equal(s.view(torch.uint8), to_blocked(want_s.view(torch.uint8)))
+
+
+@blackwell
+def test_mxfp8_gemms_equal_the_emulation():
+    """The three MX GEMMs (torch._scaled_mm, e8m0 scales) against the CPU emulation of the same casts."""
+    x, w, g = _operand(512, 256, 1), _operand(384, 256, 2), _operand(512, 384, 3)
+    r = fp8.RECIPES["mxfp8"]
+    got = (fp8.forward(x, w, r), fp8.grad_input(g, w, r), fp8.grad_weight(g, x, r))
+    want = (fp8.forward(x.cpu(), w.cpu(), r), fp8.grad_input(g.cpu(), w.cpu(), r),
+            fp8.grad_weight(g.cpu(), x.cpu(), r))
+    for a, b in zip(got, want):
+        assert ((a.cpu().double() - b.double()).norm() / b.double().norm()).item() < 1e-2
