@@ -52,8 +52,8 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   activation dtype, the FP8 format, the power-of-two scales and the integer modes; the dual casts
   (session 21: amax partials, finish, one cast to two layouts) also over rows and columns each per
   axis or per tensor, and each side's FP8 format; the rowwise cast from row partials (session 24).
-* ``mx_cast_kernel`` (``ops/fp8.mx_cast_triton``, the mxfp8 recipe; sm_100a only): one job, the
-  transposed read of a bf16 operand at the launcher's tile.
+* ``mx_cast_kernel`` (``ops/fp8.mx_cast_triton``, the mxfp8 recipe; sm_100a only): the launcher's
+  tile, each integer mode, and the transposed read of a bf16 operand (the dW GEMM's).
 * ``qkv_rope_norm_gemm_sm90_kernel`` (Gluon, ``ops/qkv_rope_norm_gemm``; sm_90 only: wgmma, setmaxnreg):
   the launcher's tile (``TILE``, maxnreg ``MAXNREG``), head_dim 128, bf16/fp16, either norm position,
   weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
@@ -640,16 +640,23 @@ def lora_block_jobs() -> list:
 
 
 # the mxfp8 recipe's cast (ops/fp8.mx_cast_triton, kernels/mx_cast.py; session 24, issue 35): sm_100a only (the MX
-# GEMMs are Blackwell's; the recipe is refused below sm_100), one job: a bf16 operand read transposed (the dW
-# GEMM's, stride_xr the constant 1: the load's layout converted for the row-major stores; the row casts are
-# the same code with stride_xc 1), the launcher's tile, the hardware's e4m3 cast
+# GEMMs are Blackwell's; the recipe is refused below sm_100): the launcher's tile and the hardware's e4m3 cast,
+# each integer mode, and a bf16 operand read transposed (the dW GEMM's, stride_xr the constant 1: the load's
+# layout converted for the row-major stores; the row casts are the same code with stride_xc 1)
 MX_CAST_TILE = dict(BR=32, BC=128)
 
 
+def _mx_cast_job(ints, one=None, level="cubin"):
+    what = "transposed" if one == "stride_xr" else "rows"
+    return dict(kernel="mx_cast.mx_cast_kernel", cc=100, consts=dict(FP8_MAX=448.0, SOFT_ROUND=False, **MX_CAST_TILE),
+                types={"x_ptr": "*bf16", "y_ptr": "*u8", "s_ptr": "*u8"}, ints=ints, one=one,
+                options={"num_warps": 4}, level=level, label=f"mx_cast sm100 bf16->fp8e4nv {what} ints={ints}"
+                                                              f"{'' if one is None else ' one=' + one}")
+
+
 def mx_cast_jobs(level="cubin") -> list:
-    return [dict(kernel="mx_cast.mx_cast_kernel", cc=100, consts=dict(FP8_MAX=448.0, SOFT_ROUND=False, **MX_CAST_TILE),
-                 types={"x_ptr": "*bf16", "y_ptr": "*u8", "s_ptr": "*u8"}, ints="div16", one="stride_xr",
-                 options={"num_warps": 4}, level=level, label="mx_cast sm100 bf16->fp8e4nv transposed ints=div16")]
+    # every integer mode (as every family), then the transposed read the dW GEMM's operands take
+    return [_mx_cast_job(ints, level=level) for ints in INT_MODES] + [_mx_cast_job("div16", "stride_xr", level)]
 
 
 # QLoRA's one-launch NF4 dequantization (ops/dequant_4bit.py, kernels/dequant_4bit.py): sm_90 and sm_100a,
@@ -906,6 +913,7 @@ def one_at_a_time_jobs(kernel_args: dict) -> list:
         _flush_job("plain", level="ttir"),
         *(_fp8_job(family, 90, "plain", level="ttir") for family in FP8_KERNELS),
         _gemm_job("bf16", True, True, True, "plain", "plain", level="ttir"),
+        _mx_cast_job("plain", level="ttir"),
     ]
     jobs = []
     for base in bases:

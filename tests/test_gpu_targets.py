@@ -366,18 +366,20 @@ def test_stage_amax_jobs_compile_without_spills(compiled):
 
 def test_mx_cast_job_is_the_launchers(compiled):
     """The mxfp8 cast (fp8.mx_cast_triton) compiles for sm_100a alone (the recipe is refused below it) at
-    the launcher's tile with the hardware's e4m3 cast, a transposed read (the dW GEMM's operands), its
-    cubin without a stack frame."""
+    the launcher's tile with the hardware's e4m3 cast, in every integer mode and with a transposed read
+    (the dW GEMM's operands), its cubins without a stack frame."""
     from fusedqkv.ops import fp8
 
-    jobs = [j for j in JOBS if j["label"].startswith("mx_cast")]
-    assert [(j["cc"], j["one"]) for j in jobs] == [(100, "stride_xr")]
-    c = jobs[0]["consts"]
-    assert (c["BR"], c["BC"], c["FP8_MAX"], c["SOFT_ROUND"]) == (fp8._MX_BR, fp8._MX_BC, 448.0, False)
-    r = compiled[jobs[0]["label"]]
-    assert r["ok"], r["error"]
-    if r["info"].get("stack") is not None:  # (None: no cuobjdump beside that Triton)
-        assert r["info"]["stack"] == 0, r["info"]
+    jobs = [j for j in JOBS if j["label"].startswith("mx_cast") and j["level"] == "cubin"]
+    assert {j["cc"] for j in jobs} == {100} and [j["one"] for j in jobs if j["one"]] == ["stride_xr"]
+    assert {j["ints"] for j in jobs} == set(oc.INT_MODES)
+    for j in jobs:
+        c = j["consts"]
+        assert (c["BR"], c["BC"], c["FP8_MAX"], c["SOFT_ROUND"]) == (fp8._MX_BR, fp8._MX_BC, 448.0, False)
+        r = compiled[j["label"]]
+        assert r["ok"], (j["label"], r["error"])
+        if r["info"].get("stack") is not None:  # (None: no cuobjdump beside that Triton)
+            assert r["info"]["stack"] == 0, (j["label"], r["info"])
 
 
 def test_fp8_input_amax_jobs_are_the_launchers():
