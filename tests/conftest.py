@@ -283,6 +283,34 @@ def pytest_testnodedown(node, error):
 # workers waiting between their tests -- a readers-writer lock over the whole test (module fixtures'
 # setup included), on two files: a test takes ``gate`` then ``run`` shared, a serial one both
 # exclusive (``gate`` first, so that a waiting serial test lets no new test start).
+#
+# Threads: each worker's torch, and the processes its tests start (OMP_NUM_THREADS), take an equal share
+# of the cores; a serial test, alone, takes every thread back. Two workers of two OpenMP threads each on
+# two cores spin against each other in OpenMP's barriers: the torch-heavy files took 2.3x the CPU time
+# and the wall clock of one thread each (NOTES, session 20). Where OMP_NUM_THREADS is set, it is kept.
+_THREADS: dict = {}
+
+
+def _set_threads(torch_threads, omp):
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    if omp is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp
+
+
+def pytest_configure(config):
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if os.environ.get("PYTEST_XDIST_WORKER") is None or workers is None or "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // int(workers))
+    _THREADS.update(all=(torch.get_num_threads(), None), share=(share, str(share)))
+    _set_threads(*_THREADS["share"])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -309,8 +337,12 @@ def pytest_runtest_protocol(item, nextitem):
         fcntl.flock(gate, mode)
         fcntl.flock(run, mode)
         fcntl.flock(gate, fcntl.LOCK_UN)
+        if serial and _THREADS:
+            _set_threads(*_THREADS["all"])
         try:
             yield
         finally:
+            if serial and _THREADS:
+                _set_threads(*_THREADS["share"])
             fcntl.flock(run, fcntl.LOCK_UN)
 
