@@ -12,7 +12,7 @@ import torch
 from fusedqkv import cli
 from fusedqkv.bench import harness, records, roofline, timing, trust
 
-pytestmark = pytest.mark.serial  # times the CPU: alone under pytest-xdist (conftest)
+# one test times the CPU (`serial`: alone under pytest-xdist, conftest); the run below has fixed timings
 
 
 # ----------------------------------------------------------------------------- the rules
@@ -105,6 +105,7 @@ def test_host_wait_reads_this_process():
     assert hw.fraction is not None and hw.fraction >= 0.0
 
 
+@pytest.mark.serial  # repetitions within a time budget
 def test_cpu_budget_timing_adapts():
     calls = []
 

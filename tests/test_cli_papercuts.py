@@ -11,7 +11,7 @@ import pytest
 from fusedqkv import cli
 from fusedqkv.bench import harness, problem, records, report
 
-pytestmark = pytest.mark.serial  # times the CPU: alone under pytest-xdist (conftest)
+# one test times the CPU (`serial`: alone under pytest-xdist, conftest); the others assert nothing on a timing
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--device", "cpu", "--max-tokens", "8", "--reps", "1", "--warmup", "0", "--quiet", "--no-store"]
@@ -173,6 +173,7 @@ FP32 = ["--device", "cpu", "--workloads", "11", "--max-tokens", "1", "--reps", "
         "--dtype", "float32"]
 
 
+@pytest.mark.serial  # the floor timed slower than the kernel
 def test_a_floor_slower_than_the_kernel_is_flagged_unsteady(tmp_path, monkeypatch, capsys):
     """On the H200 a workload's two-GEMM floor came out slower than the fused kernel (0.711) with
     no flag. Here the floor is made slow on purpose."""
