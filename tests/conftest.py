@@ -302,6 +302,10 @@ def _set_threads(torch_threads, omp):
 
 
 def pytest_configure(config):
+    # pytest-xdist >= 3.7 hands files out by their number of tests, most first (``--loadscope-reorder``, on by
+    # default), not in the order pytest_collection_modifyitems below sets: the controller keeps that order
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if os.environ.get("PYTEST_XDIST_WORKER") is None or workers is None or "OMP_NUM_THREADS" in os.environ:
         return
@@ -313,12 +317,29 @@ def pytest_configure(config):
     _set_threads(*_THREADS["share"])
 
 
+# pytest-xdist hands out whole files in this order (--dist loadfile): the longest first, so that no worker ends
+# on a long one alone -- by CPU seconds in session 23's suite (threads shared; NOTES): the offline compiles ~105
+# with a warm Triton cache and ~440 cold, then 091's interpreter cases ~57, the FP8 casts ~55, ... -- then the
+# others in collection order. Files with `serial` tests go last: a serial test waits for every running test to
+# end, and behind the offline compiles' setup (one test, minutes) the other worker would idle all that time.
+LONGEST_FIRST = ("tests/test_gpu_targets.py", "tests/test_091_backward.py", "tests/test_fp8.py",
+                 "tests/test_hf_families.py", "tests/test_properties.py", "tests/test_bench_solution.py",
+                 "tests/test_block_variants.py", "tests/distributed/test_dist_gloo.py", "tests/test_hf_peft.py",
+                 "tests/test_fast_path_gate.py", "tests/test_bench_cli.py", "tests/test_bench_floor_script.py",
+                 "tests/test_hf_bench_script.py", "tests/test_unusual_inputs.py", "tests/test_determinism.py",
+                 "tests/test_bench_families_script.py", "tests/test_forward_autograd.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    # the longest files first, so that no worker ends on one alone (the offline compiles, 091's
-    # interpreter cases); the same order on every worker, as xdist requires
-    first = ("tests/test_gpu_targets.py", "tests/test_091_backward.py", "tests/test_properties.py")
-    rank = {name: i for i, name in enumerate(first)}
-    items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(first)))
+    # the same order on every worker, as xdist requires (a stable sort: each file's tests keep theirs)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    serial = {it.nodeid.split("::")[0] for it in items if it.get_closest_marker("serial") is not None}
+
+    def key(it):
+        name = it.nodeid.split("::")[0]
+        return name in serial, rank.get(name, len(LONGEST_FIRST))
+
+    items.sort(key=key)
 
 
 @pytest.hookimpl(hookwrapper=True)
