@@ -3,7 +3,8 @@
 
 Run as a script in a process where the Triton under test is importable and TRITON_INTERPRET=0
 (FUSEDQKV_RAW_LAUNCH as the process's mode; FUSEDQKV_PROBE_MUTATION: a layout mistake made on
-purpose, which the probe must report).
+purpose, which the probe must report; FUSEDQKV_PROBE_RUNS: several such checks in turn, by name --
+"default", "triton" and the mutations -- each from the state the process imported).
 No GPU: the active Triton driver is Triton's own ``CudaDriver`` with its device-facing parts
 replaced -- the device is an sm_90 target (kernels compile offline, ptxas included), loading a
 binary returns a token for the function, the TMA descriptor encoder returns a token made of its
@@ -25,7 +26,7 @@ against a stand-in libcuda (_fake_libcuda.c) whose cuLaunchKernelEx records the 
 its attributes and every kernel parameter's bytes, sized as the kernel's PTX declares them. Each
 launch -- Triton's, ours through its launcher (FUSEDQKV_RAW_LAUNCH=triton) or ours through ctypes
 (the default) -- must reach the driver with the same bytes.
-Prints one JSON line: {"ok", "problems", "info"}.
+Prints one JSON line per check: {"run", "ok", "problems", "info"}.
 """
 
 from __future__ import annotations
@@ -304,24 +305,66 @@ def gluon_forward(fake, one_launch, last_launch, differences, lora=False) -> lis
     return problems
 
 
+RUNS = ("default", "triton", *MUTATIONS)  # FUSEDQKV_PROBE_RUNS: what one process may check in turn
+
+
+def _runs() -> list:
+    """(name, launch mode, mutation) of each check this process makes: FUSEDQKV_PROBE_RUNS (comma-separated
+    names of RUNS), else the one that FUSEDQKV_RAW_LAUNCH and FUSEDQKV_PROBE_MUTATION describe."""
+    names = [n for n in os.environ.get("FUSEDQKV_PROBE_RUNS", "").split(",") if n]
+    if not names:
+        mutation = os.environ.get("FUSEDQKV_PROBE_MUTATION") or None
+        return [(mutation or "default", os.environ.get("FUSEDQKV_RAW_LAUNCH") or None, mutation)]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise SystemExit(f"FUSEDQKV_PROBE_RUNS: unknown {unknown}; expected names of {RUNS}")
+    return [(n, "triton" if n == "triton" else None, n if n in MUTATIONS else None) for n in names]
+
+
 def main() -> int:
+    """Each run (``_runs``) checked in turn from the same state -- internals' layout tables and launch mode
+    as imported, no launch bound, no fallback, no warning -- each printing its JSON line."""
     from fusedqkv.ops import internals
-    from fusedqkv.ops.launch import BoundLaunch, Desc, Table, _tensor_descriptor
     from triton.backends.nvidia import driver as nv
 
-    problems: list = []
     caught = []
     warnings.simplefilter("always")
     warnings.showwarning = lambda message, *a, **k: caught.append(str(message))
-    mutation = os.environ.get("FUSEDQKV_PROBE_MUTATION")
-    if mutation:
-        MUTATIONS[mutation](internals)
     rec = Recorder()
     install_driver(rec)
     fake = None
     if hasattr(nv, "make_launcher"):  # 3.6: the per-kernel C launcher, compiled for real
         fake = FakeCuda()
         fake.install(triton.runtime.driver.active)
+    failed = 0
+    for name, mode, mutation in _runs():
+        saved = (dict(internals._SCALARS), internals._MAP_OFFSET, internals._ATTR_PDL, internals.LAUNCH_MODE)
+        internals._BOUND[0] = internals._DRIVER_BOUND[0] = 0
+        internals._FALLBACKS.clear()
+        caught.clear()
+        rec.launches.clear()
+        rec.encodes.clear()
+        if fake is not None:
+            fake.forget()  # as a fresh process: no parameters recorded until a kernel's sizes are known
+        internals.LAUNCH_MODE = mode
+        try:
+            if mutation:
+                MUTATIONS[mutation](internals)
+            problems, info = _check(internals, rec, fake, caught, mode, mutation)
+        finally:
+            internals._SCALARS.clear()
+            internals._SCALARS.update(saved[0])
+            internals._MAP_OFFSET, internals._ATTR_PDL, internals.LAUNCH_MODE = saved[1:]
+        print(json.dumps({"run": name, "ok": not problems, "problems": problems, "info": info}), flush=True)
+        failed += bool(problems)
+    return 0 if not failed else 1
+
+
+def _check(internals, rec, fake, caught, mode, mutation) -> tuple:
+    """(problems, the gate's info) of one run."""
+    from fusedqkv.ops.launch import BoundLaunch, Desc, Table, _tensor_descriptor
+
+    problems: list = []
 
     def last_launch():
         if fake is not None:
@@ -427,7 +470,7 @@ def main() -> int:
 
     info = internals.fast_path_info()
     expected_abi = internals.MODULE_ABI if triton.__version__.startswith("3.6.") else internals.SHARED_ABI
-    driver = fake is not None and os.environ.get("FUSEDQKV_RAW_LAUNCH", "ctypes") == "ctypes"
+    driver = fake is not None and (mode or "ctypes") == "ctypes"
     if not info["active"]:
         problems.append(f"the fast path is inactive: {info['reason']}")
     if info["abi"] != expected_abi:
@@ -438,8 +481,7 @@ def main() -> int:
         problems.append(f"launch mode {info['launch']!r} with {info['driver_launches']} driver launches, expected "
                         f"{f'ctypes with {bound}' if driver else 'triton with 0'}")
     problems += [f"warning: {m}" for m in caught if "fast path" in m]
-    print(json.dumps({"ok": not problems, "problems": problems, "info": info}), flush=True)
-    return 0 if not problems else 1
+    return problems, info
 
 
 if __name__ == "__main__":
