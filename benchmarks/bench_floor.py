@@ -15,6 +15,10 @@ rotated, no flush; ``timing.time_steady``) while nvidia-smi samples the SM clock
 the power-limited regime of a GPU under steady load, where a call's time follows its energy
 (session 14), reported beside the flushed interleaved ratios.
 
+``--ab-products``: also the block's fwd+bwd with the training backward's products forced to cuBLAS
+(``config.training_triton_products`` off, the plans built under it), in the same rounds: the
+``fused/cublas-products`` column (below 1: the Triton products behind the stage pay).
+
 ``--smoke``: the script on tiny CPU shapes (wall clock, no graphs; no timing value).
 Prints a table last; writes --out/bench_floor.json.
 """
@@ -46,7 +50,7 @@ PROVIDERS = ("fusedqkv", "compile", "floor")
 MODES = ("fwd", "fwd+bwd")
 
 
-def make_calls(cfg: dict, b: int, s: int, device, dtype) -> tuple[dict, list]:
+def make_calls(cfg: dict, b: int, s: int, device, dtype, ab_products: bool = False) -> tuple[dict, list]:
     """{(provider, mode): callable} and what the graphs read (kept alive)."""
     g = torch.Generator(device="cpu").manual_seed(b * s)
     fused = GQAQKVRoPEQKNorm(**cfg, device=device, dtype=dtype)
@@ -73,6 +77,15 @@ def make_calls(cfg: dict, b: int, s: int, device, dtype) -> tuple[dict, list]:
              ("compile", "fwd"): lambda: comp(x, cos, sin), ("compile", "fwd+bwd"): with_backward(comp),
              ("floor", "fwd"): lambda: torch.mm(x2d, w.t()),
              ("floor", "fwd+bwd"): lambda: (torch.mm(x2d, w.t()), torch.mm(dy2d, w), torch.mm(dy2d.t(), x2d))}
+    if ab_products:
+        from fusedqkv.ops import config
+
+        fused_bwd = with_backward(fused)
+
+        def cublas_products():
+            with config.override(training_triton_products=False):
+                return fused_bwd()
+        calls[("fused_cublas", "fwd+bwd")] = cublas_products
     return calls, [fused, ref, comp, x, cos, sin, dy, x2d, w, dy2d]
 
 
@@ -101,6 +114,8 @@ def main() -> int:
     ap.add_argument("--rows", default="all", help="comma-separated row indices (default all)")
     ap.add_argument("--steady", type=float, default=0.0, metavar="SECONDS",
                     help="also time each graph back to back for SECONDS per round (power-limited regime)")
+    ap.add_argument("--ab-products", action="store_true",
+                    help="also fwd+bwd with the training backward's products on cuBLAS, in the same rounds")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     gpu = not a.smoke
@@ -117,7 +132,7 @@ def main() -> int:
     sampler = timing.ClockSampler(torch.cuda.current_device()) if gpu and a.steady > 0 else None
     for name, b, s in rows:
         t0 = time.time()
-        calls, keep = make_calls(configs[name], b, s, device, dtype)
+        calls, keep = make_calls(configs[name], b, s, device, dtype, a.ab_products)
         ms = time_row(calls, 2 if a.smoke else a.reps, gpu)
         steady = time_row_steady(calls, a.steady, gpu, sampler) if a.steady > 0 else None
         del calls, keep
@@ -128,6 +143,8 @@ def main() -> int:
             if steady is not None:
                 f, c, fl = (steady[f"{p}/{m}"]["ms"] for p in PROVIDERS)
                 r[m].update(steady_fused_over_floor=f / fl, steady_compile_over_floor=c / fl)
+        if a.ab_products:
+            r["fwd+bwd"]["fused_over_cublas_products"] = ms["fusedqkv/fwd+bwd"] / ms["fused_cublas/fwd+bwd"]
         if steady is not None:
             r["steady"] = steady
         out.append(r)
@@ -143,6 +160,12 @@ def main() -> int:
         print(f"| {r['config']} | {r['batch']}x{r['seq']} | {r['fwd']['fused_over_floor']:.3f} | "
               f"{r['fwd']['compile_over_floor']:.3f} | {r['fwd+bwd']['fused_over_floor']:.3f} | "
               f"{r['fwd+bwd']['compile_over_floor']:.3f} |")
+    if a.ab_products:
+        print("| block | tokens | fwd+bwd fused ms | cuBLAS products ms | fused/cublas-products |")
+        print("|---|---|---|---|---|")
+        for r in out:
+            print(f"| {r['config']} | {r['batch']}x{r['seq']} | {r['ms']['fusedqkv/fwd+bwd']:.4f} | "
+                  f"{r['ms']['fused_cublas/fwd+bwd']:.4f} | {r['fwd+bwd']['fused_over_cublas_products']:.3f} |")
     if a.steady > 0:
         print(f"steady load ({a.steady:g} s per graph and round, 3 rounds, no flush): fused/floor, compile/floor, "
               "the floor's and fusedqkv's SM MHz and W")

@@ -174,6 +174,83 @@ def test_bf16_triton_matches_cpu_path():
         assert float(diff.max()) <= 2 ** -7 * float(c.float().abs().max()), n
 
 
+PRODUCT_CHANGES = {
+    # small tiles, fewer programs than tiles: several tiles a program, a partial last tile and K step
+    "chain": dict(triton_products_in_interpreter=True, chain_min_balance=0.0, chain_dx=(16, 32, 32, 4, 2, 1),
+                  chain_dw=(32, 64, 16, 4, 2, 1)),
+    "hybrid": dict(triton_products_in_interpreter=True, chain_max_tokens=0, hybrid_max_tokens=1 << 20,
+                   hybrid_dw=(32, 64, 16, 4, 2, 1)),
+}
+
+
+def _training_backward_plan():
+    from fusedqkv.ops import training_backward as TB
+
+    return TB.PLANS.last()
+
+
+@pytest.mark.parametrize("products", ["chain", "hybrid"])
+@pytest.mark.parametrize("b,s,pos,bias", [(1, 7, "after_rope", False), (2, 5, "before_rope", True)])
+def test_training_backward_triton_products_match_the_cublas_path(products, b, s, pos, bias):
+    """The training backward's dX and dW as the 091 backward's Triton products behind the stage (the chain:
+    both; the hybrid: dW, dX on torch.mm) give the torch-product path's gradients: the stage's outputs and
+    torch.mm's dX bitwise, the Triton products within one bf16 rounding; repeated calls bitwise equal;
+    ``training_triton_products=False`` keeps the cuBLAS path."""
+    from fusedqkv.ops import config
+
+    hidden, hq, hkv, d = 144, 4, 2, 32  # 144: a partial 128-wide tile
+    m = make_block(hidden, hq, hkv, d, pos, torch.float32, seed=3).to(torch.bfloat16)
+    m.qkv_bias = torch.nn.Parameter(torch.randn(m.qkv_weight.shape[0]).to(torch.bfloat16)) if bias else None
+    g = torch.Generator().manual_seed(b * s)
+    x = torch.randn(b, s, hidden, generator=g).to(torch.bfloat16)
+    cos, sin = rope_cos_sin(b, s, d, torch.bfloat16, seed=s)
+    grads = [torch.randn(b, h, s, d, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv)]
+
+    def fwd_bwd():
+        xx = x.detach().requires_grad_()
+        out = gqa_qkv_rope_qk_norm(xx, m.qkv_weight, m.q_norm_weight, m.k_norm_weight, cos, sin, num_heads=hq,
+                                   num_kv_heads=hkv, eps=m.eps, qk_norm_position=pos, qkv_bias=m.qkv_bias,
+                                   backend="triton")
+        wrt = [xx, m.qkv_weight, m.q_norm_weight, m.k_norm_weight] + ([m.qkv_bias] if bias else [])
+        return list(out) + list(torch.autograd.grad(out, wrt, grads))
+
+    with config.override(**PRODUCT_CHANGES[products], training_triton_products=False):
+        base = fwd_bwd()
+        assert _training_backward_plan().path == "cublas"
+    with config.override(**PRODUCT_CHANGES[products]):
+        tri = fwd_bwd()
+        plan = _training_backward_plan()
+        again = fwd_bwd()
+    assert plan.path == products and len(plan.products) == (2 if products == "chain" else 1)
+    names = ["q", "k", "v", "grad_x", "grad_w", "grad_q_norm_weight", "grad_k_norm_weight"] + (["grad_bias"] if bias
+                                                                                                 else [])
+    for name, a, c in zip(names, tri, base):
+        assert a.dtype == c.dtype and a.shape == c.shape, name
+        if name == "grad_w" or (name == "grad_x" and products == "chain"):  # a Triton product: one bf16 rounding
+            diff = (a.float() - c.float()).abs()
+            assert float(diff.max()) <= 2 ** -7 * float(c.float().abs().max()), name
+        else:
+            assert torch.equal(a, c), name
+    assert all(torch.equal(a, c) for a, c in zip(tri, again))
+
+
+def test_training_backward_keeps_cublas_products_without_both_gradients():
+    """A frozen weight (no dW) or no input gradient: the products stay torch's, whatever the rules allow."""
+    from fusedqkv.ops import config
+
+    m = make_block(144, 4, 2, 32, "after_rope", torch.float32, seed=1).to(torch.bfloat16)
+    x = torch.randn(1, 6, 144).to(torch.bfloat16)
+    cos, sin = rope_cos_sin(1, 6, 32, torch.bfloat16)
+    grads = [torch.randn(1, h, 6, 32).to(torch.bfloat16) for h in (4, 2, 2)]
+    m.qkv_weight.requires_grad_(False)
+    with config.override(**PRODUCT_CHANGES["chain"]):
+        xx = x.detach().requires_grad_()
+        out = gqa_qkv_rope_qk_norm(xx, m.qkv_weight, m.q_norm_weight, m.k_norm_weight, cos, sin, num_heads=4,
+                                   num_kv_heads=2, eps=m.eps, backend="triton")
+        torch.autograd.grad(out, [xx], grads)
+        assert _training_backward_plan().path == "cublas"
+
+
 # --------------------------------------------------------------------------- autograd details
 
 

@@ -7,7 +7,8 @@ a changed setting can never run on a plan built under another. Tests change sett
 
 Environment variables (read at import; 0 turns a path off):
 ``FUSEDQKV_CHAIN_MAX_TOKENS`` (128), ``FUSEDQKV_HYBRID_MAX_TOKENS`` (2560),
-``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_STAGE_TMA`` (1), ``FUSEDQKV_CUBLASLT`` (1);
+``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_TRAINING_TRITON_PRODUCTS`` (1),
+``FUSEDQKV_STAGE_TMA`` (1), ``FUSEDQKV_CUBLASLT`` (1);
 ``FUSEDQKV_FUSED_FORWARD`` (auto, on or off), ``FUSEDQKV_FUSED_FORWARD_FP8`` (auto, on or off);
 ``FUSEDQKV_QLORA_ABSMAX`` (keep or recompute); ``FUSEDQKV_QLORA_DEQUANT`` (one_launch or bitsandbytes).
 Where the defaults come from: benchmarks/NOTES.md.
@@ -41,6 +42,9 @@ class Config:
     hybrid_dw: tuple = (128, 128, 32, 4, 5, 2)
     # the stage's norm-weight finish runs inside the Triton dW launch (chain and hybrid)
     norm_finish_in_dw: bool = True
+    # the training block's backward takes the same products (ops/training_backward.py) where it needs dX and dW
+    # in 16 bits: the chain or the hybrid by the rules above, else (False) its two cuBLAS products
+    training_triton_products: bool = True
     # the Triton products under TRITON_INTERPRET=1 (slow to emulate: tests turn them on)
     triton_products_in_interpreter: bool = False
     # the backward stage (ops/rope_qk_norm.py): q/k tiles through TMA descriptors where the
@@ -103,6 +107,7 @@ class Config:
         return cls(chain_max_tokens=count("FUSEDQKV_CHAIN_MAX_TOKENS", cls.chain_max_tokens),
                    hybrid_max_tokens=count("FUSEDQKV_HYBRID_MAX_TOKENS", cls.hybrid_max_tokens),
                    norm_finish_in_dw=flag("FUSEDQKV_NORM_FINISH_IN_DW", True),
+                   training_triton_products=flag("FUSEDQKV_TRAINING_TRITON_PRODUCTS", True),
                    stage_tma=flag("FUSEDQKV_STAGE_TMA", True),
                    cublaslt=flag("FUSEDQKV_CUBLASLT", True),
                    fused_forward=_choice(env, "FUSEDQKV_FUSED_FORWARD", ("auto", "on", "off"), "auto"),

@@ -1,7 +1,9 @@
 """The training block's backward, planned: the backward stage in its accurate mode (fp32 math,
 one rounding; rstd recomputed from the saved projection output; true grad_cos/grad_sin), then
-dX = dQKV W and dW = dQKV^T X (planned cuBLASLt calls or ``torch.mm``), the bias gradient, and
-where the stage does not fuse it, the norm-weight finish.
+dX = dQKV W and dW = dQKV^T X, the bias gradient, and where the stage does not fuse it, the
+norm-weight finish. The products: where the call needs both in 16 bits, the 091 backward's (the
+chain, or the hybrid: :func:`~fusedqkv.ops.projection.choose_products`, ``cfg.training_triton_products``),
+queued behind the stage as programmatic dependents; else planned cuBLASLt calls or ``torch.mm``.
 
 ``training_backward`` finds or builds the plan of a call's signature and runs it. The block's
 variants (:class:`~fusedqkv.ops.gqa_forward.Variant`) are part of the key: the stage runs them
@@ -21,9 +23,11 @@ import torch
 from . import device as _device
 from . import fp8, host_gemm
 from .cublaslt import plan_matmul
+from .device import sm_count
 from .variant import PLAIN, heads_of
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
+from .projection import chain_launches, choose_products, hybrid_dw_launch
 from .rope_qk_norm import backward_torch, pick_backend, plan_backward_stage, stage_amax_supported
 
 # the call's table entries, by name (``saved_q``/``saved_k``/``saved_v``: the q, k and v column blocks of
@@ -31,16 +35,23 @@ from .rope_qk_norm import backward_torch, pick_backend, plan_backward_stage, sta
 # only with a gate, saved_v only when v is normed
 CALL_ENTRIES = ("grad_q", "grad_k", "grad_v", "saved_q", "saved_k", "q_norm_weight", "k_norm_weight", "cos", "sin",
                 "dqkv", "grad_q_norm_weight", "grad_k_norm_weight", "grad_gate", "saved_v")
-# a bound call's addresses, in this order (then the stage's own entries, ``StagePlan.call_inputs``' order)
+# a bound call's addresses, in this order (then the stage's own entries, ``StagePlan.call_inputs``' order);
+# the last three only where the products are Triton launches (``TrainingBackwardPlan.path``)
 RUN_ORDER = CALL_ENTRIES + ("grad_cos", "grad_sin", "grad_hidden_states")
+PRODUCT_ENTRIES = ("qkv_weight", "hidden_states", "grad_qkv_weight")
 UNCHECKED = (4, 13)  # saved_k and saved_v: offsets into qkv whose alignment the plan's shapes fix
 
 
 class TrainingBackwardPlan:
     """The training block's backward of one signature."""
 
-    def __init__(self, cfg, sizes, need, stage=None, table=None, aligned=True, lt_dx=None, lt_dw=None, fp8=None):
+    def __init__(self, cfg, sizes, need, stage=None, table=None, aligned=True, lt_dx=None, lt_dw=None, fp8=None,
+                 path="cublas", products=()):
         self.cfg, self.stage, self.table, self.aligned = cfg, stage, table, aligned
+        # where dX and dW run: "chain" (both Triton launches), "hybrid" (dW one, dX cuBLAS) -- ``products``,
+        # queued right behind the stage -- or "cublas"
+        self.path, self.products = path, tuple(products)
+        self._order = RUN_ORDER + (PRODUCT_ENTRIES if products else ())
         self.fp8 = fp8  # an ops.fp8.Fp8Recipe: dX and dW in FP8 (or dW in bf16, as the recipe says)
         self.lt_dx, self.lt_dw = lt_dx, lt_dw  # dX and dW as planned cuBLASLt calls, or None
         (self.B, self.S, self.hq, self.hkv, self.D, self.hidden, self.dtype, self.device, self.eps,
@@ -102,7 +113,9 @@ class TrainingBackwardPlan:
         g_cos = cos.new_empty((B, S, self.rot)) if self.need_cs else None
         g_sin = sin.new_empty((B, S, self.rot)) if self.need_cs else None
         g_x = hidden_states.new_empty((B, S, self.hidden)) if self.need_x else None
-        a = None  # the bound call's addresses in RUN_ORDER (then the stage's own entries)
+        products = self.products
+        g_w = qkv.new_empty((self.n_tot, self.hidden)) if products else None  # (qkv's dtype is the plan's)
+        a = None  # the bound call's addresses in the plan's order (then the stage's own entries)
         ptrs = tensors = None
         g_amax = None  # dQKV's amax partials from the stage (FP8: fp8.stage_amax)
         if self.stage is None:  # the torch backend
@@ -122,6 +135,8 @@ class TrainingBackwardPlan:
                      0 if gg is None else gg.data_ptr(), q_ptr + self.v_offset,
                      0 if g_cos is None else g_cos.data_ptr(), 0 if g_sin is None else g_sin.data_ptr(),
                      0 if g_x is None else g_x.data_ptr()]
+                if products:
+                    a += [qkv_weight.data_ptr(), hidden_states.data_ptr(), g_w.data_ptr()]
                 for t in extra.values():
                     a.append(t.data_ptr())
                 if self.aligned:
@@ -141,28 +156,32 @@ class TrainingBackwardPlan:
                              grad_k_norm_weight=g_kw, grad_cos=g_cos, grad_sin=g_sin, grad_hidden_states=g_x,
                              grad_gate=gg, **extra)
                 named["saved_q"], named["saved_k"], named["saved_v"] = self._saved_heads(qkv)
+                if products:
+                    named.update(qkv_weight=qkv_weight, hidden_states=hidden_states.view(M, self.hidden),
+                                 grad_qkv_weight=g_w, grad_hidden_states=g_x.view(M, self.hidden))
                 tensors = self.table.tensors(named)
             stage.launch.launch(tensors, ptrs, stream)
+            for launch in products:  # programmatic dependents of the stage: queued right behind it
+                launch.launch(tensors, ptrs, stream)
             if "amax_rows" in extra:
                 g_amax = (extra["amax_rows"], extra.get("amax_cols"))
-            if self._gather is None and all(launch.bound for launch in stage.launches()):
-                self._gather = self.table.gather(RUN_ORDER + tuple(extra))
+            if self._gather is None and all(launch.bound for launch in stage.launches() + list(products)):
+                self._gather = self.table.gather(self._order + tuple(extra))
         if self.variant.k_eq_v:  # v is k: its gradient joins k's (the GEMMs read the [Q | K] columns)
             k0 = self.nq * self.D
             dqkv[:, k0:k0 + self.hkv * self.D].add_(dqkv[:, k0 + self.hkv * self.D:])
             dqkv = dqkv[:, :self.n_tot]
-        g_w = None
         lt_ok = a is not None and not (hidden_states.data_ptr() | qkv_weight.data_ptr()) & 15
         if self.fp8 is not None:  # dQKV's two casts in two passes where both GEMMs run (fp8.backward)
             g_w = fp8.backward(dqkv, hidden_states.reshape(M, self.hidden), qkv_weight, self.fp8, self.need_x,
                                self.need_w, out=g_x.view(M, self.hidden) if self.need_x else None,
                                w_cast=fp8_weight, g_amax=g_amax, x_amax=fp8_x_amax)[1]
-        elif self.need_x:
+        elif self.need_x and self.path != "chain":
             if self.lt_dx is not None and lt_ok:
                 self.lt_dx(a[9], qkv_weight.data_ptr(), a[16], stream, capture)  # dqkv, W, grad_hidden_states
             else:
                 host_gemm.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
-        if self.need_w and self.fp8 is None:
+        if self.need_w and self.fp8 is None and not products:
             if self.lt_dw is not None and lt_ok:
                 g_w = qkv.new_empty((self.n_tot, self.hidden))  # (qkv's dtype is the plan's)
                 self.lt_dw(a[9], hidden_states.data_ptr(), g_w.data_ptr(), stream, capture)
@@ -213,6 +232,17 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
     row_amax, col_amax = fp8.stage_amax(recipe, need_x, need_w, n_tot) if stage_amax else (False, False)
     if not (fp8._triton(dqkv) and stage_amax_supported(variant)):
         row_amax = col_amax = False
+    hidden = hidden_states.shape[-1]
+    aligned = all(t.data_ptr() % 16 == 0 for t in (gq, gk, gv, qkv, q_norm_weight, k_norm_weight, cos, sin,
+                                                    like["grad_gate"]) if t is not None)
+    x2d = as_matrix(hidden_states, M, hidden) if hidden_states.dtype == dt else None
+    g_x2d = torch.empty((M, hidden), dtype=hidden_states.dtype, device=dev) if need_x else None
+    # the products: the 091 backward's rules where both are needed in 16 bits from dQKV as the stage stores it
+    path = "cublas"
+    if (cfg.training_triton_products and recipe is None and need_x and need_w and aligned and x2d is not None
+            and not variant.k_eq_v and qkv_weight.dtype == dt):
+        g_w_like = torch.empty((n_tot, hidden), dtype=dt, device=dev)
+        path = choose_products(M, dt, dev, sm_count(dev), dqkv, qkv_weight, x2d, g_x2d, g_w_like, cfg)
     table = Table()
     slot = {name: None if like[name] is None else table.add(name, like[name]) for name in CALL_ENTRIES}
     s_gcos = s_gsin = s_gx = None
@@ -220,26 +250,31 @@ def build_training_backward(grad_q, grad_k, grad_v, hidden_states, qkv_weight, q
         s_gcos = table.add("grad_cos", torch.empty((B, S, rot), dtype=cos.dtype, device=dev))
         s_gsin = table.add("grad_sin", torch.empty((B, S, rot), dtype=sin.dtype, device=dev))
     if need_x:  # dX's memory holds the stage's partials before dX overwrites it
-        s_gx = table.add("grad_hidden_states",
-                         torch.empty((B, S, hidden_states.shape[-1]), dtype=hidden_states.dtype, device=dev))
+        s_gx = table.add("grad_hidden_states", g_x2d if path != "cublas" else g_x2d.view(B, S, hidden))
+    if path != "cublas":  # (supplied entries before the stage's derived ones)
+        s_w, s_x = table.add("qkv_weight", qkv_weight), table.add("hidden_states", x2d)
+        s_dw = table.add("grad_qkv_weight", g_w_like)
     stage = plan_backward_stage(table, slot["grad_q"], slot["grad_k"], slot["grad_v"], slot["saved_q"],
                                 slot["saved_k"], None, None, slot["q_norm_weight"], slot["k_norm_weight"], slot["cos"],
                                 slot["sin"], slot["dqkv"], s_gcos, s_gsin, slot["grad_q_norm_weight"],
                                 slot["grad_k_norm_weight"], s_gx, exact=False, norm_after_rope=norm_after_rope,
                                 saved_rotated=False, eps=eps, finish_outside=False, cfg=cfg, variant=variant,
                                 gg=slot["grad_gate"], xv=slot["saved_v"], row_amax=row_amax, col_amax=col_amax)
+    products = ()
+    if path != "cublas":
+        sms = sm_count(dev)
+        if path == "chain":
+            products = chain_launches(slot["dqkv"], s_w, s_x, s_gx, s_dw, sms, cfg)
+        else:
+            products = (hybrid_dw_launch(slot["dqkv"], s_x, s_dw, sms, cfg),)
     table.release()
-    aligned = all(t.data_ptr() % 16 == 0 for t in (gq, gk, gv, qkv, q_norm_weight, k_norm_weight, cos, sin,
-                                                    like["grad_gate"]) if t is not None)
     lt_dx = lt_dw = None
     if recipe is None and aligned and qkv_weight.dtype == dt and hidden_states.dtype == dt:
-        hidden = hidden_states.shape[-1]
-        x2d = as_matrix(hidden_states, M, hidden)
-        if need_x:  # g_x [M, hidden] and g_w [n_tot, hidden]: allocated contiguous by the run
+        if need_x and path != "chain":  # g_x [M, hidden] and g_w [n_tot, hidden]: allocated contiguous by the run
             lt_dx = plan_matmul(dt, dev, M, hidden, n_tot, dqk.stride(), qkv_weight.stride(), (hidden, 1), cfg)
-        if need_w and x2d is not None:
+        if need_w and x2d is not None and path == "cublas":
             lt_dw = plan_matmul(dt, dev, n_tot, hidden, M, dqk.t().stride(), x2d.stride(), (hidden, 1), cfg)
-    return TrainingBackwardPlan(cfg, sizes, need, stage, table, aligned, lt_dx, lt_dw, recipe)
+    return TrainingBackwardPlan(cfg, sizes, need, stage, table, aligned, lt_dx, lt_dw, recipe, path, products)
 
 
 PLANS = PlanCache("training_backward", build_training_backward)
