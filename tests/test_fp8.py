@@ -1081,10 +1081,11 @@ def test_mxfp8_module_and_apply_to_take_the_recipe():
     assert "fp8=mxfp8" in repr(m.model.layers[0].self_attn)
     m(batch()).logits.float().pow(2).mean().backward()
     assert m.model.layers[0].self_attn.qkv_proj.weight.grad is not None
-    m = _tiny_qwen3()  # torchao's MX training layers in q/k/v_proj's place: refused, named
+    m = _tiny_qwen3()  # torchao's MX training layer in one of q/k/v_proj's places: refused, named
     attn = m.model.layers[0].self_attn
     attn.q_proj = MXFP8Linear(attn.q_proj.in_features, attn.q_proj.out_features, bias=False)
-    with pytest.raises(fusedqkv.UnsupportedModelError, match="MXFP8 training layer"):
+    with pytest.raises(fusedqkv.UnsupportedModelError, match="q_proj are torchao MX training layers and k_proj, "
+                                                             "v_proj are not"):
         fusedqkv.apply_to(m)
 
 
@@ -1257,3 +1258,166 @@ def test_mx_cast_kernel_rceil_equals_mx_rceil_code(interpret):
         code = fp8.mx_rceil_code(blocks.abs().amax(-1)).to(torch.uint8)
         assert torch.equal(full[:rows, :pad // 32], code) and torch.equal(want_s.view(torch.uint8), code)
         assert not full[rows:].any() and not full[:, pad // 32:].any()
+
+
+# ------------------------------------------------------------------------ torchao's MX training (0.18) and apply_to
+
+from types import SimpleNamespace  # noqa: E402
+
+from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe  # noqa: E402
+from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear  # noqa: E402
+from torchao.quantization import quantize_  # noqa: E402
+from torchao.quantization.quantize_.common.kernel_preference import KernelPreference  # noqa: E402
+
+
+def _mx_config(**kw):
+    return MXFP8TrainingOpConfig(**kw)
+
+
+def test_recipe_of_torchao_mx_config_maps_rceil_floor_and_wgrad_with_hp():
+    assert fp8.recipe_of_torchao_mx_config(_mx_config()) is fp8.RECIPES["mxfp8_rceil"]  # torchao's default: RCEIL
+    assert fp8.recipe_of_torchao_mx_config(MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL)) \
+        is fp8.RECIPES["mxfp8_rceil"]
+    assert fp8.recipe_of_torchao_mx_config(_mx_config(scale_calculation_mode=ScaleCalculationMode.FLOOR)) \
+        is fp8.RECIPES["mxfp8"]
+    hp = fp8.recipe_of_torchao_mx_config(MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL_WGRAD_WITH_HP))
+    assert hp.rceil and hp.grad_output_for_grad_weight.dtype is None and hp.input_for_grad_weight.dtype is None
+    assert hp.casts()[:4] == fp8.RECIPES["mxfp8_rceil"].casts()[:4] and fp8.recipe(hp.key) == hp
+    # an MXFP8Linear carries the same fields; pad_token_groups_for_grouped_mm is the grouped GEMMs' only
+    lin = MXFP8Linear(64, 32, bias=False, scale_calculation_mode=ScaleCalculationMode.FLOOR, wgrad_with_hp=True)
+    assert fp8.recipe_of_torchao_mx_config(lin) == dataclasses.replace(hp, input=fp8.RECIPES["mxfp8"].input,
+                                                                     weight=fp8.RECIPES["mxfp8"].input,
+                                                                     grad_output=fp8.RECIPES["mxfp8"].input,
+                                                                     weight_for_grad_input=fp8.RECIPES["mxfp8"].input)
+    assert fp8.recipe_of_torchao_mx_config(_mx_config(pad_token_groups_for_grouped_mm=True)) is fp8.RECIPES["mxfp8_rceil"]
+
+
+@pytest.mark.parametrize("config, field, value", [
+    (dict(scale_calculation_mode=ScaleCalculationMode.CEIL), "scale_calculation_mode", "CEIL"),
+    (dict(scale_calculation_mode=ScaleCalculationMode.EVEN), "scale_calculation_mode", "EVEN"),
+    (dict(kernel_preference=KernelPreference.EMULATED), "kernel_preference", "EMULATED"),
+    (dict(kernel_preference=KernelPreference.TORCH), "kernel_preference", "TORCH"),
+    (dict(out_dtype=torch.float32), "out_dtype", "torch.float32"),
+    (dict(out_dtype=None), "out_dtype", "None"),
+])
+def test_recipe_of_torchao_mx_config_refuses_what_the_block_cannot_run(config, field, value):
+    with pytest.raises(ValueError, match=rf"where: torchao's MX config has {field}={value}"):
+        fp8.recipe_of_torchao_mx_config(_mx_config(**config), "where")
+
+
+@pytest.mark.parametrize("field, value", [("elem_dtype", torch.float8_e5m2), ("elem_dtype", torch.float4_e2m1fn_x2),
+                                          ("elem_dtype_weight_override", torch.float8_e5m2),
+                                          ("elem_dtype_grad_output_override", torch.float8_e5m2),
+                                          ("block_size", 16)])
+def test_recipe_of_an_mx_linear_config_refuses_other_elements_and_blocks(field, value):
+    """Older torchao's MXLinearConfig fields (element dtypes, block size), where a config has them."""
+    ok = SimpleNamespace(elem_dtype=torch.float8_e4m3fn, block_size=32, scale_calculation_mode=ScaleCalculationMode.RCEIL)
+    assert fp8.recipe_of_torchao_mx_config(ok) is fp8.RECIPES["mxfp8_rceil"]
+    with pytest.raises(ValueError, match=rf"has {field}={value}"):
+        fp8.recipe_of_torchao_mx_config(SimpleNamespace(**dict(vars(ok), **{field: value})))
+
+
+def _is_qkv(mod, fqn):
+    return fqn.split(".")[-1] in ("q_proj", "k_proj", "v_proj")
+
+
+def _is_fused(mod, fqn):
+    return fqn.endswith("qkv_proj")
+
+
+def _mx_grads(m):
+    from _hf_models import batch
+
+    m(batch()).logits.float().pow(2).mean().backward()
+    return [m.model.layers[i].self_attn.qkv_proj.weight.grad for i in range(2)]
+
+
+@pytest.mark.parametrize("mode, name", [(ScaleCalculationMode.RCEIL, "mxfp8_rceil"), (ScaleCalculationMode.FLOOR, "mxfp8")])
+def test_mx_training_over_qkv_proj_after_apply_to_runs_its_recipe(mode, name):
+    """quantize_ with torchao's MX training config over qkv_proj after apply_to (and after a first forward:
+    the plan sees the wrapped parameter) runs its recipe in the block, as apply_to(fp8=name) does (the CPU
+    emulates the MX GEMMs); the gradient reaches the wrapped parameter."""
+    from _hf_models import batch
+
+    ids = batch()
+    want = _tiny_qwen3()
+    fusedqkv.apply_to(want, fp8=name)
+    m = _tiny_qwen3()
+    fusedqkv.apply_to(m)
+    plain = m(ids).logits
+    quantize_(m, _mx_config(scale_calculation_mode=mode), filter_fn=_is_fused)
+    attn = m.model.layers[0].self_attn
+    assert type(attn.qkv_proj.weight).__name__ == "MXFP8TrainingWeightWrapperTensor"
+    got = m(ids).logits
+    assert torch.equal(got, want(ids).logits) and not torch.equal(got, plain)
+    for g, w in zip(_mx_grads(m), _mx_grads(want)):
+        assert g is not None and torch.equal(g, w)
+    assert list(m.state_dict()) == list(_tiny_qwen3().state_dict())  # HF's keys
+
+
+@pytest.mark.parametrize("how", ["quantize_", "MXFP8Linear"])
+def test_mx_training_layers_before_apply_to_give_the_fused_block_their_recipe(how):
+    """q/k/v_proj as torchao MX training layers before apply_to (weights that quantize_ wrapped, or
+    MXFP8Linear modules): one fused plain parameter, the layers' recipe in the block."""
+    from _hf_models import batch
+
+    ids = batch()
+    want = _tiny_qwen3()
+    fusedqkv.apply_to(want, fp8="mxfp8_rceil")
+    m = _tiny_qwen3()
+    if how == "quantize_":
+        quantize_(m, _mx_config(), filter_fn=_is_qkv)
+    else:
+        for layer in m.model.layers:
+            for n in ("q_proj", "k_proj", "v_proj"):
+                old = getattr(layer.self_attn, n)
+                new = MXFP8Linear(old.in_features, old.out_features, bias=False)
+                with torch.no_grad():
+                    new.weight.copy_(old.weight)
+                setattr(layer.self_attn, n, new)
+    assert fusedqkv.apply_to(m) == 2
+    attn = m.model.layers[0].self_attn
+    assert "fp8=mxfp8_rceil" in repr(attn) and type(attn.qkv_proj.weight) is torch.nn.Parameter
+    assert attn.qkv_proj.weight.requires_grad
+    assert torch.equal(m(ids).logits, want(ids).logits)
+    for g, w in zip(_mx_grads(m), _mx_grads(want)):
+        assert torch.equal(g, w)
+    assert list(m.state_dict()) == list(_tiny_qwen3().state_dict())
+
+
+def test_mixed_or_unsupported_mx_training_layers_are_refused_by_name():
+    m = _tiny_qwen3()  # different configs over q/k/v
+    quantize_(m, _mx_config(), filter_fn=lambda mod, fqn: fqn.endswith(("q_proj", "k_proj")))
+    quantize_(m, _mx_config(scale_calculation_mode=ScaleCalculationMode.FLOOR), filter_fn=_is_qkv)
+    with pytest.raises(fusedqkv.UnsupportedModelError,
+                       match=r"MX training layers of q_proj, k_proj, v_proj have different configs "
+                             r"\(q_proj: mxfp8_rceil, k_proj: mxfp8_rceil, v_proj: mxfp8\)"):
+        fusedqkv.apply_to(m)
+    m = _tiny_qwen3()  # a config the block cannot run
+    quantize_(m, _mx_config(kernel_preference=KernelPreference.EMULATED), filter_fn=_is_qkv)
+    with pytest.raises(fusedqkv.UnsupportedModelError, match=r"q_proj: torchao's MX config has kernel_preference=EMULATED"):
+        fusedqkv.apply_to(m)
+    m = _tiny_qwen3()  # apply_to's own recipe disagrees with the layers'
+    quantize_(m, _mx_config(), filter_fn=_is_qkv)
+    with pytest.raises(fusedqkv.UnsupportedModelError, match=r"fp8='mxfp8' but q/k/v_proj are torchao .* 'mxfp8_rceil'"):
+        fusedqkv.apply_to(m, fp8="mxfp8")
+    m = _tiny_qwen3()  # a Float8Linear beside MX layers
+    quantize_(m, _mx_config(), filter_fn=lambda mod, fqn: fqn.endswith(("q_proj", "k_proj")))
+    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=lambda mod, fqn: fqn.endswith("v_proj"))
+    with pytest.raises(fusedqkv.UnsupportedModelError, match="v_proj are torchao Float8Linear layers and the others"):
+        fusedqkv.apply_to(m)
+    from _hf_models import batch
+
+    m = _tiny_qwen3()  # after apply_to: a recipe given to apply_to, or one the config cannot run
+    fusedqkv.apply_to(m, fp8="rowwise")
+    quantize_(m, _mx_config(), filter_fn=_is_fused)
+    with pytest.raises(UnsupportedModuleError, match=r"apply_to\(fp8='rowwise'\) but qkv_proj.weight is wrapped .* "
+                                                     r"'mxfp8_rceil'"):
+        m(batch())
+    m = _tiny_qwen3()
+    fusedqkv.apply_to(m)
+    quantize_(m, _mx_config(scale_calculation_mode=ScaleCalculationMode.CEIL), filter_fn=_is_fused)
+    with pytest.raises(UnsupportedModuleError, match=r"qkv_proj.weight: torchao's MX config has "
+                                                     r"scale_calculation_mode=CEIL"):
+        m(batch())

@@ -191,6 +191,47 @@ def _recipe_of_config(config) -> Fp8Recipe:
     return got
 
 
+def recipe_of_torchao_mx_config(config, where: str = "torchao MX training") -> Fp8Recipe:
+    """The recipe torchao's MX training config describes: torchao 0.18's ``MXFP8TrainingOpConfig``
+    (what ``quantize_`` wraps weights with; an ``MXFP8Linear`` carries the same fields), or any object
+    with its fields. ``scale_calculation_mode`` RCEIL is ``"mxfp8_rceil"``, FLOOR ``"mxfp8"``;
+    ``wgrad_with_hp`` keeps dW in high precision (a custom recipe: dW's operands ``hp``). Where the
+    config has them (older torchao's ``MXLinearConfig``), ``elem_dtype`` (and its weight and
+    grad_output overrides) must be e4m3 and ``block_size`` 32. What the block cannot honour (CEIL or
+    EVEN scales, another element dtype or block, ``kernel_preference`` other than AUTO, an
+    ``out_dtype`` other than bf16) raises ``ValueError`` naming the field and its value.
+    ``pad_token_groups_for_grouped_mm`` is torchao's grouped GEMMs' only: not read."""
+    def refuse(field, value, want):
+        raise ValueError(f"{where}: torchao's MX config has {field}={value}; the fused block runs {want}")
+
+    def name(v):
+        return getattr(v, "name", v)
+
+    mode = getattr(config, "scale_calculation_mode", None)
+    if mode is None:
+        mode = getattr(config, "scaling_mode", None)
+    mode_value = getattr(mode, "value", mode)
+    if mode_value not in ("rceil", "floor"):
+        refuse("scale_calculation_mode", name(mode), "RCEIL (fp8='mxfp8_rceil') or FLOOR (fp8='mxfp8') scales only")
+    kp = getattr(config, "kernel_preference", None)
+    if kp is not None and getattr(kp, "value", kp) != "auto":
+        refuse("kernel_preference", name(kp), "real MX GEMMs only (KernelPreference.AUTO; the CPU emulates them)")
+    for field in ("elem_dtype", "elem_dtype_weight_override", "elem_dtype_grad_output_override"):
+        dt = getattr(config, field, None)
+        if dt is not None and dt != E4M3:
+            refuse(field, dt, "e4m3 (torch.float8_e4m3fn) elements only")
+    block = getattr(config, "block_size", MX_BLOCK)
+    if block != MX_BLOCK:
+        refuse("block_size", block, f"blocks of {MX_BLOCK} only")
+    out_dtype = getattr(config, "out_dtype", torch.bfloat16)
+    if out_dtype != torch.bfloat16:
+        refuse("out_dtype", out_dtype, "MX GEMMs that write bf16 only")
+    r = RECIPES["mxfp8_rceil" if mode_value == "rceil" else "mxfp8"]
+    if getattr(config, "wgrad_with_hp", False):  # torchao's dW in high precision: dW's operands uncast
+        r = dataclasses.replace(r, name="custom", input_for_grad_weight=_HP, grad_output_for_grad_weight=_HP)
+    return r
+
+
 def check_supported(device: torch.device, hidden: int, n_tot: int, r: Optional[Fp8Recipe] = None) -> None:
     """ValueError where the scaled GEMMs cannot run: FP8 GEMMs need sm_89+ on CUDA, and
     inner and outer sizes that are multiples of 16; recipe ``r``'s MX GEMMs (``r.mx``) need sm_100+
