@@ -52,8 +52,9 @@ The constexpr values come from the launchers (``fusedqkv/ops``):
   activation dtype, the FP8 format, the power-of-two scales and the integer modes; the dual casts
   (session 21: amax partials, finish, one cast to two layouts) also over rows and columns each per
   axis or per tensor, and each side's FP8 format; the rowwise cast from row partials (session 24).
-* ``mx_cast_kernel`` (``ops/fp8.mx_cast_triton``, the mxfp8 recipe; sm_100a only): the launcher's
-  tile, each integer mode, and the transposed read of a bf16 operand (the dW GEMM's).
+* ``mx_cast_kernel`` (``ops/fp8.mx_cast_triton``, the mxfp8 and mxfp8_rceil recipes; sm_100a only): the
+  launcher's tile, each scale mode (FLOOR, RCEIL) in each integer mode, and the transposed read of a bf16
+  operand (the dW GEMM's).
 * ``qkv_rope_norm_gemm_sm90_kernel`` (Gluon, ``ops/qkv_rope_norm_gemm``; sm_90 only: wgmma, setmaxnreg):
   the launcher's tile (``TILE``, maxnreg ``MAXNREG``), head_dim 128, bf16/fp16, either norm position,
   weighted or not, pairwise with its integer arguments' specialisations by group (``GEMM_INT_AXES``);
@@ -646,17 +647,21 @@ def lora_block_jobs() -> list:
 MX_CAST_TILE = dict(BR=32, BC=128)
 
 
-def _mx_cast_job(ints, one=None, level="cubin"):
+def _mx_cast_job(ints, one=None, level="cubin", rceil=False):
     what = "transposed" if one == "stride_xr" else "rows"
-    return dict(kernel="mx_cast.mx_cast_kernel", cc=100, consts=dict(FP8_MAX=448.0, SOFT_ROUND=False, **MX_CAST_TILE),
+    return dict(kernel="mx_cast.mx_cast_kernel", cc=100,
+                consts=dict(FP8_MAX=448.0, SOFT_ROUND=False, RCEIL=rceil, **MX_CAST_TILE),
                 types={"x_ptr": "*bf16", "y_ptr": "*u8", "s_ptr": "*u8"}, ints=ints, one=one,
-                options={"num_warps": 4}, level=level, label=f"mx_cast sm100 bf16->fp8e4nv {what} ints={ints}"
-                                                              f"{'' if one is None else ' one=' + one}")
+                options={"num_warps": 4}, level=level,
+                label=f"mx_cast sm100 bf16->fp8e4nv {'rceil' if rceil else 'floor'} {what} ints={ints}"
+                      f"{'' if one is None else ' one=' + one}")
 
 
 def mx_cast_jobs(level="cubin") -> list:
-    # every integer mode (as every family), then the transposed read the dW GEMM's operands take
-    return [_mx_cast_job(ints, level=level) for ints in INT_MODES] + [_mx_cast_job("div16", "stride_xr", level)]
+    # each scale mode (mxfp8: FLOOR, mxfp8_rceil: RCEIL, session 26) in every integer mode (as every family),
+    # then the transposed read the dW GEMM's operands take
+    return [_mx_cast_job(ints, one, level, rceil) for rceil in (False, True)
+            for ints, one in [*((m, None) for m in INT_MODES), ("div16", "stride_xr")]]
 
 
 # QLoRA's one-launch NF4 dequantization (ops/dequant_4bit.py, kernels/dequant_4bit.py): sm_90 and sm_100a,
@@ -914,6 +919,7 @@ def one_at_a_time_jobs(kernel_args: dict) -> list:
         *(_fp8_job(family, 90, "plain", level="ttir") for family in FP8_KERNELS),
         _gemm_job("bf16", True, True, True, "plain", "plain", level="ttir"),
         _mx_cast_job("plain", level="ttir"),
+        _mx_cast_job("plain", level="ttir", rceil=True),
     ]
     jobs = []
     for base in bases:

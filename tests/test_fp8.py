@@ -973,12 +973,13 @@ def test_mxfp8_recipe_and_key_round_trip():
         dataclasses.replace(r, name="custom", grad_output=fp8.Cast(fp8.E5M2, False, 32))
 
 
-def test_mxfp8_is_refused_below_sm100_before_any_launch(monkeypatch):
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp8_rceil"])
+def test_mxfp8_is_refused_below_sm100_before_any_launch(monkeypatch, name):
     """An H200 (sm_90) refuses the recipe at planning, naming it, its capability and sm_100."""
     monkeypatch.setattr(fp8._device, "capability", lambda device: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    r = fp8.recipe("mxfp8")
-    with pytest.raises(ValueError, match=r"fp8='mxfp8'.*sm_100.*H200 is 9\.0 \(sm_90\)"):
+    r = fp8.recipe(name)
+    with pytest.raises(ValueError, match=rf"fp8='{name}'.*sm_100.*H200 is 9\.0 \(sm_90\)"):
         fp8.check_supported(torch.device("cuda", 0), 64, 256, r)
     fp8.check_supported(torch.device("cuda", 0), 64, 256, fp8.RECIPES["rowwise"])  # the others still run
     monkeypatch.setattr(fp8._device, "capability", lambda device: (10, 0))
@@ -1080,8 +1081,343 @@ def test_mxfp8_module_and_apply_to_take_the_recipe():
     assert "fp8=mxfp8" in repr(m.model.layers[0].self_attn)
     m(batch()).logits.float().pow(2).mean().backward()
     assert m.model.layers[0].self_attn.qkv_proj.weight.grad is not None
-    m = _tiny_qwen3()  # torchao's MX training layers in q/k/v_proj's place: refused, named
+    m = _tiny_qwen3()  # torchao's MX training layer in one of q/k/v_proj's places: refused, named
     attn = m.model.layers[0].self_attn
     attn.q_proj = MXFP8Linear(attn.q_proj.in_features, attn.q_proj.out_features, bias=False)
-    with pytest.raises(fusedqkv.UnsupportedModelError, match="MXFP8 training layer"):
+    with pytest.raises(fusedqkv.UnsupportedModelError, match="q_proj are torchao MX training layers and k_proj, "
+                                                             "v_proj are not"):
         fusedqkv.apply_to(m)
+
+
+# ------------------------------------------------------------------------ mxfp8_rceil (issue 35; torchao's RCEIL)
+
+from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
+
+
+def test_mxfp8_rceil_recipe_and_key_round_trip():
+    r = fp8.recipe("mxfp8_rceil")
+    assert r is fp8.RECIPES["mxfp8_rceil"] and r.mx and r.rceil and r.key == "mxfp8_rceil"
+    assert all(c == fp8.Cast(fp8.E4M3, False, 32, True) for c in r.casts()) and str(r.input) == "e4m3/mx32rceil"
+    assert not fp8.RECIPES["mxfp8"].rceil and r != fp8.RECIPES["mxfp8"]
+    hp = dataclasses.replace(r, name="custom", input_for_grad_weight=fp8.Cast(None),
+                             grad_output_for_grad_weight=fp8.Cast(None))
+    assert hp.key.startswith("custom:e4m3/mx32rceil,") and fp8.recipe(hp.key) == hp and hp.rceil
+    with pytest.raises(ValueError, match="RCEIL MX scales on some"):
+        dataclasses.replace(r, name="custom", weight=fp8.Cast(fp8.E4M3, False, 32))
+
+
+def _exact_rceil(a: float) -> int:
+    """ceil(log2(a / 448)) + 127 clamped to 0..254 by exact rational arithmetic (the e8m0 code of
+    torchao's RCEIL scale as cuBLAS defines it), for a finite a >= 0."""
+    from fractions import Fraction
+
+    if a == 0:
+        return 0
+    q = Fraction(a) / 448
+    n = math.floor(math.log2(a)) - 9  # below the answer; then the least n with 2^n >= q
+    while Fraction(2) ** n < q:
+        n += 1
+    return min(max(n + 127, 0), 254)
+
+
+def _f32(bits) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+
+
+_F448 = 448.0
+# 448 * 2^k for every k whose product is a positive finite fp32 (subnormal ones included)
+_POW_448 = [b for b in (torch.tensor([_F448]) * torch.exp2(torch.arange(-157, 120).float())).view(torch.int32).tolist()
+            if 0 < b < 0x7F800000]
+# torchao's RCEIL on the CPU (_to_mx_rceil: ceil(log2(amax / 448)) in fp32) is one code low for amaxes up to 40
+# ulps above 448 * 2^k: the quotient is rounded, and fp32 log2 of 2^k (1 + d) returns k where d is below half
+# an ulp of k (more ulps as |k| grows; none for |k| < 4); below 2^-126 the quotient is subnormal and rounds onto
+# 2^-127 itself. These amaxes (bit patterns) are the only ones where torchao may differ from the exact code.
+_RCEIL_LOG2_SLIP = frozenset(b + j for b in _POW_448 for j in range(1, 41))
+
+
+def _rceil_amaxes() -> torch.Tensor:
+    """fp32 amaxes around every 448 * 2^k (exact, +-1..64 ulps), powers of two, random ones over the
+    whole range, zero, fp32 subnormals, the largest finite."""
+    torch.manual_seed(9)
+    near = [b + j for b in _POW_448 for j in range(-64, 65)]
+    pow2 = (torch.exp2(torch.arange(-149, 128).float())).view(torch.int32).tolist()
+    rand = torch.randint(1, 0x7F7FFFFF, (4000,), dtype=torch.int32).tolist()
+    bits = sorted({b for b in near + pow2 + rand + [0, 1, 2, 0x7FFFFF, 0x800000, 0x7F7FFFFF] if 0 <= b < 0x7F800000})
+    return _f32(bits)
+
+
+def test_mx_rceil_code_is_the_exact_ceil():
+    a = _rceil_amaxes()
+    got = fp8.mx_rceil_code(a).tolist()
+    want = [_exact_rceil(v) for v in a.tolist()]
+    assert got == want
+    special = torch.tensor([float("inf"), float("nan"), -float("nan")])
+    assert fp8.mx_rceil_code(special.abs()).tolist() == [254, 255, 255]  # torchao's codes
+
+
+def _blocks_of(amax: torch.Tensor) -> torch.Tensor:
+    """One 32-value block per amax: the amax (signs alternating by row), and below it values that
+    exercise the data codes (scaled copies of amax, zeros)."""
+    n = amax.numel()
+    frac = torch.tensor([1.0, -0.75, 0.5, -0.3, 0.1, 1e-3, 0.0, -2.0 ** -12] * 4)
+    t = amax[:, None] * frac[None, :]
+    t[:, 0] = torch.where(torch.arange(n) % 2 == 0, amax, -amax)
+    return t
+
+
+def _nan_aware_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Codes equal, or both e4m3 NaN (0x7F/0xFF: the NaN's sign is the platform's)."""
+    a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return (a == b) | (((a & 0x7F) == 0x7F) & ((b & 0x7F) == 0x7F))
+
+
+def test_mxfp8_rceil_cast_equals_torchaos_to_mx_but_its_log2_slips():
+    """The torch path's RCEIL scales are the exact codes; torchao's CPU ``to_mx(..., RCEIL)`` agrees
+    everywhere but in ``_RCEIL_LOG2_SLIP``, where it may be one code low (and its data then scaled by
+    twice our scale); data codes equal wherever the scales are."""
+    a = _rceil_amaxes()
+    t = _blocks_of(a)
+    d, s = fp8.mx_cast_torch(t, rceil=True)
+    s = s.view(torch.uint8).reshape(-1).int()
+    assert s.tolist() == [_exact_rceil(v) for v in a.tolist()]
+    ts, td = to_mx(t, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode.RCEIL)
+    ts = ts.view(torch.uint8).reshape(-1).int()
+    differ = (ts != s).nonzero().reshape(-1)
+    bits = a.view(torch.int32)
+    outside = [hex(bits[i].item()) for i in differ.tolist() if bits[i].item() not in _RCEIL_LOG2_SLIP]
+    assert not outside, outside[:10]  # torchao disagrees only where its float log2 rounds
+    assert (ts[differ] == s[differ] - 1).all()
+    same = ts == s
+    assert _nan_aware_equal(d[same], td[same]).all()
+    print(f"torchao RCEIL one code low on {differ.numel()} of {a.numel()} amaxes "
+          f"({len({b for b in bits.tolist() if b in _RCEIL_LOG2_SLIP})} in the slip set)")
+
+
+def test_mxfp8_rceil_special_blocks_equal_torchao():
+    """Zero, fp32-subnormal, tiny (code 0: torchao casts with 1/scale 1.0), infinite (code 254, 1/scale
+    2^-127) and NaN blocks (code 255, NaN data) against torchao, both modes."""
+    t = torch.randn(8, 32) * 100
+    t[0] = 0
+    t[1] = torch.linspace(-1, 1, 32) * 1e-40  # subnormal
+    t[2] = torch.linspace(-1, 1, 32) * 2.0 ** -118  # code 0, not subnormal
+    t[3, 4] = float("inf")
+    t[3, 5] = 3e38  # x * 2^-127: a nonzero e4m3 code
+    t[4, 7] = -float("inf")
+    t[5, 9] = float("nan")
+    t[6, 0] = float("nan")
+    t[6, 1] = float("inf")
+    for rceil, mode in ((True, ScaleCalculationMode.RCEIL), (False, ScaleCalculationMode.FLOOR)):
+        d, s = fp8.mx_cast_torch(t, rceil=rceil)
+        ts, td = to_mx(t, torch.float8_e4m3fn, 32, scaling_mode=mode)
+        assert torch.equal(s.view(torch.uint8), ts.view(torch.uint8)), (rceil, s.view(torch.uint8), ts.view(torch.uint8))
+        assert _nan_aware_equal(d, td).all(), rceil
+        assert s.view(torch.uint8)[5:7].reshape(-1).tolist() == [255, 255]
+    assert fp8.mx_cast_torch(t, rceil=True)[1].view(torch.uint8)[3].item() == 254
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under the interpreter: inf * 0, NaN casts)
+@pytest.mark.parametrize("rceil", [False, True])
+def test_mx_cast_kernel_gives_a_nan_block_the_nan_code(interpret, rceil):
+    """A block with a NaN: e8m0 code 255 and NaN data where torchao's is (the FLOOR kernel's float max
+    dropped the NaN, code 120 here, and its clamp turned the NaN into -448, code 0xFE)."""
+    t = torch.randn(4, 64) * 10
+    t[0, 3] = float("nan")
+    t[1, 40] = -float("nan")
+    t[2, 33] = float("inf")
+    t[2, 34] = float("nan")
+    d, s = fp8.mx_cast_triton(t, rceil=rceil)
+    mode = ScaleCalculationMode.RCEIL if rceil else ScaleCalculationMode.FLOOR
+    ts, td = to_mx(t, torch.float8_e4m3fn, 32, scaling_mode=mode)
+    full = from_blocked(s.view(torch.uint8), 128, 4)[:4, :2]
+    assert full[0, 0] == 255 and full[1, 1] == 255 and full[2, 1] == 255
+    assert torch.equal(full, ts.view(torch.uint8))
+    assert _nan_aware_equal(d, td).all()
+    assert (d.view(torch.uint8) != 0xFE).all()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (numpy under the interpreter: inf * 0, NaN casts)
+def test_mx_cast_kernel_rceil_equals_mx_rceil_code(interpret):
+    """The kernel's RCEIL (interpreted) against ``mx_rceil_code`` and the torch path: amaxes at, just
+    above and below 448 * 2^k, special blocks, rows and a transposed view padded to 32 (the blocked
+    layout's padding zero)."""
+    torch.manual_seed(10)
+    ks = torch.arange(-20, 20).float()
+    amax = torch.cat([torch.exp2(ks) * 448, torch.exp2(ks) * 448 * (1 + 2.0 ** -23), torch.exp2(ks) * 448 * (1 - 2.0 ** -24),
+                      torch.tensor([0.0, 1e-40, 3e38, float("inf")])])
+    t = _blocks_of(amax)[:, torch.randperm(32)]  # [124, 32]
+    t = torch.cat([t, t.flip(0)[:, :8]], 1)  # [124, 40]: a partial second block, padded
+    for a in (t, t[:, :24].t()):  # blocks along 40 (padded to 64), and along 124 (padded to 128) of the view
+        rows, cols = a.shape
+        pad = -(-cols // 32) * 32
+        d, s = fp8.mx_cast_triton(a, rceil=True)
+        want_d, want_s = fp8.mx_cast_torch(a, rceil=True)
+        assert d.shape == (rows, pad) and _nan_aware_equal(d, want_d).all()
+        n_sc = -(-pad // 128) * 4
+        full = from_blocked(s.view(torch.uint8), -(-rows // 128) * 128, n_sc)
+        blocks = torch.nn.functional.pad(a.float(), (0, pad - cols)).reshape(rows, -1, 32)
+        code = fp8.mx_rceil_code(blocks.abs().amax(-1)).to(torch.uint8)
+        assert torch.equal(full[:rows, :pad // 32], code) and torch.equal(want_s.view(torch.uint8), code)
+        assert not full[rows:].any() and not full[:, pad // 32:].any()
+
+
+# ------------------------------------------------------------------------ torchao's MX training (0.18) and apply_to
+
+from types import SimpleNamespace  # noqa: E402
+
+from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe  # noqa: E402
+from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear  # noqa: E402
+from torchao.quantization import quantize_  # noqa: E402
+from torchao.quantization.quantize_.common.kernel_preference import KernelPreference  # noqa: E402
+
+
+def _mx_config(**kw):
+    return MXFP8TrainingOpConfig(**kw)
+
+
+def test_recipe_of_torchao_mx_config_maps_rceil_floor_and_wgrad_with_hp():
+    assert fp8.recipe_of_torchao_mx_config(_mx_config()) is fp8.RECIPES["mxfp8_rceil"]  # torchao's default: RCEIL
+    assert fp8.recipe_of_torchao_mx_config(MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL)) \
+        is fp8.RECIPES["mxfp8_rceil"]
+    assert fp8.recipe_of_torchao_mx_config(_mx_config(scale_calculation_mode=ScaleCalculationMode.FLOOR)) \
+        is fp8.RECIPES["mxfp8"]
+    hp = fp8.recipe_of_torchao_mx_config(MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL_WGRAD_WITH_HP))
+    assert hp.rceil and hp.grad_output_for_grad_weight.dtype is None and hp.input_for_grad_weight.dtype is None
+    assert hp.casts()[:4] == fp8.RECIPES["mxfp8_rceil"].casts()[:4] and fp8.recipe(hp.key) == hp
+    # an MXFP8Linear carries the same fields; pad_token_groups_for_grouped_mm is the grouped GEMMs' only
+    lin = MXFP8Linear(64, 32, bias=False, scale_calculation_mode=ScaleCalculationMode.FLOOR, wgrad_with_hp=True)
+    assert fp8.recipe_of_torchao_mx_config(lin) == dataclasses.replace(hp, input=fp8.RECIPES["mxfp8"].input,
+                                                                     weight=fp8.RECIPES["mxfp8"].input,
+                                                                     grad_output=fp8.RECIPES["mxfp8"].input,
+                                                                     weight_for_grad_input=fp8.RECIPES["mxfp8"].input)
+    assert fp8.recipe_of_torchao_mx_config(_mx_config(pad_token_groups_for_grouped_mm=True)) is fp8.RECIPES["mxfp8_rceil"]
+
+
+@pytest.mark.parametrize("config, field, value", [
+    (dict(scale_calculation_mode=ScaleCalculationMode.CEIL), "scale_calculation_mode", "CEIL"),
+    (dict(scale_calculation_mode=ScaleCalculationMode.EVEN), "scale_calculation_mode", "EVEN"),
+    (dict(kernel_preference=KernelPreference.EMULATED), "kernel_preference", "EMULATED"),
+    (dict(kernel_preference=KernelPreference.TORCH), "kernel_preference", "TORCH"),
+    (dict(out_dtype=torch.float32), "out_dtype", "torch.float32"),
+    (dict(out_dtype=None), "out_dtype", "None"),
+])
+def test_recipe_of_torchao_mx_config_refuses_what_the_block_cannot_run(config, field, value):
+    with pytest.raises(ValueError, match=rf"where: torchao's MX config has {field}={value}"):
+        fp8.recipe_of_torchao_mx_config(_mx_config(**config), "where")
+
+
+@pytest.mark.parametrize("field, value", [("elem_dtype", torch.float8_e5m2), ("elem_dtype", torch.float4_e2m1fn_x2),
+                                          ("elem_dtype_weight_override", torch.float8_e5m2),
+                                          ("elem_dtype_grad_output_override", torch.float8_e5m2),
+                                          ("block_size", 16)])
+def test_recipe_of_an_mx_linear_config_refuses_other_elements_and_blocks(field, value):
+    """Older torchao's MXLinearConfig fields (element dtypes, block size), where a config has them."""
+    ok = SimpleNamespace(elem_dtype=torch.float8_e4m3fn, block_size=32, scale_calculation_mode=ScaleCalculationMode.RCEIL)
+    assert fp8.recipe_of_torchao_mx_config(ok) is fp8.RECIPES["mxfp8_rceil"]
+    with pytest.raises(ValueError, match=rf"has {field}={value}"):
+        fp8.recipe_of_torchao_mx_config(SimpleNamespace(**dict(vars(ok), **{field: value})))
+
+
+def _is_qkv(mod, fqn):
+    return fqn.split(".")[-1] in ("q_proj", "k_proj", "v_proj")
+
+
+def _is_fused(mod, fqn):
+    return fqn.endswith("qkv_proj")
+
+
+def _mx_grads(m):
+    from _hf_models import batch
+
+    m(batch()).logits.float().pow(2).mean().backward()
+    return [m.model.layers[i].self_attn.qkv_proj.weight.grad for i in range(2)]
+
+
+@pytest.mark.parametrize("mode, name", [(ScaleCalculationMode.RCEIL, "mxfp8_rceil"), (ScaleCalculationMode.FLOOR, "mxfp8")])
+def test_mx_training_over_qkv_proj_after_apply_to_runs_its_recipe(mode, name):
+    """quantize_ with torchao's MX training config over qkv_proj after apply_to (and after a first forward:
+    the plan sees the wrapped parameter) runs its recipe in the block, as apply_to(fp8=name) does (the CPU
+    emulates the MX GEMMs); the gradient reaches the wrapped parameter."""
+    from _hf_models import batch
+
+    ids = batch()
+    want = _tiny_qwen3()
+    fusedqkv.apply_to(want, fp8=name)
+    m = _tiny_qwen3()
+    fusedqkv.apply_to(m)
+    plain = m(ids).logits
+    quantize_(m, _mx_config(scale_calculation_mode=mode), filter_fn=_is_fused)
+    attn = m.model.layers[0].self_attn
+    assert type(attn.qkv_proj.weight).__name__ == "MXFP8TrainingWeightWrapperTensor"
+    got = m(ids).logits
+    assert torch.equal(got, want(ids).logits) and not torch.equal(got, plain)
+    for g, w in zip(_mx_grads(m), _mx_grads(want)):
+        assert g is not None and torch.equal(g, w)
+    assert list(m.state_dict()) == list(_tiny_qwen3().state_dict())  # HF's keys
+
+
+@pytest.mark.parametrize("how", ["quantize_", "MXFP8Linear"])
+def test_mx_training_layers_before_apply_to_give_the_fused_block_their_recipe(how):
+    """q/k/v_proj as torchao MX training layers before apply_to (weights that quantize_ wrapped, or
+    MXFP8Linear modules): one fused plain parameter, the layers' recipe in the block."""
+    from _hf_models import batch
+
+    ids = batch()
+    want = _tiny_qwen3()
+    fusedqkv.apply_to(want, fp8="mxfp8_rceil")
+    m = _tiny_qwen3()
+    if how == "quantize_":
+        quantize_(m, _mx_config(), filter_fn=_is_qkv)
+    else:
+        for layer in m.model.layers:
+            for n in ("q_proj", "k_proj", "v_proj"):
+                old = getattr(layer.self_attn, n)
+                new = MXFP8Linear(old.in_features, old.out_features, bias=False)
+                with torch.no_grad():
+                    new.weight.copy_(old.weight)
+                setattr(layer.self_attn, n, new)
+    assert fusedqkv.apply_to(m) == 2
+    attn = m.model.layers[0].self_attn
+    assert "fp8=mxfp8_rceil" in repr(attn) and type(attn.qkv_proj.weight) is torch.nn.Parameter
+    assert attn.qkv_proj.weight.requires_grad
+    assert torch.equal(m(ids).logits, want(ids).logits)
+    for g, w in zip(_mx_grads(m), _mx_grads(want)):
+        assert torch.equal(g, w)
+    assert list(m.state_dict()) == list(_tiny_qwen3().state_dict())
+
+
+def test_mixed_or_unsupported_mx_training_layers_are_refused_by_name():
+    m = _tiny_qwen3()  # different configs over q/k/v
+    quantize_(m, _mx_config(), filter_fn=lambda mod, fqn: fqn.endswith(("q_proj", "k_proj")))
+    quantize_(m, _mx_config(scale_calculation_mode=ScaleCalculationMode.FLOOR), filter_fn=_is_qkv)
+    with pytest.raises(fusedqkv.UnsupportedModelError,
+                       match=r"MX training layers of q_proj, k_proj, v_proj have different configs "
+                             r"\(q_proj: mxfp8_rceil, k_proj: mxfp8_rceil, v_proj: mxfp8\)"):
+        fusedqkv.apply_to(m)
+    m = _tiny_qwen3()  # a config the block cannot run
+    quantize_(m, _mx_config(kernel_preference=KernelPreference.EMULATED), filter_fn=_is_qkv)
+    with pytest.raises(fusedqkv.UnsupportedModelError, match=r"q_proj: torchao's MX config has kernel_preference=EMULATED"):
+        fusedqkv.apply_to(m)
+    m = _tiny_qwen3()  # apply_to's own recipe disagrees with the layers'
+    quantize_(m, _mx_config(), filter_fn=_is_qkv)
+    with pytest.raises(fusedqkv.UnsupportedModelError, match=r"fp8='mxfp8' but q/k/v_proj are torchao .* 'mxfp8_rceil'"):
+        fusedqkv.apply_to(m, fp8="mxfp8")
+    m = _tiny_qwen3()  # a Float8Linear beside MX layers
+    quantize_(m, _mx_config(), filter_fn=lambda mod, fqn: fqn.endswith(("q_proj", "k_proj")))
+    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=lambda mod, fqn: fqn.endswith("v_proj"))
+    with pytest.raises(fusedqkv.UnsupportedModelError, match="v_proj are torchao Float8Linear layers and the others"):
+        fusedqkv.apply_to(m)
+    from _hf_models import batch
+
+    m = _tiny_qwen3()  # after apply_to: a recipe given to apply_to, or one the config cannot run
+    fusedqkv.apply_to(m, fp8="rowwise")
+    quantize_(m, _mx_config(), filter_fn=_is_fused)
+    with pytest.raises(UnsupportedModuleError, match=r"apply_to\(fp8='rowwise'\) but qkv_proj.weight is wrapped .* "
+                                                     r"'mxfp8_rceil'"):
+        m(batch())
+    m = _tiny_qwen3()
+    fusedqkv.apply_to(m)
+    quantize_(m, _mx_config(scale_calculation_mode=ScaleCalculationMode.CEIL), filter_fn=_is_fused)
+    with pytest.raises(UnsupportedModuleError, match=r"qkv_proj.weight: torchao's MX config has "
+                                                     r"scale_calculation_mode=CEIL"):
+        m(batch())

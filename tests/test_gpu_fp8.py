@@ -407,25 +407,30 @@ blackwell = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_d
 
 
 @blackwell
+@pytest.mark.parametrize("rceil", [False, True])
 @pytest.mark.parametrize("shape", [(256, 512), (200, 96)])
-def test_mx_cast_kernel_equals_the_torch_cast_bitwise(shape):
-    """The kernel's codes and blocked scales are the torch path's (torchao's to_mx steps), rows and a
-    transposed view (the dW GEMM's operands, padded to 32)."""
+def test_mx_cast_kernel_equals_the_torch_cast_bitwise(shape, rceil):
+    """The kernel's codes and blocked scales are the torch path's (torchao's to_mx steps; RCEIL: the exact
+    mx_rceil_code), rows and a transposed view (the dW GEMM's operands, padded to 32); a NaN block and an
+    infinite one (codes 255 and 254 under RCEIL)."""
     from torchao.prototype.mx_formats.utils import to_blocked
 
     t = _operand(*shape, 7)
+    t[1, 3], t[2, 40], t[2, 41] = float("nan"), float("inf"), 3e38
     for a in (t, t.t()):
-        d, s = fp8.mx_cast_triton(a)
-        want_d, want_s = fp8.mx_cast_torch(a)
-        assert torch.equal(d.view(torch.uint8), want_d.view(torch.uint8))
+        d, s = fp8.mx_cast_triton(a, rceil=rceil)
+        want_d, want_s = fp8.mx_cast_torch(a, rceil=rceil)
+        dc, wc = d.view(torch.uint8), want_d.view(torch.uint8)
+        assert ((dc == wc) | ((dc & 0x7F) == 0x7F) & ((wc & 0x7F) == 0x7F)).all()  # (a NaN's sign: the platform's)
         assert torch.equal(s.view(torch.uint8), to_blocked(want_s.view(torch.uint8)))
 
 
 @blackwell
-def test_mxfp8_gemms_equal_the_emulation():
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp8_rceil"])
+def test_mxfp8_gemms_equal_the_emulation(name):
     """The three MX GEMMs (torch._scaled_mm, e8m0 scales) against the CPU emulation of the same casts."""
     x, w, g = _operand(512, 256, 1), _operand(384, 256, 2), _operand(512, 384, 3)
-    r = fp8.RECIPES["mxfp8"]
+    r = fp8.RECIPES[name]
     got = (fp8.forward(x, w, r), fp8.grad_input(g, w, r), fp8.grad_weight(g, x, r))
     want = (fp8.forward(x.cpu(), w.cpu(), r), fp8.grad_input(g.cpu(), w.cpu(), r),
             fp8.grad_weight(g.cpu(), x.cpu(), r))

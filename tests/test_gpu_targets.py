@@ -365,14 +365,16 @@ def test_stage_amax_jobs_compile_without_spills(compiled):
 
 
 def test_mx_cast_job_is_the_launchers(compiled):
-    """The mxfp8 cast (fp8.mx_cast_triton) compiles for sm_100a alone (the recipe is refused below it) at
-    the launcher's tile with the hardware's e4m3 cast, in every integer mode and with a transposed read
-    (the dW GEMM's operands), its cubins without a stack frame."""
+    """The mxfp8 and mxfp8_rceil casts (fp8.mx_cast_triton) compile for sm_100a alone (the recipes are refused
+    below it) at the launcher's tile with the hardware's e4m3 cast, in every integer mode and with a transposed
+    read (the dW GEMM's operands), its cubins without a stack frame."""
     from fusedqkv.ops import fp8
 
     jobs = [j for j in JOBS if j["label"].startswith("mx_cast") and j["level"] == "cubin"]
-    assert {j["cc"] for j in jobs} == {100} and [j["one"] for j in jobs if j["one"]] == ["stride_xr"]
-    assert {j["ints"] for j in jobs} == set(oc.INT_MODES)
+    assert {j["cc"] for j in jobs} == {100} and [j["one"] for j in jobs if j["one"]] == ["stride_xr"] * 2
+    for rceil in (False, True):  # mxfp8 (FLOOR) and mxfp8_rceil: each in every integer mode, each read transposed
+        mode = [j for j in jobs if j["consts"]["RCEIL"] is rceil]
+        assert {j["ints"] for j in mode} == set(oc.INT_MODES) and sum(j["one"] == "stride_xr" for j in mode) == 1
     for j in jobs:
         c = j["consts"]
         assert (c["BR"], c["BC"], c["FP8_MAX"], c["SOFT_ROUND"]) == (fp8._MX_BR, fp8._MX_BC, 448.0, False)

@@ -230,6 +230,53 @@ def test_a_float8_linear_not_over_the_fused_rows_is_refused():
         m(input_ids=_ids(m.config.vocab_size))
 
 
+def _mx_config():
+    pytest.importorskip("torchao.prototype.moe_training")
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+
+    return MXFP8TrainingOpConfig()  # torchao 0.18's MX training: RCEIL scales
+
+
+def test_lora_then_mx_training_over_qkv_proj_runs_both_in_the_block():
+    """get_peft_model after apply_to, then quantize_ with torchao's MX training config over qkv_proj: the
+    adapters inside the block and the fused GEMM in mxfp8_rceil (emulated on the CPU), as the same PEFT
+    model over apply_to(fp8='mxfp8_rceil'): outputs and every gradient equal."""
+    from torchao.quantization import quantize_
+
+    config = _mx_config()
+    base = build(family("qwen3"), bias=True)
+    want = copy.deepcopy(base)
+    fusedqkv.apply_to(want, fp8="mxfp8_rceil")
+    torch.manual_seed(1)
+    want = get_peft_model(want, _lora(["q_proj", "v_proj"]))
+    m = copy.deepcopy(base)
+    fusedqkv.apply_to(m)
+    m = get_peft_model(m, _lora(["q_proj", "v_proj"]))
+    set_peft_model_state_dict(m, get_peft_model_state_dict(want))
+    quantize_(m, config, filter_fn=lambda mod, fqn: fqn.endswith("qkv_proj"))
+    ids = _ids(m.config.vocab_size)
+    y, w = m(input_ids=ids).logits, want(input_ids=ids).logits
+    assert torch.equal(y, w)
+    y.pow(2).mean().backward()
+    w.pow(2).mean().backward()
+    got = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    ref = {n: p.grad for n, p in want.named_parameters() if p.grad is not None}
+    assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in got)
+
+
+@pytest.mark.filterwarnings("ignore:TorchaoLoraLinear was instantiated")
+def test_lora_over_rows_of_an_mx_wrapped_qkv_proj_is_refused():
+    """quantize_ over qkv_proj first: PEFT then sees torchao tensors in the rows and makes its own
+    TorchaoLoraLinear, which the block does not compute: refused by name (LoRA first works, above)."""
+    from torchao.quantization import quantize_
+
+    m, attn = _fused_qwen3()
+    quantize_(m, _mx_config(), filter_fn=lambda mod, fqn: fqn.endswith("qkv_proj"))
+    m = get_peft_model(m, _lora(["q_proj", "v_proj"]))
+    with pytest.raises(UnsupportedModuleError, match=r"q_proj is a peft\.tuners\.lora\.torchao\.TorchaoLoraLinear"):
+        m(input_ids=_ids(m.config.vocab_size))
+
+
 def test_bitsandbytes_layers_are_refused():
     bnb = pytest.importorskip("bitsandbytes")
     m, attn = _fused_qwen3()

@@ -193,6 +193,33 @@ def test_a_module_swapped_after_a_forward_is_refused_without_peft():
         m(input_ids=ids)
 
 
+def test_qkv_proj_parameters_wrapped_after_a_forward_are_seen():
+    """torchao's MX training (quantize_ over qkv_proj) swaps qkv_proj's parameters for wrapped ones, the
+    module and its rows unchanged: the fingerprint holds the parameters' classes and the config, so
+    the next forward plans again and runs the config's recipe (as apply_to(fp8='mxfp8_rceil'))."""
+    pytest.importorskip("torchao.prototype.moe_training")
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.quantization import quantize_
+
+    base = build(family("qwen3"), bias=True)
+    want = copy.deepcopy(base)
+    fusedqkv.apply_to(want, fp8="mxfp8_rceil")
+    m = copy.deepcopy(base)
+    fusedqkv.apply_to(m)
+    ids = _ids(m.config.vocab_size, 8)
+    attn = _attn(m)
+    plain = m(input_ids=ids).logits
+    plan = projection_plan._PLANS.get(attn)
+    assert plan is not None and plan.key is not None and plan.fp8 is None
+    quantize_(m, MXFP8TrainingOpConfig(), filter_fn=lambda mod, fqn: fqn.endswith("qkv_proj"))
+    got = m(input_ids=ids).logits
+    new = projection_plan._PLANS.get(attn)
+    assert new is not plan and new.key is not None and new.fp8.key == "mxfp8_rceil"
+    assert torch.equal(got, want(input_ids=ids).logits) and not torch.equal(got, plain)
+    m(input_ids=ids)
+    assert projection_plan._PLANS.get(attn) is new  # kept while nothing changes
+
+
 def test_a_dora_adapter_set_after_a_forward_is_refused():
     m, ref = _pair()
     ids = _ids(m.config.vocab_size, 5)

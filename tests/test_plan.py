@@ -256,8 +256,10 @@ def test_the_fp8_one_launch_forward_takes_the_recipes_it_computes_as_scaled_mm_d
     w = torch.empty(768, 256, dtype=torch.bfloat16)
     plain = Variant()
     assert {n: fp8_scales(r) for n, r in fp8.RECIPES.items()} == {"rowwise": 1, "rowwise_with_gw_hp": 1,
-                                                                  "tensorwise": 2, "mxfp8": 0}
-    assert "MX" in fused_gemm_unsupported(x, w, 128, 128, plain, None, (9, 0), fp8.RECIPES["mxfp8"])
+                                                                  "tensorwise": 2, "mxfp8": 0,
+                                                                  "mxfp8_rceil": 0}
+    for name in ("mxfp8", "mxfp8_rceil"):
+        assert "MX" in fused_gemm_unsupported(x, w, 128, 128, plain, None, (9, 0), fp8.RECIPES[name])
     for r in (r for r in fp8.RECIPES.values() if not r.mx):
         assert fused_gemm_unsupported(x, w, 128, 128, plain, None, (9, 0), r) is None
         assert "bf16" in fused_gemm_unsupported(x.half(), w.half(), 128, 128, plain, None, (9, 0), r)

@@ -354,7 +354,9 @@ def gqa_qkv_rope_qk_norm(hidden_states, qkv_weight, q_norm_weight, k_norm_weight
     the block's backward (:func:`fusedqkv.integrations.peft.lora_operands` builds it).
     ``fp8``: the projection's three GEMMs in FP8 (``torch._scaled_mm``), scaled and cast as
     torchao's ``Float8Linear`` does for the recipe: ``"tensorwise"``, ``"rowwise"`` or
-    ``"rowwise_with_gw_hp"`` (dW in high precision), or an :class:`~fusedqkv.ops.fp8.Fp8Recipe`;
+    ``"rowwise_with_gw_hp"`` (dW in high precision); ``"mxfp8"`` / ``"mxfp8_rceil"``: torchao's
+    MX training (e4m3 with one e8m0 scale per 32 values, FLOOR / RCEIL scales; Blackwell, sm_100,
+    only on CUDA, emulated on the CPU); or an :class:`~fusedqkv.ops.fp8.Fp8Recipe`;
     None (default): no FP8. RoPE and the norms stay in hidden_states' dtype. CUDA needs sm_89+.
 
     The block's variants: ``q_norm_weight=None`` and ``k_norm_weight=None``: unweighted norms

@@ -211,6 +211,39 @@ def _is_torchao_mx(m) -> bool:
                for o in (m, getattr(m, "weight", None)))
 
 
+def is_mx_wrapped(t) -> bool:
+    """``t`` a parameter that torchao's MX training wrapped (``quantize_`` with an
+    ``MXFP8TrainingOpConfig``: an ``MXFP8TrainingWeightWrapperTensor`` holding the plain tensor and
+    the config)."""
+    cls = type(t)
+    return cls.__module__.startswith("torchao.prototype") and cls.__name__.startswith("MXFP8") and hasattr(t, "config")
+
+
+def mx_plain(t):
+    """``t``'s plain tensor where torchao's MX training wrapped it, else ``t`` (not differentiable:
+    apply_to's copy of the weights)."""
+    return t._data if is_mx_wrapped(t) else t
+
+
+def torchao_mx_config(m):
+    """What describes torchao's MX training of module ``m`` (:func:`_is_torchao_mx`): an
+    ``MXFP8Linear`` itself (its fields are the config's), else its wrapped weight's config."""
+    return m if type(m).__name__ == "MXFP8Linear" else m.weight.config
+
+
+def fused_weights(proj: "FusedQKVProjection") -> tuple:
+    """``(weight, bias)`` of the fused projection as the block reads them: a parameter that torchao's
+    MX training wrapped (``quantize_`` over ``qkv_proj`` after apply_to) through torchao's
+    differentiable unwrap, so that its gradient reaches the wrapped parameter."""
+    w, b = proj.weight, proj.bias
+    if is_mx_wrapped(w) or (b is not None and is_mx_wrapped(b)):
+        from torchao.prototype.moe_training.utils import unwrap_weight
+
+        w = unwrap_weight(w) if is_mx_wrapped(w) else w
+        b = unwrap_weight(b) if b is not None and is_mx_wrapped(b) else b
+    return w, b
+
+
 def _is_float8_linear(m) -> bool:
     mod = sys.modules.get("torchao.float8.float8_linear")
     return mod is not None and type(m) is getattr(mod, "Float8Linear", None)
@@ -240,6 +273,23 @@ def slots_fp8_recipe(attn, slots: list, given):
 
     where = type(attn).__name__
     f8 = [(name, m) for name, m, _ in slots if _is_float8_linear(m)]
+    fused = attn._modules.get("qkv_proj")
+    w = getattr(fused, "weight", None) if fused is not None else None
+    if w is not None and is_mx_wrapped(w):  # torchao's MX training over qkv_proj (quantize_ after apply_to)
+        from ..ops.fp8 import recipe_of_torchao_mx_config
+
+        if f8:
+            raise UnsupportedModuleError(
+                f"fusedqkv: {where}.qkv_proj.weight is wrapped by torchao's MX training and {f8[0][0]} is a torchao "
+                f"Float8Linear; the fused projection is one GEMM, one recipe")
+        try:
+            got = recipe_of_torchao_mx_config(w.config, f"{where}.qkv_proj.weight")
+        except ValueError as e:
+            raise UnsupportedModuleError(f"fusedqkv: {e}") from None
+        if given is not None and given != got:
+            raise UnsupportedModuleError(f"fusedqkv: {where}: apply_to(fp8={given.key!r}) but qkv_proj.weight is "
+                                         f"wrapped by torchao's MX training of the recipe {got.key!r}")
+        return got
     if not f8:
         return given
     if len(f8) != len(slots):
@@ -293,6 +343,9 @@ def _hint(m) -> str:
     mod = type(m).__module__
     if mod.startswith("torchao.float8"):
         return "; fusedqkv runs torchao's Float8Linear over apply_to's rows only, unwrapped and unhooked"
+    if mod.startswith("torchao.prototype") and type(m).__name__.upper().startswith("MX"):
+        return ("; for torchao's MX training, convert q/k/v_proj before apply_to, or after it wrap qkv_proj's "
+                "weight (quantize_ with a filter_fn that takes qkv_proj)")
     if mod.startswith("peft."):
         return "; of PEFT's methods fusedqkv computes LoRA (lora.Linear) only"
     if mod.startswith("bitsandbytes"):

@@ -10,6 +10,8 @@ everything those decisions read, and reuses it while a new fingerprint is equal:
 
 * the module in each place (``qkv_proj``, each of q/k/v_proj, the ``base_layer`` under a PEFT
   LoRA layer, the fused projection a rows module reads) by identity, and its class;
+* ``qkv_proj``'s weight and bias classes, and the weight's torchao MX training config where
+  ``quantize_`` wrapped it (:func:`~.fused_projection.slots_fp8_recipe` reads its recipe);
 * each such module's hooks (forward, forward pre, backward, backward pre: how many) and whether
   ``forward`` was set on it;
 * per PEFT LoRA layer: ``disable_adapters``, ``merged``, the active adapters; per active adapter
@@ -125,6 +127,10 @@ def _fingerprint(attn, projs: tuple):
     add = key.extend
     if isinstance(fused, nn.Module):
         add((fused, type(fused), hook_counts(fused)))
+        # its parameters' classes (and a wrapper's config): quantize_ with torchao's MX training config
+        # swaps them for wrapped ones, whose recipe the block then runs
+        w, b = fused._parameters.get("weight"), fused._parameters.get("bias")
+        add((type(w), type(b), getattr(w, "config", None)))
     else:
         key.append(fused)
     lora_classes = _lora_classes()

@@ -42,9 +42,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..autograd import gqa_qkv_rope_qk_norm
-from ..ops.fp8 import check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config
+from ..ops.fp8 import (check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config,
+                       recipe_of_torchao_mx_config)
 from .fused_projection import (FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _is_float8_linear,
-                               _is_torchao_mx, unwrap_lora)
+                               _is_torchao_mx, fused_weights, mx_plain, torchao_mx_config, unwrap_lora)
 from .projection_plan import projection_plan
 from . import qlora
 from ..ops.validation import ALL_HEADS_MAX_HEAD_DIM as _ALL_HEADS_MAX_HEAD_DIM, MAX_HEAD_DIM as _MAX_HEAD_DIM
@@ -357,7 +358,7 @@ class _FusedAttention:
                 source = None
         else:
             proj = self.qkv_proj
-            w, b = proj.weight, proj.bias
+            w, b = fused_weights(proj)  # (torchao's MX-wrapped parameters unwrapped)
         # the adapters inside the block (in place), or as a residual of the projection output
         residual, lora = plan.lora(hidden_states, inplace=not spec.k_eq_v)
         fp8 = plan.fp8
@@ -696,18 +697,18 @@ def _check_linear(path: str, p, hidden: int) -> nn.Module:
                 raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {kind} has forward hooks, which the fused "
                                             f"block would not run")
         p = base
-    elif _is_torchao_mx(p):
-        raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path} is torchao's MXFP8 training layer ({type(p).__name__}, or its weight "
-            f"{type(p.weight).__name__}); the fused block does not take it over (its default scales are RCEIL, "
-            f"the block's fp8='mxfp8' torchao's to_mx FLOOR): call apply_to(model, fp8='mxfp8') on plain Linear layers")
+    elif _is_torchao_mx(p):  # torchao's MX training: its recipe runs in the block (_validate)
+        if type(p) is not nn.Linear and type(p).__name__ != "MXFP8Linear":
+            raise UnsupportedModelError(
+                f"fusedqkv.apply_to: {path} is a {type(p).__name__}; of torchao's MX training the fused block takes "
+                f"an MXFP8Linear or a Linear whose weight quantize_(MXFP8TrainingOpConfig) wrapped")
     elif type(p) is not nn.Linear and not _is_float8_linear(p):
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path} is a {type(p).__name__}; only a plain torch.nn.Linear or a bitsandbytes "
             f"Linear4bit (or a PEFT LoRA layer over one) can be fused (apply fusedqkv before wrapping projections "
             f"otherwise: tensor parallel)")
     w = p.weight
-    if type(w.data) is not torch.Tensor or w.is_meta:
+    if type(mx_plain(w).data) is not torch.Tensor or w.is_meta:
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path}.weight is a {type(w.data).__name__} on {w.device}; the fused "
             f"block needs a materialised dense tensor")
@@ -823,6 +824,22 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
             raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: the Float8Linear layers of {', '.join(names)} "
                                         f"have different float8 configs; one fused GEMM, one recipe")
         opts.append(("fp8", recipes.pop()))
+    mx = [name for name, p in zip(names, projs) if _is_torchao_mx(p)]
+    if mx:  # torchao's MX training (MXFP8Linear, or quantize_'s wrapped weights) before apply_to: its recipe
+        if f8 or len(mx) != len(projs):
+            others = [name for name in names if name not in mx]
+            raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {', '.join(mx)} are torchao MX training layers "
+                                        f"and {', '.join(others)} are not; one fused GEMM, one recipe")
+        try:
+            recipes = {name: recipe_of_torchao_mx_config(torchao_mx_config(p), f"{path}.{name}")
+                       for name, p in zip(names, projs)}
+        except ValueError as e:
+            raise UnsupportedModelError(f"fusedqkv.apply_to: {e}") from None
+        if len(set(recipes.values())) != 1:
+            raise UnsupportedModelError(
+                f"fusedqkv.apply_to: {path}: the torchao MX training layers of {', '.join(names)} have different "
+                f"configs ({', '.join(f'{n}: {r.key}' for n, r in recipes.items())}); one fused GEMM, one recipe")
+        opts.append(("fp8", recipes[names[0]]))
     split = tuple(n_rows)
     return FusedSpec(hq, hkv, d, eps_q, names, split, dict(opts), k_eq_v, tuple(attn._modules), quantized)
 
@@ -839,13 +856,14 @@ def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
     slots = [attn._modules[name] for name in spec.projs]
     projs = [_base_linear(m) for m in slots]
     q = projs[0]
-    ws = [p.weight for p in projs]
-    biases = [p.bias for p in projs]
+    ws = [mx_plain(p.weight) for p in projs]
+    biases = [mx_plain(p.bias) for p in projs]
     has_bias = biases[0] is not None
     # the fused projection; no init (its values are the joined weights)
     with torch.no_grad():
-        weight = nn.Parameter(torch.cat(ws, 0), requires_grad=ws[0].requires_grad)
-        bias = nn.Parameter(torch.cat(biases, 0), requires_grad=biases[0].requires_grad) if has_bias else None
+        # (requires_grad the parameters': an MX-wrapped one's plain tensor has none)
+        weight = nn.Parameter(torch.cat(ws, 0), requires_grad=projs[0].weight.requires_grad)
+        bias = nn.Parameter(torch.cat(biases, 0), requires_grad=projs[0].bias.requires_grad) if has_bias else None
     proj = FusedQKVProjection(weight, bias, spec.split)
     proj.train(q.training)
     rows, start = {}, 0
@@ -899,10 +917,14 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
     architecture, module or setting that cannot be fused, before changing anything.
 
     ``fp8``: the fused projections' GEMMs in FP8 with torchao's recipe of that name
-    (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``; see
-    :func:`fusedqkv.gqa_qkv_rope_qk_norm`). torchao's ``convert_to_float8_training`` after
-    ``apply_to`` turns q/k/v_proj into ``Float8Linear`` layers over the fused rows: the fused
-    block then runs their recipe (the three must agree).
+    (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``, and MX on Blackwell: ``"mxfp8"``,
+    ``"mxfp8_rceil"``; see :func:`fusedqkv.gqa_qkv_rope_qk_norm`). torchao's
+    ``convert_to_float8_training`` after ``apply_to`` turns q/k/v_proj into ``Float8Linear`` layers
+    over the fused rows: the fused block then runs their recipe (the three must agree). torchao's MX
+    training (0.18: ``MXFP8TrainingOpConfig``) likewise: q/k/v_proj as ``MXFP8Linear`` layers or with
+    weights ``quantize_`` wrapped before ``apply_to``, or ``quantize_`` over ``qkv_proj`` after it
+    (a ``filter_fn`` that takes ``qkv_proj``: it is no ``nn.Linear``), give the block their recipe
+    (:func:`fusedqkv.ops.fp8.recipe_of_torchao_mx_config`: RCEIL ``"mxfp8_rceil"``, FLOOR ``"mxfp8"``).
     """
     recipe = fp8_recipe(fp8)
     if not isinstance(model, nn.Module):
@@ -954,7 +976,7 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
             had = spec.block_kwargs.get("fp8")
             if had is not None and had != recipe:
                 raise UnsupportedModelError(f"fusedqkv.apply_to: {name} {path}: fp8={recipe.key!r} but q/k/v_proj are "
-                                            f"torchao Float8Linear layers of the recipe {had.key!r}")
+                                            f"torchao Float8Linear or MX training layers of the recipe {had.key!r}")
             spec.block_kwargs["fp8"] = recipe
     for (_, m, _), spec in zip(todo, specs):
         _fuse(m, spec)

@@ -1,9 +1,15 @@
 """MXFP8 cast of a GEMM operand: e4m3 codes with one e8m0 scale per 32 values along the GEMM's inner
-dimension, scaled as torchao's ``to_mx`` scales them (``ScaleCalculationMode.FLOOR``).
+dimension, scaled as torchao's ``to_mx`` scales them: ``ScaleCalculationMode.FLOOR`` (recipe ``mxfp8``)
+or ``RCEIL`` (``mxfp8_rceil``).
 
-A block's scale is ``2^(floor(log2(amax)) - 8)`` (8: e4m3's largest power of two), its exponent
+FLOOR: a block's scale is ``2^(floor(log2(amax)) - 8)`` (8: e4m3's largest power of two), its exponent
 clamped to e8m0's range; an all-zero block gets the smallest (code 0) and is cast with 2^-126, as
-torchao does. The data is ``clamp(x / scale, -448, 448)`` rounded to nearest even.
+torchao does. RCEIL: ``2^ceil(log2(amax / 448))``, the exponent clamped to [-127, 127]; found exactly
+from amax's bits (its exponent, plus one where its mantissa is above 448's), where torchao's CPU path
+takes a float log2 of a rounded quotient (one code low for some amaxes just above 448 * 2^k: NOTES,
+session 26). Code 0 casts with 1/scale 1.0 and an infinite amax gets code 254 (1/scale 2^-127), as
+torchao's RCEIL does. The data is ``clamp(x / scale, -448, 448)`` rounded to nearest even. A block with
+a NaN gets code 255 in both modes (its data NaN where torchao's is).
 
 * ``mx_cast_kernel``: the operand ``A [R, C]`` read through strides (``A = t`` or a transposed view
   ``t^T``: the dW GEMM's operands, blocked over the tokens), codes row-major ``[R, C_pad]`` (columns
@@ -37,11 +43,13 @@ def _e4m3_code(y):
 
 @triton.jit
 def mx_cast_kernel(x_ptr, y_ptr, s_ptr, R, C, C_pad, stride_xr, stride_xc, n_scale_cols,
-                   FP8_MAX: tl.constexpr, SOFT_ROUND: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                   FP8_MAX: tl.constexpr, SOFT_ROUND: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                   RCEIL: tl.constexpr = False):
     """Program ``(i, j)``: rows ``i*BR..`` and columns ``j*BC..`` of ``A`` (``BC`` a multiple of 128, so
     that the programs write every padded scale once); ``y``: uint8 codes ``[R, C_pad]``; ``s``: uint8
     e8m0 codes, blocked (``n_scale_cols``: the scale matrix's columns padded to 4). ``SOFT_ROUND``:
-    the codes from integer steps (the interpreter), else the hardware's cast."""
+    the codes from integer steps (the interpreter), else the hardware's cast. ``RCEIL``: torchao's
+    RCEIL scales (exact), else FLOOR."""
     NB: tl.constexpr = BC // 32
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -49,15 +57,33 @@ def mx_cast_kernel(x_ptr, y_ptr, s_ptr, R, C, C_pad, stride_xr, stride_xc, n_sca
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xr + cols.to(tl.int64)[None, :] * stride_xc,
                 mask=m, other=0.0).to(tl.float32)
     x3 = tl.reshape(x, [BR, NB, 32])
-    amax = tl.max(tl.abs(x3), 2)
-    # e8m0 code: amax's exponent field less 8, clamped to 0..255 (torchao's clamp of the unbiased
-    # exponent to [-127, 128]); a NaN block 255
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 8
-    e = tl.minimum(tl.maximum(e, 0), 255)
-    e = tl.where(amax != amax, 255, e)
-    # 1 / scale, exactly: 2^(127 - e), the scale floored at 2^-126 for e == 0 (0.0 for e == 255)
-    inv = (tl.maximum(tl.where(e == 0, 253, 254 - e), 0) << 23).to(tl.float32, bitcast=True)
-    y = tl.clamp(x3 * inv[:, :, None], -FP8_MAX, FP8_MAX)
+    # amax as the max of |x|'s bit patterns: integers order non-negative floats as floats do and keep
+    # a NaN (its pattern is above inf's), which a float max drops (on the GPU and in the interpreter)
+    bits = tl.max(x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 2)
+    nan = bits > 0x7F800000
+    if RCEIL:
+        # ceil(log2(amax / 448)) exactly: amax = 1.m * 2^E, 448 = 1.75 * 2^8, so E - 8, plus one where
+        # 1.m > 1.75 (mantissa bits above 0x600000); +127 bias, clamped to 0..254; inf 254
+        e = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        e = tl.minimum(tl.maximum(e, 0), 254)
+        e = tl.where(bits == 0x7F800000, 254, e)
+        # 1 / scale = 2^(127 - e) exactly; torchao's 1.0 for e == 0 and 2^-127 for e == 254, the latter
+        # as 2^-126 * 0.5 (two normal factors: a subnormal constant could be flushed to zero)
+        inv = (tl.where(e == 0, 127, tl.where(e == 254, 1, 254 - e)) << 23).to(tl.float32, bitcast=True)
+        inv = tl.where(nan, float("nan"), inv)  # torchao's NaN block: NaN data throughout
+        y = x3 * inv[:, :, None]
+        y = tl.where((e == 254)[:, :, None], y * 0.5, y)
+    else:
+        # e8m0 code: amax's exponent field less 8, clamped to 0..255 (torchao's clamp of the unbiased
+        # exponent to [-127, 128])
+        e = tl.minimum(tl.maximum((bits >> 23) - 8, 0), 255)
+        # 1 / scale, exactly: 2^(127 - e), the scale floored at 2^-126 for e == 0 (0.0 for a NaN block:
+        # torchao divides by an infinite scale, so zeros but for NaN and inf)
+        inv = (tl.maximum(tl.where(e == 0, 253, 254 - e), 0) << 23).to(tl.float32, bitcast=True)
+        inv = tl.where(nan, 0.0, inv)
+        y = x3 * inv[:, :, None]
+    e = tl.where(nan, 255, e)
+    y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)  # (the default maps NaN to a bound)
     y = tl.reshape(y, [BR, BC])
     if SOFT_ROUND:
         code = _e4m3_code(y).to(tl.uint8)

@@ -35,16 +35,19 @@ _NAMES = {E4M3: "e4m3", E5M2: "e5m2"}
 class Cast:
     """How one GEMM operand is cast: ``dtype`` None leaves it in high precision; otherwise one
     scale for the tensor (``tensorwise``), one per row/column along the GEMM's inner dimension, or
-    (``block``: MX) one power of two per ``block`` values along it."""
+    (``block``: MX) one power of two per ``block`` values along it, torchao's FLOOR scales or
+    (``rceil``) its RCEIL ones."""
 
     dtype: Optional[torch.dtype] = E4M3
     tensorwise: bool = False
     block: int = 0  # MX: one e8m0 scale per ``block`` values along the inner dimension (0: none)
+    rceil: bool = False  # MX: the scale 2^ceil(log2(amax / max)) (torchao's RCEIL), else FLOOR's
 
     def __str__(self) -> str:
         if self.dtype is None:
             return "hp"
-        return f"{_NAMES[self.dtype]}/{f'mx{self.block}' if self.block else 'tensor' if self.tensorwise else 'axis'}"
+        mx = f"mx{self.block}{'rceil' if self.rceil else ''}"
+        return f"{_NAMES[self.dtype]}/{mx if self.block else 'tensor' if self.tensorwise else 'axis'}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +78,12 @@ class Fp8Recipe:
         if len({c.block for c in fp8_casts}) > 1:
             raise ValueError(f"fp8 recipe {self.name!r}: MX block scales on some FP8 operands and not on others "
                              f"({', '.join(map(str, self.casts()))}); expected all or none")
-        if self.mx and any(c != _MX for c in fp8_casts):
-            raise ValueError(f"fp8 recipe {self.name!r}: MX casts other than e4m3 in blocks of 32 (mxfp8) are "
-                             f"not built, got {', '.join(map(str, self.casts()))}")
+        if self.mx and any(c not in (_MX, _MX_RCEIL) for c in fp8_casts):
+            raise ValueError(f"fp8 recipe {self.name!r}: MX casts other than e4m3 in blocks of 32 (mxfp8, "
+                             f"mxfp8_rceil) are not built, got {', '.join(map(str, self.casts()))}")
+        if len({c.rceil for c in fp8_casts}) > 1:
+            raise ValueError(f"fp8 recipe {self.name!r}: RCEIL MX scales on some FP8 operands and FLOOR on others "
+                             f"({', '.join(map(str, self.casts()))}); expected one scale mode")
 
     def casts(self) -> tuple:
         """The six roles' casts, in the fields' order."""
@@ -89,6 +95,11 @@ class Fp8Recipe:
         return self.input.block > 0
 
     @property
+    def rceil(self) -> bool:
+        """MX scales rounded as torchao's RCEIL (``mxfp8_rceil``), else FLOOR's (``mxfp8``)."""
+        return self.input.rceil
+
+    @property
     def key(self) -> str:
         """The recipe as one string (the custom ops' argument): its name where it is one of :data:`RECIPES`."""
         if RECIPES.get(self.name) == self:
@@ -98,6 +109,7 @@ class Fp8Recipe:
 
 
 _A, _T, _HP, _MX = Cast(E4M3, False), Cast(E4M3, True), Cast(None), Cast(E4M3, False, 32)
+_MX_RCEIL = Cast(E4M3, False, 32, True)
 RECIPES = {
     # torchao's Float8LinearRecipeName values, field by field (tests compare them with torchao's)
     "tensorwise": Fp8Recipe("tensorwise", _T, _T, Cast(E5M2, True), _T, _T, Cast(E5M2, True), False),
@@ -106,6 +118,9 @@ RECIPES = {
     # torchao's MX training (mx_formats' to_mx, ScaleCalculationMode.FLOOR): e4m3 in blocks of 32 along each
     # GEMM's inner dimension, e8m0 scales; sm_100 only (elsewhere on CUDA refused; on the CPU emulated)
     "mxfp8": Fp8Recipe("mxfp8", _MX, _MX, _MX, _MX, _MX, _MX, False),
+    # ... with ScaleCalculationMode.RCEIL (torchao's MX training default, cuBLAS's recipe): 2^ceil(log2(amax / 448)),
+    # computed exactly (torchao's CPU path is one code low for some amaxes just above 448 * 2^k: NOTES, session 26)
+    "mxfp8_rceil": Fp8Recipe("mxfp8_rceil", *(_MX_RCEIL,) * 6, False),
 }
 
 
@@ -115,7 +130,8 @@ def _parse_cast(text: str) -> Cast:
     dt, _, gran = text.partition("/")
     dtype = {v: k for k, v in _NAMES.items()}[dt]
     if gran.startswith("mx"):
-        return Cast(dtype, False, int(gran[2:]))
+        block, rceil = (gran[2:-5], True) if gran.endswith("rceil") else (gran[2:], False)
+        return Cast(dtype, False, int(block), rceil)
     return Cast(dtype, gran == "tensor")
 
 
@@ -173,6 +189,47 @@ def _recipe_of_config(config) -> Fp8Recipe:
         if dataclasses.replace(got, name=r.name) == r:
             return r
     return got
+
+
+def recipe_of_torchao_mx_config(config, where: str = "torchao MX training") -> Fp8Recipe:
+    """The recipe torchao's MX training config describes: torchao 0.18's ``MXFP8TrainingOpConfig``
+    (what ``quantize_`` wraps weights with; an ``MXFP8Linear`` carries the same fields), or any object
+    with its fields. ``scale_calculation_mode`` RCEIL is ``"mxfp8_rceil"``, FLOOR ``"mxfp8"``;
+    ``wgrad_with_hp`` keeps dW in high precision (a custom recipe: dW's operands ``hp``). Where the
+    config has them (older torchao's ``MXLinearConfig``), ``elem_dtype`` (and its weight and
+    grad_output overrides) must be e4m3 and ``block_size`` 32. What the block cannot honour (CEIL or
+    EVEN scales, another element dtype or block, ``kernel_preference`` other than AUTO, an
+    ``out_dtype`` other than bf16) raises ``ValueError`` naming the field and its value.
+    ``pad_token_groups_for_grouped_mm`` is torchao's grouped GEMMs' only: not read."""
+    def refuse(field, value, want):
+        raise ValueError(f"{where}: torchao's MX config has {field}={value}; the fused block runs {want}")
+
+    def name(v):
+        return getattr(v, "name", v)
+
+    mode = getattr(config, "scale_calculation_mode", None)
+    if mode is None:
+        mode = getattr(config, "scaling_mode", None)
+    mode_value = getattr(mode, "value", mode)
+    if mode_value not in ("rceil", "floor"):
+        refuse("scale_calculation_mode", name(mode), "RCEIL (fp8='mxfp8_rceil') or FLOOR (fp8='mxfp8') scales only")
+    kp = getattr(config, "kernel_preference", None)
+    if kp is not None and getattr(kp, "value", kp) != "auto":
+        refuse("kernel_preference", name(kp), "real MX GEMMs only (KernelPreference.AUTO; the CPU emulates them)")
+    for field in ("elem_dtype", "elem_dtype_weight_override", "elem_dtype_grad_output_override"):
+        dt = getattr(config, field, None)
+        if dt is not None and dt != E4M3:
+            refuse(field, dt, "e4m3 (torch.float8_e4m3fn) elements only")
+    block = getattr(config, "block_size", MX_BLOCK)
+    if block != MX_BLOCK:
+        refuse("block_size", block, f"blocks of {MX_BLOCK} only")
+    out_dtype = getattr(config, "out_dtype", torch.bfloat16)
+    if out_dtype != torch.bfloat16:
+        refuse("out_dtype", out_dtype, "MX GEMMs that write bf16 only")
+    r = RECIPES["mxfp8_rceil" if mode_value == "rceil" else "mxfp8"]
+    if getattr(config, "wgrad_with_hp", False):  # torchao's dW in high precision: dW's operands uncast
+        r = dataclasses.replace(r, name="custom", input_for_grad_weight=_HP, grad_output_for_grad_weight=_HP)
+    return r
 
 
 def check_supported(device: torch.device, hidden: int, n_tot: int, r: Optional[Fp8Recipe] = None) -> None:
@@ -516,7 +573,7 @@ def forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torc
     this GEMM (data ``[N, K]``, inverse scale) where made beforehand (:func:`weight_casts`);
     ``x_cast``: x's (data ``[M, K]``, inverse scale; :func:`input_cast_keeping_amax`)."""
     if r.mx:
-        return _mx_forward(x2d, w, out)
+        return _mx_forward(x2d, w, r, out)
     (xa, xs), (wa, ws) = forward_operands(x2d, w, r, w_cast, x_cast)
     return _mm(xa, xs, wa.t(), _col_scale(ws), x2d.dtype, r.fast_accum[0], r.round_scales_to_power_of_2, out)
 
@@ -528,7 +585,7 @@ def grad_input(g2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[t
     (:func:`weight_casts`); ``g_row_amax``: dQKV's row amax partials for its cast here (``cast_rows``'
     ``row_amax``), or None. MX recipes cast both here (the other arguments None)."""
     if r.mx:
-        return _mx_grad_input(g2d, w, out)
+        return _mx_grad_input(g2d, w, r, out)
     ga, gs = (g_cast if g_cast is not None
               else cast_rows(g2d, r.grad_output, r.round_scales_to_power_of_2, g_row_amax))
     wb, ws = (_checked_cast(w_cast, w, "w_cast") if w_cast is not None
@@ -548,7 +605,7 @@ def grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, r: Fp8Recipe, g_cast=None,
 
         return host_gemm.mm(g2d.t(), x2d)
     if r.mx:
-        return _mx_grad_weight(g2d, x2d)
+        return _mx_grad_weight(g2d, x2d, r)
     pow2, pad = r.round_scales_to_power_of_2, _inner_pad(g2d)
     if x_amax is not None:
         _checked_amax(x_amax, x2d.shape[1], not r.input_for_grad_weight.tensorwise, "x_amax")
@@ -563,28 +620,54 @@ def grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, r: Fp8Recipe, g_cast=None,
 _MX_BR, _MX_BC = 32, 128  # MX cast tile: rows (a divisor of the scales' 128-row tiles), columns (4 blocks)
 
 
-def mx_cast_torch(a: torch.Tensor, pad_to: int = MX_BLOCK):
+def mx_rceil_code(amax: torch.Tensor) -> torch.Tensor:
+    """The e8m0 codes (int32) of torchao's RCEIL scales for fp32 block amaxes ``amax`` (>= 0, or NaN):
+    ``ceil(log2(amax / 448)) + 127`` clamped to 0..254, exactly, from amax's bits: amax = 1.m * 2^E
+    and 448 = 1.75 * 2^8, so the ceil is E - 8, plus one where 1.m > 1.75 (mantissa above 448's,
+    0x600000); subnormal and zero amaxes give 0, inf 254, NaN 255 (torchao's codes). The kernel's
+    ``RCEIL`` arithmetic, step by step."""
+    bits = amax.to(torch.float32).view(torch.int32) & 0x7FFFFFFF
+    e = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    e = torch.where(bits == 0x7F800000, 254, e.clamp(0, 254))
+    return torch.where(bits > 0x7F800000, 255, e)
+
+
+def mx_floor_code(amax: torch.Tensor) -> torch.Tensor:
+    """The e8m0 codes (int32) of torchao's FLOOR scales for fp32 block amaxes: amax's exponent field
+    less 8 (e4m3's largest power of two), clamped to 0..255 (inf 247); NaN 255."""
+    bits = amax.to(torch.float32).view(torch.int32) & 0x7FFFFFFF
+    return torch.where(bits > 0x7F800000, 255, ((bits >> 23) - 8).clamp(0, 255))
+
+
+def mx_cast_torch(a: torch.Tensor, pad_to: int = MX_BLOCK, rceil: bool = False):
     """(codes ``[R, C_pad]`` e4m3 row-major, scales ``[R, C_pad / 32]`` e8m0): ``a [R, C]`` (any
     layout: a transposed view casts over its rows' blocks just as well) cast with one scale per 32
-    values of a row, torchao's ``to_mx`` arithmetic (FLOOR) op by op; ``C_pad``: C rounded up to
-    ``pad_to`` (a multiple of 32), the padding zeros."""
+    values of a row, torchao's ``to_mx`` arithmetic op by op (FLOOR; ``rceil``: RCEIL, its scales
+    the exact :func:`mx_rceil_code`); ``C_pad``: C rounded up to ``pad_to`` (a multiple of 32), the
+    padding zeros."""
     R, C = a.shape
     C_pad = triton_cdiv(C, pad_to) * pad_to
     t = a.to(torch.float32)
     if C_pad != C:
         t = torch.nn.functional.pad(t, (0, C_pad - C))
     t = t.reshape(R, C_pad // MX_BLOCK, MX_BLOCK)
-    amax = t.abs().amax(-1, keepdim=True)
-    # e8m0: the amax's exponent field less 8 (e4m3's largest power of two), clamped to 0..255
-    e = ((amax.view(torch.int32) >> 23) & 0xFF) - 8
-    e = torch.where(torch.isnan(amax), 255, e.clamp(0, 255))
-    scale = torch.clamp((e << 23).view(torch.float32), min=2.0 ** -126)
+    amax = t.abs().amax(-1, keepdim=True)  # (NaN where the block has one)
     fmax = torch.finfo(E4M3).max
-    data = torch.clamp(t / scale, -fmax, fmax).to(E4M3).reshape(R, C_pad)
+    if rceil:
+        e = mx_rceil_code(amax)
+        # torchao's reciprocal: 2^(127 - e), 1.0 for code 0, 2^-127 for 254 (inf), NaN for 255 (NaN)
+        inv = torch.where(e == 0, 1.0, torch.where(e == 254, 2.0 ** -127,
+                                                   ((254 - e).clamp(min=1) << 23).view(torch.float32)))
+        inv = torch.where(e == 255, float("nan"), inv)
+        data = t * inv
+    else:
+        e = mx_floor_code(amax)
+        data = t / torch.clamp((e << 23).view(torch.float32), min=2.0 ** -126)
+    data = torch.clamp(data, -fmax, fmax).to(E4M3).reshape(R, C_pad)
     return data, e.squeeze(-1).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-def mx_cast_triton(a: torch.Tensor, pad_to: int = MX_BLOCK):
+def mx_cast_triton(a: torch.Tensor, pad_to: int = MX_BLOCK, rceil: bool = False):
     """(codes ``[R, C_pad]`` e4m3 row-major, scales in cuBLAS's blocked layout, flat e8m0
     ``[cdiv(R, 128) * 128 * cdiv(C_pad / 32, 4) * 4]``): :func:`mx_cast_torch`'s cast of ``a``
     (through its strides: a transposed view is read in place) from one read, the scales as
@@ -600,14 +683,14 @@ def mx_cast_triton(a: torch.Tensor, pad_to: int = MX_BLOCK):
     s = torch.empty((R_tiles * n_scale_cols,), dtype=torch.uint8, device=a.device)
     mx_cast_kernel[(R_tiles // _MX_BR, n_scale_cols * MX_BLOCK // _MX_BC)](
         a, y, s, R, C, C_pad, a.stride(0), a.stride(1), n_scale_cols, FP8_MAX=torch.finfo(E4M3).max,
-        SOFT_ROUND=INTERPRET, BR=_MX_BR, BC=_MX_BC, num_warps=4)
+        SOFT_ROUND=INTERPRET, BR=_MX_BR, BC=_MX_BC, RCEIL=rceil, num_warps=4)
     return y.view(E4M3), s.view(torch.float8_e8m0fnu)
 
 
-def mx_cast(a: torch.Tensor, pad_to: int = MX_BLOCK):
+def mx_cast(a: torch.Tensor, pad_to: int = MX_BLOCK, rceil: bool = False):
     """``a [R, C]`` cast for an MX GEMM with its blocks along the rows (the GEMM's inner dimension
     is C): the kernel on CUDA (scales blocked), :func:`mx_cast_torch` elsewhere (scales ``[R, C/32]``)."""
-    return mx_cast_triton(a, pad_to) if _triton(a) else mx_cast_torch(a, pad_to)
+    return mx_cast_triton(a, pad_to, rceil) if _triton(a) else mx_cast_torch(a, pad_to, rceil)
 
 
 def mx_mm(a, b, out_dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -630,19 +713,19 @@ def mx_mm(a, b, out_dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
-def _mx_forward(x2d: torch.Tensor, w: torch.Tensor, out=None) -> torch.Tensor:
+def _mx_forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out=None) -> torch.Tensor:
     # x [M, K] and W [N, K], both blocked along K
-    return mx_mm(mx_cast(x2d), mx_cast(w), x2d.dtype, out)
+    return mx_mm(mx_cast(x2d, rceil=r.rceil), mx_cast(w, rceil=r.rceil), x2d.dtype, out)
 
 
-def _mx_grad_input(g2d: torch.Tensor, w: torch.Tensor, out=None) -> torch.Tensor:
+def _mx_grad_input(g2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out=None) -> torch.Tensor:
     # dQKV [M, N] blocked along N; W^T [K, N] (a view: the kernel reads W in place) along N
-    return mx_mm(mx_cast(g2d), mx_cast(w.t()), g2d.dtype, out)
+    return mx_mm(mx_cast(g2d, rceil=r.rceil), mx_cast(w.t(), rceil=r.rceil), g2d.dtype, out)
 
 
-def _mx_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+def _mx_grad_weight(g2d: torch.Tensor, x2d: torch.Tensor, r: Fp8Recipe) -> torch.Tensor:
     # dQKV^T [N, M] and X^T [K, M] blocked along the tokens (M padded to 32 with zeros)
-    return mx_mm(mx_cast(g2d.t()), mx_cast(x2d.t()), g2d.dtype)
+    return mx_mm(mx_cast(g2d.t(), rceil=r.rceil), mx_cast(x2d.t(), rceil=r.rceil), g2d.dtype)
 
 
 # Session 21 (issue 35): dQKV's two casts from two reads of it instead of three (rowwise: three launches

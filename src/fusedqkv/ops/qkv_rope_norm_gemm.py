@@ -66,7 +66,7 @@ def fp8_unsupported(r) -> str | None:
     applied after a first rounding, ``fp8._outer_scale``); a mixed granularity repeats the scalar."""
     from . import fp8
     if r.mx:
-        return "MX block scales (mxfp8: Blackwell's block-scaled GEMMs; the kernel is sm_90's wgmma)"
+        return "MX block scales (mxfp8, mxfp8_rceil: Blackwell's block-scaled GEMMs; the kernel is sm_90's wgmma)"
     if r.input.dtype != fp8.E4M3 or r.weight.dtype != fp8.E4M3:
         return "FP8 operands other than e4m3"
     if not r.fast_accum[0]:
