@@ -7,7 +7,8 @@ CUDA events, the variants interleaved call by call in rotated order; every varia
 checked bitwise against the current launch's first.
 
   colamax  x's per-row cast storing column partials (rowwise_cast_colamax_kernel) plus the partials'
-           tile reduction (tile_amax_kernel): rows per partial, partials' dtype
+           tile reduction (tile_amax_kernel): rows per partial, partials' dtype; "pr16_f32" is session 25's
+           launch, "plan" what fp8._rowwise_colamax_triton launches now
   dual     W's / dQKV's amax pass + finish + cast pass (dual_amax, dual_finish, dual_cast): tiles, warps
 
     PYTHONPATH=src python3 benchmarks/fp8_cast_probe.py --out $OUT/castprobe
@@ -46,6 +47,12 @@ def colamax(x, part_rows, part_dtype, warps=None):
     red = torch.empty((triton_cdiv(part.shape[0], br), C), dtype=torch.float32, device=x.device)
     tile_amax_kernel[(red.shape[0], triton_cdiv(C, bc))](part, red, part.shape[0], C, C, BR=br, BC=bc, num_warps=4)
     return y, inv, red.amax(0)
+
+
+def colamax_plan(x):
+    """What fp8.input_cast_keeping_amax launches now (rows per partial by fp8.colamax_part_rows)."""
+    y, inv, part = fp8._rowwise_colamax_triton(x, fp8.Cast(E4M3), False)
+    return y, inv, fp8._part_triton(part).amax(0)
 
 
 def dual(t, br, bc, warps):
@@ -132,10 +139,13 @@ def main(argv=None):
         for pr in (8, 4, 2, 1):
             variants[f"pr{pr}_bf16"] = (pr, torch.bfloat16)
         variants["pr4_f32"] = (4, torch.float32)
-        ref = colamax(x, 16, torch.float32)
+        ref = colamax(x, 16, torch.float32)  # session 25's launch
         ok = {n: same(colamax(x, *v), ref) for n, v in variants.items()}
-        t = time_interleaved({n: (lambda v=v: colamax(x, *v)) for n, v in variants.items()}, flush, reps)
-        for n in variants:
+        ok["plan"] = same(colamax_plan(x), ref)
+        fns = {n: (lambda v=v: colamax(x, *v)) for n, v in variants.items()}
+        fns["plan"] = lambda: colamax_plan(x)
+        t = time_interleaved(fns, flush, reps)
+        for n in fns:
             rows_out.append(dict(kind="colamax", shape=[R, C], variant=n, us=t[n], same=ok[n],
                                  gbps=(R * C * 3) / t[n] / 1e3))
     for R, C in dual_shapes:

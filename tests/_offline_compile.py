@@ -793,24 +793,27 @@ def stage_amax_jobs() -> list:
 
 
 # x's cast with its amaxes kept for dW (fp8.input_cast_keeping_amax) as the GPU runs it on sm_90 and sm_100a:
-# a bf16 x, hidden a multiple of 16; the rowwise cast with column partials at the launcher's whole-row
-# steps (hidden 4096: 1 row of 4096; 5120 and 8192: 1 row of 8192; 2048: 1 of 2048 at 4 warps) and its
-# chunked loops (above 8192), the partials' reduction (tile amax of fp32), the per-column cast from them
-# (rowwise: e4m3, pow2) and the tensorwise recipe's cast of x (its tile amax and cast as before, jobs above)
-FP8_INPUT_AMAX_ROWWISE = {  # label -> (ROWS, BLOCK_C, WHOLE_ROW, num_warps), PART_ROWS 16
-    "k4096": (1, 4096, True, 8), "k8192": (1, 8192, True, 8), "k2048": (1, 2048, True, 4),
-    "chunked": (16, 256, False, 4),
+# a bf16 x, hidden a multiple of 16; the rowwise cast with column partials (stored in bf16) at the launcher's
+# whole-row steps (hidden 4096: 1 row of 4096; 5120 and 8192: 1 row of 8192; 2048: 1 of 2048 at 4 warps), 16
+# rows per partial and, for hidden 4096, the fewer of small token counts (fp8.colamax_part_rows: 4 at 2048
+# tokens, 1 at 512), and its chunked loops (above 8192), the partials' reduction (tile amax of bf16), the
+# per-column cast from them (rowwise: e4m3, pow2) and the tensorwise recipe's cast of x (its tile amax and cast
+# as before, jobs above)
+FP8_INPUT_AMAX_ROWWISE = {  # label -> (ROWS, BLOCK_C, WHOLE_ROW, num_warps, PART_ROWS)
+    "k4096": (1, 4096, True, 8, 16), "k4096_p4": (1, 4096, True, 8, 4), "k4096_p1": (1, 4096, True, 8, 1),
+    "k8192": (1, 8192, True, 8, 16), "k2048": (1, 2048, True, 4, 16), "chunked": (16, 256, False, 4, 16),
 }
 
 
 def fp8_input_amax_jobs() -> list:
     jobs = []
     for cc in PRODUCT_TARGETS:
-        for tag, (rows, block, whole, warps) in FP8_INPUT_AMAX_ROWWISE.items():
+        for tag, (rows, block, whole, warps, part_rows) in FP8_INPUT_AMAX_ROWWISE.items():
             j = _fp8_job("fp8_rowwise_colamax_whole" if whole else "fp8_rowwise_colamax", cc, "div16")
-            j = dict(j, consts=dict(j["consts"], ROWS=rows, BLOCK_C=block), options={"num_warps": warps})
+            j = dict(j, consts=dict(j["consts"], ROWS=rows, BLOCK_C=block, PART_ROWS=part_rows),
+                     types=dict(j["types"], cpart_ptr="*bf16"), options={"num_warps": warps})
             jobs.append(dict(j, label=f"{j['label']} input={tag}", no_spill=True))
-        j = _fp8_job("fp8_tile_amax", cc, "div16", src="fp32")
+        j = _fp8_job("fp8_tile_amax", cc, "div16", src="bf16")
         jobs.append(dict(j, label=f"{j['label']} input=partials"))
         j = _fp8_job("fp8_cast", cc, "div16", per_column=True, transpose=True)
         jobs.append(dict(j, label=f"{j['label']} input=dw"))

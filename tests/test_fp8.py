@@ -12,6 +12,7 @@ import torch
 import fusedqkv
 from fusedqkv.integrations.fused_projection import UnsupportedModuleError
 from fusedqkv.module import apply_rotary, rms_norm
+from fusedqkv.kernels import fp8_cast
 from fusedqkv.ops import fp8
 
 torchao_float8 = pytest.importorskip("torchao.float8", reason="torchao is a test extra")
@@ -841,6 +842,55 @@ def test_input_cast_keeping_amax_equals_the_one_cast_kernels_bitwise(interpret, 
     assert torch.equal(xt.view(torch.uint8), want_t.view(torch.uint8))
     assert xts.shape == want_ts.shape and torch.equal(xts, want_ts)
     assert torch.equal(xts.reshape(-1), fp8.cast_torch(x, dw_cast, 0, pow2)[1].reshape(-1))
+
+
+def test_colamax_part_rows_keep_the_launch_wide():
+    """Rows per column partial of x's whole-row cast: 16 where that leaves 512 programs, halved below
+    (never under the rows cast at a time); 128 programs at 2048 tokens ran at ~1 TB/s (NOTES, session 26)."""
+    want = {(32768, 1): 16, (8192, 1): 16, (4096, 1): 8, (2048, 1): 4, (1024, 1): 2, (512, 1): 1, (131, 1): 1,
+            (2048, 2): 4, (512, 2): 2, (100, 16): 16, (100000, 32): 32}
+    assert {k: fp8.colamax_part_rows(*k) for k in want} == want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("programs", [1, 10**6])
+def test_input_cast_keeping_amax_with_fewer_rows_per_partial(interpret, monkeypatch, dtype, programs):
+    """x's whole-row cast with column partials of 16 rows (programs 1: never halved) and of 1 row (every
+    row its own partial, in x's dtype where 16-bit): the one-cast kernel's codes and scales, and dW's
+    cast of x from the kept amaxes equal to the cast that finds them itself (bitwise)."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    monkeypatch.setattr(fp8, "_COLAMAX_PROGRAMS", programs)
+    monkeypatch.setattr(fp8, "_BR", 4)  # the partials' reduction over several blocks, the last partial
+    M, K = 37, 1040  # one whole row (2048 lanes) at a time
+    x = (_dual_operand(M, K, 5) * 3).to(dtype)
+    x[-1, 7] = -250.0  # a column amax in the last row
+    r = fp8.RECIPES["rowwise"]
+    seen = []
+    kernel = fp8_cast.rowwise_cast_colamax_kernel
+    monkeypatch.setattr(fp8_cast, "rowwise_cast_colamax_kernel", _Recording(kernel, seen))
+    (xa, xs), x_amax = fp8.input_cast_keeping_amax(x, r)
+    (part_rows, part_dtype), = seen
+    assert part_rows == (16 if programs == 1 else 1)
+    assert part_dtype == (torch.float32 if dtype == torch.float32 else dtype)
+    want_a, want_as = fp8.cast_rows(x, r.input, True)
+    assert torch.equal(xa.view(torch.uint8), want_a.view(torch.uint8)) and torch.equal(xs, want_as)
+    assert x_amax.dtype == torch.float32
+    xt, xts = fp8.cast_columns_t(x, r.input_for_grad_weight, True, 16, amax=x_amax)
+    want_t, want_ts = fp8.cast_columns_t(x, r.input_for_grad_weight, True, 16)
+    assert torch.equal(xt.view(torch.uint8), want_t.view(torch.uint8)) and torch.equal(xts, want_ts)
+
+
+class _Recording:
+    """A Triton kernel's ``[grid](...)`` launches, recording PART_ROWS and the partials' dtype."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append((kw["PART_ROWS"], args[3].dtype))
+            return self.kernel[grid](*args, **kw)
+        return launch
 
 
 @pytest.mark.parametrize("whole_row", [True, False])

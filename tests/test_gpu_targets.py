@@ -386,8 +386,9 @@ def test_mx_cast_job_is_the_launchers(compiled):
 
 def test_fp8_input_amax_jobs_are_the_launchers():
     """The offline jobs of x's rowwise cast with column partials (fp8.input_cast_keeping_amax) hold the
-    launcher's constexprs and warps at hidden 4096, 5120 (and 8192), 2048 and above 8192 (its chunked
-    loops), on sm_90 and sm_100a, with the partials' reduction (a tile amax of fp32) and dW's cast from
+    launcher's constexprs, warps and partials' dtype at hidden 4096 (16, 4 and 1 rows a partial), 5120
+    (and 8192), 2048 and above 8192 (its chunked loops), on sm_90 and sm_100a, with the partials'
+    reduction (a tile amax of bf16) and dW's cast from
     them; each compiled in its family's test."""
     from fusedqkv.kernels import fp8_cast
     from fusedqkv.ops import fp8
@@ -396,17 +397,22 @@ def test_fp8_input_amax_jobs_are_the_launchers():
 
     class Recorder:
         def __getitem__(self, grid):
-            return lambda *args, **kw: seen.update(kw)
+            return lambda *args, **kw: seen.update(kw, part_dtype=args[3].dtype)
 
     mp = pytest.MonkeyPatch()
     with mp.context() as m:
         m.setattr(fp8_cast, "rowwise_cast_colamax_kernel", Recorder())
-        for tag, hidden in (("k4096", 4096), ("k8192", 5120), ("k8192", 8192), ("k2048", 2048), ("chunked", 16384)):
+        # (tag, hidden, tokens, programs wanted: 1 keeps 16 rows a partial)
+        for tag, hidden, tokens, programs in (("k4096", 4096, 40, 1), ("k4096_p4", 4096, 2048, 512),
+                                              ("k4096_p1", 4096, 512, 512), ("k8192", 5120, 40, 1),
+                                              ("k8192", 8192, 40, 1), ("k2048", 2048, 40, 1), ("chunked", 16384, 40, 512)):
             seen.clear()
-            fp8._rowwise_colamax_triton(torch.zeros(40, hidden, dtype=torch.bfloat16), fp8.Cast(fp8.E4M3), True)
-            rows, block, whole, warps = oc.FP8_INPUT_AMAX_ROWWISE[tag]
+            m.setattr(fp8, "_COLAMAX_PROGRAMS", programs)
+            fp8._rowwise_colamax_triton(torch.zeros(tokens, hidden, dtype=torch.bfloat16), fp8.Cast(fp8.E4M3), True)
+            rows, block, whole, warps, part_rows = oc.FP8_INPUT_AMAX_ROWWISE[tag]
             assert (seen["ROWS"], seen["BLOCK_C"], seen["WHOLE_ROW"], seen["num_warps"], seen["PART_ROWS"]) == \
-                (rows, block, whole, warps, 16), (tag, seen)
+                (rows, block, whole, warps, part_rows), (tag, seen)
+            assert seen["part_dtype"] == torch.bfloat16, (tag, seen)
     jobs = [j for j in JOBS if " input=" in j["label"]]
     assert len(jobs) == len(oc.fp8_input_amax_jobs()) and {j["cc"] for j in jobs} == set(oc.PRODUCT_TARGETS)
     assert {j["label"].split()[-1] for j in jobs} == {f"input={t}" for t in oc.FP8_INPUT_AMAX_ROWWISE} | {

@@ -85,7 +85,7 @@ def rowwise_cast_colamax_kernel(x_ptr, y_ptr, inv_ptr, cpart_ptr, R, C, stride_x
                                 FP8_MAX: tl.constexpr, POW2: tl.constexpr, PART_ROWS: tl.constexpr,
                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr, WHOLE_ROW: tl.constexpr):
     """``rowwise_cast_kernel``'s cast (the same codes and scales), ``PART_ROWS`` rows per program, which
-    also stores those rows' column amaxes to ``cpart[pid, :]`` (``[cdiv(R, PART_ROWS), C]`` fp32) from
+    also stores those rows' column amaxes to ``cpart[pid, :]`` (``[cdiv(R, PART_ROWS), C]``, fp32 or x's dtype) from
     the same read: the column scales of a later per-column cast of x then need no pass over x.
     ``WHOLE_ROW``: ``ROWS`` whole rows at a time, a running column max in registers; else
     ``ROWS == PART_ROWS`` rows, an amax loop over column chunks, then a cast loop that stores each
@@ -108,7 +108,7 @@ def rowwise_cast_colamax_kernel(x_ptr, y_ptr, inv_ptr, cpart_ptr, R, C, stride_x
                      mask=m)
             tl.store(inv_ptr + rows, tl.div_rn(tl.full([ROWS], 1.0, tl.float32), scale), mask=rmask)
             cmax = tl.maximum(cmax, tl.max(a, 0))  # rows past R load 0: no effect on a max of |x|
-        tl.store(part_row + cols, cmax, mask=cols < C)
+        tl.store(part_row + cols, cmax.to(cpart_ptr.dtype.element_ty), mask=cols < C)
     else:
         rows = pid * PART_ROWS + tl.arange(0, PART_ROWS)
         rmask = rows < R
@@ -121,7 +121,7 @@ def rowwise_cast_colamax_kernel(x_ptr, y_ptr, inv_ptr, cpart_ptr, R, C, stride_x
             x = tl.load(x_row + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
             y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX)
             tl.store(y_row + c0 + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
-            tl.store(part_row + c0 + cols, tl.max(tl.abs(x), 0), mask=cm)
+            tl.store(part_row + c0 + cols, tl.max(tl.abs(x), 0).to(cpart_ptr.dtype.element_ty), mask=cm)
         tl.store(inv_ptr + rows, tl.div_rn(tl.full([PART_ROWS], 1.0, tl.float32), scale), mask=rmask)
 
 

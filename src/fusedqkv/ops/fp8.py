@@ -294,13 +294,28 @@ def _rowwise_triton(t: torch.Tensor, cast: Cast, pow2: bool):
     return y, inv
 
 
-_PART_ROWS = 16  # rowwise cast with column partials: rows per partial (at least the rows cast at a time)
+_PART_ROWS = 16  # rowwise cast with column partials: rows per partial at most (at least the rows cast at a time)
+# ... fewer (halved down to the rows cast at a time) until the launch has this many programs: a program casts its
+# rows one after another, so at 2048 tokens 16 rows a program left 128 programs on 132 SMs, latency-bound at
+# ~1 TB/s (session 26, call 1); the partials are stored in x's 16-bit dtype (a max of |x|: exact in it)
+_COLAMAX_PROGRAMS = 512
+
+
+def colamax_part_rows(R: int, rows: int) -> int:
+    """Rows per column partial of :func:`_rowwise_colamax_triton`'s whole-row launch for ``R`` rows cast
+    ``rows`` at a time: :data:`_PART_ROWS`, halved while the launch would have fewer than
+    :data:`_COLAMAX_PROGRAMS` programs, never below ``rows``."""
+    p = max(_PART_ROWS, rows)
+    while p > rows and p % 2 == 0 and triton_cdiv(R, p) < _COLAMAX_PROGRAMS:
+        p //= 2
+    return max(p, rows)
 
 
 def _rowwise_colamax_triton(t: torch.Tensor, cast: Cast, pow2: bool):
     """``_rowwise_triton``'s cast of ``t [R, C]`` (the same data and inverse scale, bitwise) from a
-    kernel that also stores each block of ``_PART_ROWS`` rows' column amaxes: ``(data, inv, part
-    [cdiv(R, P), C] fp32)``, ``P`` = the rows per partial (``_PART_ROWS``, or more for short rows)."""
+    kernel that also stores each block of ``P`` rows' column amaxes: ``(data, inv, part [cdiv(R, P),
+    C])``, ``P`` the rows per partial (:func:`colamax_part_rows` for whole rows, else ``_PART_ROWS``), the
+    partials in t's dtype where it is 16-bit, else fp32."""
     from ..kernels.fp8_cast import rowwise_cast_colamax_kernel
 
     R, C = t.shape
@@ -311,11 +326,12 @@ def _rowwise_colamax_triton(t: torch.Tensor, cast: Cast, pow2: bool):
         # partial's rows; the running column max adds as many registers again at most
         block = next_pow2(C)
         rows = 1 if C > 2048 else max(1, 2048 // block)
-        part_rows, warps = max(_PART_ROWS, rows), 8 if block >= 4096 else 4
+        part_rows, warps = colamax_part_rows(R, rows), 8 if block >= 4096 else 4
     else:  # a program's rows all in each column chunk: as many values per chunk as rowwise_cast_kernel's
         part_rows = rows = _PART_ROWS
         block, warps = max(16, _ROWS * _BLOCK_C // _PART_ROWS), 4
-    part = torch.empty((triton_cdiv(R, part_rows), C), dtype=torch.float32, device=t.device)
+    part_dtype = t.dtype if t.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    part = torch.empty((triton_cdiv(R, part_rows), C), dtype=part_dtype, device=t.device)
     rowwise_cast_colamax_kernel[(part.shape[0],)](
         t, y, inv, part, R, C, t.stride(0), y.stride(0), FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2,
         PART_ROWS=part_rows, ROWS=rows, BLOCK_C=block, WHOLE_ROW=whole, num_warps=warps)
@@ -841,7 +857,7 @@ def _checked_cast(cast, like: torch.Tensor, name: str):
 
 # x's amaxes for the dW GEMM's per-column (or tensorwise) cast of x found by the forward's cast of x, from
 # the same read, and kept for the backward, whose cast of x then makes no amax pass over x. Held from
-# forward to backward per layer: column partials of x, cdiv(M, 2048) x K fp32 (rowwise), or the tensor's
+# forward to backward per layer: column partials of x, at most cdiv(M, 1024) x K fp32 (rowwise), or the tensor's
 # amax (tensorwise). False: the dW GEMM's cast finds x's amaxes itself (benchmarks/bench_fp8.py
 # --old-casts times both).
 KEEP_INPUT_AMAX = True
@@ -851,8 +867,8 @@ def input_cast_keeping_amax(x2d: torch.Tensor, r: Fp8Recipe):
     """``((data [M, K] row-major, inverse scale), x_amax)``: x ``[M, K]`` cast for the forward GEMM
     (``r.input``), bitwise ``cast_rows(x2d, r.input)``, and x's amaxes for the dW GEMM's cast of x
     (``r.input_for_grad_weight``) found by the same pass: its column partials ``[P, K]`` (fp32; the
-    per-row cast's partials of ``_PART_ROWS`` rows, reduced in the forward by ``_BR`` of them, so P =
-    ``cdiv(M, _PART_ROWS * _BR)``: the backward's cast reduces few) or, for a tensorwise dW cast, the
+    per-row cast's partials of :func:`colamax_part_rows` rows, reduced in the forward by ``_BR`` of them, so
+    P = ``cdiv(cdiv(M, rows per partial), _BR)``: the backward's cast reduces few) or, for a tensorwise dW cast, the
     tensor's amax ``[1]``. Pass ``x_amax`` to :func:`backward`. None where there is nothing to keep
     (:data:`KEEP_INPUT_AMAX` off, off the GPU, an empty x, dW in high precision)."""
     if not (KEEP_INPUT_AMAX and _triton(x2d) and x2d.numel() > 0 and r.input_for_grad_weight.dtype is not None
