@@ -9,7 +9,7 @@ T0=$(date +%s)
 step() {
   local name=$1 limit=$2 log=$3; shift 3
   local t0=$(date +%s)
-  if [ $(( t0 - T0 + limit )) -gt 580 ]; then limit=$(( 580 - (t0 - T0) )); fi
+  TOTAL=${TOTAL:-580}; if [ $(( t0 - T0 + limit )) -gt $TOTAL ]; then limit=$(( TOTAL - (t0 - T0) )); fi
   if [ "$limit" -lt 20 ]; then echo "$name skipped (time)" >> "$W/status"; return; fi
   timeout "$limit" "$@" > "$W/$log" 2>&1
   local rc=$?
