@@ -25,6 +25,9 @@ weights and inputs (bf16 activations and weights, all trainable):
   fp8_<r>_one   (--old-casts) fp8=<r> with config.fused_forward_fp8 on: the one-launch forward's FP8 build
                 wherever the 16-bit rules take the one-launch forward (from 8192 tokens on 091); fp8_<r>
                 is the plan's choice (its "auto": tensorwise only, session 23)
+  fp8_rowwise_pr16 (--ab-part-rows) fp8=rowwise with x's cast storing column partials of 16 rows at every
+                token count (fp8._COLAMAX_PROGRAMS 1: session 25's launch; its partials in bf16), against the
+                plan's fewer rows a partial at small token counts (session 26)
   fp8_floor     the three torch._scaled_mm calls of the rowwise recipe on operands cast beforehand,
                 as the block issues them (rowwise scales in cuBLASLt's epilogue; fast accumulation in
                 the forward only): no cast, no stage
@@ -245,6 +248,9 @@ def main(argv=None) -> int:
                          "STAGE_AMAX_ROW_CAST_ABOVE 0), _nokeep (KEEP_INPUT_AMAX off alone), _split "
                          "(config.fused_forward_fp8 off: _scaled_mm + the stage) and _one (config.fused_forward_fp8 "
                          "on: the one-launch forward's FP8 build wherever it can run)")
+    ap.add_argument("--ab-part-rows", action="store_true",
+                    help="also time fp8_rowwise_pr16: x's cast with column partials at 16 rows a partial whatever the "
+                         "token count (fp8._COLAMAX_PROGRAMS 1: session 25's launch, partials in bf16)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     raise_compile_limits(64)
@@ -274,6 +280,8 @@ def main(argv=None) -> int:
             gw_hp = "rowwise_with_gw_hp"
             fns[f"fp8_{gw_hp}_nostage"] = row.dual_casts(row.fwd_bwd(row.fused(gw_hp)), True, True, False, True)
             fns[f"fp8_{gw_hp}_allrows"] = row.fp8_flags(row.fwd_bwd(row.fused(gw_hp)), STAGE_AMAX_ROW_CAST_ABOVE=0)
+        if args.ab_part_rows:  # x's cast with 16 rows a column partial at every token count (session 25's launch)
+            fns["fp8_rowwise_pr16"] = row.fp8_flags(row.fwd_bwd(row.fused("rowwise")), _COLAMAX_PROGRAMS=1)
         fns.update(torchao=row.torchao_call(compiled), bf16_floor=row.bf16_floor(), fp8_floor=row.fp8_floor())
         err = row.errors()
         ms = time_providers(fns, args.reps, flusher)
@@ -288,6 +296,10 @@ def main(argv=None) -> int:
         r["pass"] = ((limit is None or r["rowwise_over_bf16_floor"] <= limit) and r["rowwise_over_fp8_floor"] <= 1.15
                      and r["rowwise_over_torchao"] < 1.0 and r["error_ratio"] <= 1.1
                      and (tokens < 8192 or r["gw_hp_over_bf16_floor"] <= 0.80))
+        if args.ab_part_rows:
+            r["rowwise_over_pr16"] = f / med["fp8_rowwise_pr16"]
+            print(f"{cname:<22} {tokens:>6}  fp8_rowwise / fp8_rowwise_pr16 (16 rows a partial) "
+                  f"{r['rowwise_over_pr16']:.3f}", flush=True)
         if args.old_casts:
             r["rowwise_over_old"] = f / med["fp8_rowwise_old"]
             r["tensorwise_over_old"] = med["fp8_tensorwise"] / med["fp8_tensorwise_old"]
