@@ -5,6 +5,7 @@ block against ``Float8Linear`` + a plain-PyTorch RoPE/norm, the cast kernels in 
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -1470,4 +1471,76 @@ def test_mixed_or_unsupported_mx_training_layers_are_refused_by_name():
     quantize_(m, _mx_config(scale_calculation_mode=ScaleCalculationMode.CEIL), filter_fn=_is_fused)
     with pytest.raises(UnsupportedModuleError, match=r"qkv_proj.weight: torchao's MX config has "
                                                      r"scale_calculation_mode=CEIL"):
+        m(batch())
+
+
+_LEFT_IN_16_BITS = r"o_proj computes in torchao's low precision but the fused q/k/v projection \(qkv_proj\) does not"
+
+
+@pytest.mark.parametrize("config", ["Float8TrainingOpConfig", "MXFP8TrainingOpConfig", "convert_to_float8_training"])
+@pytest.mark.parametrize("when", ["before the first forward", "after it"])
+def test_torchao_over_the_rest_of_the_model_but_not_qkv_proj_is_announced(config, when):
+    """torchao's default quantize_ filter takes nn.Linear layers; the fused qkv_proj is not one, so the
+    rest of the attention goes to low precision and the block stays in 16 bits: a warning names it (at
+    the first forward after the conversion, the plan's fingerprint holding o_proj's classes)."""
+    from _hf_models import batch
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+
+    m = _tiny_qwen3()
+    fusedqkv.apply_to(m)
+    if when == "after it":
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="fusedqkv: .*low precision")
+            m(batch())
+    attn = m.model.layers[0].self_attn
+    if config == "convert_to_float8_training":  # o_proj alone (a filter leaving q/k/v_proj out)
+        convert_to_float8_training(m, module_filter_fn=lambda mod, fqn: fqn.endswith("o_proj"))
+    else:
+        quantize_(m, Float8TrainingOpConfig() if config == "Float8TrainingOpConfig" else _mx_config())
+        assert type(attn.qkv_proj.weight) is torch.nn.Parameter  # the default filter left it
+    warnings.resetwarnings()
+    with pytest.warns(UserWarning, match=_LEFT_IN_16_BITS):
+        try:
+            m(batch())
+        except AssertionError as e:  # torchao's MX o_proj needs Triton's GPU kernels: the warning came first
+            assert config == "MXFP8TrainingOpConfig" and "triton" in str(e)
+
+
+def test_torchao_over_qkv_proj_too_is_not_warned_of():
+    """quantize_ with a filter that takes qkv_proj as well: the block runs the recipe, nothing to announce;
+    likewise apply_to(fp8=...) beside an o_proj in float8, and a model without torchao."""
+    from _hf_models import batch
+
+    m = _tiny_qwen3()
+    fusedqkv.apply_to(m, fp8="rowwise")
+    convert_to_float8_training(m, module_filter_fn=lambda mod, fqn: fqn.endswith("o_proj"))
+    plain = _tiny_qwen3()
+    fusedqkv.apply_to(plain)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fusedqkv: .*low precision")
+        m(batch())
+        plain(batch())
+    m = _tiny_qwen3()
+    fusedqkv.apply_to(m)
+    quantize_(m, _mx_config(), filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear) or _is_fused(mod, fqn))
+    assert type(m.model.layers[0].self_attn.qkv_proj.weight).__name__ == "MXFP8TrainingWeightWrapperTensor"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fusedqkv: .*low precision")
+        try:
+            m(batch())
+        except AssertionError as e:  # (torchao's MX o_proj on the CPU, after the block ran)
+            assert "triton" in str(e)
+
+
+def test_other_torchao_tensors_on_qkv_proj_are_refused_by_name():
+    """quantize_ with torchao's float8 training config over qkv_proj wraps its weight in a tensor subclass
+    the block does not compute with: refused at the first forward, naming it (before, a shape mismatch
+    raised from inside torchao)."""
+    from _hf_models import batch
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+
+    m = _tiny_qwen3()
+    fusedqkv.apply_to(m)
+    quantize_(m, Float8TrainingOpConfig(), filter_fn=_is_fused)
+    with pytest.raises(UnsupportedModuleError, match=r"qkv_proj.weight is torchao's Float8TrainingWeightWrapperTensor"):
         m(batch())

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -266,15 +267,51 @@ def _check_float8_rows(where: str, name: str, m, fused, start: int, stop: int) -
                 f"computes only the Float8Linear that convert_to_float8_training made of apply_to's rows")
 
 
+def _is_torchao_tensor(t) -> bool:
+    """``t`` one of torchao's tensor subclasses (a training wrapper, a quantized weight)."""
+    return t is not None and type(t).__module__.startswith("torchao.")
+
+
+def _torchao_low_precision(m) -> bool:
+    """Module ``m`` computes in torchao's low precision: a ``Float8Linear``, an MX training layer or
+    weight, or a weight of another torchao tensor subclass (``quantize_``)."""
+    return _is_float8_linear(m) or _is_torchao_mx(m) or _is_torchao_tensor(getattr(m, "_parameters", {}).get("weight"))
+
+
 def slots_fp8_recipe(attn, slots: list, given):
     """The FP8 recipe of a fused forward: ``given`` (``apply_to(fp8=...)``), or the torchao
-    ``Float8Linear`` layers' in the rows' places (all of them, one recipe); a mix raises."""
+    ``Float8Linear`` layers' in the rows' places (all of them, one recipe), or torchao's MX training
+    wrapper on ``qkv_proj``'s weight; a mix raises, as does any other torchao tensor subclass on
+    ``qkv_proj``. Where the block stays in 16 bits while another projection of the same attention
+    computes in torchao's low precision, a warning says so."""
+    recipe = _slots_fp8_recipe(attn, slots, given)
+    if recipe is None:
+        low = [name for name, m in attn._modules.items()
+               if name != "qkv_proj" and m is not None and _torchao_low_precision(m)]
+        if low:
+            warnings.warn(
+                f"fusedqkv: {type(attn).__name__}.{low[0]} computes in torchao's low precision but the fused q/k/v "
+                f"projection (qkv_proj) does not: it runs in {attn._modules['qkv_proj'].weight.dtype}. torchao's "
+                f"default quantize_ filter takes nn.Linear layers, and the fused qkv_proj is not one: pass a filter_fn "
+                f"that also takes names ending in 'qkv_proj' (MXFP8TrainingOpConfig), use convert_to_float8_training "
+                f"(it converts q/k/v_proj), or apply_to(model, fp8=...)", UserWarning, stacklevel=2)
+    return recipe
+
+
+def _slots_fp8_recipe(attn, slots: list, given):
     from ..ops.fp8 import recipe_of_torchao_config
 
     where = type(attn).__name__
     f8 = [(name, m) for name, m, _ in slots if _is_float8_linear(m)]
     fused = attn._modules.get("qkv_proj")
     w = getattr(fused, "weight", None) if fused is not None else None
+    for attr in ("weight", "bias"):
+        t = getattr(fused, attr, None) if fused is not None else None
+        if _is_torchao_tensor(t) and not is_mx_wrapped(t):
+            raise UnsupportedModuleError(
+                f"fusedqkv: {where}.qkv_proj.{attr} is torchao's {type(t).__name__}; the fused block computes with a "
+                f"plain parameter or torchao's MX training wrapper (MXFP8TrainingOpConfig). For float8 training use "
+                f"convert_to_float8_training (Float8Linear in q/k/v_proj's places) or apply_to(model, fp8=...)")
     if w is not None and is_mx_wrapped(w):  # torchao's MX training over qkv_proj (quantize_ after apply_to)
         from ..ops.fp8 import recipe_of_torchao_mx_config
 

@@ -12,6 +12,8 @@ everything those decisions read, and reuses it while a new fingerprint is equal:
   LoRA layer, the fused projection a rows module reads) by identity, and its class;
 * ``qkv_proj``'s weight and bias classes, and the weight's torchao MX training config where
   ``quantize_`` wrapped it (:func:`~.fused_projection.slots_fp8_recipe` reads its recipe);
+* the attention's other children (``o_proj``, the norms) by identity with their classes and their
+  weights' classes (a torchao conversion of ``o_proj`` with the block left in 16 bits is warned of);
 * each such module's hooks (forward, forward pre, backward, backward pre: how many) and whether
   ``forward`` was set on it;
 * per PEFT LoRA layer: ``disable_adapters``, ``merged``, the active adapters; per active adapter
@@ -133,6 +135,11 @@ def _fingerprint(attn, projs: tuple):
         add((type(w), type(b), getattr(w, "config", None)))
     else:
         key.append(fused)
+    # the attention's other children and their weights' classes: one of them in torchao's low precision
+    # while the block stays in 16 bits is warned of (slots_fp8_recipe), a conversion after the first forward too
+    for name, m in mods.items():
+        if name != "qkv_proj" and name not in projs:
+            add((m, type(m), type(m._parameters.get("weight")) if isinstance(m, nn.Module) else None))
     lora_classes = _lora_classes()
     for name in projs:
         slot = mods.get(name)
