@@ -1456,7 +1456,9 @@ def test_mixed_or_unsupported_mx_training_layers_are_refused_by_name():
     quantize_(m, _mx_config(), filter_fn=lambda mod, fqn: fqn.endswith(("q_proj", "k_proj")))
     convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("rowwise"),
                                module_filter_fn=lambda mod, fqn: fqn.endswith("v_proj"))
-    with pytest.raises(fusedqkv.UnsupportedModelError, match="v_proj are torchao Float8Linear layers and the others"):
+    with pytest.raises(fusedqkv.UnsupportedModelError,
+                       match=r"v_proj are torchao Float8Linear layers and the others of q_proj, k_proj, v_proj are not: "
+                             r"q_proj \(a torchao MX training layer\), k_proj \(a torchao MX training layer\)"):
         fusedqkv.apply_to(m)
     from _hf_models import batch
 

@@ -814,8 +814,11 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
     f8 = [name for name, p in zip(names, projs) if _is_float8_linear(p)]
     if f8:  # torchao's convert_to_float8_training before apply_to: the fused projection runs their recipe
         if len(f8) != len(projs):
+            others = ", ".join(f"{name} ({'a torchao MX training layer' if _is_torchao_mx(p) else type(p).__name__})"
+                               for name, p in zip(names, projs) if name not in f8)
             raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {', '.join(f8)} are torchao Float8Linear layers "
-                                        f"and the others of {', '.join(names)} are not; one fused GEMM, one recipe")
+                                        f"and the others of {', '.join(names)} are not: {others}; one fused GEMM, "
+                                        f"one recipe")
         try:
             recipes = {recipe_of_torchao_config(p.config, f"{path}.{name}") for name, p in zip(names, projs)}
         except ValueError as e:
