@@ -571,6 +571,137 @@ def test_block_keeps_the_weights_dx_cast_only_where_the_backward_needs_it(interp
     assert (N, K) not in calls
 
 
+# ------------------------------------------------------------------ a frozen weight's casts kept (opt-in)
+
+
+def _counting_weight_casts(monkeypatch):
+    made = []
+    casts = fp8.weight_casts
+    monkeypatch.setattr(fp8, "weight_casts", lambda w, r: made.append(id(w)) or casts(w, r))
+    return made
+
+
+def _same_casts(a, b) -> bool:
+    return all(torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 and x.is_floating_point() else x,
+                           y.view(torch.uint8) if y.dtype.itemsize == 1 and y.is_floating_point() else y)
+               for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+def test_frozen_weight_casts_are_kept_for_the_same_unchanged_tensor(interpret, monkeypatch):
+    """FrozenWeightCasts: a hit for the same frozen tensor (the very casts), a miss after an in-place change
+    (its version), for another recipe, and for a tensor that requires grad (never kept); a write through
+    .data is not seen until forget(); an entry dies with its tensor."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    made = _counting_weight_casts(monkeypatch)
+    cache = fp8.FrozenWeightCasts()
+    r, t = fp8.RECIPES["rowwise"], fp8.RECIPES["tensorwise"]
+    torch.manual_seed(3)
+    w = (torch.randn(48, 64) * 0.05).to(torch.bfloat16)
+    first = cache.get(w, r)
+    assert cache.get(w, r) is first and len(made) == 1 and len(cache) == 1
+    assert cache.get(w, t) is not first and len(made) == 2  # another recipe: cast again (and kept instead)
+    first = cache.get(w, r)
+    with torch.no_grad():
+        w.mul_(2)  # the version moves: a miss
+    again = cache.get(w, r)
+    assert again is not first and _same_casts(again, fp8.weight_casts(w, r))
+    w.data.mul_(2)  # through .data: the version stays, the stale casts are served
+    assert cache.get(w, r) is again
+    cache.forget(w)
+    fresh = cache.get(w, r)
+    assert fresh is not again and _same_casts(fresh, fp8.weight_casts(w, r))
+    trained = w.clone().requires_grad_()
+    n = len(made)
+    cache.get(trained, r), cache.get(trained, r)
+    assert len(made) == n + 2 and len(cache) == 1  # cast every call, never kept
+    del w, first, again, fresh
+    assert len(cache) == 0  # the entry went with its tensor
+
+
+def test_frozen_weight_casts_miss_for_a_new_tensor_at_a_reused_address(interpret, monkeypatch):
+    """QLoRA's per-call dequantized weights: a tensor freed and another allocated at the same address (same
+    shape, version 0, other values) must not get the first one's casts."""
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    cache = fp8.FrozenWeightCasts()
+    r = fp8.RECIPES["rowwise"]
+    storage = torch.empty(48 * 64, dtype=torch.bfloat16)
+    a = storage[:].view(48, 64)
+    a.copy_(torch.randn(48, 64) * 0.05)
+    got_a = cache.get(a, r)
+    ptr, version = a.data_ptr(), a._version
+    del a
+    b = storage[:].view(48, 64)  # a new tensor object over the same address, shape and version (the storage's)
+    b.data.copy_(torch.randn(48, 64) * 0.5)  # other values, the version as it was
+    assert b.data_ptr() == ptr and b._version == version
+    got_b = cache.get(b, r)
+    assert got_b is not got_a and _same_casts(got_b, fp8.weight_casts(b, r))
+
+
+def test_frozen_weight_cache_is_opt_in():
+    from fusedqkv.ops import config
+
+    assert config.Config().fp8_frozen_weight_cache is False
+    assert config.Config.from_env({"FUSEDQKV_FP8_FROZEN_WEIGHT_CACHE": "1"}).fp8_frozen_weight_cache is True
+
+
+def test_frozen_weight_casts_are_neither_read_nor_kept_under_capture(interpret, monkeypatch):
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    cache = fp8.FrozenWeightCasts()
+    r = fp8.RECIPES["rowwise"]
+    w = (torch.randn(48, 64) * 0.05).to(torch.bfloat16)
+    kept = cache.get(w, r)
+    monkeypatch.setattr(fp8._device, "capturing", lambda device: True)
+    assert cache.get(w, r) is not kept and len(cache) == 1  # cast inside the graph, nothing new kept
+    cache.forget()
+    cache.get(w, r)
+    assert len(cache) == 0
+
+
+def test_block_with_the_frozen_weight_cache_equals_the_block_without_it(interpret, monkeypatch):
+    """config.fp8_frozen_weight_cache: a frozen W (LoRA's base) is cast once over three eager fwd+bwd calls,
+    and each call's outputs and gradients equal, bitwise, the calls without the cache; an in-place update of
+    W (its version) is cast again; a trainable W is cast every call."""
+    from fusedqkv.ops import config
+
+    monkeypatch.setattr(fp8, "_triton", lambda t: True)
+    made = _counting_weight_casts(monkeypatch)
+    fp8.forget_frozen_weight_casts()
+    torch.manual_seed(9)
+    B, S, hq, hkv, d, K = 1, 16, 4, 2, 16, 64
+    N = (hq + 2 * hkv) * d
+    x0 = torch.randn(B, S, K, dtype=torch.bfloat16)
+    w = torch.randn(N, K, dtype=torch.bfloat16) * 0.05
+    qn, kn = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    ang = torch.randn(B, S, d)
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    gs = [torch.randn(B, S, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+
+    def run(weight):
+        x = x0.clone().requires_grad_()
+        out = fusedqkv.gqa_qkv_rope_qk_norm(x, weight, qn, kn, cos, sin, num_heads=hq, num_kv_heads=hkv, eps=1e-6,
+                                            qk_norm_position="after_rope", fp8="rowwise", backend="torch")
+        torch.autograd.backward(out, [g.view_as(o) for g, o in zip(gs, out)])
+        return [o.detach() for o in out] + [x.grad] + ([weight.grad] if weight.requires_grad else [])
+
+    want = run(w)
+    with config.override(fp8_frozen_weight_cache=True):
+        made.clear()
+        for _ in range(3):
+            got = run(w)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert made == [id(w)]
+        with torch.no_grad():
+            w.mul_(1.5)
+        made.clear()
+        run(w), run(w)
+        assert made == [id(w)]
+        trainable = w.clone().requires_grad_()
+        made.clear()
+        run(trainable), run(trainable)
+        assert len(made) == 2
+    fp8.forget_frozen_weight_casts()
+
+
 # ------------------------------------------------------------------ dQKV's amax partials from the backward stage
 
 # the stage's tilings (tokens per block, heads per step, warps, pipeline stages, heads per group or 0); None:

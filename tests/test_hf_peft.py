@@ -473,3 +473,41 @@ def test_autocast_runs_the_in_place_op_like_peft():
     assert _rel(got, want32) <= 2 * _rel(want, want32) + 1e-3
     for n in w32:
         assert _rel(g[n], w32[n]) <= 2 * _rel(w[n], w32[n]) + 1e-2, n
+
+
+@pytest.mark.parametrize("how", ["merge_adapter", "safe_merge"])
+def test_fp8_frozen_weight_cache_follows_peft_merge_and_unmerge(monkeypatch, how):
+    """config.fp8_frozen_weight_cache with LoRA over apply_to(fp8='rowwise'): PEFT's merge and unmerge write
+    the fused weight through .data (its version counter stays), so the kept casts of the frozen weight must
+    go with them: every forward equals the same model without the cache (the interpreter's casts)."""
+    from fusedqkv.ops import config, fp8
+
+    monkeypatch.setattr(fp8, "_triton", lambda t: t.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    base = build(family("qwen3"))
+    torch.manual_seed(1)
+    m = copy.deepcopy(base)
+    fusedqkv.apply_to(m, fp8="rowwise")
+    m = get_peft_model(m, _lora(["q_proj", "v_proj"]))
+    m.get_input_embeddings().weight.requires_grad_(True)  # every layer's x needs a gradient, merged or not
+    ids = _ids(m.config.vocab_size)
+    fp8.forget_frozen_weight_casts()
+
+    def logits(cache: bool):
+        with config.override(fp8_frozen_weight_cache=cache):
+            return m(input_ids=ids).logits.detach()
+
+    assert torch.equal(logits(True), logits(False))
+    assert len(fp8.FROZEN_WEIGHT_CASTS) == 2  # one frozen fused weight a layer
+    assert torch.equal(logits(True), logits(False))
+    if how == "merge_adapter":
+        m.merge_adapter()
+    else:  # PEFT's safe merge: each LoRA layer's merge(safe_merge=True) replaces the weight's .data
+        for mod in m.modules():
+            if hasattr(mod, "merge") and hasattr(mod, "lora_A"):
+                mod.merge(safe_merge=True)
+    merged = logits(True)
+    assert torch.equal(merged, logits(False))
+    m.unmerge_adapter()
+    assert torch.equal(logits(True), logits(False))
+    fp8.forget_frozen_weight_casts()

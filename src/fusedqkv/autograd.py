@@ -246,7 +246,8 @@ def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
      keep_fp8_input_amax) = meta
     w_fwd = w_dx = x_fwd = x_amax = None
     if keep_fp8_weight:  # W cast for both its GEMMs from one pass; the dX GEMM's copy kept for the backward
-        casts = _fp8.weight_casts(qkv_weight, plan.fp8)
+        casts = (_fp8.FROZEN_WEIGHT_CASTS.get(qkv_weight, plan.fp8) if plan.cfg.fp8_frozen_weight_cache
+                 else _fp8.weight_casts(qkv_weight, plan.fp8))
         if casts is not None:
             w_fwd, w_dx = casts
     if keep_fp8_input_amax:  # x's amaxes for dW's cast of x found by the forward's cast of x, and kept

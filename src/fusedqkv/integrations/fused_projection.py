@@ -121,6 +121,10 @@ class ProjectionRows(nn.Linear):
                         f"{tuple(view.shape)}; expected {(stop - start, *src.shape[1:])}")
                 with torch.no_grad():
                     src.data[start:stop].copy_(view.data)
+                # a write through .data leaves the version counter as it was: a frozen weight's kept FP8 casts go
+                from ..ops.fp8 import forget_frozen_weight_casts
+
+                forget_frozen_weight_casts(src)
                 del self._views[name]
 
     def _apply(self, fn, recurse=True):

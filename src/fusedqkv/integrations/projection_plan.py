@@ -39,6 +39,7 @@ from torch import nn
 
 from .fused_projection import (ProjectionRows, UnsupportedModuleError, _is_float8_linear, hook_counts,
                                projection_slots, slots_fp8_recipe)
+from ..ops.fp8 import forget_frozen_weight_casts
 from .peft import LoRAOperands, _pairs
 
 # attention module -> its ProjectionPlan (weak: a plan never keeps a model alive, and is neither
@@ -99,6 +100,12 @@ def projection_plan(attn, spec) -> ProjectionPlan:
         plan.per_call()
         return plan
     plan = ProjectionPlan(attn, spec)
+    # the modules changed (PEFT's merge and unmerge write the fused weight through .data, which leaves its
+    # version counter as it was): the fused weight's kept FP8 casts (config.fp8_frozen_weight_cache) go too
+    fused = attn._modules.get("qkv_proj")
+    w = getattr(fused, "_parameters", {}).get("weight") if fused is not None else None
+    if w is not None:
+        forget_frozen_weight_casts(w)
     if key is not None and not any(_is_float8_linear(m) for _, m, _ in plan.slots):
         plan.key = key
         _PLANS[attn] = plan

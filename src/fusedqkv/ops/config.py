@@ -10,7 +10,8 @@ Environment variables (read at import; 0 turns a path off):
 ``FUSEDQKV_NORM_FINISH_IN_DW`` (1), ``FUSEDQKV_TRAINING_TRITON_PRODUCTS`` (1),
 ``FUSEDQKV_STAGE_TMA`` (1), ``FUSEDQKV_CUBLASLT`` (1);
 ``FUSEDQKV_FUSED_FORWARD`` (auto, on or off), ``FUSEDQKV_FUSED_FORWARD_FP8`` (auto, on or off);
-``FUSEDQKV_QLORA_ABSMAX`` (keep or recompute); ``FUSEDQKV_QLORA_DEQUANT`` (one_launch or bitsandbytes).
+``FUSEDQKV_QLORA_ABSMAX`` (keep or recompute); ``FUSEDQKV_QLORA_DEQUANT`` (one_launch or bitsandbytes);
+``FUSEDQKV_FP8_FROZEN_WEIGHT_CACHE`` (0).
 Where the defaults come from: benchmarks/NOTES.md.
 """
 
@@ -89,6 +90,12 @@ class Config:
     # with the absmax kept, NF4 q/k/v dequantized in one launch of our own kernel (ops/dequant_4bit.py: bitwise
     # bitsandbytes' values) instead of one bitsandbytes call each ("bitsandbytes")
     qlora_dequant: str = "one_launch"
+    # FP8 plans: a frozen weight's two casts (fp8.weight_casts: the forward GEMM's and the dX GEMM's) kept from
+    # call to call while the weight is the same unchanged tensor (fp8.FrozenWeightCasts; LoRA's frozen base).
+    # Off by default: writes through .data (w.data.copy_) do not move the version counter the key reads, so a
+    # caller that writes a frozen weight that way must call fp8.forget_frozen_weight_casts (PEFT's merge and
+    # unmerge through apply_to do it); holds N x K fp8 bytes twice per layer
+    fp8_frozen_weight_cache: bool = False
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":
@@ -113,7 +120,8 @@ class Config:
                    fused_forward=_choice(env, "FUSEDQKV_FUSED_FORWARD", ("auto", "on", "off"), "auto"),
                    fused_forward_fp8=_choice(env, "FUSEDQKV_FUSED_FORWARD_FP8", ("auto", "on", "off"), "auto"),
                    qlora_absmax=_choice(env, "FUSEDQKV_QLORA_ABSMAX", ("keep", "recompute"), "keep"),
-                   qlora_dequant=_choice(env, "FUSEDQKV_QLORA_DEQUANT", ("one_launch", "bitsandbytes"), "one_launch"))
+                   qlora_dequant=_choice(env, "FUSEDQKV_QLORA_DEQUANT", ("one_launch", "bitsandbytes"), "one_launch"),
+                   fp8_frozen_weight_cache=flag("FUSEDQKV_FP8_FROZEN_WEIGHT_CACHE", False))
 
 
 def _choice(env, name: str, choices: tuple, default: str) -> str:

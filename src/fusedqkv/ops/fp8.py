@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Optional
 
 import torch
@@ -845,6 +846,61 @@ def weight_casts(w: torch.Tensor, r: Fp8Recipe):
         w = w.contiguous()
     wa, ws, wt, wts = _dual_triton(w, r.weight, r.weight_for_grad_input, r.round_scales_to_power_of_2)
     return (wa, ws), (wt.t(), wts)
+
+
+class FrozenWeightCasts:
+    """A frozen weight's :func:`weight_casts` kept from call to call (``config.fp8_frozen_weight_cache``):
+    one entry per weight tensor, found again only for the same tensor object (a weak reference: a new
+    tensor at a freed address misses, as QLoRA's per-call dequantized weights do) with the same storage
+    address, offset, shape, strides, dtype, version counter and recipe; dropped when the tensor dies.
+    Never read or filled while a CUDA graph is being captured (a replay cannot consult a host cache: the
+    graph holds the cast kernels) nor for a weight that requires grad (the optimizer changes it every
+    step). Writes through ``.data`` leave the version counter as it was: such writers call
+    :meth:`forget` (:func:`forget_frozen_weight_casts`); the HF integration does at every change of
+    PEFT's merged state."""
+
+    def __init__(self):
+        self._entries = {}  # id(w) -> (weakref to w, key, casts)
+
+    @staticmethod
+    def _key(w: torch.Tensor, r: Fp8Recipe) -> tuple:
+        return w.data_ptr(), w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w._version, r.key
+
+    def get(self, w: torch.Tensor, r: Fp8Recipe):
+        """``weight_casts(w, r)``, kept for a frozen ``w`` (None where weight_casts gives None)."""
+        if w.requires_grad or _device.capturing(w.device):
+            return weight_casts(w, r)
+        key = self._key(w, r)
+        entry = self._entries.get(id(w))
+        if entry is not None and entry[0]() is w and entry[1] == key:
+            return entry[2]
+        casts = weight_casts(w, r)
+        if casts is None:
+            self._entries.pop(id(w), None)
+            return None
+        i = id(w)
+        self._entries[i] = (weakref.ref(w, lambda _ref, i=i, d=self._entries: d.pop(i, None)), key, casts)
+        return casts
+
+    def forget(self, w: Optional[torch.Tensor] = None) -> None:
+        """Drop ``w``'s kept casts (every weight's where None)."""
+        if w is None:
+            self._entries.clear()
+        else:
+            self._entries.pop(id(w), None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# the one cache of frozen weights' casts (this module owns it)
+FROZEN_WEIGHT_CASTS = FrozenWeightCasts()
+
+
+def forget_frozen_weight_casts(w: Optional[torch.Tensor] = None) -> None:
+    """Drop the kept FP8 casts of frozen weight ``w`` (of every weight where None): call after writing
+    ``w`` through ``.data`` with ``config.fp8_frozen_weight_cache`` on."""
+    FROZEN_WEIGHT_CASTS.forget(w)
 
 
 def _checked_cast(cast, like: torch.Tensor, name: str):
