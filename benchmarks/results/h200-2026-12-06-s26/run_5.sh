@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# session 26, device call 5: config.fp8_frozen_weight_cache (a frozen W's FP8 casts kept across eager calls) against
+# session 26, prepared for device call 5 (not run: the session's device budget was spent): config.fp8_frozen_weight_cache (a frozen W's FP8 casts kept across eager calls) against
 # the uncached path, eager, events, interleaved (bench_fp8_frozen.py), plus its GPU test. Carry .whl.
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH=src:/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
