@@ -616,6 +616,10 @@ def test_frozen_weight_casts_are_kept_for_the_same_unchanged_tensor(interpret, m
     assert len(made) == n + 2 and len(cache) == 1  # cast every call, never kept
     del w, first, again, fresh
     assert len(cache) == 0  # the entry went with its tensor
+    with torch.inference_mode():
+        made_in_inference = (torch.randn(48, 64) * 0.05).to(torch.bfloat16)
+    cache.get(made_in_inference, r)  # no version counter: cast, not kept
+    assert len(cache) == 0
 
 
 def test_frozen_weight_casts_miss_for_a_new_tensor_at_a_reused_address(interpret, monkeypatch):

@@ -868,8 +868,8 @@ class FrozenWeightCasts:
 
     def get(self, w: torch.Tensor, r: Fp8Recipe):
         """``weight_casts(w, r)``, kept for a frozen ``w`` (None where weight_casts gives None)."""
-        if w.requires_grad or _device.capturing(w.device):
-            return weight_casts(w, r)
+        if w.requires_grad or _device.capturing(w.device) or w.is_inference():
+            return weight_casts(w, r)  # (an inference tensor keeps no version counter to key on)
         key = self._key(w, r)
         entry = self._entries.get(id(w))
         if entry is not None and entry[0]() is w and entry[1] == key:
