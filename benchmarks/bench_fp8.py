@@ -154,7 +154,9 @@ class Row:
             return qkv, dx, dw
         return call
 
-    def fp8_floor(self):
+    def fp8_floor(self, dw: bool = True):
+        """The rowwise recipe's FP8 GEMMs on operands cast beforehand (``dw`` False: the forward and dX
+        GEMMs alone, a frozen weight's)."""
         r = fp8.RECIPES["rowwise"]
         x2 = self.x.detach().reshape(-1, self.x.shape[-1])
         w = self.w.detach()
@@ -170,8 +172,9 @@ class Row:
         def call():
             qkv = torch._scaled_mm(xa, wa.t(), scale_a=xs, scale_b=ws, out_dtype=x2.dtype, use_fast_accum=True)
             dx = torch._scaled_mm(ga, wb, scale_a=gs, scale_b=wbs, out_dtype=x2.dtype)
-            dw = torch._scaled_mm(gt, xt.t(), scale_a=gts, scale_b=xts, out_dtype=x2.dtype)
-            return qkv, dx, dw
+            if not dw:
+                return qkv, dx
+            return qkv, dx, torch._scaled_mm(gt, xt.t(), scale_a=gts, scale_b=xts, out_dtype=x2.dtype)
         return call
 
     @staticmethod

@@ -46,24 +46,6 @@ def frozen_call(row: Row, w: torch.Tensor, recipe, cache: bool):
     return call
 
 
-def fp8_floor_no_dw(row: Row):
-    r = fp8.RECIPES["rowwise"]
-    x2 = row.x.detach().reshape(-1, row.x.shape[-1])
-    w = row.w.detach()
-    dqkv = torch.randn(x2.shape[0], row.n, device=x2.device, dtype=x2.dtype)
-    xa, xs = fp8.cast_rows(x2, r.input, True)
-    wa, ws = fp8.cast_rows(w, r.weight, True)
-    ga, gs = fp8.cast_rows(dqkv, r.grad_output, True)
-    wb, wbs = fp8.cast_columns(w, r.weight_for_grad_input, True)
-    ws = ws.reshape(1, -1)
-
-    def call():
-        qkv = torch._scaled_mm(xa, wa.t(), scale_a=xs, scale_b=ws, out_dtype=x2.dtype, use_fast_accum=True)
-        dx = torch._scaled_mm(ga, wb, scale_a=gs, scale_b=wbs, out_dtype=x2.dtype)
-        return qkv, dx
-    return call
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -82,7 +64,7 @@ def main(argv=None) -> int:
         w = row.w.detach()  # frozen: no dW
         fp8.forget_frozen_weight_casts()
         fns = {"bf16": frozen_call(row, w, None, False), "fp8": frozen_call(row, w, "rowwise", False),
-               "fp8_cached": frozen_call(row, w, "rowwise", True), "fp8_floor": fp8_floor_no_dw(row)}
+               "fp8_cached": frozen_call(row, w, "rowwise", True), "fp8_floor": row.fp8_floor(dw=False)}
         # the cached calls equal the uncached ones bitwise (the same casts)
         same = all(torch.equal(a, c) for a, c in zip(fns["fp8"](), fns["fp8_cached"]()))
         times = timing.time_cuda_events_interleaved(fns, reps=args.reps, flusher=flusher)
