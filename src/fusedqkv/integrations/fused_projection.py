@@ -308,9 +308,8 @@ def _slots_fp8_recipe(attn, slots: list, given):
     where = type(attn).__name__
     f8 = [(name, m) for name, m, _ in slots if _is_float8_linear(m)]
     fused = attn._modules.get("qkv_proj")
-    w = getattr(fused, "weight", None) if fused is not None else None
-    for attr in ("weight", "bias"):
-        t = getattr(fused, attr, None) if fused is not None else None
+    w = getattr(fused, "weight", None)
+    for attr, t in (("weight", w), ("bias", getattr(fused, "bias", None))):
         if _is_torchao_tensor(t) and not is_mx_wrapped(t):
             raise UnsupportedModuleError(
                 f"fusedqkv: {where}.qkv_proj.{attr} is torchao's {type(t).__name__}; the fused block computes with a "

@@ -102,8 +102,7 @@ def projection_plan(attn, spec) -> ProjectionPlan:
     plan = ProjectionPlan(attn, spec)
     # the modules changed (PEFT's merge and unmerge write the fused weight through .data, which leaves its
     # version counter as it was): the fused weight's kept FP8 casts (config.fp8_frozen_weight_cache) go too
-    fused = attn._modules.get("qkv_proj")
-    w = getattr(fused, "_parameters", {}).get("weight") if fused is not None else None
+    w = getattr(attn._modules.get("qkv_proj"), "_parameters", {}).get("weight")
     if w is not None:
         forget_frozen_weight_casts(w)
     if key is not None and not any(_is_float8_linear(m) for _, m, _ in plan.slots):

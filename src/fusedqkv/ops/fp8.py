@@ -870,16 +870,15 @@ class FrozenWeightCasts:
         """``weight_casts(w, r)``, kept for a frozen ``w`` (None where weight_casts gives None)."""
         if w.requires_grad or _device.capturing(w.device) or w.is_inference():
             return weight_casts(w, r)  # (an inference tensor keeps no version counter to key on)
-        key = self._key(w, r)
-        entry = self._entries.get(id(w))
+        i, key = id(w), self._key(w, r)
+        entry = self._entries.get(i)
         if entry is not None and entry[0]() is w and entry[1] == key:
             return entry[2]
         casts = weight_casts(w, r)
         if casts is None:
-            self._entries.pop(id(w), None)
-            return None
-        i = id(w)
-        self._entries[i] = (weakref.ref(w, lambda _ref, i=i, d=self._entries: d.pop(i, None)), key, casts)
+            self._entries.pop(i, None)
+        else:
+            self._entries[i] = (weakref.ref(w, lambda _ref, i=i, d=self._entries: d.pop(i, None)), key, casts)
         return casts
 
     def forget(self, w: Optional[torch.Tensor] = None) -> None:
