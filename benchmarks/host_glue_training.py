@@ -55,6 +55,9 @@ def _parse():
     ap.add_argument("--calls", type=int, default=40, help="calls per round and row")
     ap.add_argument("--against", default=None, help="a src dir holding another tree's fusedqkv/, timed beside this one")
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--cprofile-diff", action="store_true",
+                    help="profile the fused step and the planned work alone; print each function's own time per "
+                         "step in both, largest difference first (what autograd's context makes slower)")
     ap.add_argument("--out", default=None, help="directory for host_glue_training.json")
     return ap.parse_args()
 
@@ -280,19 +283,23 @@ class Planned:
             qkv = tf.run_forward(self.plan, hs, *w, self.cos, self.sin)[2]
 
         @torch.no_grad()  # as inside autograd's backward
-        def step():
+        def step(stamp=lambda name: None):
+            stamp("run_in")
             tf.run_forward(self.plan, hs, *w, self.cos, self.sin)
+            stamp("run_out")
+            stamp("tb_in")
             tb.training_backward(*fused.grads, hs, w[0], qkv, *w[1:], self.cos, self.sin, 32, 8, blk.eps, after,
                                  True, True, False, "auto")
+            stamp("tb_out")
 
-        self.step = step
+        self.step, self._step = step, step
 
     def reset(self) -> None:
         pass
 
     def stamped_step(self) -> None:
         stamp("call")
-        self.step()
+        self._step(stamp)
         stamp("done")
 
     def install(self) -> None:
@@ -313,6 +320,7 @@ class TwoMM(Planned):
         dq = torch.randn(x.shape[0], w.shape[0], device=w.device, dtype=w.dtype)
         dx, dw = torch.empty_like(x), torch.empty_like(w)
         self.step = lambda: (torch.mm(dq, w, out=dx), torch.mm(dq.t(), x, out=dw))
+        self._step = lambda stamp: self.step()
 
 
 # ------------------------------------------------------------------------------ timing
@@ -397,6 +405,48 @@ def profile(row, runner: Runner, n: int) -> str:
     return s.getvalue()
 
 
+def _own_times(row, runner: Runner, n: int) -> dict:
+    """Each function's own time (cProfile's tottime), us per step, over ``n`` steps. On Python >= 3.12
+    cProfile sees every thread (sys.monitoring), the autograd engine's device thread included."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    chunk = 20
+    for _ in range(n // chunk):
+        runner.before_chunk(chunk)
+        pr.enable()
+        for _ in range(chunk):
+            row.reset()
+            row.step()
+        pr.disable()
+    runner.after()
+    out = {}
+    for (fname, line, func), (cc, nc, tt, ct, callers) in pstats.Stats(pr).stats.items():
+        key = f"{os.path.basename(fname)}:{line}({func})" if fname != "~" else func
+        out[key] = (out.get(key, (0.0, 0))[0] + tt * 1e6 / n, out.get(key, (0.0, 0))[1] + nc / n)
+    return out
+
+
+def profile_diff(a, b, runner: Runner, n: int, top: int = 30) -> str:
+    """Own time per step of each function in row ``a`` and row ``b``, profiled alternately (two halves
+    each), largest difference first."""
+    ta, tb = {}, {}
+    for _ in range(2):
+        for row, acc in ((a, ta), (b, tb)):
+            for k, (t, c) in _own_times(row, runner, n // 2).items():
+                acc[k] = (acc.get(k, (0.0, 0.0))[0] + t / 2, acc.get(k, (0.0, 0.0))[1] + c / 2)
+    keys = sorted(set(ta) | set(tb), key=lambda k: -abs(ta.get(k, (0, 0))[0] - tb.get(k, (0, 0))[0]))
+    lines = [f"\n==== cProfile own time per step, us (calls per step): '{a.label}' vs '{b.label}', "
+             f"{n} steps each ====",
+             f"{'function':<70s}{a.label[:24]:>26s}{b.label[:24]:>26s}{'diff':>9s}"]
+    for k in keys[:top]:
+        (x, cx), (y, cy) = ta.get(k, (0.0, 0.0)), tb.get(k, (0.0, 0.0))
+        lines.append(f"{k[:70]:<70s}{x:17.1f} ({cx:5.1f}){y:17.1f} ({cy:5.1f}){x - y:9.1f}")
+    lines.append(f"{'total':<70s}{sum(v[0] for v in ta.values()):26.1f}{sum(v[0] for v in tb.values()):26.1f}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     args = ARGS
     dev = torch.device(args.device)
@@ -444,6 +494,8 @@ def main() -> int:
                   f"{bound:.0f}x)")
     if args.cprofile:
         print(profile(rows[0], runner, 2000 if dev.type == "cpu" else 400))
+    if args.cprofile_diff:
+        print(profile_diff(rows[0], refs[2], runner, 2000 if dev.type == "cpu" else 400))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_glue_training.json"), "w") as f:
