@@ -95,7 +95,7 @@ PHASE = "profile_hf.phase:"
 EVALUATE = "autograd::engine::evaluate_function: "
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 TOP_KERNELS = 15
-CATEGORY_TOP = 6  # kernels listed per category in the JSON
+CATEGORY_TOP = 12  # kernels listed per category in the JSON
 TARGET_REDUCTION = bench_hf.MIN_STEP_REDUCTION
 
 log = bench_hf.log

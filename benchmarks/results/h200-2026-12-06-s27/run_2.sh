@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# session 27, device call 2: issue 34's open row, QLoRA NF4 at the Qwen3-0.6B shape (28 layers) end to end,
+# interleaved over 64 steps, then where the fused stack's attention input spends GPU time against its dense-qkv
+# bound (profile_hf, each category's largest kernels in profile_hf.json). Carry .whl .bnb .shared.
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 FUSEDQKV_SOL_EXECBENCH=$PWD/.shared
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
+cp -r .bnb/bitsandbytes* /tmp/site/
+W=$OUT/w; J=$OUT/w/j/k; mkdir -p $W $J
+T0=$(date +%s)
+step() {
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0=$(date +%s)
+  TOTAL=${TOTAL:-575}; if [ $(( t0 - T0 + limit )) -gt $TOTAL ]; then limit=$(( TOTAL - (t0 - T0) )); fi
+  if [ "$limit" -lt 20 ]; then echo "$name skipped (time)" >> "$W/status"; return; fi
+  timeout "$limit" "$@" > "$W/$log" 2>&1
+  local rc=$?
+  echo "$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(grep -E 'passed|failed|PASS|FAIL' "$W/$log" | tail -1 | cut -c1-110)")" >> "$W/status"
+}
+export PYTHONPATH=src:/tmp/site
+nvidia-smi --query-gpu=name --format=csv,noheader > $W/gpu.txt
+step q06 260 q06.txt python3 benchmarks/bench_hf.py --lora 16 --lora-init random --autocast --interleave --family qwen3 \
+  --layers 28 --qlora nf4 --stacks hf-fp32,hf,hf+fusedqkv,hf+fusedqkv:dense-qkv --steps 64 --warmup 4 --out $J/q06
+cp $J/q06/bench_hf.json $W/q06.json 2>/dev/null
+step pq 150 pq.txt python3 benchmarks/profile_hf.py --layers 28 --lora 16 --autocast --qlora nf4 --no-traces \
+  --stacks hf+fusedqkv,hf+fusedqkv:dense-qkv --warmup 3 --timed-steps 6 --profile-steps 1 --out $J/pq
+cp $J/pq/profile_hf.json $W/pq.json 2>/dev/null
+cat $W/gpu.txt
+tail -9 $W/q06.txt | cut -c1-260
+tail -22 $W/pq.txt | cut -c1-200
+python3 - $W/pq.json <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["results"]
+for stack, v in r.items():
+    c = v["categories"].get("attn_input", {})
+    print(f"{stack}: attn_input {c.get('ms', 0):.2f} ms/step (fwd {c.get('fwd_ms', 0):.2f}, bwd {c.get('bwd_ms', 0):.2f})")
+    for k in c.get("top", [])[:12]:
+        print(f"   {k['ms']:8.3f}  {k['name'][:110]}")
+PY
+cat $W/status
