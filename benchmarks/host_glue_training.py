@@ -55,6 +55,9 @@ def _parse():
     ap.add_argument("--calls", type=int, default=40, help="calls per round and row")
     ap.add_argument("--against", default=None, help="a src dir holding another tree's fusedqkv/, timed beside this one")
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--backward-on-caller", action="store_true",
+                    help="torch.autograd.set_multithreading_enabled(False): the engine runs a CUDA backward on the "
+                         "calling thread instead of handing it to its device thread")
     ap.add_argument("--cprofile-diff", action="store_true",
                     help="profile the fused step and the planned work alone; print each function's own time per "
                          "step in both, largest difference first (what autograd's context makes slower)")
@@ -450,6 +453,8 @@ def profile_diff(a, b, runner: Runner, n: int, top: int = 30) -> str:
 def main() -> int:
     args = ARGS
     dev = torch.device(args.device)
+    if args.backward_on_caller:
+        torch.autograd.set_multithreading_enabled(False)  # process-wide from here
     if dev.type == "cpu":
         torch.set_num_threads(1)
     T = args.tokens or (128 if dev.type == "cpu" else 512)
@@ -475,7 +480,8 @@ def main() -> int:
     ref = whole[refs[0].label]
     where = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU, launches and products no-ops"
     print(f"\ntraining block fwd+bwd, host time by phase, us (median of {args.rounds} x {args.calls} stamped "
-          f"calls), 32/8 heads of 128, hidden {hidden}, {T} tokens, {args.position} | {where}")
+          f"calls), 32/8 heads of 128, hidden {hidden}, {T} tokens, {args.position} | {where}"
+          + (" | backward on the calling thread" if args.backward_on_caller else ""))
     cols = [r.label for r in everyone]
     print(f"{'phase':<42s}" + "".join(f"{c[:30]:>32s}" for c in cols))
     for name, _, _ in SEGMENTS:
@@ -500,7 +506,8 @@ def main() -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_glue_training.json"), "w") as f:
             json.dump({"device": where, "torch": torch.__version__, "tokens": T, "hidden": hidden,
-                       "position": args.position, "rounds": args.rounds, "calls": args.calls, "timeline": tl,
+                       "position": args.position, "backward_on_caller": args.backward_on_caller,
+                       "rounds": args.rounds, "calls": args.calls, "timeline": tl,
                        "steps_us": whole, "reference": refs[0].label}, f, indent=1)
     return 0
 
