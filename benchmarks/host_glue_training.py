@@ -385,10 +385,10 @@ def steps(rows: list, runner: Runner, rounds: int, calls: int) -> dict:
     return {label: statistics.median(v) / 1e3 for label, v in got.items()}
 
 
-def profile(row, runner: Runner, n: int) -> str:
+def _profiled(row, runner: Runner, n: int):
+    """A cProfile.Profile of ``n`` steps of ``row`` (on Python >= 3.12 it sees every thread: sys.monitoring,
+    the autograd engine's device thread included)."""
     import cProfile
-    import io
-    import pstats
 
     pr = cProfile.Profile()
     chunk = 20
@@ -400,8 +400,15 @@ def profile(row, runner: Runner, n: int) -> str:
             row.step()
         pr.disable()
     runner.after()
+    return pr
+
+
+def profile(row, runner: Runner, n: int) -> str:
+    import io
+    import pstats
+
     s = io.StringIO()
-    st = pstats.Stats(pr, stream=s)
+    st = pstats.Stats(_profiled(row, runner, n), stream=s)
     s.write(f"\n==== cProfile: {row.label}, {n} fwd+bwd steps ====\n")
     st.sort_stats("tottime").print_stats(35)
     st.sort_stats("cumulative").print_stats(40)
@@ -409,21 +416,10 @@ def profile(row, runner: Runner, n: int) -> str:
 
 
 def _own_times(row, runner: Runner, n: int) -> dict:
-    """Each function's own time (cProfile's tottime), us per step, over ``n`` steps. On Python >= 3.12
-    cProfile sees every thread (sys.monitoring), the autograd engine's device thread included."""
-    import cProfile
+    """Each function's own time (cProfile's tottime), us per step, and its calls per step, over ``n`` steps."""
     import pstats
 
-    pr = cProfile.Profile()
-    chunk = 20
-    for _ in range(n // chunk):
-        runner.before_chunk(chunk)
-        pr.enable()
-        for _ in range(chunk):
-            row.reset()
-            row.step()
-        pr.disable()
-    runner.after()
+    pr = _profiled(row, runner, n)
     out = {}
     for (fname, line, func), (cc, nc, tt, ct, callers) in pstats.Stats(pr).stats.items():
         key = f"{os.path.basename(fname)}:{line}({func})" if fname != "~" else func

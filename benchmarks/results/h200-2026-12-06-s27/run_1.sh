@@ -3,21 +3,7 @@
 # --cprofile-diff: the fused step against the planned work alone, own time per function, the engine's thread
 # included on Python 3.12); issue 35's frozen-weight FP8 cache measured (bench_fp8_frozen, session 26's run_5),
 # then with the cache on: the GPU FP8 tests and the graph repro; the fuzz. Carry .whl .shared.
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 FUSEDQKV_SOL_EXECBENCH=$PWD/.shared
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
-W=$OUT/w; J=$OUT/w/j/k; mkdir -p $W $J
-T0=$(date +%s)
-step() {
-  local name=$1 limit=$2 log=$3; shift 3
-  local t0=$(date +%s)
-  TOTAL=${TOTAL:-575}; if [ $(( t0 - T0 + limit )) -gt $TOTAL ]; then limit=$(( TOTAL - (t0 - T0) )); fi
-  if [ "$limit" -lt 20 ]; then echo "$name skipped (time)" >> "$W/status"; return; fi
-  timeout "$limit" "$@" > "$W/$log" 2>&1
-  local rc=$?
-  echo "$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(grep -E 'passed|failed|PASS|FAIL' "$W/$log" | tail -1 | cut -c1-110)")" >> "$W/status"
-}
-export PYTHONPATH=src:/tmp/site
-nvidia-smi --query-gpu=name --format=csv,noheader > $W/gpu.txt
+source benchmarks/results/device_setup.sh
 python3 -c "import sys; print(sys.version)" >> $W/gpu.txt
 step glue128 130 glue128.txt python3 benchmarks/host_glue_training.py --device cuda --tokens 128 --rounds 10 --cprofile-diff --out $J/g128
 step glue512 130 glue512.txt python3 benchmarks/host_glue_training.py --device cuda --tokens 512 --rounds 10 --cprofile-diff --out $J/g512

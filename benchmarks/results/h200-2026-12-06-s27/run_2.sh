@@ -5,22 +5,8 @@
 # sleep); issue 34's open row, QLoRA NF4 at the Qwen3-0.6B shape (28 layers) end to end, interleaved over 64
 # steps, then where the fused stack's attention input spends GPU time against its dense-qkv bound (profile_hf,
 # each category's largest kernels in profile_hf.json). Carry .whl .bnb .shared.
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 FUSEDQKV_SOL_EXECBENCH=$PWD/.shared
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
-cp -r .bnb/bitsandbytes* /tmp/site/
-W=$OUT/w; J=$OUT/w/j/k; mkdir -p $W $J
-T0=$(date +%s)
-step() {
-  local name=$1 limit=$2 log=$3; shift 3
-  local t0=$(date +%s)
-  TOTAL=${TOTAL:-430}; if [ $(( t0 - T0 + limit )) -gt $TOTAL ]; then limit=$(( TOTAL - (t0 - T0) )); fi
-  if [ "$limit" -lt 20 ]; then echo "$name skipped (time)" >> "$W/status"; return; fi
-  timeout "$limit" "$@" > "$W/$log" 2>&1
-  local rc=$?
-  echo "$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(grep -E 'passed|failed|PASS|FAIL' "$W/$log" | tail -1 | cut -c1-110)")" >> "$W/status"
-}
-export PYTHONPATH=src:/tmp/site
-nvidia-smi --query-gpu=name --format=csv,noheader > $W/gpu.txt
+TOTAL=430  # the device budget left after failed starts
+source benchmarks/results/device_setup.sh
 G="python3 benchmarks/host_glue_training.py --device cuda --tokens 128 --rounds 8"
 step glue 60 glue.txt $G
 step glue_caller 60 glue_caller.txt $G --backward-on-caller
