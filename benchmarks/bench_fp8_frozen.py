@@ -105,7 +105,8 @@ def main(argv=None) -> int:
         times, host, ahead = gpu_only_interleaved(fns, args.reps, flusher)
         med = {k: statistics.median(v) for k, v in times.items()}
         host_med = {k: statistics.median(v) for k, v in host.items()}
-        r = dict(config=cname, tokens=tokens, ms=med, host_ms=host_med, gpu_ahead_of_host=ahead, same=same, cached_over_fp8=med["fp8_cached"] / med["fp8"],
+        r = dict(config=cname, tokens=tokens, ms=med, host_ms=host_med, gpu_ahead_of_host=ahead, same=same,
+                 cached_over_fp8=med["fp8_cached"] / med["fp8"],
                  fp8_over_bf16=med["fp8"] / med["bf16"], cached_over_bf16=med["fp8_cached"] / med["bf16"],
                  cached_over_floor=med["fp8_cached"] / med["fp8_floor"])
         out.append(r)

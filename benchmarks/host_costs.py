@@ -81,7 +81,12 @@ def main() -> int:
     ap.add_argument("--train-tokens", default="128,131,512,1571",
                     help="the training block's token counts (issue 36's rows), comma-separated")
     ap.add_argument("--cprofile", action="store_true", help="also the Python profile of 200 calls (091, out=)")
+    ap.add_argument("--backward-on-caller", action="store_true",
+                    help="torch.autograd.set_multithreading_enabled(False): the engine runs each CUDA backward on the "
+                         "calling thread, not its device thread (a process-wide torch setting; NOTES, session 27)")
     args = ap.parse_args()
+    if args.backward_on_caller:
+        torch.autograd.set_multithreading_enabled(False)
     os.makedirs(args.out, exist_ok=True)
     train_tokens = [int(t) for t in args.train_tokens.split(",") if t.strip()]
     if not train_tokens or min(train_tokens) < 1:
@@ -337,8 +342,10 @@ def main() -> int:
     fast_path = internals.fast_path_info()
     with open(os.path.join(args.out, "host_costs.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fast_path": fast_path,
-                   "rows": rows, "training_ratios": training_ratios, "ratios_091": ratios_091}, f, indent=1)
+                   "backward_on_caller": args.backward_on_caller, "rows": rows, "training_ratios": training_ratios,
+                   "ratios_091": ratios_091}, f, indent=1)
     print(f"\nhost time per call (us, median of 7 x N calls, GPU never waited on) | {torch.cuda.get_device_name()} | "
+          f"{'backward on the calling thread | ' if args.backward_on_caller else ''}"
           f"raw launches: {fast_path['launch']} ({fast_path['driver_launches']} of {fast_path['bound_launches']} "
           f"bound through the driver)")
     for r in rows:
