@@ -83,7 +83,7 @@ def main() -> int:
     ap.add_argument("--cprofile", action="store_true", help="also the Python profile of 200 calls (091, out=)")
     ap.add_argument("--backward-on-caller", action="store_true",
                     help="torch.autograd.set_multithreading_enabled(False): the engine runs each CUDA backward on the "
-                         "calling thread, not its device thread (a process-wide torch setting; NOTES, session 27)")
+                         "calling thread, not its device thread (thread-local: set on the thread that calls backward; NOTES, session 27)")
     args = ap.parse_args()
     if args.backward_on_caller:
         torch.autograd.set_multithreading_enabled(False)

@@ -450,7 +450,7 @@ def main() -> int:
     args = ARGS
     dev = torch.device(args.device)
     if args.backward_on_caller:
-        torch.autograd.set_multithreading_enabled(False)  # process-wide from here
+        torch.autograd.set_multithreading_enabled(False)  # for this (the calling) thread, from here
     if dev.type == "cpu":
         torch.set_num_threads(1)
     T = args.tokens or (128 if dev.type == "cpu" else 512)
