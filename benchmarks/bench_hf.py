@@ -589,6 +589,8 @@ def table(report):
     losses = "losses within torchao's FP8 spread from bf16" if fp8 else "losses within bf16 noise"
     lines.append(f"done criteria ({speed}, peak memory <= {MAX_MEM_RATIO:.2f}x, {losses}): "
                  f"{'PASS' if report['passed'] else 'FAIL'}")
+    if report.get("config", {}).get("backward_on_caller"):
+        lines.append("(every stack with torch.autograd.set_multithreading_enabled(False): backward on the calling thread)")
     return "\n".join(lines)
 
 
@@ -648,6 +650,9 @@ def main(argv=None):
     p.add_argument("--interleave", action="store_true",
                    help="build every stack first, then run them one step each per round, in rotating order (the "
                         "host's drift shared by all; peak memory per stack from its own steps)")
+    p.add_argument("--backward-on-caller", action="store_true",
+                   help="torch.autograd.set_multithreading_enabled(False) for this thread, every stack: the engine runs "
+                        "the CUDA backward on the calling thread, not its device thread (NOTES, session 27)")
     p.add_argument("--tiny", action="store_true", help="tiny model, batch 2 x seq 64, 6 steps: the CPU check")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--plot", metavar="JSON",
@@ -690,6 +695,8 @@ def main(argv=None):
         p.error("--stacks: hf-bf16 and compile(hf-bf16) are the bf16 yardsticks of --fp8 (without it they are hf and "
                 "compile(hf))")
     os.makedirs(args.out, exist_ok=True)
+    if args.backward_on_caller:
+        torch.autograd.set_multithreading_enabled(False)
 
     data = make_data(8, args.batch, args.seq, cfg_kw["vocab_size"], args.seed + 1)
     if args.fp8:  # issue 35: faster than torchao's float8 (its own pair), by any margin
@@ -714,6 +721,7 @@ def main(argv=None):
                               lora=dict(r=args.lora, alpha=2 * args.lora, target_modules="all-linear",
                                         init=args.lora_init, qlora=args.qlora) if args.lora else None,
                               autocast=args.autocast, fp8=args.fp8, interleave=args.interleave,
+                              backward_on_caller=args.backward_on_caller,
                               fp8_loss_rule=(f"max_t |loss_fused - loss_bf16| <= {FP8_SPREAD_FACTOR} max_t "
                                              "|loss_torchao - loss_bf16| + 1e-3" if args.fp8 else None)),
                   env=env_info(device), results={})
