@@ -108,6 +108,8 @@ import time
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import engine_thread  # noqa: E402
 
 # Qwen3-0.6B's config.json, 4 layers
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
@@ -590,7 +592,7 @@ def table(report):
     lines.append(f"done criteria ({speed}, peak memory <= {MAX_MEM_RATIO:.2f}x, {losses}): "
                  f"{'PASS' if report['passed'] else 'FAIL'}")
     if report.get("config", {}).get("backward_on_caller"):
-        lines.append("(every stack with torch.autograd.set_multithreading_enabled(False): backward on the calling thread)")
+        lines.append(f"(every stack: {engine_thread.LABEL}, torch.autograd.set_multithreading_enabled(False))")
     return "\n".join(lines)
 
 
@@ -650,9 +652,7 @@ def main(argv=None):
     p.add_argument("--interleave", action="store_true",
                    help="build every stack first, then run them one step each per round, in rotating order (the "
                         "host's drift shared by all; peak memory per stack from its own steps)")
-    p.add_argument("--backward-on-caller", action="store_true",
-                   help="torch.autograd.set_multithreading_enabled(False) for this thread, every stack: the engine runs "
-                        "the CUDA backward on the calling thread, not its device thread (NOTES, session 27)")
+    engine_thread.add_flag(p)  # every stack's steps run on this thread
     p.add_argument("--tiny", action="store_true", help="tiny model, batch 2 x seq 64, 6 steps: the CPU check")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--plot", metavar="JSON",
@@ -695,8 +695,7 @@ def main(argv=None):
         p.error("--stacks: hf-bf16 and compile(hf-bf16) are the bf16 yardsticks of --fp8 (without it they are hf and "
                 "compile(hf))")
     os.makedirs(args.out, exist_ok=True)
-    if args.backward_on_caller:
-        torch.autograd.set_multithreading_enabled(False)
+    engine_thread.apply(args.backward_on_caller)
 
     data = make_data(8, args.batch, args.seq, cfg_kw["vocab_size"], args.seed + 1)
     if args.fp8:  # issue 35: faster than torchao's float8 (its own pair), by any margin

@@ -46,6 +46,9 @@ from fusedqkv.ops import config, cublaslt, internals
 from fusedqkv.ops import backward_091, training_backward, training_forward
 from fusedqkv.ops.device import current_stream
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engine_thread  # noqa: E402
+
 
 def host_us(fn, n=100, reps=7):
     """Median over reps of the mean host time of n calls, behind a GPU sleep (the queue never drains)."""
@@ -81,12 +84,9 @@ def main() -> int:
     ap.add_argument("--train-tokens", default="128,131,512,1571",
                     help="the training block's token counts (issue 36's rows), comma-separated")
     ap.add_argument("--cprofile", action="store_true", help="also the Python profile of 200 calls (091, out=)")
-    ap.add_argument("--backward-on-caller", action="store_true",
-                    help="torch.autograd.set_multithreading_enabled(False): the engine runs each CUDA backward on the "
-                         "calling thread, not its device thread (thread-local: set on the thread that calls backward; NOTES, session 27)")
+    engine_thread.add_flag(ap)
     args = ap.parse_args()
-    if args.backward_on_caller:
-        torch.autograd.set_multithreading_enabled(False)
+    engine_thread.apply(args.backward_on_caller)
     os.makedirs(args.out, exist_ok=True)
     train_tokens = [int(t) for t in args.train_tokens.split(",") if t.strip()]
     if not train_tokens or min(train_tokens) < 1:
@@ -345,7 +345,7 @@ def main() -> int:
                    "backward_on_caller": args.backward_on_caller, "rows": rows, "training_ratios": training_ratios,
                    "ratios_091": ratios_091}, f, indent=1)
     print(f"\nhost time per call (us, median of 7 x N calls, GPU never waited on) | {torch.cuda.get_device_name()} | "
-          f"{'backward on the calling thread | ' if args.backward_on_caller else ''}"
+          f"{engine_thread.LABEL + ' | ' if args.backward_on_caller else ''}"
           f"raw launches: {fast_path['launch']} ({fast_path['driver_launches']} of {fast_path['bound_launches']} "
           f"bound through the driver)")
     for r in rows:

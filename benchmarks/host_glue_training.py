@@ -44,6 +44,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engine_thread  # noqa: E402
+
 
 def _parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -55,9 +58,7 @@ def _parse():
     ap.add_argument("--calls", type=int, default=40, help="calls per round and row")
     ap.add_argument("--against", default=None, help="a src dir holding another tree's fusedqkv/, timed beside this one")
     ap.add_argument("--cprofile", action="store_true")
-    ap.add_argument("--backward-on-caller", action="store_true",
-                    help="torch.autograd.set_multithreading_enabled(False): the engine runs a CUDA backward on the "
-                         "calling thread instead of handing it to its device thread")
+    engine_thread.add_flag(ap)
     ap.add_argument("--cprofile-diff", action="store_true",
                     help="profile the fused step and the planned work alone; print each function's own time per "
                          "step in both, largest difference first (what autograd's context makes slower)")
@@ -449,8 +450,7 @@ def profile_diff(a, b, runner: Runner, n: int, top: int = 30) -> str:
 def main() -> int:
     args = ARGS
     dev = torch.device(args.device)
-    if args.backward_on_caller:
-        torch.autograd.set_multithreading_enabled(False)  # for this (the calling) thread, from here
+    engine_thread.apply(args.backward_on_caller)
     if dev.type == "cpu":
         torch.set_num_threads(1)
     T = args.tokens or (128 if dev.type == "cpu" else 512)
@@ -477,7 +477,7 @@ def main() -> int:
     where = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU, launches and products no-ops"
     print(f"\ntraining block fwd+bwd, host time by phase, us (median of {args.rounds} x {args.calls} stamped "
           f"calls), 32/8 heads of 128, hidden {hidden}, {T} tokens, {args.position} | {where}"
-          + (" | backward on the calling thread" if args.backward_on_caller else ""))
+          + (f" | {engine_thread.LABEL}" if args.backward_on_caller else ""))
     cols = [r.label for r in everyone]
     print(f"{'phase':<42s}" + "".join(f"{c[:30]:>32s}" for c in cols))
     for name, _, _ in SEGMENTS:
