@@ -3,7 +3,7 @@
 
 The cache is an eager feature: under CUDA-graph capture it is neither read nor filled (a replay cannot
 consult a host cache), so these rows are eager calls, the providers interleaved call by call in rotated
-order. An eager FP8 call's host time exceeds its GPU time below ~8192 tokens, so CUDA events around
+order. An eager FP8 call's host time exceeds its GPU time up to 8192 tokens (session 27), so CUDA events around
 back-to-back calls time the host (session 26's run_5 did; its 8192 row went the wrong way). Here each
 call waits behind a GPU sleep while the host enqueues it (``gpu_only_interleaved``): the events span the
 kernels alone, the L2 flushed before each; the call's host time (wall clock) is its own column. Each call is
