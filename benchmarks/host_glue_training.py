@@ -296,14 +296,14 @@ class Planned:
                                  True, True, False, "auto")
             stamp("tb_out")
 
-        self.step, self._step = step, step
+        self.step = step
 
     def reset(self) -> None:
         pass
 
     def stamped_step(self) -> None:
         stamp("call")
-        self._step(stamp)
+        self.step(stamp)
         stamp("done")
 
     def install(self) -> None:
@@ -323,8 +323,7 @@ class TwoMM(Planned):
         x = fused.hs.detach().reshape(-1, w.shape[1])
         dq = torch.randn(x.shape[0], w.shape[0], device=w.device, dtype=w.dtype)
         dx, dw = torch.empty_like(x), torch.empty_like(w)
-        self.step = lambda: (torch.mm(dq, w, out=dx), torch.mm(dq.t(), x, out=dw))
-        self._step = lambda stamp: self.step()
+        self.step = lambda stamp=None: (torch.mm(dq, w, out=dx), torch.mm(dq.t(), x, out=dw))
 
 
 # ------------------------------------------------------------------------------ timing
@@ -423,9 +422,13 @@ def _own_times(row, runner: Runner, n: int) -> dict:
     pr = _profiled(row, runner, n)
     out = {}
     for (fname, line, func), (cc, nc, tt, ct, callers) in pstats.Stats(pr).stats.items():
-        key = f"{os.path.basename(fname)}:{line}({func})" if fname != "~" else func
-        out[key] = (out.get(key, (0.0, 0))[0] + tt * 1e6 / n, out.get(key, (0.0, 0))[1] + nc / n)
+        _add(out, f"{os.path.basename(fname)}:{line}({func})" if fname != "~" else func, tt * 1e6 / n, nc / n)
     return out
+
+
+def _add(acc: dict, key: str, t: float, calls: float) -> None:
+    t0, c0 = acc.get(key, (0.0, 0.0))
+    acc[key] = (t0 + t, c0 + calls)
 
 
 def profile_diff(a, b, runner: Runner, n: int, top: int = 30) -> str:
@@ -435,7 +438,7 @@ def profile_diff(a, b, runner: Runner, n: int, top: int = 30) -> str:
     for _ in range(2):
         for row, acc in ((a, ta), (b, tb)):
             for k, (t, c) in _own_times(row, runner, n // 2).items():
-                acc[k] = (acc.get(k, (0.0, 0.0))[0] + t / 2, acc.get(k, (0.0, 0.0))[1] + c / 2)
+                _add(acc, k, t / 2, c / 2)
     keys = sorted(set(ta) | set(tb), key=lambda k: -abs(ta.get(k, (0, 0))[0] - tb.get(k, (0, 0))[0]))
     lines = [f"\n==== cProfile own time per step, us (calls per step): '{a.label}' vs '{b.label}', "
              f"{n} steps each ====",

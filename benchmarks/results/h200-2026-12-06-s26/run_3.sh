@@ -2,21 +2,8 @@
 # session 26, device call 3 (one start: the lent machines were scarce): the FP8 cast kernels' launch shapes
 # (fp8_cast_probe: session 25's launch vs the plan's, x's cast with fewer rows per partial), bench_fp8 at 2048 and
 # 512 tokens with the change, then the GPU FP8 tests, the fuzz and the graph repro. Carry .whl .shared.
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 FUSEDQKV_SOL_EXECBENCH=$PWD/.shared
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
-W=$OUT/w; J=$OUT/w/j/k; mkdir -p $W $J
-T0=$(date +%s)
-step() {
-  local name=$1 limit=$2 log=$3; shift 3
-  local t0=$(date +%s)
-  TOTAL=${TOTAL:-580}; if [ $(( t0 - T0 + limit )) -gt $TOTAL ]; then limit=$(( TOTAL - (t0 - T0) )); fi
-  if [ "$limit" -lt 20 ]; then echo "$name skipped (time)" >> "$W/status"; return; fi
-  timeout "$limit" "$@" > "$W/$log" 2>&1
-  local rc=$?
-  echo "$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(grep -E 'passed|failed|PASS|FAIL' "$W/$log" | tail -1 | cut -c1-110)")" >> "$W/status"
-}
-export PYTHONPATH=src:/tmp/site
-nvidia-smi --query-gpu=name --format=csv,noheader > $W/gpu.txt
+TOTAL=580
+source benchmarks/results/device_setup.sh  # (as session 27 factored it out)
 step probe 150 probe.txt python3 benchmarks/fp8_cast_probe.py --reps 30 --out $J/probe
 cp $J/probe/fp8_cast_probe.json $W/probe.json 2>/dev/null
 step fp8 150 fp8.txt python3 benchmarks/bench_fp8.py --rows 1,4,7,0,3,6 --reps 12 --out $J/fp8

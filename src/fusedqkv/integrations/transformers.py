@@ -708,9 +708,10 @@ def _check_linear(path: str, p, hidden: int) -> nn.Module:
             f"Linear4bit (or a PEFT LoRA layer over one) can be fused (apply fusedqkv before wrapping projections "
             f"otherwise: tensor parallel)")
     w = p.weight
-    if type(mx_plain(w).data) is not torch.Tensor or w.is_meta:
+    data = mx_plain(w).data  # (torchao's MX training wrapper: the plain tensor it holds)
+    if type(data) is not torch.Tensor or w.is_meta:
         raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path}.weight is a {type(w.data).__name__} on {w.device}; the fused "
+            f"fusedqkv.apply_to: {path}.weight is a {type(data).__name__} on {w.device}; the fused "
             f"block needs a materialised dense tensor")
     if w.dtype not in _FLOAT_DTYPES:
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path}.weight has dtype {w.dtype}; expected "
