@@ -4,7 +4,7 @@
 source benchmarks/results/device_setup.sh
 TOTAL=${TOTAL:-300}
 step host 210 host.txt python3 benchmarks/host_costs.py --workloads=11,2,15,3 --train-tokens 128,131,512,1571 --out $J/host
-step b091 80 b091.txt python3 benchmarks/bench_091_backward.py --reps 20 --rounds 2 --no-span --out $J/b091
+step b091 80 b091.txt python3 benchmarks/bench_091_backward.py --reps 20 --rounds 2 --out $J/b091
 cat $W/gpu.txt
 grep -A6 "^091 / two torch.mm" $W/host.txt; grep -A9 "^training fwd+bwd / two torch.mm, interleaved" $W/host.txt
 tail -4 $W/b091.txt | cut -c1-200
