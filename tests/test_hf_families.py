@@ -198,6 +198,51 @@ def test_family_settings_without_a_block_are_named():
     assert not fused_modules(m)  # nothing changed
 
 
+def _weightless_rms_norm_class(name: str, eps_attr: str) -> type:
+    """HF's weightless RMSNorm of Llama 4 (fp32, rounded once to the input's dtype) under a class name and
+    an eps attribute of choice: transformers 5.25 calls it Llama4TextWeightlessRMSNorm with
+    ``variance_epsilon``, 5.17 Llama4TextL2Norm with ``eps``."""
+    def __init__(self, eps):
+        torch.nn.Module.__init__(self)
+        setattr(self, eps_attr, eps)
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + getattr(self, eps_attr))).type_as(x)
+
+    return type(name, (torch.nn.Module,), dict(__init__=__init__, forward=forward))
+
+
+@pytest.mark.parametrize("name, fused", [("Llama4TextWeightlessRMSNorm", True), ("Llama4TextOtherNorm", False)])
+def test_llama4_norm_under_its_transformers_5_25_name(name, fused):
+    """transformers 5.25 renamed Llama 4's q/k norm (same math, eps under another attribute): the
+    table takes both names, computes with the module's own eps, and refuses any other class naming both."""
+    fam = H.family("llama4_text")
+    ref = H.build(fam)
+    cls = _weightless_rms_norm_class(name, "variance_epsilon")
+    m = copy.deepcopy(ref)
+    eps = 3e-5  # not the config's: the block must read the module's
+    for mod in list(m.modules()):
+        if "qk_norm" in mod._modules:
+            mod.qk_norm = cls(eps)
+    for mod in list(ref.modules()):
+        if "qk_norm" in mod._modules:  # HF's own class, whichever release: its eps attribute
+            setattr(mod.qk_norm, "variance_epsilon" if hasattr(mod.qk_norm, "variance_epsilon") else "eps", eps)
+    if not fused:
+        with pytest.raises(fqt.UnsupportedModelError,
+                           match=r"qk_norm is a Llama4TextOtherNorm; the fused block computes Llama4TextL2Norm or "
+                                 r"Llama4TextWeightlessRMSNorm"):
+            fusedqkv.apply_to(m)
+        return
+    assert fusedqkv.apply_to(m) == fam.n_fused
+    ids = H.batch(2, 12)
+    out, out_ref = m(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    out_ref.loss.backward()
+    check_grads(m, ref, 1e-4)
+
+
 def test_gemma4_every_attention_layer_fused_global_head_dim_512():
     """Gemma 4's global layers (head_dim 512, v the k projection, proportional RoPE) are fused like
     its sliding layers; only the KV-shared layer stays HF's. A head_dim above the block's 512 is

@@ -28,6 +28,7 @@ import _hf_models as H  # noqa: E402
 
 import fusedqkv  # noqa: E402
 
+import transformers  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
 
@@ -231,6 +232,13 @@ def test_liger_composes_with_every_family_it_supports(fam, order, liger_env_all)
         _apply_liger_kernel_to_instance(model=liger_only)
     except ImportError as e:  # a Liger release older than the transformers release
         pytest.skip(f"Liger-Kernel cannot patch {fam.name} with this transformers: {e}")
+    try:  # Liger alone, no fusedqkv: its own forward may not know this transformers' outputs yet
+        liger_loss = liger_only(input_ids=ids, labels=ids).loss
+    except (AttributeError, TypeError) as e:  # (liger-kernel 0.8.5's Qwen3-VL-MoE head on transformers 5.25)
+        pytest.skip(f"Liger-Kernel's own forward of {fam.name} fails with transformers {transformers.__version__}: "
+                    f"{type(e).__name__}: {e}")
+    tol = 1e-5 if device == "cpu" else 2e-3
+    torch.testing.assert_close(liger_loss, ref_loss, rtol=tol, atol=tol)
     m = copy.deepcopy(ref)
     m.zero_grad(set_to_none=True)
     if order == "liger_first":
@@ -244,7 +252,6 @@ def test_liger_composes_with_every_family_it_supports(fam, order, liger_env_all)
     assert _liger_modules(liger_only) and _liger_modules(m) == _liger_modules(liger_only)
     assert list(m.state_dict()) == list(ref.state_dict())
     loss = m(input_ids=ids, labels=ids).loss
-    tol = 1e-5 if device == "cpu" else 2e-3
     torch.testing.assert_close(loss, ref_loss, rtol=tol, atol=tol)
     loss.backward()
     got, want = dict(m.named_parameters()), dict(ref.named_parameters())

@@ -189,6 +189,7 @@ class Arch:
     modeling: str            # module of the attention class (under transformers.models.)
     attention: str           # attention class name
     norm_class: str          # the RMSNorm class of q and k (and v)
+    norm_aliases: tuple = ()         # the same class's names in other transformers releases
     qk_norm_position: str = "before_rope"
     norm_weight_offset: float = 0.0  # the norm scales by offset + weight
     norm_weight: bool = True         # False: RMSNorm without a weight (Llama 4, NanoChat)
@@ -255,7 +256,9 @@ SUPPORTED = (
          **_HUNYUAN),
     _row("nanochat", "nanochat.modeling_nanochat", "NanoChatAttention", "NanoChatRMSNorm",
          qk_norm_position="after_rope", norm_weight=False, rope=_rope_negated_sin),
+    # (transformers 5.25 renamed Llama4TextL2Norm, same math; its eps attribute eps -> variance_epsilon)
     _row("llama4_text", "llama4.modeling_llama4", "Llama4TextAttention", "Llama4TextL2Norm",
+         norm_aliases=("Llama4TextWeightlessRMSNorm",),
          qk_norm_position="after_rope", norm_weight=False, rope_style="interleaved", q_norm="qk_norm",
          k_norm="qk_norm", rope=_rope_complex_interleaved, skip=_skip_llama4),
     # weight form 1 + w
@@ -636,9 +639,10 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
     if not isinstance(norm, nn.Module):
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path} is missing (expected a {arch.norm_class})")
     cls = type(norm)
-    if cls.__name__ != arch.norm_class and not _is_liger(cls):
+    if cls.__name__ != arch.norm_class and cls.__name__ not in arch.norm_aliases and not _is_liger(cls):
+        names = " or ".join((arch.norm_class, *arch.norm_aliases))
         raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path} is a {cls.__name__}; the fused block computes {arch.norm_class} "
+            f"fusedqkv.apply_to: {path} is a {cls.__name__}; the fused block computes {names} "
             f"(or Liger-Kernel's LigerRMSNorm) only")
     bound = norm.__dict__.get("forward")
     if bound is not None:
