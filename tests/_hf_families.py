@@ -62,6 +62,7 @@ FAMILIES = [
                          layer_types=["sliding_attention", "full_attention"]), min_version="5.0"),
     Family("mellum", dict(MOE, sliding_window=5, layer_types=["sliding_attention", "full_attention"])),
     Family("apertus", dict(), min_version="5.0"),
+    Family("apertus1p5_text", dict(), min_version="5.25"),
     Family("hy_v3", dict(MOE, num_shared_experts=1, mlp_layer_types=["dense", "sparse"])),
     Family("lfm2", dict(norm_eps=1e-5, head_dim=None, layer_types=["full_attention", "full_attention"]), bias=False, min_version="5.0"),
     Family("lfm2_moe", dict(MOE, norm_eps=1e-5, head_dim=None, num_dense_layers=1,
@@ -71,6 +72,9 @@ FAMILIES = [
                               layer_types=["sliding_attention", "full_attention"]), bias=False),
     Family("kolibri1", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), bias=False,
            min_version="5.24"),
+    Family("lara_mini", dict(**MOE, **HYBRID, num_hidden_layers=3, shared_expert_intermediate_size=32, sliding_window=5,
+                             layer_types=["sliding_attention", "linear_attention", "full_attention"]),
+           min_version="5.25"),
     Family("doge", dict(head_dim=None, keep_window_size=6),
            no_compile="HF's DogeAttention itself fails in torch.compile's AOT backward (a view of its dynamic mask's "
                       "gradient), fused or not", min_version="5.0"),

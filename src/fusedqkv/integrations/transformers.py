@@ -232,6 +232,7 @@ SUPPORTED = (
     _row("dots1", "dots1.modeling_dots1", "Dots1Attention", "Dots1RMSNorm", sliding_window=_sw_attr),
     _row("mellum", "mellum.modeling_mellum", "MellumAttention", "MellumRMSNorm", sliding_window=_sw_attr),
     _row("apertus", "apertus.modeling_apertus", "ApertusAttention", "ApertusRMSNorm"),
+    _row("apertus1p5_text", "apertus1p5.modeling_apertus1p5", "Apertus1p5TextAttention", "Apertus1p5TextRMSNorm"),
     _row("hy_v3", "hy_v3.modeling_hy_v3", "HYV3Attention", "HYV3RMSNorm"),
     _row("lfm2", "lfm2.modeling_lfm2", "Lfm2Attention", "Lfm2RMSNorm", q_norm="q_layernorm",
          k_norm="k_layernorm", out_proj="out_proj"),
@@ -244,6 +245,9 @@ SUPPORTED = (
     _row("kolibri1", "kolibri1.modeling_kolibri1", "Kolibri1Attention", "Kolibri1RMSNorm",
          rope=_rope_nope_on_global_layers, sliding_window=_sw_if_sliding),
     _row("doge", "doge.modeling_doge", "DogeAttention", "DogeRMSNorm", dynamic_mask=_mask_doge_dynamic),
+    # (a hybrid: gated delta net layers stay HF's; its full-attention layers get no position embeddings: NoPE)
+    _row("lara_mini", "lara_mini.modeling_lara_mini", "LaraMiniAttention", "LaraMiniRMSNorm", sliding_window=_sw_attr,
+         rope=_rope_nope_if_none),
     _row("glm4_moe", "glm4_moe.modeling_glm4_moe", "Glm4MoeAttention", "Glm4MoeRMSNorm", skip=_skip_glm4_moe),
     _row("laguna", "laguna.modeling_laguna", "LagunaAttention", "LagunaRMSNorm", sliding_window=_sw_attr,
          output_gate=_gate_softplus_g_proj),
