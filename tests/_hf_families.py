@@ -63,6 +63,8 @@ FAMILIES = [
     Family("mellum", dict(MOE, sliding_window=5, layer_types=["sliding_attention", "full_attention"])),
     Family("apertus", dict(), min_version="5.0"),
     Family("apertus1p5_text", dict(), min_version="5.25"),
+    Family("lfm3", dict(norm_eps=1e-5, num_hidden_layers=3, sliding_window=5, use_attention_gate=True,
+                        layer_types=["sliding_attention", "conv", "full_attention"]), min_version="5.25"),
     Family("hy_v3", dict(MOE, num_shared_experts=1, mlp_layer_types=["dense", "sparse"])),
     Family("lfm2", dict(norm_eps=1e-5, head_dim=None, layer_types=["full_attention", "full_attention"]), bias=False, min_version="5.0"),
     Family("lfm2_moe", dict(MOE, norm_eps=1e-5, head_dim=None, num_dense_layers=1,

@@ -130,6 +130,15 @@ def _gate_sigmoid_g_proj_per_head(attn, attn_output, hidden_states):
     return out.view(*shape)
 
 
+def _gate_sigmoid_g_proj_heads(attn, attn_output, hidden_states):
+    # LFM3: sigmoid(g_proj(x)) per head where the config has the gate (use_attention_gate), else none
+    if attn.g_proj is None:
+        return attn_output
+    shape = attn_output.shape
+    out = attn_output.view(*shape[:-1], -1, attn.head_dim) * torch.sigmoid(attn.g_proj(hidden_states)).unsqueeze(-1)
+    return out.view(*shape)
+
+
 def _mask_doge_dynamic(attn, hidden_states, value_states, attention_mask):
     # Doge: the dynamic mask from the (cached) values, as DogeAttention.forward builds it
     dt_states = attn.dt_proj(value_states.transpose(1, 2).reshape(value_states.shape[0], value_states.shape[-2], -1))
@@ -233,6 +242,9 @@ SUPPORTED = (
     _row("mellum", "mellum.modeling_mellum", "MellumAttention", "MellumRMSNorm", sliding_window=_sw_attr),
     _row("apertus", "apertus.modeling_apertus", "ApertusAttention", "ApertusRMSNorm"),
     _row("apertus1p5_text", "apertus1p5.modeling_apertus1p5", "Apertus1p5TextAttention", "Apertus1p5TextRMSNorm"),
+    # (a hybrid: its short-conv layers stay HF's; the full-attention layers' proportional RoPE rotates half of each head)
+    _row("lfm3", "lfm3.modeling_lfm3", "Lfm3Attention", "Lfm3RMSNorm", sliding_window=_sw_attr,
+         output_gate=_gate_sigmoid_g_proj_heads),
     _row("hy_v3", "hy_v3.modeling_hy_v3", "HYV3Attention", "HYV3RMSNorm"),
     _row("lfm2", "lfm2.modeling_lfm2", "Lfm2Attention", "Lfm2RMSNorm", q_norm="q_layernorm",
          k_norm="k_layernorm", out_proj="out_proj"),
