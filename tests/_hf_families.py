@@ -50,6 +50,11 @@ class Family:
     composite: Optional[tuple] = None   # (config class, its other sub-configs): the text config goes in text_config
     min_version: str = "5.17"  # the oldest transformers the family is tested on
     no_compile: Optional[str] = None  # why torch.compile is not tested (an HF limitation)
+    sdpa: bool = True  # whether HF's model takes attn_implementation="sdpa" (generate and compile use it)
+
+    @property
+    def fast_attn(self) -> str:
+        return "sdpa" if self.sdpa else "eager"
 
 
 FAMILIES = [
@@ -74,6 +79,8 @@ FAMILIES = [
                               layer_types=["sliding_attention", "full_attention"]), bias=False),
     Family("kolibri1", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), bias=False,
            min_version="5.24"),
+    Family("flint", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), min_version="5.25",
+           sdpa=False),  # (its attention sinks: HF's eager attention only)
     Family("lara_mini", dict(**MOE, **HYBRID, num_hidden_layers=3, shared_expert_intermediate_size=32, sliding_window=5,
                              layer_types=["sliding_attention", "linear_attention", "full_attention"]),
            min_version="5.25"),

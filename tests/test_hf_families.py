@@ -67,7 +67,7 @@ def test_family_fp32_outputs_gradients_and_state_dict(fam, monkeypatch):
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_family_generate_same_tokens(fam):
-    m, ref = patched_pair(fam, fam.bias, attn="sdpa")
+    m, ref = patched_pair(fam, fam.bias, attn=fam.fast_attn)
     ids = H.batch(2, 7, seed=5)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding
@@ -89,7 +89,7 @@ def test_family_torch_compile(fam):
     if fam.no_compile:
         pytest.skip(fam.no_compile)
     torch._dynamo.reset()
-    m, ref = patched_pair(fam, fam.bias, attn="sdpa")
+    m, ref = patched_pair(fam, fam.bias, attn=fam.fast_attn)
     m.train()
     ref.train()
     for mod in fused_modules(m):
@@ -198,6 +198,33 @@ def test_family_settings_without_a_block_are_named():
     assert not fused_modules(m)  # nothing changed
 
 
+def test_flint_attention_gets_hfs_arguments_sinks_included(monkeypatch):
+    """Flint's attention function receives what HF's forward gives it, its sinks as ``s_aux`` among them
+    (HF's eager function reads ``module.sinks`` itself; kernels that take sinks read ``s_aux``)."""
+    fam = H.family("flint")
+    if TF_VERSION < _version(fam.min_version):
+        pytest.skip(f"flint needs transformers >= {fam.min_version}")
+    modeling = __import__("transformers.models.flint.modeling_flint", fromlist=["eager_attention_forward"])
+    calls = []
+    eager = modeling.eager_attention_forward
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        calls.append((module.layer_idx, {k: v for k, v in kwargs.items() if k != "position_ids"}))
+        return eager(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(modeling, "eager_attention_forward", recording)
+    m, ref = patched_pair(fam, fam.bias)
+    ids = H.batch(2, 8)
+    ref(input_ids=ids)
+    want, calls[:] = list(calls), []
+    m(input_ids=ids)
+    assert [i for i, _ in calls] == [i for i, _ in want] == [0, 1]
+    for (_, got), (i, exp) in zip(calls, want):
+        assert sorted(got) == sorted(exp), i
+        assert got["s_aux"] is m.model.layers[i].self_attn.sinks and exp["s_aux"] is ref.model.layers[i].self_attn.sinks
+        assert got["sliding_window"] == exp["sliding_window"]
+
+
 def _weightless_rms_norm_class(name: str, eps_attr: str) -> type:
     """HF's weightless RMSNorm of Llama 4 (fp32, rounded once to the input's dtype) under a class name and
     an eps attribute of choice: transformers 5.25 calls it Llama4TextWeightlessRMSNorm with
@@ -297,7 +324,7 @@ def test_bf16_model_whose_rotary_stays_fp32():
     and rounds after): the patched bf16 model runs, its loss within the bf16 three-way rule of the
     fp32 model's, and the block's own gradients too."""
     fam = next(f for f in H.FAMILIES if f.name == "olmo2")
-    exact = H.build(fam, fam.bias, attn="sdpa").train()
+    exact = H.build(fam, fam.bias, attn=fam.fast_attn).train()
     ref = copy.deepcopy(exact).to(torch.bfloat16)
     m = copy.deepcopy(ref)
     assert fusedqkv.apply_to(m) == fam.n_fused

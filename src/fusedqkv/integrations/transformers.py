@@ -81,6 +81,13 @@ def _rope_nope_on_global_layers(attn, hidden_states, position_embeddings):
     return _identity_rope(hidden_states)
 
 
+def _rope_only_on_sliding_layers(attn, hidden_states, position_embeddings):
+    # Flint: RoPE on the sliding-window layers only; the full-attention layers get (and ignore) it: NoPE
+    if attn.sliding_window is not None:
+        return position_embeddings
+    return _identity_rope(hidden_states)
+
+
 def _rope_nope_if_none(attn, hidden_states, position_embeddings):
     # OLMo-Hybrid: no position embeddings -> NoPE
     if position_embeddings is None:
@@ -216,6 +223,7 @@ class Arch:
     dynamic_mask: Optional[Callable] = None    # (attn, x, v, mask) -> mask
     shared_kv: Optional[Callable] = None       # (attn) -> key of shared_kv_states it stores under
     output_gate: Optional[Callable] = None     # (attn, attn_output, x) -> gated output
+    sinks: Optional[str] = None                # attribute of per-head attention sinks, passed on as s_aux
     skip: Optional[Callable] = None            # (attn) -> why this layer stays HF's, or None
 
 
@@ -257,6 +265,8 @@ SUPPORTED = (
     _row("kolibri1", "kolibri1.modeling_kolibri1", "Kolibri1Attention", "Kolibri1RMSNorm",
          rope=_rope_nope_on_global_layers, sliding_window=_sw_if_sliding),
     _row("doge", "doge.modeling_doge", "DogeAttention", "DogeRMSNorm", dynamic_mask=_mask_doge_dynamic),
+    _row("flint", "flint.modeling_flint", "FlintAttention", "FlintRMSNorm", sliding_window=_sw_attr,
+         rope=_rope_only_on_sliding_layers, sinks="sinks"),
     # (a hybrid: gated delta net layers stay HF's; its full-attention layers get no position embeddings: NoPE)
     _row("lara_mini", "lara_mini.modeling_lara_mini", "LaraMiniAttention", "LaraMiniRMSNorm", sliding_window=_sw_attr,
          rope=_rope_nope_if_none),
@@ -419,6 +429,8 @@ class _FusedAttention:
             interface = eager if impl == "eager" else functions[impl]
         if arch.sliding_window is not None:
             kwargs["sliding_window"] = arch.sliding_window(self)
+        if arch.sinks is not None:
+            kwargs["s_aux"] = getattr(self, arch.sinks)
         dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
         attn_output, attn_weights = interface(self, query, key, value, attention_mask, dropout=dropout,
                                               scaling=self.scaling, **kwargs)
