@@ -79,6 +79,7 @@ FAMILIES = [
                               layer_types=["sliding_attention", "full_attention"]), bias=False),
     Family("kolibri1", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), bias=False,
            min_version="5.24"),
+    Family("beam", dict(MOE, sliding_window=5, layer_types=["sliding_attention", "full_attention"]), min_version="5.25"),
     Family("flint", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), min_version="5.25",
            sdpa=False),  # (its attention sinks: HF's eager attention only)
     Family("lara_mini", dict(**MOE, **HYBRID, num_hidden_layers=3, shared_expert_intermediate_size=32, sliding_window=5,

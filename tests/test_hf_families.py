@@ -225,6 +225,25 @@ def test_flint_attention_gets_hfs_arguments_sinks_included(monkeypatch):
         assert got["sliding_window"] == exp["sliding_window"]
 
 
+def test_beam_nope_layers_scale_the_query_by_position():
+    """Beam's full-attention layers (NoPE) scale q by (1 + position / 2048) ** 0.1 (the decoder's
+    attention_scaling), ~1.0006 at the family test's positions: at positions past 50k it is ~1.48, and the
+    fused model must still match HF."""
+    fam = H.family("beam")
+    if TF_VERSION < _version(fam.min_version):
+        pytest.skip(f"beam needs transformers >= {fam.min_version}")
+    m, ref = patched_pair(fam, fam.bias)
+    m.train()
+    ref.train()
+    ids = H.batch(2, 12)
+    pos = (torch.arange(12) + 50_000).expand(2, 12)
+    out, out_ref = m(input_ids=ids, labels=ids, position_ids=pos), ref(input_ids=ids, labels=ids, position_ids=pos)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    out_ref.loss.backward()
+    check_grads(m, ref, 1e-4)
+
+
 def _weightless_rms_norm_class(name: str, eps_attr: str) -> type:
     """HF's weightless RMSNorm of Llama 4 (fp32, rounded once to the input's dtype) under a class name and
     an eps attribute of choice: transformers 5.25 calls it Llama4TextWeightlessRMSNorm with

@@ -146,6 +146,23 @@ def _gate_sigmoid_g_proj_heads(attn, attn_output, hidden_states):
     return out.view(*shape)
 
 
+def _gate_sigmoid_gate_proj_with_head_bias(attn, attn_output, hidden_states):
+    # Beam: sigmoid(gate_proj(x) + a bias per head), per channel
+    shape = attn_output.shape
+    out = attn_output.view(*shape[:-1], -1, attn.head_dim)
+    gate = attn.gate_proj(hidden_states).view_as(out) + attn.gate_bias[None, None, :, None]
+    return (out * torch.sigmoid(gate)).view(shape)
+
+
+def _query_scale_beam(attn, query, kwargs):
+    # Beam: the NoPE layers' position-dependent query scale (the decoder's attention_scaling), in fp32 after the
+    # block as HF applies it after RoPE; None on the RoPE layers
+    scaling = kwargs.pop("attention_scaling", None)
+    if scaling is None:
+        return query
+    return (query.float() * scaling).to(query.dtype)
+
+
 def _mask_doge_dynamic(attn, hidden_states, value_states, attention_mask):
     # Doge: the dynamic mask from the (cached) values, as DogeAttention.forward builds it
     dt_states = attn.dt_proj(value_states.transpose(1, 2).reshape(value_states.shape[0], value_states.shape[-2], -1))
@@ -224,6 +241,7 @@ class Arch:
     shared_kv: Optional[Callable] = None       # (attn) -> key of shared_kv_states it stores under
     output_gate: Optional[Callable] = None     # (attn, attn_output, x) -> gated output
     sinks: Optional[str] = None                # attribute of per-head attention sinks, passed on as s_aux
+    query_scale: Optional[Callable] = None     # (attn, q, kwargs) -> q scaled after the block (pops what it reads)
     skip: Optional[Callable] = None            # (attn) -> why this layer stays HF's, or None
 
 
@@ -265,6 +283,8 @@ SUPPORTED = (
     _row("kolibri1", "kolibri1.modeling_kolibri1", "Kolibri1Attention", "Kolibri1RMSNorm",
          rope=_rope_nope_on_global_layers, sliding_window=_sw_if_sliding),
     _row("doge", "doge.modeling_doge", "DogeAttention", "DogeRMSNorm", dynamic_mask=_mask_doge_dynamic),
+    _row("beam", "beam.modeling_beam", "BeamAttention", "BeamRMSNorm", sliding_window=_sw_attr, rope=_rope_nope_if_none,
+         query_scale=_query_scale_beam, output_gate=_gate_sigmoid_gate_proj_with_head_bias),
     _row("flint", "flint.modeling_flint", "FlintAttention", "FlintRMSNorm", sliding_window=_sw_attr,
          rope=_rope_only_on_sliding_layers, sinks="sinks"),
     # (a hybrid: gated delta net layers stay HF's; its full-attention layers get no position embeddings: NoPE)
@@ -413,6 +433,8 @@ class _FusedAttention:
                                                                 attention_mask, cache)
         shared_kv_states = kwargs.pop("shared_kv_states", None) if arch.shared_kv is not None else None
         query, key, value, gate = self._fusedqkv_qkv(hidden_states, position_embeddings)
+        if arch.query_scale is not None:
+            query = arch.query_scale(self, query, kwargs)
         if cache is not None:
             key, value = self._fusedqkv_update(cache, key, value, kwargs, position_embeddings, cache_position)
         if arch.shared_kv is not None and self.store_full_length_kv:
