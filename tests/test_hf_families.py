@@ -244,6 +244,25 @@ def test_beam_nope_layers_scale_the_query_by_position():
     check_grads(m, ref, 1e-4)
 
 
+def test_a_forward_parameter_no_hook_reads_is_refused(monkeypatch):
+    """An HF attention forward naming an input the row does not read (a release giving a supported family a
+    new one) is refused by name: the fused forward would hand it to the attention function, which drops it."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    hf_forward = modeling_qwen3.Qwen3Attention.forward
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, query_gain=None, **kwargs):
+        return hf_forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+
+    m = H.build(H.family("qwen3"))
+    fusedqkv.apply_to(copy.deepcopy(m))  # the fused class exists before the forward changes
+    monkeypatch.setattr(modeling_qwen3.Qwen3Attention, "forward", forward)
+    with pytest.raises(fqt.UnsupportedModelError, match=r"Qwen3Attention.forward takes query_gain, which the fused "
+                                                         r"forward does not apply"):
+        fusedqkv.apply_to(m)
+    assert not fused_modules(m)
+
+
 def _weightless_rms_norm_class(name: str, eps_attr: str) -> type:
     """HF's weightless RMSNorm of Llama 4 (fp32, rounded once to the input's dtype) under a class name and
     an eps attribute of choice: transformers 5.25 calls it Llama4TextWeightlessRMSNorm with

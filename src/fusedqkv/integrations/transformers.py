@@ -242,6 +242,7 @@ class Arch:
     output_gate: Optional[Callable] = None     # (attn, attn_output, x) -> gated output
     sinks: Optional[str] = None                # attribute of per-head attention sinks, passed on as s_aux
     query_scale: Optional[Callable] = None     # (attn, q, kwargs) -> q scaled after the block (pops what it reads)
+    consumes: tuple = ()                       # the HF forward's own parameters beyond the common ones that the hooks read
     skip: Optional[Callable] = None            # (attn) -> why this layer stays HF's, or None
 
 
@@ -252,7 +253,8 @@ def _row(model_type, module, attention, norm_class, **kw):
 _HUNYUAN = dict(qk_norm_position="after_rope", q_norm="query_layernorm", k_norm="key_layernorm")
 _OLMO2 = dict(norm_scope="all_heads")
 _QWEN3_NEXT = dict(norm_weight_offset=1.0, q_gate=True)
-_GEMMA_N = dict(v_norm="v_norm", sliding_window=_sw_attr, shared_kv=_shared_kv_key, skip=_skip_kv_shared)
+_GEMMA_N = dict(v_norm="v_norm", sliding_window=_sw_attr, shared_kv=_shared_kv_key, skip=_skip_kv_shared,
+                consumes=("shared_kv_states",))
 
 SUPPORTED = (
     # Qwen3's recipe (per-head RMSNorm before RoPE, weight w)
@@ -284,7 +286,8 @@ SUPPORTED = (
          rope=_rope_nope_on_global_layers, sliding_window=_sw_if_sliding),
     _row("doge", "doge.modeling_doge", "DogeAttention", "DogeRMSNorm", dynamic_mask=_mask_doge_dynamic),
     _row("beam", "beam.modeling_beam", "BeamAttention", "BeamRMSNorm", sliding_window=_sw_attr, rope=_rope_nope_if_none,
-         query_scale=_query_scale_beam, output_gate=_gate_sigmoid_gate_proj_with_head_bias),
+         query_scale=_query_scale_beam, output_gate=_gate_sigmoid_gate_proj_with_head_bias,
+         consumes=("attention_scaling",)),
     _row("flint", "flint.modeling_flint", "FlintAttention", "FlintRMSNorm", sliding_window=_sw_attr,
          rope=_rope_only_on_sliding_layers, sinks="sinks"),
     # (a hybrid: gated delta net layers stay HF's; its full-attention layers get no position embeddings: NoPE)
@@ -532,6 +535,23 @@ def _cache_convention(cls):
 
 
 _FUSED_CLASSES: dict = {}
+# the parameters every supported attention forward names (the KV cache under one of its names)
+_COMMON_FORWARD_PARAMS = frozenset(("self", "hidden_states", "position_embeddings", "attention_mask", "cache",
+                                    "past_key_values", "cache_position"))
+
+
+def _check_forward_params(cls, arch: "Arch") -> None:
+    """Refuse an HF forward that names a parameter the row's hooks do not read: the fused forward would
+    pass it on to the attention function, which would drop it without a word (a release that gives a
+    supported family a new input: Beam's attention_scaling is one, read by its row)."""
+    params = inspect.signature(cls.forward).parameters
+    extra = [n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+             and n not in _COMMON_FORWARD_PARAMS and n not in arch.consumes]
+    if extra:
+        raise UnsupportedModelError(
+            f"fusedqkv.apply_to: {cls.__name__}.forward takes {', '.join(extra)}, which the fused forward does not "
+            f"apply (it would reach the attention function unused); {arch.model_type} on transformers "
+            f"{_tf_version()} is not supported")
 
 
 def _arch_of(cls: type) -> Arch:
@@ -541,10 +561,11 @@ def _arch_of(cls: type) -> Arch:
 def fused_class(cls: type) -> type:
     """The fused subclass of an HF attention class (one per class; it lives in this module
     under ``FusedQKV<Name>`` so that a pickled model finds it again)."""
+    arch = _arch_of(cls)
+    _check_forward_params(cls, arch)  # (before the cache: the class's forward may have been replaced since)
     fused = _FUSED_CLASSES.get(cls)
     if fused is not None:
         return fused
-    arch = _arch_of(cls)
     forward, update = _cache_convention(cls)
     name = "FusedQKV" + cls.__name__
     fused = type(name, (_FusedAttention, cls), {
