@@ -10,6 +10,7 @@ distinct sections, the per-family errors, and the table itself (one row per fami
 tested)."""
 
 import copy
+import importlib
 import pathlib
 import re
 
@@ -204,7 +205,7 @@ def test_flint_attention_gets_hfs_arguments_sinks_included(monkeypatch):
     fam = H.family("flint")
     if TF_VERSION < _version(fam.min_version):
         pytest.skip(f"flint needs transformers >= {fam.min_version}")
-    modeling = __import__("transformers.models.flint.modeling_flint", fromlist=["eager_attention_forward"])
+    modeling = importlib.import_module("transformers.models.flint.modeling_flint")
     calls = []
     eager = modeling.eager_attention_forward
 

@@ -130,15 +130,7 @@ def _gate_softplus_g_proj(attn, attn_output, hidden_states):
 
 
 def _gate_sigmoid_g_proj_per_head(attn, attn_output, hidden_states):
-    # Step 3.7: sigmoid(g_proj(x)) per head
-    gate_states = attn.g_proj(hidden_states)
-    shape = attn_output.shape
-    out = attn_output.view(*shape[:-1], attn.num_heads, attn.head_dim) * gate_states.unsqueeze(-1).sigmoid()
-    return out.view(*shape)
-
-
-def _gate_sigmoid_g_proj_heads(attn, attn_output, hidden_states):
-    # LFM3: sigmoid(g_proj(x)) per head where the config has the gate (use_attention_gate), else none
+    # Step 3.7 and LFM3: sigmoid(g_proj(x)) per head (LFM3 without use_attention_gate has no g_proj: no gate)
     if attn.g_proj is None:
         return attn_output
     shape = attn_output.shape
@@ -242,7 +234,7 @@ class Arch:
     output_gate: Optional[Callable] = None     # (attn, attn_output, x) -> gated output
     sinks: Optional[str] = None                # attribute of per-head attention sinks, passed on as s_aux
     query_scale: Optional[Callable] = None     # (attn, q, kwargs) -> q scaled after the block (pops what it reads)
-    consumes: tuple = ()                       # the HF forward's own parameters beyond the common ones that the hooks read
+    consumes: tuple = ()                       # the HF forward's own parameters (beyond the common ones) hooks read
     skip: Optional[Callable] = None            # (attn) -> why this layer stays HF's, or None
 
 
@@ -272,7 +264,7 @@ SUPPORTED = (
     _row("apertus1p5_text", "apertus1p5.modeling_apertus1p5", "Apertus1p5TextAttention", "Apertus1p5TextRMSNorm"),
     # (a hybrid: its short-conv layers stay HF's; the full-attention layers' proportional RoPE rotates half of each head)
     _row("lfm3", "lfm3.modeling_lfm3", "Lfm3Attention", "Lfm3RMSNorm", sliding_window=_sw_attr,
-         output_gate=_gate_sigmoid_g_proj_heads),
+         output_gate=_gate_sigmoid_g_proj_per_head),
     _row("hy_v3", "hy_v3.modeling_hy_v3", "HYV3Attention", "HYV3RMSNorm"),
     _row("lfm2", "lfm2.modeling_lfm2", "Lfm2Attention", "Lfm2RMSNorm", q_norm="q_layernorm",
          k_norm="k_layernorm", out_proj="out_proj"),

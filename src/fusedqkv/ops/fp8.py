@@ -913,8 +913,8 @@ def _checked_cast(cast, like: torch.Tensor, name: str):
 # x's amaxes for the dW GEMM's per-column (or tensorwise) cast of x found by the forward's cast of x, from
 # the same read, and kept for the backward, whose cast of x then makes no amax pass over x. Held from
 # forward to backward per layer: column partials of x (rowwise: cdiv(M, 2048) x K fp32 from 8192 tokens, a few
-# rows below, where colamax_part_rows takes fewer rows per partial), or the tensor's amax (tensorwise). False: the dW GEMM's cast finds x's amaxes itself (benchmarks/bench_fp8.py
-# --old-casts times both).
+# rows below, where colamax_part_rows takes fewer rows per partial), or the tensor's amax (tensorwise). False:
+# the dW GEMM's cast finds x's amaxes itself (benchmarks/bench_fp8.py --old-casts times both).
 KEEP_INPUT_AMAX = True
 
 
