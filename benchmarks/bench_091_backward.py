@@ -19,6 +19,7 @@ Prints a table last; writes JSON to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -28,7 +29,7 @@ import torch
 
 from fusedqkv import gqa_qkv_rope_qk_norm_backward
 from fusedqkv.bench import harness, problem, timing
-from fusedqkv.ops import config
+from fusedqkv.ops import backward_091, config
 
 
 def geomean(xs):
@@ -44,6 +45,10 @@ def main() -> int:
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--diag", action="store_true", help="torch backend on the GPU vs the kernel; host time per call")
     ap.add_argument("--no-span", action="store_true", help="skip the profiler kernel-span timing")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:CHANGES",
+                    help="also time fusedqkv under config.override(**parse_changes(CHANGES)) as 'fusedqkv:NAME', "
+                         "in the same interleaved rounds (e.g. 'dx128:chain_dx_above_128=128,64,64,4,6,1;"
+                         "chain_min_balance=0'); repeatable")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -53,6 +58,12 @@ def main() -> int:
         print("official pack not found: set FUSEDQKV_SOL_EXECBENCH", file=sys.stderr)
         return 2
     wls = defn.workloads if args.workloads == "all" else [defn.workload(k) for k in args.workloads.split(",")]
+    variants = {}
+    for v in args.variant:
+        name, sep, changes = v.partition(":")
+        if not sep or not name:
+            ap.error(f"--variant {v!r}: expected NAME:CHANGES")
+        variants["fusedqkv:" + name] = config.parse_changes(changes)
     flusher = timing.L2Flusher(dev)
     names = list(defn.outputs)
     rows = []
@@ -78,7 +89,20 @@ def main() -> int:
         row = {"workload": w.name, "tokens": M, "checks": [c.to_json() for c in checks],
                "passed": all(c.passed for c in checks), "min_matched": min(c.matched_ratio for c in checks),
                "bit_equal_grad_cos": bit_cos, "bit_equal_grad_sin": bit_sin, "deterministic": deterministic,
-               "events_ms": {}, "span_ms": {}}
+               "path": backward_091.PLANS.last().path, "events_ms": {}, "span_ms": {}, "variants": {}}
+        contexts = {}
+        for name, changes in variants.items():
+            v_out = tuple(torch.empty_like(t) for t in ref_out)
+            with config.override(**changes):
+                v_got = gqa_qkv_rope_qk_norm_backward(*a, out=v_out)
+                v_path = backward_091.PLANS.last().path
+                v_again = gqa_qkv_rope_qk_norm_backward(*a)
+            v_checks = problem.check_outputs(names, v_got, ref_out, w)
+            row["variants"][name] = {"changes": {k: list(x) if isinstance(x, tuple) else x for k, x in changes.items()},
+                                     "path": v_path, "passed": all(c.passed for c in v_checks),
+                                     "deterministic": all(torch.equal(x, y) for x, y in zip(v_got, v_again))}
+            impls[name] = (lambda o=v_out: gqa_qkv_rope_qk_norm_backward(*a, out=o))
+            contexts[name] = (lambda c=changes: config.override(**c))
         # both clocks in blocks of one implementation's calls (the evaluator's structure: no sync
         # inside a block, so the host runs ahead of the GPU as in a loop of calls), the blocks in
         # --rounds interleaved rounds (fused, eager, floor, fused, ...): a drift of the host or the
@@ -93,7 +117,9 @@ def main() -> int:
         for _ in range(args.rounds):
             for c, timer in clocks.items():
                 for k, fn in impls.items():
-                    samples[c][k] += timer(fn, reps=per_round, flusher=flusher)
+                    # a variant's config is entered around its block of calls, not inside the timed call
+                    with (contexts[k]() if k in contexts else contextlib.nullcontext()):
+                        samples[c][k] += timer(fn, reps=per_round, flusher=flusher)
         for c in clocks:
             row[c] = {k: timing.summarize(v) for k, v in samples[c].items()}
 
@@ -160,7 +186,21 @@ def main() -> int:
     for c in clocks:
         print(f"{c[:-3]:>6s}: geomean fused/floor {geomean(ratios[c]):.3f} (max {max(ratios[c]):.3f}) | geomean "
               f"speedup {geomean(speedups[c]):.2f}x | faster than eager {sum(x > 1 for x in speedups[c])}/{len(rows)}")
-    return 0 if all(r["passed"] for r in rows) else 1
+    if variants:
+        print(f"\nvariants (median ms; /floor and /default within the same rounds): default = fusedqkv as configured")
+        print(f"{'workload':<16s} {'variant':<22s} {'path':>7s} {'pass':>4s} {'det':>3s} "
+              + " ".join(f"{c[:-3]:>8s} {'/floor':>7s} {'/default':>8s}" for c in clocks))
+        for r in rows:
+            for name in ["fusedqkv"] + list(variants):
+                v = r["variants"].get(name, {"path": r["path"], "passed": r["passed"], "deterministic": r["deterministic"]})
+                cells = []
+                for c in clocks:
+                    t = r[c][name]["median"]
+                    cells.append(f"{t:8.4f} {t / r[c]['gemm_floor']['median']:7.3f} {t / r[c]['fusedqkv']['median']:8.3f}")
+                print(f"{r['workload']:<16s} {name[len('fusedqkv:'):] or 'default':<22s} {v['path']:>7s} "
+                      f"{'yes' if v['passed'] else 'NO':>4s} {'y' if v['deterministic'] else 'N':>3s} " + " ".join(cells))
+    ok = all(r["passed"] and all(v["passed"] for v in r["variants"].values()) for r in rows)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

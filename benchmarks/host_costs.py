@@ -86,9 +86,17 @@ def main() -> int:
     ap.add_argument("--train-tokens", default="128,131,512,1571",
                     help="the training block's token counts (issue 36's rows), comma-separated")
     ap.add_argument("--cprofile", action="store_true", help="also the Python profile of 200 calls (091, out=)")
+    ap.add_argument("--config", default="", metavar="CHANGES",
+                    help="run everything under config.override(**config.parse_changes(CHANGES)), "
+                         "e.g. 'chain_dx_above_128=128,64,64,4,6,1;chain_min_balance=0'")
     engine_thread.add_flag(ap)
     args = ap.parse_args()
     engine_thread.apply(args.backward_on_caller)
+    if args.config:
+        changes = config.parse_changes(args.config)
+        print(f"config changes: {changes}", flush=True)
+        # entered for the process's life (never left): every plan below is built under it
+        config.override(**changes).__enter__()
     os.makedirs(args.out, exist_ok=True)
     train_tokens = [int(t) for t in args.train_tokens.split(",") if t.strip()]
     if not train_tokens or min(train_tokens) < 1:
@@ -354,7 +362,7 @@ def main() -> int:
     fast_path = internals.fast_path_info()
     with open(os.path.join(args.out, "host_costs.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fast_path": fast_path,
-                   "backward_on_caller": args.backward_on_caller, "rows": rows, "training_ratios": training_ratios,
+                   "backward_on_caller": args.backward_on_caller, "config": args.config, "rows": rows, "training_ratios": training_ratios,
                    "ratios_091": ratios_091}, f, indent=1)
     print(f"\nhost time per call (us, median of 7 x N calls, GPU never waited on) | {torch.cuda.get_device_name()} | "
           f"{engine_thread.LABEL + ' | ' if args.backward_on_caller else ''}"

@@ -124,6 +124,39 @@ class Config:
                    fp8_frozen_weight_cache=flag("FUSEDQKV_FP8_FROZEN_WEIGHT_CACHE", False))
 
 
+def parse_changes(text: str) -> dict:
+    """``"chain_dx_above_128=128,64,64,4,6,1;chain_min_balance=0"`` as :func:`override`'s keyword
+    arguments, each value typed as the field's default (a tuple of ints, a number, a flag, a word):
+    for benchmarks that time configurations side by side."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or name not in fields:
+            raise ValueError(f"config change {item!r}: expected NAME=VALUE with NAME one of {', '.join(fields)}")
+        default = fields[name].default
+        raw = raw.strip()
+        try:
+            if isinstance(default, bool):
+                if raw not in ("0", "1", "true", "false"):
+                    raise ValueError
+                value = raw in ("1", "true")
+            elif isinstance(default, int):
+                value = int(raw)
+            elif isinstance(default, float):
+                value = float(raw)
+            elif isinstance(default, str):
+                value = raw
+            else:  # a tuple or an optional tuple
+                value = None if raw == "none" else tuple(int(v) for v in raw.split(","))
+        except ValueError:
+            raise ValueError(f"config change {item!r}: {raw!r} is not a value of {name} "
+                             f"(default {default!r})") from None
+        out[name] = value
+    return out
+
+
 def _choice(env, name: str, choices: tuple, default: str) -> str:
     raw = env.get(name, default)
     if raw not in choices:
