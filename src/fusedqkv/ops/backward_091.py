@@ -170,10 +170,13 @@ class Backward091Plan:
 
     def __init__(self, cfg, path, out_specs, device, backend, stage=None, table=None, launches=(),
                  mm_dx=False, mm_dw=False, finish=None, x_view=None, dx_view=None, in_spans=(),
-                 out_spans=(), aligned=True, dqkv_shape=None, dtype=None, lt_dx=None, lt_dw=None):
+                 out_spans=(), aligned=True, dqkv_shape=None, dtype=None, lt_dx=None, lt_dw=None, after_dx=0):
         self.cfg, self.path, self.out_specs, self.device, self.backend = cfg, path, out_specs, device, backend
         self.lt_dx, self.lt_dw = lt_dx, lt_dw  # the cuBLAS products as planned cuBLASLt calls, or None
         self.stage, self.table, self.launches = stage, table, list(launches)
+        # the last ``after_dx`` launches queue after the dX product (the hybrid's dW behind a cuBLAS dX)
+        self.before_dx = self.launches[:len(self.launches) - after_dx]
+        self.after_dx = self.launches[len(self.launches) - after_dx:]
         self.mm_dx, self.mm_dw, self.finish = mm_dx, mm_dw, finish
         self.x_view, self.dx_view = x_view, dx_view  # (rows, cols) views, or None
         self.in_spans, self.out_spans = in_spans, out_spans
@@ -257,13 +260,15 @@ class Backward091Plan:
                          hidden_states=hs.view(self.x_view) if self.x_view else hs)
             tensors = self.table.tensors(named)
             ptrs = None
-        for launch in launches:
+        for launch in self.before_dx:
             launch.launch(tensors, ptrs, stream)
         if self.mm_dx:
             if self.lt_dx is not None and ptrs is not None:
                 self.lt_dx(seen[AT_DQKV], seen[AT_W], seen[AT_DX], stream, capturing)
             else:
                 mm_into(dqkv, W, g_hidden.view(self.dx_view) if self.dx_view else g_hidden)
+        for launch in self.after_dx:
+            launch.launch(tensors, ptrs, stream)
         if self.mm_dw:
             if self.lt_dw is not None and ptrs is not None:
                 self.lt_dw(seen[AT_DQKV], seen[AT_X], seen[AT_DW], stream, capturing)
@@ -333,7 +338,7 @@ def build_backward_091(args, out, backend, *, cfg) -> Backward091Plan:
     if path == "chain":
         launches += chain_launches(s_dqkv, s_w, s_x, s_dx, s_dw, sms, cfg, finish=fin)
     elif path == "hybrid":
-        launches.append(hybrid_dw_launch(s_dqkv, s_x, s_dw, sms, cfg, finish=fin))
+        launches.append(hybrid_dw_launch(s_dqkv, s_x, s_dw, sms, cfg, finish=fin, after_dx=cfg.hybrid_dx_first))
     table.release()
     in_tensors = list(inputs) + [hs, W]
     aligned = all(t.data_ptr() % 16 == 0 for t in (*in_tensors, *outs, dqkv))
@@ -349,6 +354,7 @@ def build_backward_091(args, out, backend, *, cfg) -> Backward091Plan:
         dx_view=(M, hidden) if g_hidden.is_contiguous() else None,
         in_spans=[V.span(t) for t in in_tensors], out_spans=[V.span(t) for t in outs],
         aligned=aligned, dqkv_shape=(M, sz["qkv"]), dtype=sz["dtype"], lt_dx=lt_dx, lt_dw=lt_dw,
+        after_dx=1 if path == "hybrid" and cfg.hybrid_dx_first else 0,
     )
 
 

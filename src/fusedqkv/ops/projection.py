@@ -134,12 +134,15 @@ def chain_launches(dqkv: Ptr, w: Ptr, x2d: Ptr, dx: Ptr, dw: Ptr, sms: int, cfg:
     the stream's next work still follows both. ``finish``: the stage's norm-weight finish, run
     by dW (which starts after the stage completed)."""
     cx, cw = chain_configs(dqkv.like.shape[0], cfg)
-    return (tma_matmul(dqkv, w, dx, trans_a=False, config=cx, sms=sms, pdl=True, trigger=True),
+    return (tma_matmul(dqkv, w, dx, trans_a=False, config=cx, sms=sms, pdl=True, trigger=cfg.chain_overlap),
             tma_matmul(dqkv, x2d, dw, trans_a=True, config=cw, sms=sms, pdl=True, wait_at_end=True, finish=finish))
 
 
-def hybrid_dw_launch(dqkv: Ptr, x2d: Ptr, dw: Ptr, sms: int, cfg: Config, finish=None):
+def hybrid_dw_launch(dqkv: Ptr, x2d: Ptr, dw: Ptr, sms: int, cfg: Config, finish=None, after_dx: bool = False):
     """dW = dqkv^T . x2d as a programmatic dependent of the stage queued just before it (waits
     for it on the GPU); it also runs the stage's norm-weight ``finish``. The cuBLAS dX is queued
     by the host while it runs."""
+    if after_dx:  # queued behind the cuBLAS dX, which started after the stage completed: waits for dX at its end
+        return tma_matmul(dqkv, x2d, dw, trans_a=True, config=cfg.hybrid_dw, sms=sms, pdl=True, wait_at_end=True,
+                          finish=finish)
     return tma_matmul(dqkv, x2d, dw, trans_a=True, config=cfg.hybrid_dw, sms=sms, pdl=True, finish=finish)
