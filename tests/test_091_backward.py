@@ -142,7 +142,7 @@ PRODUCT_CASES = [
         (S1, "pdl_chain", "finish_in_dw"), (S1, "hybrid", "finish_in_stage"),
         (LONG, "pdl_chain", "finish_in_stage"), (LONG, "hybrid", "finish_in_dw"),
         (S7, "pdl_chain", "finish_in_stage"), (B3, "pdl_chain", "finish_in_dw"),
-        (KV1, "hybrid", "finish_in_dw"), (D128, "hybrid", "finish_in_stage"),
+        (KV1, "hybrid", "finish_in_dw"), (D128, "hybrid", "finish_in_stage"), (D128, "hybrid_dw_first", "finish_in_dw"),
         (H6KV3, "pdl_chain", "finish_in_stage"), (D256, "pdl_chain", "finish_in_dw"),
         (D512, "pdl_chain", "finish_in_dw"))]
 
@@ -150,7 +150,8 @@ PRODUCT_CASES = [
 @pytest.mark.parametrize("shape,products,finish", PRODUCT_CASES)
 def test_triton_products_match_cpu_path(shape, products, finish):
     """The stage, then the products as the persistent TMA kernels: both chained behind the stage
-    (pdl_chain), or dW only with dX on torch.mm (hybrid); the norm-weight finish run by the dW
+    (pdl_chain), or dW only with dX on torch.mm (hybrid: dW queued behind dX, waiting for it at its
+    end; hybrid_dw_first: dW right behind the stage, dX after it); the norm-weight finish run by the dW
     launch or at the stage's end. The stage's outputs bit-equal to the CPU path, the Triton
     products within one bf16 rounding of torch.mm on the same dQKV, and repeated calls bitwise
     identical."""
@@ -159,8 +160,10 @@ def test_triton_products_match_cpu_path(shape, products, finish):
         # small tiles, fewer programs than tiles: several tiles per program, a partial last
         # tile and K step (hidden 144, ragged token counts); balance is a performance rule
         changes.update(chain_min_balance=0.0, chain_dx=(16, 32, 32, 4, 2, 1), chain_dw=(32, 64, 16, 4, 2, 1))
-    else:  # dW as the chain's TMA kernel behind the stage, dX torch.mm
+    else:  # dW as the chain's TMA kernel, dX torch.mm
         changes.update(chain_max_tokens=0, hybrid_max_tokens=1 << 20, hybrid_dw=(32, 64, 16, 4, 2, 1))
+        if products == "hybrid_dw_first":
+            changes.update(hybrid_dx_first_max_tokens=0)
     args = make_inputs(*shape, hidden=144, seed=sum(shape))  # 144: a partial 128-wide tile
     cpu = gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
     with config.override(**changes):
@@ -170,8 +173,12 @@ def test_triton_products_match_cpu_path(shape, products, finish):
     _assert_stage_outputs_equal(cpu, tri)
     _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
     assert used.path == ("chain" if products == "pdl_chain" else "hybrid")
-    if products == "hybrid":
+    if products != "pdl_chain":
         assert torch.equal(cpu[0], tri[0])  # torch.mm, as on the CPU path
+        # where dW is queued, and what it waits for
+        dx_first = products == "hybrid"
+        assert [launch.constexprs["WAIT_AT_END"] for launch in used.after_dx] == ([True] if dx_first else [])
+        assert used.before_dx[-1].constexprs.get("WAIT_AT_END", False) is False
     else:
         _assert_product_close("grad_hidden_states", cpu[0], tri[0])
     assert all(torch.equal(x, y) for x, y in zip(tri, again))

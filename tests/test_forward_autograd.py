@@ -181,6 +181,8 @@ PRODUCT_CHANGES = {
     "hybrid": dict(triton_products_in_interpreter=True, chain_max_tokens=0, hybrid_max_tokens=1 << 20,
                    hybrid_dw=(32, 64, 16, 4, 2, 1)),
 }
+# the hybrid with its dW queued right behind the stage (the default above 1024 tokens), dX after it
+PRODUCT_CHANGES["hybrid_dw_first"] = dict(PRODUCT_CHANGES["hybrid"], hybrid_dx_first_max_tokens=0)
 
 
 def _training_backward_plan():
@@ -189,11 +191,14 @@ def _training_backward_plan():
     return TB.PLANS.last()
 
 
-@pytest.mark.parametrize("products", ["chain", "hybrid"])
-@pytest.mark.parametrize("b,s,pos,bias", [(1, 7, "after_rope", False), (2, 5, "before_rope", True)])
+@pytest.mark.parametrize("products,b,s,pos,bias", [
+    (products, *shape) for products in ("chain", "hybrid") for shape in ((1, 7, "after_rope", False),
+                                                                        (2, 5, "before_rope", True))]
+    + [("hybrid_dw_first", 2, 5, "before_rope", True)])
 def test_training_backward_triton_products_match_the_cublas_path(products, b, s, pos, bias):
     """The training backward's dX and dW as the 091 backward's Triton products behind the stage (the chain:
-    both; the hybrid: dW, dX on torch.mm) give the torch-product path's gradients: the stage's outputs and
+    both; the hybrid: dW behind dX on torch.mm, or right behind the stage with dX after it) give the
+    torch-product path's gradients: the stage's outputs and
     torch.mm's dX bitwise, the Triton products within one bf16 rounding; repeated calls bitwise equal;
     ``training_triton_products=False`` keeps the cuBLAS path."""
     from fusedqkv.ops import config
@@ -221,7 +226,8 @@ def test_training_backward_triton_products_match_the_cublas_path(products, b, s,
         tri = fwd_bwd()
         plan = _training_backward_plan()
         again = fwd_bwd()
-    assert plan.path == products and len(plan.products) == (2 if products == "chain" else 1)
+    assert plan.path == products.split("_")[0] and len(plan.products) == (2 if products == "chain" else 1)
+    assert plan.dw_after_dx is (products == "hybrid")
     names = ["q", "k", "v", "grad_x", "grad_w", "grad_q_norm_weight", "grad_k_norm_weight"] + (["grad_bias"] if bias
                                                                                                  else [])
     for name, a, c in zip(names, tri, base):

@@ -30,7 +30,7 @@ from .device import current_stream, sm_count
 from .internals import set_grad_enabled
 from .launch import Table
 from .plan_cache import PlanCache, as_matrix, mm_into
-from .projection import chain_launches, choose_products, hybrid_dw_launch
+from .projection import chain_launches, choose_products, hybrid_dw_launch, hybrid_dx_first
 from .rope_qk_norm import backward_torch, pick_backend, plan_backward_stage
 
 OUTPUT_NAMES = (
@@ -338,7 +338,7 @@ def build_backward_091(args, out, backend, *, cfg) -> Backward091Plan:
     if path == "chain":
         launches += chain_launches(s_dqkv, s_w, s_x, s_dx, s_dw, sms, cfg, finish=fin)
     elif path == "hybrid":
-        launches.append(hybrid_dw_launch(s_dqkv, s_x, s_dw, sms, cfg, finish=fin, after_dx=cfg.hybrid_dx_first))
+        launches.append(hybrid_dw_launch(s_dqkv, s_x, s_dw, sms, cfg, finish=fin))
     table.release()
     in_tensors = list(inputs) + [hs, W]
     aligned = all(t.data_ptr() % 16 == 0 for t in (*in_tensors, *outs, dqkv))
@@ -354,7 +354,7 @@ def build_backward_091(args, out, backend, *, cfg) -> Backward091Plan:
         dx_view=(M, hidden) if g_hidden.is_contiguous() else None,
         in_spans=[V.span(t) for t in in_tensors], out_spans=[V.span(t) for t in outs],
         aligned=aligned, dqkv_shape=(M, sz["qkv"]), dtype=sz["dtype"], lt_dx=lt_dx, lt_dw=lt_dw,
-        after_dx=1 if path == "hybrid" and cfg.hybrid_dx_first else 0,
+        after_dx=1 if path == "hybrid" and hybrid_dx_first(M, cfg) else 0,
     )
 
 

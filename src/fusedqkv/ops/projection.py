@@ -8,11 +8,11 @@ streams the weight in, dW streams its result out. So:
 * to 128 tokens, where dX's tiles spread evenly over the SMs, the *PDL chain*
   (``chain_launches``): two persistent TMA kernels queued right behind the stage as
   programmatic dependent launches, dX and dW side by side on the GPU;
-* otherwise to 2560 tokens, the *hybrid* (``hybrid_dw_launch``): dW as the chain's kernel right
-  behind the stage (as fast as cuBLAS's there), the cuBLAS dX queued by the host while it runs;
+* otherwise to 2560 tokens, the *hybrid* (``hybrid_dw_launch``): dW as the chain's kernel (as fast
+  as cuBLAS's there) and dX on cuBLAS, one after the other: dX first to 1024 tokens, else dW first;
 * above, both products on cuBLAS (``torch.mm``).
 
-(benchmarks/NOTES.md, sessions 4 and 6.)
+(benchmarks/NOTES.md, sessions 4, 6 and 29.)
 """
 
 from __future__ import annotations
@@ -134,15 +134,21 @@ def chain_launches(dqkv: Ptr, w: Ptr, x2d: Ptr, dx: Ptr, dw: Ptr, sms: int, cfg:
     the stream's next work still follows both. ``finish``: the stage's norm-weight finish, run
     by dW (which starts after the stage completed)."""
     cx, cw = chain_configs(dqkv.like.shape[0], cfg)
-    return (tma_matmul(dqkv, w, dx, trans_a=False, config=cx, sms=sms, pdl=True, trigger=cfg.chain_overlap),
+    return (tma_matmul(dqkv, w, dx, trans_a=False, config=cx, sms=sms, pdl=True, trigger=True),
             tma_matmul(dqkv, x2d, dw, trans_a=True, config=cw, sms=sms, pdl=True, wait_at_end=True, finish=finish))
 
 
-def hybrid_dw_launch(dqkv: Ptr, x2d: Ptr, dw: Ptr, sms: int, cfg: Config, finish=None, after_dx: bool = False):
-    """dW = dqkv^T . x2d as a programmatic dependent of the stage queued just before it (waits
-    for it on the GPU); it also runs the stage's norm-weight ``finish``. The cuBLAS dX is queued
-    by the host while it runs."""
-    if after_dx:  # queued behind the cuBLAS dX, which started after the stage completed: waits for dX at its end
+def hybrid_dx_first(M: int, cfg: Config) -> bool:
+    """Whether the hybrid queues its cuBLAS dX before its Triton dW (:func:`hybrid_dw_launch`)."""
+    return M <= cfg.hybrid_dx_first_max_tokens
+
+
+def hybrid_dw_launch(dqkv: Ptr, x2d: Ptr, dw: Ptr, sms: int, cfg: Config, finish=None):
+    """dW = dqkv^T . x2d as a programmatic dependent; it also runs the stage's norm-weight
+    ``finish``. Where :func:`hybrid_dx_first`, the caller queues it behind the cuBLAS dX, which
+    started after the stage completed: it starts as dX's programs end and waits for dX at its end.
+    Else it is queued right behind the stage (waits for it first) and the cuBLAS dX behind it."""
+    if hybrid_dx_first(dqkv.like.shape[0], cfg):
         return tma_matmul(dqkv, x2d, dw, trans_a=True, config=cfg.hybrid_dw, sms=sms, pdl=True, wait_at_end=True,
                           finish=finish)
     return tma_matmul(dqkv, x2d, dw, trans_a=True, config=cfg.hybrid_dw, sms=sms, pdl=True, finish=finish)
