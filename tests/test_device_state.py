@@ -58,3 +58,20 @@ def test_builds_count_and_config_keys():
         fusedqkv.gqa_qkv_rope_qk_norm_backward(*args, backend="torch")
     c = fusedqkv.cache_info()["plans"]["backward_091"]
     assert c["plans"] == 2 and c["builds"] >= 2
+
+
+def test_config_changes_parse_as_the_fields_types():
+    """``config.parse_changes`` (the benchmarks' ``--variant`` and ``--config``) types each value as its
+    field's default, and refuses an unknown field or a value of the wrong kind, naming it."""
+    got = config.parse_changes("chain_dx_above_128=128,64,64,4,6,1; chain_min_balance=0;cublaslt=0;"
+                               "fused_forward=on;stage_tile=none;hybrid_dx_first_max_tokens=0")
+    assert got == dict(chain_dx_above_128=(128, 64, 64, 4, 6, 1), chain_min_balance=0.0, cublaslt=False,
+                       fused_forward="on", stage_tile=None, hybrid_dx_first_max_tokens=0)
+    assert type(got["chain_min_balance"]) is float and type(got["hybrid_dx_first_max_tokens"]) is int
+    with config.override(**got) as cfg:
+        assert cfg.chain_dx_above_128 == (128, 64, 64, 4, 6, 1) and cfg.cublaslt is False
+    assert config.parse_changes("") == {}
+    for bad, named in (("no_such_field=1", "no_such_field"), ("chain_dx=1,x", "chain_dx"),
+                       ("cublaslt=maybe", "cublaslt"), ("chain_max_tokens", "chain_max_tokens")):
+        with pytest.raises(ValueError, match=named):
+            config.parse_changes(bad)
