@@ -79,8 +79,7 @@ def main() -> int:
             rows.append({"tokens": m, "variant": name, "path": path, "close": close, "span_us": span,
                          "kernels": kernels})
             print(f"{m} {name}: done", flush=True)
-    with open(os.path.join(args.out, "chain_token_probe.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    _save(args.out, "chain_token_probe.json", rows)
     print(f"\n{torch.cuda.get_device_name()} | GPU-only, cold L2, median of {args.reps} | per kernel: duration "
           f"(start after the first kernel's start), us")
     for r in rows:
@@ -88,6 +87,11 @@ def main() -> int:
         print(f"{r['tokens']:5d} {r['variant']:<10s} {r['path']:>6s} {'ok' if r['close'] else 'DIFF':>4s} "
               f"span {r['span_us']:6.1f} | {ks}")
     return 0
+
+
+def _save(out: str, name: str, rows: list) -> None:
+    with open(os.path.join(out, name), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 def side_stream(args, flusher) -> int:
@@ -137,8 +141,7 @@ def side_stream(args, flusher) -> int:
                                                                 for c in calls)}
         rows.append({"tokens": m, **got})
         print(f"{m}: done", flush=True)
-    with open(os.path.join(args.out, "chain_token_side_stream.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    _save(args.out, "chain_token_side_stream.json", rows)
     print(f"\n{torch.cuda.get_device_name()} | the hybrid's products alone, GPU-only span, us, median of {args.reps}")
     names = ["dx", "dw", "dw_then_dx", "dx_then_dw", "two_streams"]
     print(f"{'tokens':>6s} " + " ".join(f"{n:>12s}" for n in names) + "  streams/seq")
@@ -200,8 +203,7 @@ def events_loop(args, defn, base, variants, flusher) -> int:
                          **{k: statistics.median(g[k]) for k in ("events", "iter_us", "call_us", "flush_us")},
                          "events_p80": sorted(g["events"])[int(0.8 * (len(g["events"]) - 1))]})
         print(f"{m}: done", flush=True)
-    with open(os.path.join(args.out, "chain_token_events_loop.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    _save(args.out, "chain_token_events_loop.json", rows)
     print(f"\n{torch.cuda.get_device_name()} | the events loop, {args.rounds} interleaved rounds of {args.reps} | us, "
           f"medians: events (p80), host per loop iteration, host per call, the flush on the GPU")
     for r in rows:
