@@ -26,6 +26,9 @@ HUNYUAN_VIT = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, nu
 
 OMNI_AUDIO = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=32,
                   output_dim=64, downsample_hidden_size=8, max_source_positions=16)
+MUSE_VIT = dict(patch_size=4, pos_emb_height=4, pos_emb_width=4, num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
+                intermediate_size=32, max_position_embeddings=16)
+MUSE_AUDIO = dict(patch_sizes=(2, 2), hidden_sizes=(16, 32), depths=(1, 1), num_hidden_layers=2, out_hidden_size=64)
 STEP_VIT = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                 patch_size=14, max_position_embeddings=4)
 
@@ -80,6 +83,13 @@ FAMILIES = [
     Family("kolibri1", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), bias=False,
            min_version="5.24"),
     Family("beam", dict(MOE, sliding_window=5, layer_types=["sliding_attention", "full_attention"]), min_version="5.25"),
+    # one weightless q/k norm module, q scaled after it, o_norm and a sigmoid gate after attention; NoPE on full layers
+    Family("muse_spark_text", dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   moe_hidden_size=32, sliding_window=5,
+                                   layer_types=["sliding_attention", "full_attention"]),
+           composite=("MuseSparkConfig", dict(vision_config=MUSE_VIT, audio_config=MUSE_AUDIO, out_hidden_size=32,
+                                               projector_hidden_size=32)),
+           model="MuseSparkForConditionalGeneration", min_version="5.25"),
     Family("flint", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), min_version="5.25",
            sdpa=False),  # (its attention sinks: HF's eager attention only)
     Family("lara_mini", dict(**MOE, **HYBRID, num_hidden_layers=3, shared_expert_intermediate_size=32, sliding_window=5,

@@ -155,6 +155,18 @@ def _query_scale_beam(attn, query, kwargs):
     return (query.float() * scaling).to(query.dtype)
 
 
+def _query_scale_muse_spark(attn, query, kwargs):
+    # MuseSpark: q times qk_scale_factor after its weightless norm; HF scales before RoPE, a linear map: the same
+    return query * attn.qk_scale_factor
+
+
+def _gate_o_norm_sigmoid_gate_proj(attn, attn_output, hidden_states):
+    # MuseSpark: its weightless RMSNorm of each head's output (HF's module), then sigmoid(gate_proj(x)) per channel
+    shape = attn_output.shape
+    out = attn.o_norm(attn_output.view(*shape[:-1], -1, attn.head_dim)).reshape(shape)
+    return out * torch.sigmoid(attn.gate_proj(hidden_states))
+
+
 def _mask_doge_dynamic(attn, hidden_states, value_states, attention_mask):
     # Doge: the dynamic mask from the (cached) values, as DogeAttention.forward builds it
     dt_states = attn.dt_proj(value_states.transpose(1, 2).reshape(value_states.shape[0], value_states.shape[-2], -1))
@@ -285,6 +297,10 @@ SUPPORTED = (
     # (a hybrid: gated delta net layers stay HF's; its full-attention layers get no position embeddings: NoPE)
     _row("lara_mini", "lara_mini.modeling_lara_mini", "LaraMiniAttention", "LaraMiniRMSNorm", sliding_window=_sw_attr,
          rope=_rope_nope_if_none),
+    # (one weightless norm module for q and k; the text model of a composite config, its vision and audio towers HF's)
+    _row("muse_spark_text", "muse_spark.modeling_muse_spark", "MuseSparkTextAttention", "MuseSparkRMSNorm",
+         norm_weight=False, q_norm="qk_norm", k_norm="qk_norm", sliding_window=_sw_attr, rope=_rope_nope_if_none,
+         query_scale=_query_scale_muse_spark, output_gate=_gate_o_norm_sigmoid_gate_proj),
     _row("glm4_moe", "glm4_moe.modeling_glm4_moe", "Glm4MoeAttention", "Glm4MoeRMSNorm", skip=_skip_glm4_moe),
     _row("laguna", "laguna.modeling_laguna", "LagunaAttention", "LagunaRMSNorm", sliding_window=_sw_attr,
          output_gate=_gate_softplus_g_proj),
