@@ -54,6 +54,9 @@ class Family:
     min_version: str = "5.17"  # the oldest transformers the family is tested on
     no_compile: Optional[str] = None  # why torch.compile is not tested (an HF limitation)
     sdpa: bool = True  # whether HF's model takes attn_implementation="sdpa" (generate and compile use it)
+    # why HF's own bf16 gradients of the block's parameters are too far from fp32's for the GPU three-way test to
+    # judge the block on the tiny model (test_gpu_hf_families; the fp32 tests judge it), or None
+    bf16_grad_noise: Optional[str] = None
 
     @property
     def fast_attn(self) -> str:
@@ -81,7 +84,8 @@ FAMILIES = [
     Family("exaone_moe", dict(MOE, num_shared_experts=1, first_k_dense_replace=1, sliding_window=5,
                               layer_types=["sliding_attention", "full_attention"]), bias=False),
     Family("kolibri1", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), bias=False,
-           min_version="5.24"),
+           min_version="5.24", bf16_grad_noise="HF's bf16 model alone is 0.11-0.35 off fp32 in every q/k/v and norm "
+                                               "gradient on this tiny model (seeds 0-2, CPU; session 29)"),
     Family("beam", dict(MOE, sliding_window=5, layer_types=["sliding_attention", "full_attention"]), min_version="5.25"),
     # one weightless q/k norm module, q scaled after it, o_norm and a sigmoid gate after attention; NoPE on full layers
     Family("muse_spark_text", dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -28,7 +28,7 @@ def _exact_fp32():
 @cuda
 @pytest.mark.parametrize("fam", H.params())
 def test_gpu_family_fp32_and_generate(fam):
-    m, ref = H.patched_pair(fam, fam.bias, device="cuda", attn="sdpa")
+    m, ref = H.patched_pair(fam, fam.bias, device="cuda", attn=fam.fast_attn)
     m.train()
     ref.train()
     ids = H.batch(2, 24).cuda()
@@ -61,7 +61,7 @@ def test_gpu_family_bf16_three_way(fam):
     gradient (on the tiny random models here, HF's own relative error there is 0.14-0.45 and moves
     with the batch; fusedqkv's moves likewise, either side of it), and the comparison says nothing
     about the block (benchmarks/NOTES.md, session 10)."""
-    exact = H.build(fam, fam.bias, attn="sdpa").cuda().train()
+    exact = H.build(fam, fam.bias, attn=fam.fast_attn).cuda().train()
     ref = copy.deepcopy(exact).to(torch.bfloat16)
     m = copy.deepcopy(ref)
     import fusedqkv
@@ -74,7 +74,7 @@ def test_gpu_family_bf16_three_way(fam):
     for x in losses:
         x.backward()
     ours, hf, ex = dict(m.named_parameters()), dict(ref.named_parameters()), dict(exact.named_parameters())
-    judged = 0
+    judged, hf_errors = 0, []
     fused_prefixes = [n for n, mod in m.named_modules() if hasattr(mod, "_fusedqkv")]
     for name, p in ours.items():
         prefix = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
@@ -86,8 +86,11 @@ def test_gpu_family_bf16_three_way(fam):
             continue
         e_ours = float((p.grad.float() - g_exact).norm() / g_exact.norm())
         e_hf = float((g_hf.float() - g_exact).norm() / g_exact.norm())
+        hf_errors.append(e_hf)
         if e_hf > 0.1:
             continue
         judged += 1
         assert e_ours <= 2 * e_hf + 1e-2, (name, e_ours, e_hf)
+    if judged == 0 and fam.bf16_grad_noise and hf_errors:  # the loss was judged; no gradient can be
+        pytest.skip(f"{fam.bf16_grad_noise}; here {min(hf_errors):.2f}-{max(hf_errors):.2f}")
     assert judged >= 2, "no block parameter of this family had a bf16 gradient HF gets within 10%"
