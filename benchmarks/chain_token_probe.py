@@ -35,9 +35,6 @@ def main() -> int:
                     help="instead: the CUDA-event clock's own loop (flush, event, call, event; no sync), with the "
                          "host's time per iteration and per call stamped, the variants in interleaved rounds")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--side-stream", action="store_true",
-                    help="instead: the hybrid's two products alone (Triton dW, cuBLAS dX) on one stream in either "
-                         "order and on two streams side by side, GPU-only, on 091's shapes at --tokens")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     variants = {"default": {}}
@@ -50,8 +47,6 @@ def main() -> int:
     flusher = timing.L2Flusher(dev)
     if args.events_loop:
         return events_loop(args, defn, base, variants, flusher)
-    if args.side_stream:
-        return side_stream(args, flusher)
     rows = []
     for m in [int(t) for t in args.tokens.split(",")]:
         w = dataclasses.replace(base, axes={**base.axes, "batch_size": 1, "seq_len": m})
@@ -92,64 +87,6 @@ def main() -> int:
 def _save(out: str, name: str, rows: list) -> None:
     with open(os.path.join(out, name), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-
-
-def side_stream(args, flusher) -> int:
-    """The hybrid's products on 091's shapes (dQKV [M, 6144], W [6144, 4096]): the Triton dW (the hybrid's tile, no
-    programmatic launch) and cuBLAS's dX alone, one after the other in both orders, and on two streams (dX on a side
-    stream forked and joined by events). GPU-only spans (a sleep queued first), median of --reps."""
-    from fusedqkv.ops.projection import tma_matmul_on
-
-    dev = torch.device("cuda")
-    cfg = config.current()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    side = torch.cuda.Stream(dev)
-    join = torch.cuda.Event()
-    rows = []
-    for m in [int(t) for t in args.tokens.split(",")]:
-        g = torch.Generator(device="cpu").manual_seed(m)
-        dqkv = torch.randn(m, 6144, generator=g).to(dev, torch.bfloat16)
-        w = (torch.randn(6144, 4096, generator=g) * 0.02).to(dev, torch.bfloat16)
-        x = torch.randn(m, 4096, generator=g).to(dev, torch.bfloat16)
-        dx, dw = torch.empty(m, 4096, device=dev, dtype=torch.bfloat16), torch.empty_like(w)
-        dw_launch = tma_matmul_on(dqkv, x, dw, trans_a=True, config=cfg.hybrid_dw, sms=sms)
-
-        def mm_dx():
-            torch.mm(dqkv, w, out=dx)
-
-        def two_streams():
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                mm_dx()
-            dw_launch()
-            join.record(side)
-            torch.cuda.current_stream().wait_event(join)
-
-        modes = {"dx": mm_dx, "dw": dw_launch, "dw_then_dx": lambda: (dw_launch(), mm_dx()),
-                 "dx_then_dw": lambda: (mm_dx(), dw_launch()), "two_streams": two_streams}
-        ref_dx, ref_dw = dqkv @ w, (dqkv.t() @ x)
-        got = {}
-        for name, fn in modes.items():
-            dx.zero_(), dw.zero_()
-            fn()
-            torch.cuda.synchronize()
-            ok = ((name in ("dw",) or torch.allclose(dx.float(), ref_dx.float(), rtol=2e-2, atol=2e-2))
-                  and (name in ("dx",) or torch.allclose(dw.float(), ref_dw.float(), rtol=2e-2, atol=2e-2)))
-            calls = timing.profile_kernel_calls(fn, reps=args.reps, flusher=flusher,
-                                                before=lambda: torch.cuda._sleep(200_000), skip=("spin_kernel",))
-            got[name] = {"ok": ok, "span_us": statistics.median(max(k[2] for k in c) - min(k[1] for k in c)
-                                                                for c in calls)}
-        rows.append({"tokens": m, **got})
-        print(f"{m}: done", flush=True)
-    _save(args.out, "chain_token_side_stream.json", rows)
-    print(f"\n{torch.cuda.get_device_name()} | the hybrid's products alone, GPU-only span, us, median of {args.reps}")
-    names = ["dx", "dw", "dw_then_dx", "dx_then_dw", "two_streams"]
-    print(f"{'tokens':>6s} " + " ".join(f"{n:>12s}" for n in names) + "  streams/seq")
-    for r in rows:
-        best_seq = min(r["dw_then_dx"]["span_us"], r["dx_then_dw"]["span_us"])
-        print(f"{r['tokens']:6d} " + " ".join(f"{r[n]['span_us']:10.1f}{'' if r[n]['ok'] else '!!'}  " for n in names)
-              + f"  {r['two_streams']['span_us'] / best_seq:.3f}")
-    return 0
 
 
 def events_loop(args, defn, base, variants, flusher) -> int:
