@@ -430,8 +430,6 @@ MATMUL_USES = {
     "chain_dx_above128": (CHAIN_DX_ABOVE_128, False, True, False),
     "chain_dw_above128": (CHAIN_DW_ABOVE_128, True, False, True),
     "hybrid_dw": (HYBRID_DW, True, False, False),
-    # to projection.hybrid_dx_first's token count: queued behind the cuBLAS dX, waiting for it at its end
-    "hybrid_dw_after_dx": (HYBRID_DW, True, False, True),
 }
 
 
@@ -455,12 +453,10 @@ def _matmul_job(use, dtype, finish, nprog, ints, fin_d=128, norm_fp32=False, lev
 
 
 def matmul_jobs() -> list:
-    # (the hybrid's dW after dX differs from it by WAIT_AT_END alone: its jobs are the launch's own, below)
-    axes = dict(use=tuple(u for u in MATMUL_USES if u != "hybrid_dw_after_dx"), dtype=("bf16", "fp16"),
-                finish=(True, False), nprog=("one", "sms", "per_sm"), ints=INT_MODES, cc=PRODUCT_TARGETS)
+    axes = dict(use=tuple(MATMUL_USES), dtype=("bf16", "fp16"), finish=(True, False), nprog=("one", "sms", "per_sm"),
+                ints=INT_MODES, cc=PRODUCT_TARGETS)
     jobs = [_matmul_job(**r) for r in pairwise(axes, seed=2)]
-    jobs += [_matmul_job(use, "bf16", True, "per_sm", "plain", cc=cc)  # as 091 launches them
-             for use in ("hybrid_dw", "hybrid_dw_after_dx") for cc in PRODUCT_TARGETS]
+    jobs += [_matmul_job("hybrid_dw", "bf16", True, "per_sm", "plain", cc=cc) for cc in PRODUCT_TARGETS]  # as 091 launches it
     jobs.append(_matmul_job("hybrid_dw", "bf16", True, "per_sm", "div16", fin_d=80, norm_fp32=True))
     jobs.append(_matmul_job("chain_dw", "fp16", True, "sms", "plain", fin_d=256))
     return jobs

@@ -150,8 +150,8 @@ PRODUCT_CASES = [
 @pytest.mark.parametrize("shape,products,finish", PRODUCT_CASES)
 def test_triton_products_match_cpu_path(shape, products, finish):
     """The stage, then the products as the persistent TMA kernels: both chained behind the stage
-    (pdl_chain), or dW only with dX on torch.mm (hybrid: dW queued behind dX, waiting for it at its
-    end; hybrid_dw_first: dW right behind the stage, dX after it); the norm-weight finish run by the dW
+    (pdl_chain), or dW only with dX on torch.mm (hybrid: dW queued behind dX; hybrid_dw_first: dW
+    right behind the stage, dX after it; either way waiting for its predecessor first); the norm-weight finish run by the dW
     launch or at the stage's end. The stage's outputs bit-equal to the CPU path, the Triton
     products within one bf16 rounding of torch.mm on the same dQKV, and repeated calls bitwise
     identical."""
@@ -175,10 +175,11 @@ def test_triton_products_match_cpu_path(shape, products, finish):
     assert used.path == ("chain" if products == "pdl_chain" else "hybrid")
     if products != "pdl_chain":
         assert torch.equal(cpu[0], tri[0])  # torch.mm, as on the CPU path
-        # where dW is queued, and what it waits for
-        dx_first = products == "hybrid"
-        assert [launch.constexprs["WAIT_AT_END"] for launch in used.after_dx] == ([True] if dx_first else [])
-        assert used.before_dx[-1].constexprs.get("WAIT_AT_END", False) is False
+        # where dW is queued (behind dX, or right behind the stage), waiting for its predecessor first
+        dw = used.launches[-1]
+        assert dw.constexprs["TRANS_A"] and dw.constexprs["WAIT_AT_END"] is False
+        assert used.after_dx == ([dw] if products == "hybrid" else [])
+        assert used.before_dx == used.launches[:-1 if products == "hybrid" else None]
     else:
         _assert_product_close("grad_hidden_states", cpu[0], tri[0])
     assert all(torch.equal(x, y) for x, y in zip(tri, again))

@@ -41,9 +41,9 @@ class Config:
     chain_dx_above_128: tuple = (64, 64, 64, 4, 6, 2)
     chain_dw_above_128: tuple = (128, 128, 32, 4, 4, 2)
     hybrid_dw: tuple = (128, 128, 32, 4, 5, 2)
-    # to this many tokens the hybrid queues its cuBLAS dX right behind the stage and its Triton dW behind dX
-    # (a programmatic dependent that waits for dX at its end); above, dW first. dX first: 2-3 % off the call
-    # at 131-586 tokens, neutral to slightly slower from 1571 (NOTES, session 29)
+    # to this many tokens the hybrid queues its cuBLAS dX right behind the stage and its Triton dW behind dX;
+    # above, dW first. dX first: 2-3 % off the call at 131-586 tokens, neutral to slightly slower from 1571
+    # (NOTES, session 29)
     hybrid_dx_first_max_tokens: int = 1024
     # the stage's norm-weight finish runs inside the Triton dW launch (chain and hybrid)
     norm_finish_in_dw: bool = True

@@ -144,11 +144,9 @@ def hybrid_dx_first(M: int, cfg: Config) -> bool:
 
 
 def hybrid_dw_launch(dqkv: Ptr, x2d: Ptr, dw: Ptr, sms: int, cfg: Config, finish=None):
-    """dW = dqkv^T . x2d as a programmatic dependent; it also runs the stage's norm-weight
-    ``finish``. Where :func:`hybrid_dx_first`, the caller queues it behind the cuBLAS dX, which
-    started after the stage completed: it starts as dX's programs end and waits for dX at its end.
-    Else it is queued right behind the stage (waits for it first) and the cuBLAS dX behind it."""
-    if hybrid_dx_first(dqkv.like.shape[0], cfg):
-        return tma_matmul(dqkv, x2d, dw, trans_a=True, config=cfg.hybrid_dw, sms=sms, pdl=True, wait_at_end=True,
-                          finish=finish)
+    """dW = dqkv^T . x2d as a programmatic dependent of the kernel queued just before it, which it
+    waits for first; it also runs the stage's norm-weight ``finish``. Where :func:`hybrid_dx_first`
+    the caller queues it behind the cuBLAS dX (cuBLAS's kernels do not let a dependent start early:
+    it starts as dX ends), else right behind the stage with the cuBLAS dX behind it. (Waiting at
+    its start, not its end, it relies on nothing about when cuBLAS's kernels let dependents launch.)"""
     return tma_matmul(dqkv, x2d, dw, trans_a=True, config=cfg.hybrid_dw, sms=sms, pdl=True, finish=finish)
