@@ -60,10 +60,11 @@ def main() -> int:
     wls = defn.workloads if args.workloads == "all" else [defn.workload(k) for k in args.workloads.split(",")]
     variants = {}
     for v in args.variant:
-        name, sep, changes = v.partition(":")
-        if not sep or not name:
-            ap.error(f"--variant {v!r}: expected NAME:CHANGES")
-        variants["fusedqkv:" + name] = config.parse_changes(changes)
+        try:
+            name, changes = config.parse_variant(v)
+        except ValueError as e:
+            ap.error(f"--variant: {e}")
+        variants["fusedqkv:" + name] = changes
     flusher = timing.L2Flusher(dev)
     names = list(defn.outputs)
     rows = []

@@ -37,10 +37,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    variants = {"default": {}}
-    for v in args.variant:
-        name, _, changes = v.partition(":")
-        variants[name] = config.parse_changes(changes)
+    variants = dict([("default", {})] + [config.parse_variant(v) for v in args.variant])
     dev = torch.device("cuda")
     defn = problem.load_definition()
     base = defn.workload(2)
@@ -49,8 +46,7 @@ def main() -> int:
         return events_loop(args, defn, base, variants, flusher)
     rows = []
     for m in [int(t) for t in args.tokens.split(",")]:
-        w = dataclasses.replace(base, axes={**base.axes, "batch_size": 1, "seq_len": m})
-        a = list(problem.generate_inputs(defn, w, device=dev, seed=m).values())
+        a = _inputs(defn, base, m)
         ref = gqa_qkv_rope_qk_norm_backward(*a)
         for name, changes in variants.items():
             out = tuple(torch.empty_like(t) for t in ref)
@@ -84,6 +80,12 @@ def main() -> int:
     return 0
 
 
+def _inputs(defn, base, m: int) -> list:
+    """091's inputs at 1 x m tokens (w02's shape otherwise), on the GPU."""
+    w = dataclasses.replace(base, axes={**base.axes, "batch_size": 1, "seq_len": m})
+    return list(problem.generate_inputs(defn, w, device=torch.device("cuda"), seed=m).values())
+
+
 def _save(out: str, name: str, rows: list) -> None:
     with open(os.path.join(out, name), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
@@ -95,8 +97,7 @@ def events_loop(args, defn, base, variants, flusher) -> int:
     GPU's flush + call leaves the GPU idle before each call's first kernel, inside its events."""
     rows = []
     for m in [int(t) for t in args.tokens.split(",")]:
-        w = dataclasses.replace(base, axes={**base.axes, "batch_size": 1, "seq_len": m})
-        a = list(problem.generate_inputs(defn, w, device=torch.device("cuda"), seed=m).values())
+        a = _inputs(defn, base, m)
         ref = gqa_qkv_rope_qk_norm_backward(*a)
         outs = {k: tuple(torch.empty_like(t) for t in ref) for k in variants}
         got = {k: {"events": [], "iter_us": [], "call_us": [], "flush_us": []} for k in variants}

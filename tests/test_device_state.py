@@ -71,6 +71,10 @@ def test_config_changes_parse_as_the_fields_types():
     with config.override(**got) as cfg:
         assert cfg.chain_dx_above_128 == (128, 64, 64, 4, 6, 1) and cfg.cublaslt is False
     assert config.parse_changes("") == {}
+    assert config.parse_variant("dwfirst:hybrid_dx_first_max_tokens=0") == ("dwfirst", dict(hybrid_dx_first_max_tokens=0))
+    for bad in ("no_colon", ":cublaslt=0"):
+        with pytest.raises(ValueError, match="NAME:CHANGES"):
+            config.parse_variant(bad)
     for bad, named in (("no_such_field=1", "no_such_field"), ("chain_dx=1,x", "chain_dx"),
                        ("cublaslt=maybe", "cublaslt"), ("chain_max_tokens", "chain_max_tokens")):
         with pytest.raises(ValueError, match=named):

@@ -170,13 +170,13 @@ class Backward091Plan:
 
     def __init__(self, cfg, path, out_specs, device, backend, stage=None, table=None, launches=(),
                  mm_dx=False, mm_dw=False, finish=None, x_view=None, dx_view=None, in_spans=(),
-                 out_spans=(), aligned=True, dqkv_shape=None, dtype=None, lt_dx=None, lt_dw=None, after_dx=0):
+                 out_spans=(), aligned=True, dqkv_shape=None, dtype=None, lt_dx=None, lt_dw=None):
         self.cfg, self.path, self.out_specs, self.device, self.backend = cfg, path, out_specs, device, backend
         self.lt_dx, self.lt_dw = lt_dx, lt_dw  # the cuBLAS products as planned cuBLASLt calls, or None
         self.stage, self.table, self.launches = stage, table, list(launches)
-        # the last ``after_dx`` launches queue after the dX product (the hybrid's dW behind a cuBLAS dX)
-        self.before_dx = self.launches[:len(self.launches) - after_dx]
-        self.after_dx = self.launches[len(self.launches) - after_dx:]
+        # the launches queued before and after the dX product (the hybrid's dW, its last, behind a cuBLAS dX)
+        after = 1 if path == "hybrid" and hybrid_dx_first(dqkv_shape[0], cfg) else 0
+        self.before_dx, self.after_dx = self.launches[:len(self.launches) - after], self.launches[len(self.launches) - after:]
         self.mm_dx, self.mm_dw, self.finish = mm_dx, mm_dw, finish
         self.x_view, self.dx_view = x_view, dx_view  # (rows, cols) views, or None
         self.in_spans, self.out_spans = in_spans, out_spans
@@ -354,7 +354,6 @@ def build_backward_091(args, out, backend, *, cfg) -> Backward091Plan:
         dx_view=(M, hidden) if g_hidden.is_contiguous() else None,
         in_spans=[V.span(t) for t in in_tensors], out_spans=[V.span(t) for t in outs],
         aligned=aligned, dqkv_shape=(M, sz["qkv"]), dtype=sz["dtype"], lt_dx=lt_dx, lt_dw=lt_dw,
-        after_dx=1 if path == "hybrid" and hybrid_dx_first(M, cfg) else 0,
     )
 
 

@@ -161,6 +161,14 @@ def parse_changes(text: str) -> dict:
     return out
 
 
+def parse_variant(text: str) -> tuple:
+    """``"NAME:CHANGES"`` (a benchmark's ``--variant``) as ``(NAME, parse_changes(CHANGES))``."""
+    name, sep, changes = text.partition(":")
+    if not sep or not name:
+        raise ValueError(f"variant {text!r}: expected NAME:CHANGES")
+    return name, parse_changes(changes)
+
+
 def _choice(env, name: str, choices: tuple, default: str) -> str:
     raw = env.get(name, default)
     if raw not in choices:
