@@ -53,6 +53,9 @@ class Family:
     composite: Optional[tuple] = None   # (config class, its other sub-configs): the text config goes in text_config
     min_version: str = "5.17"  # the oldest transformers the family is tested on
     no_compile: Optional[str] = None  # why torch.compile is not tested (an HF limitation)
+    # why the fused attention module compiles with graph breaks (in HF's own code that the fused forward calls), or
+    # None: it compiles as one graph (fullgraph=True)
+    graph_breaks: Optional[str] = None
     sdpa: bool = True  # whether HF's model takes attn_implementation="sdpa" (generate and compile use it)
     # why HF's own bf16 gradients of the block's parameters are too far from fp32's for the GPU three-way test to
     # judge the block on the tiny model (test_gpu_hf_families; the fp32 tests judge it), or None
@@ -160,7 +163,8 @@ FAMILIES = [
                                   hc_lowrank=8, layer_types=["linear_attention", "qwen_sparse_attention"],
                                   indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
                                   indexer_compress_ratio=2, rope_parameters=rope(0.25, mrope_section=[1, 1, 0])),
-           n_fused=1),
+           n_fused=1, graph_breaks="HF's sparse-attention indexer (the row's prologue calls it) selects tokens with "
+                                   "torch.nonzero per query: data-dependent shapes"),
     # norm over all heads
     Family("olmo2", dict(head_dim=None), min_version="5.0"),
     Family("olmo3", dict(head_dim=None, sliding_window=5, layer_types=["sliding_attention", "full_attention"]), min_version="5.0"),

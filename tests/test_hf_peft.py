@@ -14,6 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 
 import fusedqkv  # noqa: E402
 from fusedqkv.integrations.fused_projection import ProjectionRows, UnsupportedModuleError  # noqa: E402
+from fusedqkv.ops.internals import TRACES_MODULE_DICT_KEYS  # noqa: E402
 
 from _hf_families import build, family  # noqa: E402
 from _lora_checks import rel as _rel, step as _step  # noqa: E402
@@ -154,10 +155,86 @@ def test_gradient_checkpointing_and_compile():
     want, w = _step(ref, ids)
     assert _rel(got, want) <= TOL and all(_rel(g[n], w[n]) <= TOL for n in w)
     m.gradient_checkpointing_disable()
-    compiled = torch.compile(m, backend="aot_eager", fullgraph=False)
-    loss = compiled(input_ids=ids, labels=ids).loss
-    loss.backward()
-    assert _rel(loss.detach(), ref(input_ids=ids, labels=ids).loss.detach()) <= TOL
+    ref.gradient_checkpointing_disable()
+    # each fused attention of the PEFT model as one graph (raises on a graph break), through AOT autograd
+    attns = [mod for mod in m.modules() if hasattr(mod, "_fusedqkv")]
+    assert attns
+    for mod in attns:
+        mod.compile(backend="aot_eager", fullgraph=True)
+    got, g = _step(m, ids)
+    want, w = _step(ref, ids)
+    assert _rel(got, want) <= TOL and all(_rel(g[n], w[n]) <= TOL for n in w)
+
+
+def _hook(mod):
+    return mod.register_forward_hook(lambda *args: None)
+
+
+class _Undo:
+    """A change to a module and how to take it back (``remove()``, as a hook handle's)."""
+
+    def __init__(self, do, undo):
+        do()
+        self.remove = undo
+
+
+def _forward_set(mod):
+    return _Undo(lambda: setattr(mod, "forward", lambda x: x), lambda: mod.__dict__.pop("forward"))
+
+
+def _swap(attn, name, new):
+    old = attn._modules[name]
+    return _Undo(lambda: attn._modules.__setitem__(name, new), lambda: attn._modules.__setitem__(name, old))
+
+
+# (label, peft, what is changed after the compiled model ran once, the error's words)
+COMPILED_CHANGES = [
+    ("forward hook on q_proj", False, lambda a: _hook(a.q_proj), "q_proj has a forward hook"),
+    ("pre-hook on qkv_proj", False, lambda a: a.qkv_proj.register_forward_pre_hook(lambda *args: None),
+     "qkv_proj has a forward pre-hook"),
+    ("backward hook on k_proj", False, lambda a: a.k_proj.register_full_backward_hook(lambda *args: None),
+     "k_proj has a backward hook"),
+    ("foreign k_proj", False, lambda a: _swap(a, "k_proj", nn.Linear(a.k_proj.in_features, a.k_proj.out_features)),
+     "k_proj is a torch.nn.modules.linear.Linear"),
+    ("forward hook on the LoRA layer", True, lambda a: _hook(a.q_proj), "q_proj has a forward hook"),
+    ("forward hook on lora_A", True, lambda a: _hook(a.q_proj.lora_A["default"]), "has a forward hook"),
+    ("forward set on the LoRA layer", True, lambda a: _forward_set(a.q_proj), "q_proj has a replaced forward"),
+    ("pre-hook on the rows under LoRA", True, lambda a: a.v_proj.base_layer.register_forward_pre_hook(lambda *args: None),
+     "v_proj.base_layer has a forward pre-hook"),
+]
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["rows", "lora"])
+def test_changes_after_compiling_are_refused_not_bypassed(peft):
+    """A hook or a module put in the projection's place after the compiled model ran (torch.compile's
+    default, graph breaks allowed): the next call raises as in eager -- the checks are traced, and
+    torch.compile guards on what they read (compiled graphs would otherwise run the fused block past
+    the new module) -- and once the change is taken back the model runs as before. A forward set on
+    the fused modules is refused as it is set; one set on a PEFT layer after compiling is refused
+    from torch 2.13 on (before, torch.compile does not trace the read it would guard on; eager calls
+    refuse it: test_hf_projection_plan)."""
+    m = build(family("qwen3"), bias=True)
+    fusedqkv.apply_to(m)
+    if peft:
+        m = get_peft_model(m, _lora("all-linear"))
+    ids = _ids(m.config.vocab_size)
+    want = m(input_ids=ids).logits
+    for mod in [mod for mod in m.modules() if hasattr(mod, "_fusedqkv")]:
+        mod.compile(backend="eager")
+    assert torch.equal(m(input_ids=ids).logits, want)
+    attn = next(mod for mod in m.modules() if hasattr(mod, "_fusedqkv"))
+    rows = attn.v_proj.base_layer if peft else attn.v_proj
+    for mod in (rows, attn.qkv_proj):  # a forward set on the fused modules is refused as it is set
+        with pytest.raises(UnsupportedModuleError, match="forward cannot be set"):
+            mod.forward = lambda x: x
+    for label, on_peft, change, words in COMPILED_CHANGES:
+        if on_peft != peft or ("forward set" in label and not TRACES_MODULE_DICT_KEYS):
+            continue
+        handle = change(attn)
+        with pytest.raises(UnsupportedModuleError, match=words):
+            m(input_ids=ids)
+        handle.remove()
+        assert torch.equal(m(input_ids=ids).logits, want), label
 
 
 def test_dora_is_refused():
@@ -295,9 +372,12 @@ def test_rows_views_follow_the_fused_weight():
         attn.k_proj.weight.data += 1.0  # in place through the view: the fused weight
     assert torch.equal(w[q.shape[0]:q.shape[0] + attn.k_proj.out_features], attn.k_proj.weight)
     new = torch.zeros_like(attn.v_proj.weight)
-    attn.v_proj.weight.data = new  # a replaced .data (PEFT's safe merge) is copied back
-    attn.v_proj.sync()
+    v = attn.v_proj.weight
+    v.data = new  # an assigned .data (PEFT's safe merge) is written into the fused rows at once
     assert float(w[-attn.v_proj.out_features:].abs().max()) == 0.0
+    assert attn.v_proj.weight is v and v.data_ptr() != new.data_ptr()  # the view still shows the rows
+    with pytest.raises(UnsupportedModuleError, match=r"shape \(3, 64\)"):
+        v.data = torch.zeros(3, w.shape[1])
     with pytest.raises(AttributeError, match="rows"):
         attn.q_proj.weight = nn.Parameter(torch.zeros(1))
     m.to(torch.float64)

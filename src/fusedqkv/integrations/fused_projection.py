@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import UnsupportedModelError
+from ..ops.internals import TRACES_MODULE_DICT_KEYS
 
 
 class UnsupportedModuleError(UnsupportedModelError):
@@ -43,6 +44,10 @@ class FusedQKVProjection(nn.Module):
         self.weight = weight
         self.bias = bias
 
+    def __setattr__(self, name, value):
+        _refuse_forward(self, name)
+        super().__setattr__(name, value)
+
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
 
@@ -51,13 +56,47 @@ class FusedQKVProjection(nn.Module):
                 f"bias={self.bias is not None}")
 
 
+# the ``.data`` descriptor of every tensor (torch's own attribute, read and written through it)
+_TENSOR_DATA = torch.Tensor.data
+
+
+class RowsView(nn.Parameter):
+    """A :class:`ProjectionRows`' ``weight``/``bias``: an ``nn.Parameter`` over rows ``[start, stop)`` of
+    the fused parameter. Assigning its ``.data`` (PEFT's safe merge does) writes those rows instead of
+    giving the view other storage, so the fused parameter is always what the view shows and the fused
+    forward never has to look for a replaced view (nothing to check per call: traceable by
+    ``torch.compile``)."""
+
+    @property
+    def data(self):
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        fused, start, stop = self.__dict__.get("_fusedqkv_rows", (None, 0, 0))
+        here = _TENSOR_DATA.__get__(self)
+        if fused is None or here.data_ptr() != fused.data_ptr() + start * fused.stride(0) * fused.element_size():
+            _TENSOR_DATA.__set__(self, value)  # no longer the fused rows (the fused parameter moved): a plain view
+            return
+        if tuple(value.shape) != tuple(here.shape):
+            raise UnsupportedModuleError(
+                f"fusedqkv: rows {start}:{stop} of qkv_proj were given a .data of shape {tuple(value.shape)}; expected "
+                f"{tuple(here.shape)} (the view's .data is written into the fused parameter's rows)")
+        if value.data_ptr() != here.data_ptr():  # (``view.data += d`` hands back the rows themselves)
+            with torch.no_grad():
+                here.copy_(value)
+            # a write through .data leaves the version counter as it was: a frozen weight's kept FP8 casts go
+            from ..ops.fp8 import forget_frozen_weight_casts
+
+            forget_frozen_weight_casts(fused)
+
+
 class ProjectionRows(nn.Linear):
     """Rows ``[start, stop)`` of a :class:`FusedQKVProjection`, as the ``nn.Linear`` HF had there.
 
-    ``weight``/``bias`` are cached ``nn.Parameter`` views of the fused parameters' rows (never
+    ``weight``/``bias`` are cached :class:`RowsView` parameters over the fused parameters' rows (never
     registered: the fused parameter is the one that trains and is saved). In-place changes through
-    them (PEFT's merge) change the fused weight; a replaced ``.data`` (PEFT's safe merge) is
-    copied back by :meth:`sync` (every fused forward and every state_dict calls it)."""
+    them (PEFT's merge) change the fused weight, and so does an assigned ``.data`` (PEFT's safe merge)."""
 
     def __init__(self, fused: FusedQKVProjection, start: int, stop: int):
         nn.Module.__init__(self)
@@ -68,13 +107,11 @@ class ProjectionRows(nn.Linear):
         object.__setattr__(self, "_views", {})
 
     def __setattr__(self, name, value):
+        _refuse_forward(self, name)
         if name in ("weight", "bias"):
             raise AttributeError(f"{type(self).__name__}.{name} is rows {self.rows[0]}:{self.rows[1]} of the fused "
                                  f"qkv_proj.{name}; assign to that parameter's data instead")
         super().__setattr__(name, value)
-
-    def _row_ptr(self, src) -> int:
-        return src.data_ptr() + self.rows[0] * src.stride(0) * src.element_size()
 
     def _view(self, name: str):
         src = getattr(self.fused, name)
@@ -83,15 +120,16 @@ class ProjectionRows(nn.Linear):
         start, stop = self.rows
         cached = self._views.get(name)
         if cached is not None:
-            owner, ptr, view, row_ptr = cached
+            owner, ptr, view = cached
+            row_ptr = ptr + start * src.stride(0) * src.element_size()
             if owner is src and ptr == src.data_ptr() and view.data_ptr() == row_ptr:
                 if view.requires_grad != src.requires_grad:
                     view.requires_grad_(src.requires_grad)
                 return view
-        view = nn.Parameter(src.data[start:stop], requires_grad=src.requires_grad)
-        # (the fused parameter, its address, the view, the rows' address: the view's own until its
-        # .data is replaced)
-        self._views[name] = (src, src.data_ptr(), view, self._row_ptr(src))
+        view = RowsView(src.data[start:stop], requires_grad=src.requires_grad)
+        view.__dict__["_fusedqkv_rows"] = (src, start, stop)
+        # (the fused parameter and its address: a view made before the parameter moved is made again)
+        self._views[name] = (src, src.data_ptr(), view)
         return view
 
     @property
@@ -101,31 +139,6 @@ class ProjectionRows(nn.Linear):
     @property
     def bias(self):
         return self._view("bias")
-
-    def sync(self) -> None:
-        """Copy a view whose ``.data`` was replaced back into the fused rows (and refresh it)."""
-        if not self._views:  # (every fused forward calls this)
-            return
-        start, stop = self.rows
-        params = self.fused._parameters  # (not Module.__getattr__: a microsecond a call)
-        for name, (owner, ptr, view, row_ptr) in list(self._views.items()):
-            src = params.get(name)
-            if src is None:
-                src = getattr(self.fused, name)
-            if src is not owner or ptr != src.data_ptr():  # the fused parameter moved: the view is stale
-                del self._views[name]
-            elif view.data_ptr() != row_ptr:
-                if tuple(view.shape) != (stop - start, *src.shape[1:]):
-                    raise UnsupportedModuleError(
-                        f"fusedqkv: rows {start}:{stop} of qkv_proj.{name} were replaced by a tensor of shape "
-                        f"{tuple(view.shape)}; expected {(stop - start, *src.shape[1:])}")
-                with torch.no_grad():
-                    src.data[start:stop].copy_(view.data)
-                # a write through .data leaves the version counter as it was: a frozen weight's kept FP8 casts go
-                from ..ops.fp8 import forget_frozen_weight_casts
-
-                forget_frozen_weight_casts(src)
-                del self._views[name]
 
     def _apply(self, fn, recurse=True):
         self._views.clear()  # the fused parameters move with their own module
@@ -137,16 +150,48 @@ class ProjectionRows(nn.Linear):
 
 
 def _hooks(m: nn.Module) -> list:
-    """The kinds of module hook ``m`` carries (the fused block never calls it: none would run)."""
-    kinds = [("forward hook", m._forward_hooks), ("forward pre-hook", m._forward_pre_hooks),
-             ("backward hook", m._backward_hooks), ("backward pre-hook", m._backward_pre_hooks)]
-    return [kind for kind, hooks in kinds if hooks]
+    """The kinds of module hook ``m`` carries (the fused block never calls it: none would run), and
+    ``"replaced forward"`` where ``forward`` was set on the instance.
+
+    The hook dicts are read through the instance ``__dict__``: so ``torch.compile`` guards on them (read
+    as ``m._forward_hooks``, an empty hook dict is not guarded unless
+    ``torch._dynamo.config.skip_nnmodule_hook_guards`` is off, and a hook added after compiling would be
+    bypassed by the compiled graph). A ``forward`` set on the instance: :func:`_forward_set` (under
+    ``torch.compile`` before torch 2.13 not seen; the fused modules refuse it as it is set,
+    :func:`_refuse_forward`)."""
+    d = m.__dict__
+    out = []
+    for kind, attr in (("forward hook", "_forward_hooks"), ("forward pre-hook", "_forward_pre_hooks"),
+                       ("backward hook", "_backward_hooks"), ("backward pre-hook", "_backward_pre_hooks")):
+        if len(d[attr]):
+            out.append(kind)
+    if _forward_set(d):
+        out.append("replaced forward")
+    return out
+
+
+def _forward_set(d: dict) -> bool:
+    """``forward`` is in a module's instance ``__dict__`` ``d``. Under ``torch.compile`` read as the keys'
+    list, on which it guards, where it traces that (torch 2.13 on); before, not looked for there."""
+    if not torch.compiler.is_compiling():
+        return "forward" in d
+    return TRACES_MODULE_DICT_KEYS and "forward" in list(d.keys())
+
+
+def _refuse_forward(m: nn.Module, name: str) -> None:
+    if name == "forward":
+        raise UnsupportedModuleError(
+            f"fusedqkv: {type(m).__name__}.forward cannot be set: the fused block computes this module's rows "
+            f"itself and never calls its forward, so the new forward would not run")
 
 
 def hook_counts(m: nn.Module) -> tuple:
-    """What a kept decision about ``m`` depends on of its hooks (:mod:`.projection_plan`)."""
-    return (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks), len(m._backward_pre_hooks),
-            "forward" in m.__dict__)
+    """What a kept decision about ``m`` depends on of its hooks (:mod:`.projection_plan`). Read as
+    :func:`_hooks` reads them, so that ``torch.compile`` guards on them where it compiles this (a frame
+    run after a graph break)."""
+    d = m.__dict__
+    return (len(d["_forward_hooks"]), len(d["_forward_pre_hooks"]), len(d["_backward_hooks"]),
+            len(d["_backward_pre_hooks"]), _forward_set(d))
 
 
 def unwrap_lora(m) -> tuple:
@@ -181,15 +226,15 @@ def projection_slots(attn, projs: tuple, quantized: bool = False) -> list:
             f"FusedQKVProjection that apply_to put there (wrap q_proj/k_proj/v_proj instead, with a wrapper "
             f"fusedqkv supports: PEFT LoRA)")
     hooked = _hooks(fused)
-    if hooked or "forward" in fused.__dict__:
-        raise UnsupportedModuleError(f"fusedqkv: {where}.qkv_proj has a {hooked[0] if hooked else 'replaced forward'}; "
+    if hooked:
+        raise UnsupportedModuleError(f"fusedqkv: {where}.qkv_proj has a {hooked[0]}; "
                                      f"the fused block never calls the module, so it would not run")
     out = []
     start = 0
     for name in projs:
         lora, m = unwrap_lora(attn._modules.get(name))
         stop = start + (m.out_features if isinstance(m, nn.Linear) else 0)
-        if lora is None and _is_float8_linear(m) and not _hooks(m) and "forward" not in m.__dict__:
+        if lora is None and _is_float8_linear(m) and not _hooks(m):
             _check_float8_rows(where, name, m, fused, start, stop)
             out.append((name, m, None))
             start = stop
@@ -204,16 +249,27 @@ def projection_slots(attn, projs: tuple, quantized: bool = False) -> list:
                 f"plain or under a PEFT LoRA layer, and cannot compute this module (it would be bypassed)" +
                 _hint(lora if lora is not None else m))
         _check_unhooked(where, name, lora, m)
-        m.sync()
         out.append((name, m, lora))
     return out
 
 
+# the classes of what the fused block reads that are never torchao's: the checks below return at once for
+# them, without the class's module name (which torch.compile cannot read of a Parameter's class)
+_PLAIN = (torch.Tensor, nn.Parameter, RowsView)
+
+
+def _torchao_class(cls, package: str) -> bool:
+    return cls not in _PLAIN and cls.__module__.startswith(package)
+
+
 def _is_torchao_mx(m) -> bool:
-    """torchao's MX training in a projection's place: an ``MXFP8Linear``, or a weight that
+    """torchao's MX training in a projection's place: an ``MXFP8Linear``, or a registered weight that
     ``MXFP8TrainingOpConfig`` wrapped (``MXFP8TrainingWeightWrapperTensor``)."""
-    return any(type(o).__module__.startswith("torchao.prototype") and type(o).__name__.upper().startswith("MX")
-               for o in (m, getattr(m, "weight", None)))
+    if _torchao_class(type(m), "torchao.prototype") and type(m).__name__.upper().startswith("MX"):
+        return True
+    params = m.__dict__.get("_parameters") if isinstance(m, nn.Module) else None
+    w = params.get("weight") if params is not None else None
+    return w is not None and _torchao_class(type(w), "torchao.prototype") and type(w).__name__.upper().startswith("MX")
 
 
 def is_mx_wrapped(t) -> bool:
@@ -221,7 +277,7 @@ def is_mx_wrapped(t) -> bool:
     ``MXFP8TrainingOpConfig``: an ``MXFP8TrainingWeightWrapperTensor`` holding the plain tensor and
     the config)."""
     cls = type(t)
-    return cls.__module__.startswith("torchao.prototype") and cls.__name__.startswith("MXFP8") and hasattr(t, "config")
+    return _torchao_class(cls, "torchao.prototype") and cls.__name__.startswith("MXFP8") and hasattr(t, "config")
 
 
 def mx_plain(t):
@@ -273,7 +329,7 @@ def _check_float8_rows(where: str, name: str, m, fused, start: int, stop: int) -
 
 def _is_torchao_tensor(t) -> bool:
     """``t`` one of torchao's tensor subclasses (a training wrapper, a quantized weight)."""
-    return t is not None and type(t).__module__.startswith("torchao.")
+    return t is not None and _torchao_class(type(t), "torchao.")
 
 
 def _torchao_low_precision(m) -> bool:
@@ -353,9 +409,9 @@ def _check_unhooked(where: str, name: str, lora, m) -> None:
         if mod is None:
             continue
         hooked = _hooks(mod)
-        if hooked or "forward" in mod.__dict__:
+        if hooked:
             raise UnsupportedModuleError(
-                f"fusedqkv: {where}.{label} has a {hooked[0] if hooked else 'replaced forward'} "
+                f"fusedqkv: {where}.{label} has a {hooked[0]} "
                 f"({_describe(mod)}); the fused block never calls the module, so it would not run")
 
 

@@ -72,9 +72,9 @@ def _check_adapter_modules(name: str, a: str, A, B, drop) -> None:
                 f"with its A and B weights as plain nn.Linear layers, so this module's forward would not run")
     for label, mod in (("lora_A", A), ("lora_B", B), ("lora_dropout", drop)):
         hooked = _hooks(mod)
-        if hooked or "forward" in mod.__dict__:
+        if hooked:
             raise UnsupportedModuleError(
-                f"fusedqkv: {name}.{label}[{a!r}] has a {hooked[0] if hooked else 'replaced forward'} "
+                f"fusedqkv: {name}.{label}[{a!r}] has a {hooked[0]} "
                 f"({_describe(mod)}); the fused block computes the adapter from its weights, so it would not run")
 
 

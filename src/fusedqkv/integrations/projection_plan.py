@@ -23,8 +23,9 @@ everything those decisions read, and reuses it while a new fingerprint is equal:
 
 Any change to these gives a new fingerprint, so the full checks run again at the first forward
 after it and raise there as they did before anything was kept. The decisions never read the
-weights' values; what depends on tensor state runs every call: :meth:`ProjectionRows.sync` (a
-replaced ``.data``), bitsandbytes' quantization state (:func:`~.qlora.check_4bit`). Not kept:
+weights' values; what depends on tensor state runs every call: bitsandbytes' quantization state
+(:func:`~.qlora.check_4bit`). (A rows module's view with an assigned ``.data`` writes the fused rows
+at once: :class:`~.fused_projection.RowsView`.) Not kept:
 torchao ``Float8Linear`` slots (their check reads where the weights' storage is) and anything
 under ``torch.compile`` (traced as before).
 """
@@ -37,7 +38,7 @@ import weakref
 import torch
 from torch import nn
 
-from .fused_projection import (ProjectionRows, UnsupportedModuleError, _is_float8_linear, hook_counts,
+from .fused_projection import (UnsupportedModuleError, _is_float8_linear, hook_counts,
                                projection_slots, slots_fp8_recipe)
 from ..ops.fp8 import forget_frozen_weight_casts
 from .peft import LoRAOperands, _pairs
@@ -59,7 +60,6 @@ class ProjectionPlan:
         self.fp8 = slots_fp8_recipe(attn, self.slots, spec.block_kwargs.get("fp8"))
         self.quantized = spec.quantized
         self.where = type(attn).__name__
-        self.rows = [m for _, m, _ in self.slots if type(m) is ProjectionRows]
         self.key = None
         # the parameters whose id() is in the key stay alive with the plan (no id reused meanwhile)
         self.kept = [w for p in self.lora.pairs for w in (p[3].weight, p[4].weight)]
@@ -78,10 +78,7 @@ class ProjectionPlan:
         return source
 
     def per_call(self) -> None:
-        """What the fingerprint does not cover, on a kept plan: the rows' replaced ``.data``, the
-        4-bit layers' quantization state."""
-        for m in self.rows:
-            m.sync()
+        """What the fingerprint does not cover, on a kept plan: the 4-bit layers' quantization state."""
         if self.quantized:
             from .qlora import check_4bit
 

@@ -606,10 +606,6 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
     if fused_w not in state_dict:
         return
     spec: FusedSpec = module._fusedqkv
-    for name in spec.projs:  # rows whose view was replaced (PEFT's safe merge) are copied back first
-        rows = _base_linear(module._modules.get(name))
-        if isinstance(rows, ProjectionRows):
-            rows.sync()
     tail = []
     for key in reversed(state_dict):
         if not key.startswith(prefix):

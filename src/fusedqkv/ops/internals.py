@@ -131,6 +131,11 @@ def fast_path_info() -> dict:
 _TORCH_PROBLEM = (None if _in_range(torch.__version__, TORCH_SUPPORTED) else
                   f"torch {torch.__version__} is outside the supported range {_range_text(TORCH_SUPPORTED)}")
 
+# torch.compile traces ``list(module.__dict__.keys())`` and guards on the keys from torch 2.13 (2.11 breaks
+# the graph there: session 30's device call 4; 2.12 not tried): what the HF integration reads to see a forward
+# set on a module's instance after compiling (integrations.fused_projection._hooks)
+TRACES_MODULE_DICT_KEYS = (_minor(torch.__version__) or (0, 0)) >= (2, 13)
+
 
 def _torch_internal(what: str, get: Callable, public):
     """``get()`` (a torch internal), or ``public`` where this torch is not supported or lacks it
