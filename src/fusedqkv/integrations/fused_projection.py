@@ -60,6 +60,11 @@ class FusedQKVProjection(nn.Module):
 _TENSOR_DATA = torch.Tensor.data
 
 
+def _rows_ptr(src: torch.Tensor, start: int) -> int:
+    """The address of row ``start`` of ``src``."""
+    return src.data_ptr() + start * src.stride(0) * src.element_size()
+
+
 class RowsView(nn.Parameter):
     """A :class:`ProjectionRows`' ``weight``/``bias``: an ``nn.Parameter`` over rows ``[start, stop)`` of
     the fused parameter. Assigning its ``.data`` (PEFT's safe merge does) writes those rows instead of
@@ -75,7 +80,7 @@ class RowsView(nn.Parameter):
     def data(self, value):
         fused, start, stop = self.__dict__.get("_fusedqkv_rows", (None, 0, 0))
         here = _TENSOR_DATA.__get__(self)
-        if fused is None or here.data_ptr() != fused.data_ptr() + start * fused.stride(0) * fused.element_size():
+        if fused is None or here.data_ptr() != _rows_ptr(fused, start):
             _TENSOR_DATA.__set__(self, value)  # no longer the fused rows (the fused parameter moved): a plain view
             return
         if tuple(value.shape) != tuple(here.shape):
@@ -121,8 +126,7 @@ class ProjectionRows(nn.Linear):
         cached = self._views.get(name)
         if cached is not None:
             owner, ptr, view = cached
-            row_ptr = ptr + start * src.stride(0) * src.element_size()
-            if owner is src and ptr == src.data_ptr() and view.data_ptr() == row_ptr:
+            if owner is src and ptr == src.data_ptr() and view.data_ptr() == _rows_ptr(src, start):
                 if view.requires_grad != src.requires_grad:
                     view.requires_grad_(src.requires_grad)
                 return view
@@ -262,14 +266,18 @@ def _torchao_class(cls, package: str) -> bool:
     return cls not in _PLAIN and cls.__module__.startswith(package)
 
 
+def _torchao_mx_class(cls) -> bool:
+    return _torchao_class(cls, "torchao.prototype") and cls.__name__.upper().startswith("MX")
+
+
 def _is_torchao_mx(m) -> bool:
     """torchao's MX training in a projection's place: an ``MXFP8Linear``, or a registered weight that
     ``MXFP8TrainingOpConfig`` wrapped (``MXFP8TrainingWeightWrapperTensor``)."""
-    if _torchao_class(type(m), "torchao.prototype") and type(m).__name__.upper().startswith("MX"):
+    if _torchao_mx_class(type(m)):
         return True
     params = m.__dict__.get("_parameters") if isinstance(m, nn.Module) else None
     w = params.get("weight") if params is not None else None
-    return w is not None and _torchao_class(type(w), "torchao.prototype") and type(w).__name__.upper().startswith("MX")
+    return w is not None and _torchao_mx_class(type(w))
 
 
 def is_mx_wrapped(t) -> bool:
@@ -319,7 +327,7 @@ def _check_float8_rows(where: str, name: str, m, fused, start: int, stop: int) -
             continue
         ok = (src is not None and got is not None and type(got.data) is torch.Tensor
               and tuple(got.shape) == (stop - start, *src.shape[1:])
-              and got.data_ptr() == src.data_ptr() + start * src.stride(0) * src.element_size())
+              and got.data_ptr() == _rows_ptr(src, start))
         if not ok:
             raise UnsupportedModuleError(
                 f"fusedqkv: {where}.{name} is a torchao Float8Linear whose {attr} is not rows {start}:{stop} of "

@@ -175,8 +175,8 @@ class Backward091Plan:
         self.lt_dx, self.lt_dw = lt_dx, lt_dw  # the cuBLAS products as planned cuBLASLt calls, or None
         self.stage, self.table, self.launches = stage, table, list(launches)
         # the launches queued before and after the dX product (the hybrid's dW, its last, behind a cuBLAS dX)
-        after = 1 if path == "hybrid" and hybrid_dx_first(dqkv_shape[0], cfg) else 0
-        self.before_dx, self.after_dx = self.launches[:len(self.launches) - after], self.launches[len(self.launches) - after:]
+        split = len(self.launches) - (1 if path == "hybrid" and hybrid_dx_first(dqkv_shape[0], cfg) else 0)
+        self.before_dx, self.after_dx = self.launches[:split], self.launches[split:]
         self.mm_dx, self.mm_dw, self.finish = mm_dx, mm_dw, finish
         self.x_view, self.dx_view = x_view, dx_view  # (rows, cols) views, or None
         self.in_spans, self.out_spans = in_spans, out_spans

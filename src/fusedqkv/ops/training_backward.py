@@ -52,7 +52,8 @@ class TrainingBackwardPlan:
         # queued right behind the stage, or the hybrid's dW behind its dX (projection.hybrid_dx_first) -- or "cublas"
         self.path, self.products = path, tuple(products)
         self.dw_after_dx = path == "hybrid" and hybrid_dx_first(sizes[0] * sizes[1], cfg)
-        self._products_now = () if self.dw_after_dx else self.products  # queued right behind the stage
+        # the product launches queued right behind the stage, and those behind the cuBLAS dX
+        self._before_dx, self._after_dx = ((), self.products) if self.dw_after_dx else (self.products, ())
         self._order = RUN_ORDER + (PRODUCT_ENTRIES if products else ())
         self.fp8 = fp8  # an ops.fp8.Fp8Recipe: dX and dW in FP8 (or dW in bf16, as the recipe says)
         self.lt_dx, self.lt_dw = lt_dx, lt_dw  # dX and dW as planned cuBLASLt calls, or None
@@ -163,7 +164,7 @@ class TrainingBackwardPlan:
                                  grad_qkv_weight=g_w, grad_hidden_states=g_x.view(M, self.hidden))
                 tensors = self.table.tensors(named)
             stage.launch.launch(tensors, ptrs, stream)
-            for launch in self._products_now:  # programmatic dependents of the stage: queued right behind it
+            for launch in self._before_dx:  # programmatic dependents of the stage: queued right behind it
                 launch.launch(tensors, ptrs, stream)
             if "amax_rows" in extra:
                 g_amax = (extra["amax_rows"], extra.get("amax_cols"))
@@ -183,9 +184,8 @@ class TrainingBackwardPlan:
                 self.lt_dx(a[9], qkv_weight.data_ptr(), a[16], stream, capture)  # dqkv, W, grad_hidden_states
             else:
                 host_gemm.mm(dqkv, qkv_weight, out=g_x.view(M, self.hidden))
-            if self.dw_after_dx:  # the hybrid's dW, a programmatic dependent of dX
-                for launch in products:
-                    launch.launch(tensors, ptrs, stream)
+            for launch in self._after_dx:  # the hybrid's dW, a programmatic dependent of dX
+                launch.launch(tensors, ptrs, stream)
         if self.need_w and self.fp8 is None and not products:
             if self.lt_dw is not None and lt_ok:
                 g_w = qkv.new_empty((self.n_tot, self.hidden))  # (qkv's dtype is the plan's)
