@@ -55,6 +55,22 @@ def test_judge_applies_the_done_criteria():
     assert "FAIL" in text.splitlines()[-1]
 
 
+def test_without_the_fp32_yardstick_the_loss_is_not_judged():
+    """No hf-fp32 stack: the bf16 noise is unmeasured, so no pair's loss is judged -- neither failed against a
+    bare 1e-3 (session 30's 28-layer compile pair) nor passed -- and no pair passes."""
+    bench = load_bench()
+    res = {"compile(hf)": _result(30.0, 100, [10.0, 9.0, 8.0]),
+           "compile(hf+fusedqkv)": _result(20.0, 100, [10.0, 9.2, 8.1])}
+    rows, ok = bench.judge(res, tiny=False)
+    assert len(rows) == 1 and rows[0]["loss_ok"] is None and rows[0]["loss_tol"] is None
+    assert rows[0]["speed_ok"] and not rows[0]["pass"] and not ok
+    text = bench.table(dict(results=res, criteria=rows, passed=ok))
+    assert "loss NOT JUDGED (no hf-fp32 stack)" in text and "FAIL" in text.splitlines()[-1]
+    res["hf"], res["hf-fp32"] = _result(40.0, 100, [10.0, 9.0, 8.0]), _result(60.0, 100, [10.0, 9.1, 8.0])
+    rows, ok = bench.judge(res, tiny=False)  # with it: 0.2 <= 2 x 0.1 + 1e-3
+    assert rows[0]["loss_ok"] and rows[0]["pass"] and ok
+
+
 def test_qwen3_5_tiny_run_with_the_compile_stacks(tmp_path, capsys):
     """--family qwen3_5_text (issue 25): every layer full attention, the default stacks with
     the two compile stacks (aot_eager on the CPU), both pairs judged on their losses."""
