@@ -268,6 +268,72 @@ def test_torchao_conversion_in_either_order_runs_its_recipe_in_the_block(order):
         assert not any(n.split(".")[-2] in ("q_proj", "k_proj", "v_proj") for n in grads), list(grads)
 
 
+def _raises_naming(words, call):
+    """``call`` raises :class:`UnsupportedModuleError` with ``words`` (under ``fullgraph=True`` torch.compile
+    raises its own error, which names ours and quotes it)."""
+    with pytest.raises(Exception) as info:
+        call()
+    text = str(info.value)
+    assert isinstance(info.value, UnsupportedModuleError) or 'raised exception UnsupportedModuleError("' in text
+    assert words in text, text
+
+
+def test_float8_linears_over_the_rows_compile_as_one_graph_and_stay_checked():
+    """convert_to_float8_training after apply_to, then each fused attention compiled with fullgraph=True (it
+    raised a RecursionError inside torch.compile before: the check read the rows views' .data): the check
+    that each Float8Linear holds the rows is an identity test that torch.compile traces and guards. Logits
+    and gradients equal the eager model's bitwise; a weight put in a Float8Linear after compiling, or a new
+    fused parameter, is refused at the next call; taken back, the model runs as before."""
+    from _hf_models import batch
+
+    torch._dynamo.reset()
+    cfg = Float8LinearConfig.from_recipe_name("rowwise")
+    ref, m = _tiny_qwen3(), _tiny_qwen3()
+    for model in (ref, m):
+        fusedqkv.apply_to(model)
+        convert_to_float8_training(model, config=cfg)
+    for layer in m.model.layers:
+        layer.self_attn.compile(backend="aot_eager", fullgraph=True)
+    ids = batch()
+    out, want = m(ids).logits, ref(ids).logits
+    assert torch.equal(out, want)
+    out.float().pow(2).mean().backward()
+    want.float().pow(2).mean().backward()
+    for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    attn = m.model.layers[0].self_attn
+    rows = attn.q_proj.weight
+    attn.q_proj.weight = torch.nn.Parameter(rows.detach().clone())
+    _raises_naming("q_proj is a torchao Float8Linear whose weight is not rows 0:", lambda: m(ids))
+    attn.q_proj.weight = rows
+    assert torch.equal(m(ids).logits, want)
+    fused = attn.qkv_proj.weight
+    attn.qkv_proj.weight = torch.nn.Parameter(fused.detach().clone())
+    _raises_naming("q_proj is a torchao Float8Linear whose weight is not rows 0:", lambda: m(ids))
+    attn.qkv_proj.weight = fused
+    assert torch.equal(m(ids).logits, want)
+
+
+def test_float8_linears_over_rows_of_a_moved_or_copied_projection_are_refused():
+    """The views a Float8Linear holds no longer show the fused rows once the fused parameter has other storage
+    (``model.to``: the fused projection lets its views go) or in a deep copy: refused, eager as compiled."""
+    import copy
+
+    from _hf_models import batch
+
+    m = _tiny_qwen3()
+    fusedqkv.apply_to(m)
+    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    ids = batch()
+    m(ids)
+    twin = copy.deepcopy(m)
+    with pytest.raises(UnsupportedModuleError, match="q_proj is a torchao Float8Linear whose weight is not rows"):
+        twin(ids)
+    m.to(torch.float64)
+    with pytest.raises(UnsupportedModuleError, match="q_proj is a torchao Float8Linear whose weight is not rows"):
+        m(ids)
+
+
 def test_a_partial_or_mixed_float8_conversion_is_refused():
     from _hf_models import batch
 

@@ -43,10 +43,23 @@ class FusedQKVProjection(nn.Module):
         self.split = tuple(split)
         self.weight = weight
         self.bias = bias
+        # (name, start) -> (the fused parameter, the RowsView over its rows) of every rows view made and not let go:
+        # what a torchao Float8Linear in a rows module's place must hold (_check_float8_rows)
+        self.__dict__["_rows_views"] = {}
 
     def __setattr__(self, name, value):
         _refuse_forward(self, name)
         super().__setattr__(name, value)
+
+    def __getstate__(self):
+        # a copy's views are other storage than its rows: none of them is registered
+        state = self.__dict__.copy()
+        state["_rows_views"] = {}
+        return state
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__["_rows_views"].clear()  # the parameters get other storage: the views made so far no longer show it
+        return super()._apply(fn, recurse)
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
@@ -78,10 +91,13 @@ class RowsView(nn.Parameter):
 
     @data.setter
     def data(self, value):
-        fused, start, stop = self.__dict__.get("_fusedqkv_rows", (None, 0, 0))
+        fused, start, stop, registry, key = self.__dict__.get("_fusedqkv_rows", (None, 0, 0, {}, None))
         here = _TENSOR_DATA.__get__(self)
         if fused is None or here.data_ptr() != _rows_ptr(fused, start):
-            _TENSOR_DATA.__set__(self, value)  # no longer the fused rows (the fused parameter moved): a plain view
+            # no longer the fused rows (the fused parameter moved): a plain view, no longer registered as the rows
+            if registry.get(key, (None, None))[1] is self:
+                del registry[key]
+            _TENSOR_DATA.__set__(self, value)
             return
         if tuple(value.shape) != tuple(here.shape):
             raise UnsupportedModuleError(
@@ -131,7 +147,9 @@ class ProjectionRows(nn.Linear):
                     view.requires_grad_(src.requires_grad)
                 return view
         view = RowsView(src.data[start:stop], requires_grad=src.requires_grad)
-        view.__dict__["_fusedqkv_rows"] = (src, start, stop)
+        registry = self.fused.__dict__["_rows_views"]
+        view.__dict__["_fusedqkv_rows"] = (src, start, stop, registry, (name, start))
+        registry[(name, start)] = (src, view)
         # (the fused parameter and its address: a view made before the parameter moved is made again)
         self._views[name] = (src, src.data_ptr(), view)
         return view
@@ -320,19 +338,23 @@ def _is_float8_linear(m) -> bool:
 
 def _check_float8_rows(where: str, name: str, m, fused, start: int, stop: int) -> None:
     """A torchao ``Float8Linear`` in a rows module's place (``convert_to_float8_training`` after
-    ``apply_to``) is computed by the fused block only over the fused rows themselves."""
+    ``apply_to``) is computed by the fused block only over the fused rows themselves: its weight and bias
+    are the rows module's :class:`RowsView` parameters, still registered as the fused rows (an identity
+    test, which ``torch.compile`` traces and guards), and in eager also where their storage is."""
     for attr in ("weight", "bias"):
         src, got = getattr(fused, attr), getattr(m, attr)
         if src is None and got is None:
             continue
-        ok = (src is not None and got is not None and type(got.data) is torch.Tensor
-              and tuple(got.shape) == (stop - start, *src.shape[1:])
-              and got.data_ptr() == _rows_ptr(src, start))
+        entry = fused.__dict__["_rows_views"].get((attr, start))
+        ok = (src is not None and got is not None and entry is not None and entry[0] is src and entry[1] is got
+              and tuple(got.shape) == (stop - start, *src.shape[1:]))
+        if ok and not torch.compiler.is_compiling():
+            ok = got.data_ptr() == _rows_ptr(src, start)
         if not ok:
             raise UnsupportedModuleError(
                 f"fusedqkv: {where}.{name} is a torchao Float8Linear whose {attr} is not rows {start}:{stop} of "
-                f"qkv_proj.{attr} (a {type(got.data).__name__ if got is not None else 'None'}); the fused block "
-                f"computes only the Float8Linear that convert_to_float8_training made of apply_to's rows")
+                f"qkv_proj.{attr} (a {type(got).__name__}); the fused block computes only the Float8Linear that "
+                f"convert_to_float8_training made of apply_to's rows")
 
 
 def _is_torchao_tensor(t) -> bool:

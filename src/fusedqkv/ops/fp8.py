@@ -161,7 +161,8 @@ def recipe_of_torchao_config(config, where: str = "Float8Linear") -> Fp8Recipe:
     (emulation, FSDP2's float8 all-gather) raises ``ValueError`` naming the field. Cached per config
     (frozen, hashable): the fused forward asks at every call."""
     try:
-        return _recipe_of_config(config)
+        # (torch.compile traces the function itself: it warns of a cache wrapper it would ignore)
+        return _recipe_of_config.__wrapped__(config) if torch.compiler.is_compiling() else _recipe_of_config(config)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
