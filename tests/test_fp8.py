@@ -278,20 +278,33 @@ def _raises_naming(words, call):
     assert words in text, text
 
 
-def test_float8_linears_over_the_rows_compile_as_one_graph_and_stay_checked():
-    """convert_to_float8_training after apply_to, then each fused attention compiled with fullgraph=True (it
-    raised a RecursionError inside torch.compile before: the check read the rows views' .data): the check
-    that each Float8Linear holds the rows is an identity test that torch.compile traces and guards. Logits
-    and gradients equal the eager model's bitwise; a weight put in a Float8Linear after compiling, or a new
-    fused parameter, is refused at the next call; taken back, the model runs as before."""
+def _float8_model(way, cfg):
+    m = _tiny_qwen3()
+    if way == "convert_before_apply_to":
+        convert_to_float8_training(m, config=cfg)
+        fusedqkv.apply_to(m)
+    elif way == "convert_after_apply_to":
+        fusedqkv.apply_to(m)
+        convert_to_float8_training(m, config=cfg)
+    else:
+        fusedqkv.apply_to(m, fp8="rowwise")
+        convert_to_float8_training(m, config=cfg, module_filter_fn=_not_qkv)
+    return m
+
+
+@pytest.mark.parametrize("way", ["convert_before_apply_to", "convert_after_apply_to", "apply_to_fp8"])
+def test_float8_linears_over_the_rows_compile_as_one_graph_and_stay_checked(way):
+    """torchao float8 with the block in each of the three ways, then each fused attention compiled with
+    fullgraph=True. Converted after apply_to it raised a RecursionError inside torch.compile before (the check
+    read the rows views' .data): the check that each Float8Linear holds the rows is now an identity test
+    that torch.compile traces and guards. Logits and gradients equal the eager model's bitwise; there, a
+    weight put in a Float8Linear after compiling, or a new fused parameter, is refused at the next call;
+    taken back, the model runs as before."""
     from _hf_models import batch
 
     torch._dynamo.reset()
     cfg = Float8LinearConfig.from_recipe_name("rowwise")
-    ref, m = _tiny_qwen3(), _tiny_qwen3()
-    for model in (ref, m):
-        fusedqkv.apply_to(model)
-        convert_to_float8_training(model, config=cfg)
+    ref, m = _float8_model(way, cfg), _float8_model(way, cfg)
     for layer in m.model.layers:
         layer.self_attn.compile(backend="aot_eager", fullgraph=True)
     ids = batch()
@@ -301,6 +314,8 @@ def test_float8_linears_over_the_rows_compile_as_one_graph_and_stay_checked():
     want.float().pow(2).mean().backward()
     for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    if way != "convert_after_apply_to":
+        return
     attn = m.model.layers[0].self_attn
     rows = attn.q_proj.weight
     attn.q_proj.weight = torch.nn.Parameter(rows.detach().clone())
