@@ -9,7 +9,8 @@ TOTAL=${TOTAL:-585}
 step t_compile 100 t_compile.txt env TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider \
   tests/test_hf_families.py tests/test_hf_peft.py tests/test_hf_projection_plan.py tests/test_fp8.py \
   -k "compile or forward_set or float8_linears" &
-step t_gpu_fp8 100 j/k/t_gpu_fp8.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py &
+( step t_hf_fp8 60 j/k/t_hf_fp8.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py -k hf_model_with_torchao
+  step t_gpu_fp8 90 j/k/t_gpu_fp8.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py -k "not hf_model_with_torchao" ) &
 wait
 step fp8_8b 250 j/k/fp8.txt python3 benchmarks/bench_hf.py --family qwen3_8b --fp8 rowwise --lr 1e-4 \
   --stacks "hf-bf16,compile(hf-bf16),compile(hf),compile(hf+fusedqkv)" --steps 100 --out $J/fp8
@@ -19,5 +20,5 @@ step hf28 240 j/k/hf28.txt python3 benchmarks/bench_hf.py --layers 28 --steps 30
 tail -12 $J/hf28.txt > $W/hf28_tail.txt; cp $J/hf28/bench_hf.json $W/hf28.json 2>/dev/null
 cat $W/gpu.txt
 grep -E "^FAILED|passed|failed" $W/t_compile.txt | cut -c1-200 | head -5
-grep -E "^FAILED|^E .*Error|passed|failed" $J/t_gpu_fp8.txt | cut -c1-250 | head -8
+grep -E "^FAILED|^E .*Error|passed|failed" $J/t_hf_fp8.txt $J/t_gpu_fp8.txt | cut -c1-250 | head -12
 cat $W/hf28_tail.txt; cat $W/fp8_tail.txt; cat $W/status
