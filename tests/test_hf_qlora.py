@@ -134,6 +134,21 @@ def test_qlora_q_v_subset_and_dropout(checkpoints):
     assert not any(".k_proj.lora_" in n for n in g)
 
 
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+def test_qlora_fused_attention_compiles_as_one_graph(checkpoints, order):
+    """PEFT QLoRA with the block (the recipe's gradient checkpointing on), each fused attention compiled with
+    fullgraph=True (aot_eager): the logits and every adapter gradient equal the uncompiled PEFT model's."""
+    torch._dynamo.reset()
+    m, ref = _pair(checkpoints("qwen3"), order)
+    ids = _ids(m.config.vocab_size)
+    for mod in fused_modules(m):
+        mod.compile(backend="aot_eager", fullgraph=True)
+    got, g = _step(m, ids)
+    want, w = _step(ref, ids)
+    assert _rel(got, want) <= TOL
+    assert sorted(g) == sorted(w) and all(g[n] is not None and _rel(g[n], w[n]) <= TOL for n in w)
+
+
 def test_qlora_backward_rebuilds_the_dequantized_weight(checkpoints):
     """Nothing dense of the 4-bit q/k/v is kept between forward and backward: the block's backward
     dequantizes again (one call per fused layer) and no saved tensor has the fused weight's shape."""

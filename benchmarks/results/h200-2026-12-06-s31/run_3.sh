@@ -2,12 +2,12 @@
 # session 31, call 3 (call 2 never started: the device refused): (CPU, the device's torch 2.11) the compile tests,
 # torchao Float8Linear over the rows among them, beside the GPU FP8 tests (new: the three torchao ways under inductor);
 # then issue 35's end to end (Qwen3-8B shape, 4 layers, torchao float8 rowwise, both compiled, 100 steps), last run in
-# session 18 (-3.2 %) when the fused attention still broke the graph; then the Qwen3-0.6B shape at 28 layers with
+# session 18 (-3.2 %) when the fused attention still broke the graph (QLoRA compile tests too: carry .bnb); then the Qwen3-0.6B shape at 28 layers with
 # the bf16-noise yardstick beside the eager and compile pairs (cut first where the budget is short: TOTAL). Carry .whl .shared.
 source benchmarks/results/device_setup.sh
 TOTAL=${TOTAL:-585}
 step t_compile 100 t_compile.txt env TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider \
-  tests/test_hf_families.py tests/test_hf_peft.py tests/test_hf_projection_plan.py tests/test_fp8.py \
+  tests/test_hf_families.py tests/test_hf_peft.py tests/test_hf_projection_plan.py tests/test_fp8.py tests/test_hf_qlora.py \
   -k "compile or forward_set or float8_linears" &
 ( step t_hf_fp8 60 j/k/t_hf_fp8.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py -k hf_model_with_torchao
   step t_gpu_fp8 90 j/k/t_gpu_fp8.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py -k "not hf_model_with_torchao" ) &
