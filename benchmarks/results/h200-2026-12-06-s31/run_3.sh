@@ -15,7 +15,7 @@ wait
 step fp8_8b 250 j/k/fp8.txt python3 benchmarks/bench_hf.py --family qwen3_8b --fp8 rowwise --lr 1e-4 \
   --stacks "hf-bf16,compile(hf-bf16),compile(hf),compile(hf+fusedqkv)" --steps 100 --out $J/fp8
 tail -12 $J/fp8.txt > $W/fp8_tail.txt; cp $J/fp8/bench_hf.json $W/fp8.json 2>/dev/null
-step hf28 240 j/k/hf28.txt python3 benchmarks/bench_hf.py --layers 28 --steps 30 --warmup 5 \
+[ -n "$SKIP_HF28" ] || step hf28 240 j/k/hf28.txt python3 benchmarks/bench_hf.py --layers 28 --steps 30 --warmup 5 \
   --stacks "hf-fp32,hf,hf+fusedqkv,compile(hf),compile(hf+fusedqkv)" --out $J/hf28
 tail -12 $J/hf28.txt > $W/hf28_tail.txt; cp $J/hf28/bench_hf.json $W/hf28.json 2>/dev/null
 cat $W/gpu.txt
