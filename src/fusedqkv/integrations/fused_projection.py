@@ -57,6 +57,10 @@ class FusedQKVProjection(nn.Module):
         state["_rows_views"] = {}
         return state
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_rows_views", {})  # (pickled by a release without the register)
+
     def _apply(self, fn, recurse=True):
         self.__dict__["_rows_views"].clear()  # the parameters get other storage: the views made so far no longer show it
         return super()._apply(fn, recurse)
