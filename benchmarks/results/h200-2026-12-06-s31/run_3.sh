@@ -13,7 +13,7 @@ step t_compile 100 t_compile.txt env TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= py
   step t_gpu_fp8 90 j/k/t_gpu_fp8.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py -k "not hf_model_with_torchao" ) &
 wait
 step fp8_8b 250 j/k/fp8.txt python3 benchmarks/bench_hf.py --family qwen3_8b --fp8 rowwise --lr 1e-4 \
-  --stacks "hf-bf16,compile(hf-bf16),compile(hf),compile(hf+fusedqkv)" --steps 100 --out $J/fp8
+  --stacks "${FP8_STACKS:-hf-bf16,compile(hf-bf16),compile(hf),compile(hf+fusedqkv)}" --steps 100 --out $J/fp8
 tail -12 $J/fp8.txt > $W/fp8_tail.txt; cp $J/fp8/bench_hf.json $W/fp8.json 2>/dev/null
 [ -n "$SKIP_HF28" ] || step hf28 240 j/k/hf28.txt python3 benchmarks/bench_hf.py --layers 28 --steps 30 --warmup 5 \
   --stacks "hf-fp32,hf,hf+fusedqkv,compile(hf),compile(hf+fusedqkv)" --out $J/hf28
