@@ -5,6 +5,7 @@ block against ``Float8Linear`` + a plain-PyTorch RoPE/norm, the cast kernels in 
 
 import dataclasses
 import math
+import re
 import warnings
 
 import pytest
@@ -20,7 +21,13 @@ torchao_float8 = pytest.importorskip("torchao.float8", reason="torchao is a test
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
+from _fp8_cpu import needs_cpu_row_scales  # noqa: E402
+
 NAMES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+# this file's CPU runs compare row-scaled GEMMs with torchao's, which hand torch._scaled_mm row scales as ours do
+# (test_a_cpu_without_row_scaled_gemms_is_refused_by_name checks the block's own error there, monkeypatched)
+pytestmark = needs_cpu_row_scales
 
 
 def _float8_linear(w: torch.Tensor, name: str) -> Float8Linear:
@@ -1255,6 +1262,31 @@ def test_mxfp8_is_refused_below_sm100_before_any_launch(monkeypatch, name):
         fp8.check_supported(torch.device("cpu"), 48, 256, r)
     from fusedqkv.ops.qkv_rope_norm_gemm import fp8_unsupported
     assert "MX" in fp8_unsupported(r)  # the one-launch (sm_90) forward never takes it
+
+
+def test_a_cpu_without_row_scaled_gemms_is_refused_by_name(monkeypatch):
+    """Where the CPU's torch._scaled_mm takes per-tensor scales only (torch 2.11), a recipe whose GEMMs pass
+    row scales is refused before any launch, naming the recipe, the GEMMs and the torch; tensorwise runs, and
+    apply_to (sizes only: the model may go to a GPU) takes the recipe."""
+    assert fp8.row_scaled_gemms(fp8.RECIPES["rowwise"]) == ["forward", "dX", "dW"]
+    assert fp8.row_scaled_gemms(fp8.RECIPES["rowwise_with_gw_hp"]) == ["forward", "dX"]
+    assert fp8.row_scaled_gemms(fp8.RECIPES["tensorwise"]) == []
+    assert fp8.row_scaled_gemms(fp8.recipe("mxfp8")) == []
+    from fusedqkv.ops import training_forward
+
+    monkeypatch.setattr(fp8, "cpu_scaled_mm_takes_row_scales", lambda: False)
+    training_forward.PLANS.clear()  # (the check runs where a plan is made: none kept from other tests)
+    with pytest.raises(ValueError, match=r"fp8='rowwise': the forward/dX/dW GEMM\(s\) pass row-wise scales .* "
+                                         rf"torch {re.escape(torch.__version__)} takes per-tensor scales only"):
+        _block_fwd_bwd("rowwise", 8)
+    _block_fwd_bwd("tensorwise", 8)
+    fp8.check_supported(torch.device("cpu"), 64, 256, fp8.RECIPES["rowwise"], sizes_only=True)
+    m = _tiny_qwen3()
+    assert fusedqkv.apply_to(m, fp8="rowwise") == 2
+    from _hf_models import batch
+
+    with pytest.raises(ValueError, match="fp8='rowwise'"):
+        m(batch())
 
 
 def _mx_ref(t: torch.Tensor):

@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from _scripts import load_benchmark  # noqa: E402
+from _fp8_cpu import needs_cpu_row_scales  # noqa: E402
 
 
 def load_bench():
@@ -104,6 +105,7 @@ def test_qwen3_5_full_size_config():
     assert bench.family_config("qwen3", tiny=False, layers=4) == bench.QWEN3_06B  # qwen3 as before
 
 
+@needs_cpu_row_scales
 def test_tiny_fp8_run_converts_every_linear_and_fuses_q_k_v_in_fp8(tmp_path):
     pytest.importorskip("torchao.float8")
     bench = load_bench()

@@ -16,6 +16,7 @@ import fusedqkv  # noqa: E402
 from fusedqkv.integrations.fused_projection import ProjectionRows, UnsupportedModuleError  # noqa: E402
 from fusedqkv.ops.internals import TRACES_MODULE_DICT_KEYS  # noqa: E402
 
+from _fp8_cpu import needs_cpu_row_scales  # noqa: E402
 from _hf_families import build, family  # noqa: E402
 from _lora_checks import rel as _rel, step as _step  # noqa: E402
 
@@ -555,6 +556,7 @@ def test_autocast_runs_the_in_place_op_like_peft():
         assert _rel(g[n], w32[n]) <= 2 * _rel(w[n], w32[n]) + 1e-2, n
 
 
+@needs_cpu_row_scales
 @pytest.mark.parametrize("how", ["merge_adapter", "safe_merge"])
 def test_fp8_frozen_weight_cache_follows_peft_merge_and_unmerge(monkeypatch, how):
     """config.fp8_frozen_weight_cache with LoRA over apply_to(fp8='rowwise'): PEFT's merge and unmerge write

@@ -16,6 +16,7 @@ import fusedqkv
 from fusedqkv.ops import backward_091, config, internals, launch, validation
 
 from _oracle import make_inputs
+from _fp8_cpu import needs_cpu_row_scales
 
 
 def _args():
@@ -344,6 +345,7 @@ def test_fp8_plans_take_the_fp8_one_launch_forward_under_the_16_bit_rules(monkey
         assert plan_fused_forward(sz, x, w, None, never, small, recipe=r) is None
 
 
+@needs_cpu_row_scales
 @pytest.mark.parametrize("name", ["rowwise", "tensorwise"])
 @pytest.mark.parametrize("kept", [False, True])
 def test_an_fp8_one_launch_plan_launches_on_the_casts_of_x_and_w(monkeypatch, name, kept):

@@ -1053,7 +1053,8 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
                                             f"4-bit q/k/v; FP8 GEMMs over dequantized 4-bit weights are not built")
             rows = sum(spec.split)  # (k_eq_v: [Q | K])
             try:  # the sizes only: the device is checked where the block runs
-                fp8_check_supported(torch.device("cpu"), getattr(m, spec.projs[0]).in_features, rows, recipe)
+                fp8_check_supported(torch.device("cpu"), getattr(m, spec.projs[0]).in_features, rows, recipe,
+                                    sizes_only=True)
             except ValueError as e:
                 raise UnsupportedModelError(f"fusedqkv.apply_to: {name} {path}: {e}") from None
             had = spec.block_kwargs.get("fp8")

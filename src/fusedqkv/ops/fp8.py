@@ -234,10 +234,45 @@ def recipe_of_torchao_mx_config(config, where: str = "torchao MX training") -> F
     return r
 
 
-def check_supported(device: torch.device, hidden: int, n_tot: int, r: Optional[Fp8Recipe] = None) -> None:
+@functools.lru_cache(maxsize=1)
+def cpu_scaled_mm_takes_row_scales() -> bool:
+    """``torch._scaled_mm`` on the CPU takes row/column scales (torch 2.13's does; 2.11's CPU kernel takes
+    per-tensor scales only and fails an internal assert otherwise). Probed once, on 16 x 16 operands."""
+    a = torch.ones(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def row_scaled_gemms(r: Fp8Recipe) -> list:
+    """The GEMMs of recipe ``r`` that hand ``torch._scaled_mm`` row/column scales (:func:`_mm`): both operands
+    FP8, not both tensorwise, with power-of-two scales or fast accumulation (else the GEMM runs unit-scaled
+    and the scales are applied after it)."""
+    if r.mx:
+        return []
+    out = []
+    for gemm, (a, b), fast in zip(("forward", "dX", "dW"), ((r.input, r.weight), (r.grad_output,
+                                  r.weight_for_grad_input), (r.grad_output_for_grad_weight, r.input_for_grad_weight)),
+                                  r.fast_accum):
+        if a.dtype is not None and not (a.tensorwise and b.tensorwise) and (r.round_scales_to_power_of_2 or fast):
+            out.append(gemm)
+    return out
+
+
+def check_supported(device: torch.device, hidden: int, n_tot: int, r: Optional[Fp8Recipe] = None,
+                    sizes_only: bool = False) -> None:
     """ValueError where the scaled GEMMs cannot run: FP8 GEMMs need sm_89+ on CUDA, and
     inner and outer sizes that are multiples of 16; recipe ``r``'s MX GEMMs (``r.mx``) need sm_100+
-    on CUDA (on the CPU they are emulated) and hidden and qkv rows in multiples of 32 (the blocks)."""
+    on CUDA (on the CPU they are emulated) and hidden and qkv rows in multiples of 32 (the blocks);
+    on the CPU, row-scaled GEMMs need a torch whose CPU ``_scaled_mm`` takes row scales.
+    ``sizes_only``: the sizes alone (``apply_to``: the device is checked where the block runs)."""
+    if not sizes_only and device.type == "cpu" and r is not None and row_scaled_gemms(r) \
+            and not cpu_scaled_mm_takes_row_scales():
+        raise ValueError(f"fp8={r.key!r}: the {'/'.join(row_scaled_gemms(r))} GEMM(s) pass row-wise scales to "
+                         f"torch._scaled_mm, whose CPU kernel in torch {torch.__version__} takes per-tensor scales "
+                         f"only (torch 2.13's takes both); run it on a GPU, or on the CPU use fp8='tensorwise'")
     if device.type == "cuda" and _device.capability(device) < (8, 9):
         major, minor = _device.capability(device)
         raise ValueError(f"fp8: FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
