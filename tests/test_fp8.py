@@ -338,7 +338,8 @@ def test_float8_linears_over_the_rows_compile_as_one_graph_and_stay_checked(way)
 
 def test_float8_linears_over_rows_of_a_moved_or_copied_projection_are_refused():
     """The views a Float8Linear holds no longer show the fused rows once the fused parameter has other storage
-    (``model.to``: the fused projection lets its views go) or in a deep copy: refused, eager as compiled."""
+    (``model.to`` to another dtype: the fused projection lets those views go) or in a deep copy: refused, eager
+    as compiled. A ``.to`` that keeps the storage keeps them."""
     import copy
 
     from _hf_models import batch
@@ -347,7 +348,9 @@ def test_float8_linears_over_rows_of_a_moved_or_copied_projection_are_refused():
     fusedqkv.apply_to(m)
     convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("rowwise"))
     ids = batch()
-    m(ids)
+    want = m(ids).logits
+    m.to(torch.float32)  # (already there: the same storage, still the rows)
+    assert torch.equal(m(ids).logits, want)
     twin = copy.deepcopy(m)
     with pytest.raises(UnsupportedModuleError, match="q_proj is a torchao Float8Linear whose weight is not rows"):
         twin(ids)

@@ -62,8 +62,14 @@ class FusedQKVProjection(nn.Module):
         self.__dict__.setdefault("_rows_views", {})  # (pickled by a release without the register)
 
     def _apply(self, fn, recurse=True):
-        self.__dict__["_rows_views"].clear()  # the parameters get other storage: the views made so far no longer show it
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        # where the parameters got other storage (.to(), .half()), the views made before no longer show their rows
+        registry = self.__dict__["_rows_views"]
+        for key, (src, view) in list(registry.items()):
+            now = self._parameters.get(key[0])
+            if now is not src or view.data_ptr() != _rows_ptr(now, key[1]):
+                del registry[key]
+        return out
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
