@@ -125,8 +125,8 @@ class RowsView(nn.Parameter):
 class ProjectionRows(nn.Linear):
     """Rows ``[start, stop)`` of a :class:`FusedQKVProjection`, as the ``nn.Linear`` HF had there.
 
-    ``weight``/``bias`` are cached :class:`RowsView` parameters over the fused parameters' rows (never
-    registered: the fused parameter is the one that trains and is saved). In-place changes through
+    ``weight``/``bias`` are :class:`RowsView` parameters over the fused parameters' rows, kept in the fused
+    projection's register (never registered here: the fused parameter is the one that trains and is saved). In-place changes through
     them (PEFT's merge) change the fused weight, and so does an assigned ``.data`` (PEFT's safe merge)."""
 
     def __init__(self, fused: FusedQKVProjection, start: int, stop: int):
@@ -135,7 +135,6 @@ class ProjectionRows(nn.Linear):
         # not a child: the fused projection is the attention's own child
         object.__setattr__(self, "fused", fused)
         object.__setattr__(self, "rows", (start, stop))
-        object.__setattr__(self, "_views", {})
 
     def __setattr__(self, name, value):
         _refuse_forward(self, name)
@@ -149,19 +148,18 @@ class ProjectionRows(nn.Linear):
         if src is None:
             return None
         start, stop = self.rows
-        cached = self._views.get(name)
-        if cached is not None:
-            owner, ptr, view = cached
-            if owner is src and ptr == src.data_ptr() and view.data_ptr() == _rows_ptr(src, start):
+        # the fused projection's register of its rows views: one made before the parameter moved is made again
+        registry = self.fused.__dict__["_rows_views"]
+        entry = registry.get((name, start))
+        if entry is not None:
+            owner, view = entry
+            if owner is src and view.data_ptr() == _rows_ptr(src, start):
                 if view.requires_grad != src.requires_grad:
                     view.requires_grad_(src.requires_grad)
                 return view
         view = RowsView(src.data[start:stop], requires_grad=src.requires_grad)
-        registry = self.fused.__dict__["_rows_views"]
         view.__dict__["_fusedqkv_rows"] = (src, start, stop, registry, (name, start))
         registry[(name, start)] = (src, view)
-        # (the fused parameter and its address: a view made before the parameter moved is made again)
-        self._views[name] = (src, src.data_ptr(), view)
         return view
 
     @property
@@ -172,13 +170,14 @@ class ProjectionRows(nn.Linear):
     def bias(self):
         return self._view("bias")
 
-    def _apply(self, fn, recurse=True):
-        self._views.clear()  # the fused parameters move with their own module
-        return super()._apply(fn, recurse)
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"rows {self.rows[0]}:{self.rows[1]} of qkv_proj")
+
+
+# the kinds of module hook and the instance attributes that hold them
+_HOOK_DICTS = (("forward hook", "_forward_hooks"), ("forward pre-hook", "_forward_pre_hooks"),
+               ("backward hook", "_backward_hooks"), ("backward pre-hook", "_backward_pre_hooks"))
 
 
 def _hooks(m: nn.Module) -> list:
@@ -193,8 +192,7 @@ def _hooks(m: nn.Module) -> list:
     :func:`_refuse_forward`)."""
     d = m.__dict__
     out = []
-    for kind, attr in (("forward hook", "_forward_hooks"), ("forward pre-hook", "_forward_pre_hooks"),
-                       ("backward hook", "_backward_hooks"), ("backward pre-hook", "_backward_pre_hooks")):
+    for kind, attr in _HOOK_DICTS:  # (plain loops: what session 30 traced on torch 2.11 and 2.13)
         if len(d[attr]):
             out.append(kind)
     if _forward_set(d):
@@ -221,7 +219,7 @@ def hook_counts(m: nn.Module) -> tuple:
     """What a kept decision about ``m`` depends on of its hooks (:mod:`.projection_plan`). Read as
     :func:`_hooks` reads them, so that ``torch.compile`` guards on them where it compiles this (a frame
     run after a graph break)."""
-    d = m.__dict__
+    d = m.__dict__  # (_HOOK_DICTS spelled out: this runs for every slot of every fused forward)
     return (len(d["_forward_hooks"]), len(d["_forward_pre_hooks"]), len(d["_backward_hooks"]),
             len(d["_backward_pre_hooks"]), _forward_set(d))
 
