@@ -106,6 +106,12 @@ FAMILIES = [
            no_compile="HF's DogeAttention itself fails in torch.compile's AOT backward (a view of its dynamic mask's "
                       "gradient), fused or not", min_version="5.0"),
     Family("hunyuan_v1_moe", dict(num_experts=2, moe_topk=1), min_version="5.0"),
+    # HF's own joined qkv_proj (its rows module keeps the name; the fused parameter is qkv_fused), q/k scaled by
+    # sqrt(global_attention_scale) on the global layers, which are NoPE
+    Family("ergo", dict(head_dim=None, intermediate_size=None, num_experts=4, num_experts_per_tok=1,
+                        moe_intermediate_size=32, first_dense_intermediate_size=48, shared_intermediate_size=32,
+                        sliding_window=5, global_attention_every_n_layers=2, global_attention_scale=2.5),
+           bias=False, min_version="5.25"),
     Family("glm4_moe", dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_experts=None,
                             use_qk_norm=True, rope_parameters=rope(0.5)), min_version="5.0"),
     Family("laguna", dict(MOE, shared_expert_intermediate_size=32, sliding_window=5, gating="per-head",
@@ -305,14 +311,31 @@ def patched_pair(fam, bias=False, device="cpu", **kw):
     return m, ref
 
 
+def _fused_param(m, name):
+    """``(attention path, spec, kind)`` where ``name`` is a fused projection's parameter of the patched
+    model ``m`` (``<attention>.qkv_proj.weight``; ``qkv_fused`` where HF's attention has its own
+    ``qkv_proj``), else None."""
+    path, _, kind = name.rpartition(".")
+    base, _, child = path.rpartition(".")
+    try:
+        attn = m.get_submodule(base)
+    except AttributeError:
+        return None
+    spec = getattr(attn, "_fusedqkv", None)
+    if spec is None or child != spec.fused_name:
+        return None
+    return base, spec, kind
+
+
 def hf_grad(m, name, params):
     """The gradient in ``params`` (another model's ``dict(named_parameters())``, HF's layout) of
     the patched model ``m``'s parameter ``name``: a fused weight's (or bias's) is HF's
     projections' gradients concatenated in the block's order."""
-    if ".qkv_proj." not in name:
+    fused = _fused_param(m, name)
+    if fused is None:
         return params[name].grad
-    base, kind = name.split(".qkv_proj.")
-    return torch.cat([params[f"{base}.{proj}.{kind}"].grad for proj in m.get_submodule(base)._fusedqkv.projs])
+    base, spec, kind = fused
+    return torch.cat([params[f"{base}.{proj}.{kind}"].grad for proj in spec.projs])
 
 
 def check_grads(m, ref, tol, atol=1e-8):
@@ -322,8 +345,9 @@ def check_grads(m, ref, tol, atol=1e-8):
     want = dict(ref.named_parameters())
     joined = 0
     for name, p in got.items():
-        if ".qkv_proj." in name:
-            joined += len(m.get_submodule(name.split(".qkv_proj.")[0])._fusedqkv.projs) - 1
+        fused = _fused_param(m, name)
+        if fused is not None:
+            joined += len(fused[1].projs) - 1
         g = hf_grad(m, name, want)
         if g is None:  # a parameter that the loss does not reach (both models alike)
             assert p.grad is None, name

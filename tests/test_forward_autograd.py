@@ -381,6 +381,43 @@ def test_torch_compile_fullgraph_no_graph_breaks(pos):
     assert any("GQAQKVRoPEQKNormFunction" in t or "autograd_function_apply" in t or "fusedqkv" in t for t in gm_ops), gm_ops
 
 
+class _EpsBlock(torch.nn.Module):
+    def __init__(self, eps, tensors):
+        super().__init__()
+        self.eps, self.tensors = eps, tensors
+
+    def forward(self, x):
+        w, qw, kw, cos, sin = self.tensors
+        return gqa_qkv_rope_qk_norm(x, w, qw, kw, cos, sin, num_heads=4, num_kv_heads=2, eps=self.eps)
+
+
+def compiled_blocks_of_several_eps(device, dtype, backend):
+    """Blocks of different eps compiled in one process (two models' attentions, each compiled with
+    fullgraph=True): from the second on, torch.compile passes eps symbolically. Each call equals eager
+    bitwise, outputs and the weight's gradient. (Before, the second compile failed: math.isfinite of the
+    symbolic eps in the validation.)"""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 8, 64, generator=g).to(device, dtype)
+    w = torch.randn(128, 64, generator=g).to(device, dtype).requires_grad_()
+    qw, kw = (torch.rand(16, generator=g) + 0.5).to(device, dtype), (torch.rand(16, generator=g) + 0.5).to(device, dtype)
+    cos, sin = (t.to(device) for t in rope_cos_sin(1, 8, 16, dtype))
+    torch._dynamo.reset()
+    for eps in (1e-6, 1e-12, 0.5):
+        block = _EpsBlock(eps, (w, qw, kw, cos, sin))
+        got = torch.compile(block, backend=backend, fullgraph=True)(x)
+        sum(t.float().square().sum() for t in got).backward()
+        g_got, w.grad = w.grad, None
+        want = block(x)
+        sum(t.float().square().sum() for t in want).backward()
+        g_want, w.grad = w.grad, None
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), eps
+        assert torch.equal(g_got, g_want), eps
+
+
+def test_compiled_blocks_of_several_eps_in_one_process():
+    compiled_blocks_of_several_eps("cpu", torch.float32, "aot_eager")
+
+
 def _op_inputs(norm_after_rope=True):
     g = torch.Generator().manual_seed(0)
     B, S, H, hq, hkv, D = 2, 3, 16, 2, 1, 8

@@ -275,6 +275,41 @@ def test_torchao_conversion_in_either_order_runs_its_recipe_in_the_block(order):
         assert not any(n.split(".")[-2] in ("q_proj", "k_proj", "v_proj") for n in grads), list(grads)
 
 
+@pytest.mark.parametrize("way", ["convert_before_apply_to", "convert_after_apply_to", "apply_to_fp8"])
+def test_float8_over_hfs_own_joined_qkv_proj(way):
+    """Ergo, whose HF attention has one qkv_proj Linear: torchao converts it as it converts the unfused model's,
+    and the block runs that recipe on the fused parameter (qkv_fused); the logits and the projection's gradient
+    equal the unfused Float8Linear model's."""
+    from _hf_families import build, family
+    from _hf_models import batch
+
+    fam = family("ergo")
+    cfg = Float8LinearConfig.from_recipe_name("rowwise")
+    ref = build(fam)
+    convert_to_float8_training(ref, config=cfg)
+    assert type(ref.model.layers[0].self_attn.qkv_proj) is Float8Linear
+    m = build(fam)
+    if way == "convert_before_apply_to":
+        convert_to_float8_training(m, config=cfg)
+        fusedqkv.apply_to(m)
+    elif way == "convert_after_apply_to":
+        fusedqkv.apply_to(m)
+        convert_to_float8_training(m, config=cfg)
+        assert type(m.model.layers[0].self_attn.qkv_proj) is Float8Linear
+    else:
+        fusedqkv.apply_to(m, fp8="rowwise")
+        convert_to_float8_training(m, config=cfg, module_filter_fn=lambda mod, fqn: not fqn.endswith("qkv_proj"))
+    assert "fp8=rowwise" in repr(m.model.layers[0].self_attn) or way != "apply_to_fp8"
+    ids = batch(2, 12)
+    out, want = m(ids).logits, ref(ids).logits
+    assert _rel(out, want) < 1e-5
+    out.float().pow(2).mean().backward()
+    want.float().pow(2).mean().backward()
+    for i in range(2):
+        g = m.model.layers[i].self_attn.qkv_fused.weight.grad
+        assert _rel(g, ref.model.layers[i].self_attn.qkv_proj.weight.grad) < 1e-5
+
+
 def _raises_naming(words, call):
     """``call`` raises :class:`UnsupportedModuleError` with ``words`` (under ``fullgraph=True`` torch.compile
     raises its own error, which names ours and quotes it)."""

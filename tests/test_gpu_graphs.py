@@ -215,3 +215,11 @@ def test_clear_caches_gives_the_memory_back():
     after = fusedqkv.cache_info()
     assert after["bytes"] == 0 and after["buffers"] == [] and all(c["plans"] == 0 for c in after["plans"].values())
     _same(fusedqkv.gqa_qkv_rope_qk_norm_backward(*args), ref)  # and the next call rebuilds what it needs
+
+
+@cuda
+def test_compiled_blocks_of_several_eps_in_one_process_inductor():
+    """test_forward_autograd's case on the GPU through inductor: from the second compile on eps is symbolic."""
+    from test_forward_autograd import compiled_blocks_of_several_eps
+
+    compiled_blocks_of_several_eps("cuda", torch.bfloat16, "inductor")

@@ -78,6 +78,59 @@ def test_lora_logits_and_adapter_gradients_match_peft(fam, targets, order):
     assert not attn.qkv_proj.weight.requires_grad and attn.qkv_proj.weight.grad is None  # no dW GEMM
 
 
+ERGO_TARGETS = {"all_linear": "all-linear", "qkv_proj": ["qkv_proj"]}
+
+
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+@pytest.mark.parametrize("targets", list(ERGO_TARGETS), ids=list(ERGO_TARGETS))
+def test_lora_on_hfs_own_joined_qkv_proj(targets, order):
+    """Ergo's HF attention has one qkv_proj Linear: after apply_to that name is the rows module over all
+    rows (the fused parameter is qkv_fused), so PEFT wraps it as it wraps the unfused model's, by name and by
+    all-linear; the adapter's B rows are [Q | K | V], applied in the block."""
+    m, ref, base = _pair("ergo", _lora(ERGO_TARGETS[targets]), order)
+    ids = _ids(m.config.vocab_size, 11)
+    got, g = _step(m, ids)
+    want, w = _step(ref, ids)
+    assert _rel(got, want) <= TOL
+    assert _rel(got, base(input_ids=ids).logits.detach()) > 1e-3  # the adapters are live
+    assert sorted(g) == sorted(w) and any(".qkv_proj.lora_A." in n for n in g)
+    for name in w:
+        assert g[name] is not None and _rel(g[name], w[name]) <= TOL, name
+    attns = [mod for mod in m.modules() if hasattr(mod, "_fusedqkv")]
+    assert len(attns) == family("ergo").n_fused
+    for attn in attns:
+        assert type(attn.qkv_proj.base_layer) is ProjectionRows and attn.qkv_proj.base_layer.rows == (0, 128)
+        assert not attn.qkv_fused.weight.requires_grad and attn.qkv_fused.weight.grad is None  # no dW GEMM
+
+
+def test_joined_qkv_proj_adapters_round_trip_merge_and_compile(tmp_path):
+    m, ref, base = _pair("ergo", _lora("all-linear"), "apply_first")
+    ids = _ids(m.config.vocab_size, 12)
+    m.save_pretrained(tmp_path / "fused")
+    unfused = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "fused")
+    assert _rel(unfused(input_ids=ids).logits, m(input_ids=ids).logits) <= TOL
+    ref.save_pretrained(tmp_path / "unfused")
+    fused_base = copy.deepcopy(base)
+    fusedqkv.apply_to(fused_base)
+    fused = PeftModel.from_pretrained(fused_base, tmp_path / "unfused")
+    assert _rel(fused(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
+    assert list(m.state_dict()) == list(ref.state_dict())  # HF+PEFT's qkv_proj.base_layer.weight
+    # each fused attention of the PEFT model as one graph, through AOT autograd
+    c = copy.deepcopy(m)
+    for mod in c.modules():
+        if hasattr(mod, "_fusedqkv"):
+            mod.compile(backend="aot_eager", fullgraph=True)
+    got, g = _step(c, ids)
+    want, w = _step(ref, ids)
+    assert _rel(got, want) <= TOL and all(_rel(g[n], w[n]) <= TOL for n in w)
+    merged, merged_ref = m.merge_and_unload(), ref.merge_and_unload()
+    assert type(merged.model.layers[0].self_attn.qkv_proj) is ProjectionRows  # the update in the fused weight
+    assert _rel(merged(input_ids=ids).logits, merged_ref(input_ids=ids).logits) <= TOL
+    sd, sd_ref = merged.state_dict(), merged_ref.state_dict()
+    assert list(sd) == list(sd_ref) and all(_rel(sd[k], sd_ref[k]) <= TOL for k in sd_ref if sd_ref[k].is_floating_point()
+                                            and sd_ref[k].abs().max() > 0)
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_dropout_rslora_and_rank_patterns(dropout):
     cfg = _lora("all-linear", lora_dropout=dropout, use_rslora=True, rank_pattern={"k_proj": 2},
@@ -273,6 +326,27 @@ def test_a_hook_on_the_projection_is_refused(where, kind):
     m, attn = _fused_qwen3()
     getattr(attn._modules[where], f"register_{kind}")(lambda *a: None)
     with pytest.raises(UnsupportedModuleError, match=rf"{where} has a forward"):
+        m(input_ids=_ids(m.config.vocab_size))
+
+
+@pytest.mark.parametrize("where, change, words", [
+    ("qkv_proj", "foreign", "qkv_proj is a test_hf_peft._ScaledLinear"),
+    ("qkv_proj", "hook", "qkv_proj has a forward hook"),
+    ("qkv_fused", "foreign", "qkv_fused is a test_hf_peft._ScaledLinear"),
+    ("qkv_fused", "hook", "qkv_fused has a forward hook"),
+])
+def test_changes_in_hfs_own_joined_qkv_proj_place_are_refused(where, change, words):
+    """Ergo: the rows module under HF's qkv_proj and the fused projection (qkv_fused) are checked as every
+    family's are."""
+    m = build(family("ergo"))
+    fusedqkv.apply_to(m)
+    attn = m.model.layers[0].self_attn
+    old = attn._modules[where]
+    if change == "foreign":
+        attn._modules[where] = _ScaledLinear(old.in_features, old.out_features)
+    else:
+        old.register_forward_hook(lambda *a: None)
+    with pytest.raises(UnsupportedModuleError, match=words):
         m(input_ids=_ids(m.config.vocab_size))
 
 

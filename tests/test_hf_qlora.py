@@ -54,12 +54,12 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _load(path, quant_type="nf4", bits=4):
+def _load(path, quant_type="nf4", bits=4, skip=None):
     if bits == 8:
         q = BitsAndBytesConfig(load_in_8bit=True)
     else:
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32)
+                               bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=skip)
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map="cpu", dtype=torch.float32)
 
 
@@ -67,13 +67,13 @@ def _lora(targets="all-linear", **kw):
     return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **kw)
 
 
-def _pair(path, order, config=None, quant_type="nf4"):
+def _pair(path, order, config=None, quant_type="nf4", skip=None):
     """(the PEFT QLoRA model with fusedqkv, the same without), equal adapters, in training mode
     (the recipe's gradient checkpointing on)."""
     config = config or _lora()
     torch.manual_seed(10)
-    ref = get_peft_model(prepare_model_for_kbit_training(_load(path, quant_type)), copy.deepcopy(config))
-    m = _load(path, quant_type)
+    ref = get_peft_model(prepare_model_for_kbit_training(_load(path, quant_type, skip=skip)), copy.deepcopy(config))
+    m = _load(path, quant_type, skip=skip)
     if order == "apply_first":
         assert fusedqkv.apply_to(m) > 0
         m = get_peft_model(prepare_model_for_kbit_training(m), copy.deepcopy(config))
@@ -121,6 +121,22 @@ def test_qlora_logits_and_adapter_gradients_match_peft(checkpoints, fam, quant_t
         assert g[name] is not None, name
         if name in ill:
             assert _rel(g[name], w64[name]) <= 2 * _rel(w[name], w64[name]) + TOL, name
+
+
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+def test_qlora_on_hfs_own_joined_qkv_proj(checkpoints, order):
+    """Ergo's one qkv_proj Linear loaded 4-bit: the block dequantizes it as one slot of all rows, the adapter's B
+    rows [Q | K | V]. (o_proj stays dense: HF's Ergo decoder casts the attention's input to o_proj's weight dtype,
+    uint8 where it is 4-bit, which the block refuses by name.)"""
+    m, ref = _pair(checkpoints("ergo"), order, skip=["o_proj", "lm_head"])
+    attn = fused_modules(m)[0]
+    assert type(attn.qkv_proj.base_layer) is bnb.nn.Linear4bit and "qkv_fused" not in attn._modules
+    ids = _ids(m.config.vocab_size, 2)
+    got, g = _step(m, ids)
+    want, w = _step(ref, ids)
+    assert _rel(got, want) <= TOL
+    assert sorted(g) == sorted(w) and any(".qkv_proj.lora_A." in n for n in g)
+    assert all(g[n] is not None and _rel(g[n], w[n]) <= TOL for n in w)
 
 
 def test_qlora_q_v_subset_and_dropout(checkpoints):

@@ -7,7 +7,9 @@
 * :class:`ProjectionRows` (``q_proj``/``k_proj``/``v_proj``): an ``nn.Linear`` over rows of
   ``qkv_proj`` (its ``weight``/``bias`` are views of the fused parameters, no parameters of their
   own), so that what users target by HF's names -- PEFT's ``target_modules``, a module filter --
-  finds the module it expects, and whatever wraps it is seen by the fused forward.
+  finds the module it expects, and whatever wraps it is seen by the fused forward. Where HF's
+  attention already has one joined ``qkv_proj`` Linear (Ergo), that name is the rows module over
+  all rows and the fused projection is ``qkv_fused``.
 * :func:`projection_slots`: at every fused forward, what sits in those places. A PEFT LoRA layer
   over the rows is computed (:mod:`fusedqkv.integrations.peft`); anything else that replaces,
   wraps or hooks them raises :class:`UnsupportedModuleError` naming it: the fused block reads
@@ -111,7 +113,7 @@ class RowsView(nn.Parameter):
             return
         if tuple(value.shape) != tuple(here.shape):
             raise UnsupportedModuleError(
-                f"fusedqkv: rows {start}:{stop} of qkv_proj were given a .data of shape {tuple(value.shape)}; expected "
+                f"fusedqkv: rows {start}:{stop} of the fused projection were given a .data of shape {tuple(value.shape)}; expected "
                 f"{tuple(here.shape)} (the view's .data is written into the fused parameter's rows)")
         if value.data_ptr() != here.data_ptr():  # (``view.data += d`` hands back the rows themselves)
             with torch.no_grad():
@@ -140,7 +142,7 @@ class ProjectionRows(nn.Linear):
         _refuse_forward(self, name)
         if name in ("weight", "bias"):
             raise AttributeError(f"{type(self).__name__}.{name} is rows {self.rows[0]}:{self.rows[1]} of the fused "
-                                 f"qkv_proj.{name}; assign to that parameter's data instead")
+                                 f"projection's {name}; assign to that parameter's data instead")
         super().__setattr__(name, value)
 
     def _view(self, name: str):
@@ -172,7 +174,7 @@ class ProjectionRows(nn.Linear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"rows {self.rows[0]}:{self.rows[1]} of qkv_proj")
+                f"rows {self.rows[0]}:{self.rows[1]} of the fused projection")
 
 
 # the kinds of module hook and the instance attributes that hold them
@@ -240,24 +242,25 @@ def _describe(m) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def projection_slots(attn, projs: tuple, quantized: bool = False) -> list:
+def projection_slots(attn, projs: tuple, quantized: bool = False, fused_name: str = "qkv_proj") -> list:
     """What computes each fused projection: ``[(name, rows module, LoRA layer or None)]``, after
-    checking that ``qkv_proj`` and the rows modules are the ones ``apply_to`` put there, unhooked,
-    or PEFT LoRA layers over them (raises :class:`UnsupportedModuleError` naming anything else).
-    ``quantized``: an attention fused over bitsandbytes 4-bit q/k/v (:mod:`.qlora`): those layers
-    are the rows modules, and there is no ``qkv_proj``."""
+    checking that the fused projection (``fused_name``: ``qkv_proj``, or ``qkv_fused`` where HF's
+    ``qkv_proj`` was already one Linear) and the rows modules are the ones ``apply_to`` put there,
+    unhooked, or PEFT LoRA layers over them (raises :class:`UnsupportedModuleError` naming anything
+    else). ``quantized``: an attention fused over bitsandbytes 4-bit q/k/v (:mod:`.qlora`): those
+    layers are the rows modules, and there is no fused projection."""
     where = type(attn).__name__
     if quantized:
         return _quantized_slots(attn, projs, where)
-    fused = attn._modules.get("qkv_proj")
+    fused = attn._modules.get(fused_name)
     if type(fused) is not FusedQKVProjection:
         raise UnsupportedModuleError(
-            f"fusedqkv: {where}.qkv_proj is a {_describe(fused)}; the fused block computes only the "
-            f"FusedQKVProjection that apply_to put there (wrap q_proj/k_proj/v_proj instead, with a wrapper "
+            f"fusedqkv: {where}.{fused_name} is a {_describe(fused)}; the fused block computes only the "
+            f"FusedQKVProjection that apply_to put there (wrap {'/'.join(projs)} instead, with a wrapper "
             f"fusedqkv supports: PEFT LoRA)")
     hooked = _hooks(fused)
     if hooked:
-        raise UnsupportedModuleError(f"fusedqkv: {where}.qkv_proj has a {hooked[0]}; "
+        raise UnsupportedModuleError(f"fusedqkv: {where}.{fused_name} has a {hooked[0]}; "
                                      f"the fused block never calls the module, so it would not run")
     out = []
     start = 0
@@ -265,7 +268,7 @@ def projection_slots(attn, projs: tuple, quantized: bool = False) -> list:
         lora, m = unwrap_lora(attn._modules.get(name))
         stop = start + (m.out_features if isinstance(m, nn.Linear) else 0)
         if lora is None and _is_float8_linear(m) and not _hooks(m):
-            _check_float8_rows(where, name, m, fused, start, stop)
+            _check_float8_rows(where, name, m, fused, start, stop, fused_name)
             out.append((name, m, None))
             start = stop
             continue
@@ -275,7 +278,7 @@ def projection_slots(attn, projs: tuple, quantized: bool = False) -> list:
             if lora is not None:
                 what += f" over a {_describe(m)}"
             raise UnsupportedModuleError(
-                f"fusedqkv: {where}.{name} is a {what}; the fused block computes {name} as rows of qkv_proj, "
+                f"fusedqkv: {where}.{name} is a {what}; the fused block computes {name} as rows of {fused_name}, "
                 f"plain or under a PEFT LoRA layer, and cannot compute this module (it would be bypassed)" +
                 _hint(lora if lora is not None else m))
         _check_unhooked(where, name, lora, m)
@@ -344,7 +347,7 @@ def _is_float8_linear(m) -> bool:
     return mod is not None and type(m) is getattr(mod, "Float8Linear", None)
 
 
-def _check_float8_rows(where: str, name: str, m, fused, start: int, stop: int) -> None:
+def _check_float8_rows(where: str, name: str, m, fused, start: int, stop: int, fused_name: str) -> None:
     """A torchao ``Float8Linear`` in a rows module's place (``convert_to_float8_training`` after
     ``apply_to``) is computed by the fused block only over the fused rows themselves: its weight and bias
     are the rows module's :class:`RowsView` parameters, still registered as the fused rows (an identity
@@ -361,7 +364,7 @@ def _check_float8_rows(where: str, name: str, m, fused, start: int, stop: int) -
         if not ok:
             raise UnsupportedModuleError(
                 f"fusedqkv: {where}.{name} is a torchao Float8Linear whose {attr} is not rows {start}:{stop} of "
-                f"qkv_proj.{attr} (a {type(got).__name__}); the fused block computes only the Float8Linear that "
+                f"{fused_name}.{attr} (a {type(got).__name__}); the fused block computes only the Float8Linear that "
                 f"convert_to_float8_training made of apply_to's rows")
 
 
@@ -376,37 +379,38 @@ def _torchao_low_precision(m) -> bool:
     return _is_float8_linear(m) or _is_torchao_mx(m) or _is_torchao_tensor(getattr(m, "_parameters", {}).get("weight"))
 
 
-def slots_fp8_recipe(attn, slots: list, given):
+def slots_fp8_recipe(attn, slots: list, given, fused_name: str = "qkv_proj"):
     """The FP8 recipe of a fused forward: ``given`` (``apply_to(fp8=...)``), or the torchao
     ``Float8Linear`` layers' in the rows' places (all of them, one recipe), or torchao's MX training
     wrapper on ``qkv_proj``'s weight; a mix raises, as does any other torchao tensor subclass on
     ``qkv_proj``. Where the block stays in 16 bits while another projection of the same attention
     computes in torchao's low precision, a warning says so."""
-    recipe = _slots_fp8_recipe(attn, slots, given)
+    recipe = _slots_fp8_recipe(attn, slots, given, fused_name)
     if recipe is None:
         low = [name for name, m in attn._modules.items()
-               if name != "qkv_proj" and m is not None and _torchao_low_precision(m)]
+               if name != fused_name and m is not None and _torchao_low_precision(m)]
         if low:
             warnings.warn(
                 f"fusedqkv: {type(attn).__name__}.{low[0]} computes in torchao's low precision but the fused q/k/v "
-                f"projection (qkv_proj) does not: it runs in {attn._modules['qkv_proj'].weight.dtype}. torchao's "
-                f"default quantize_ filter takes nn.Linear layers, and the fused qkv_proj is not one: pass a filter_fn "
-                f"that also takes names ending in 'qkv_proj' (MXFP8TrainingOpConfig), use convert_to_float8_training "
-                f"(it converts q/k/v_proj), or apply_to(model, fp8=...)", UserWarning, stacklevel=2)
+                f"projection ({fused_name}) does not: it runs in {attn._modules[fused_name].weight.dtype}. torchao's "
+                f"default quantize_ filter takes nn.Linear layers, and the fused {fused_name} is not one: pass a "
+                f"filter_fn that also takes names ending in '{fused_name}' (MXFP8TrainingOpConfig), use "
+                f"convert_to_float8_training (it converts the rows modules), or apply_to(model, fp8=...)",
+                UserWarning, stacklevel=2)
     return recipe
 
 
-def _slots_fp8_recipe(attn, slots: list, given):
+def _slots_fp8_recipe(attn, slots: list, given, fused_name: str):
     from ..ops.fp8 import recipe_of_torchao_config
 
     where = type(attn).__name__
     f8 = [(name, m) for name, m, _ in slots if _is_float8_linear(m)]
-    fused = attn._modules.get("qkv_proj")
+    fused = attn._modules.get(fused_name)
     w = getattr(fused, "weight", None)
     for attr, t in (("weight", w), ("bias", getattr(fused, "bias", None))):
         if _is_torchao_tensor(t) and not is_mx_wrapped(t):
             raise UnsupportedModuleError(
-                f"fusedqkv: {where}.qkv_proj.{attr} is torchao's {type(t).__name__}; the fused block computes with a "
+                f"fusedqkv: {where}.{fused_name}.{attr} is torchao's {type(t).__name__}; the fused block computes with a "
                 f"plain parameter or torchao's MX training wrapper (MXFP8TrainingOpConfig). For float8 training use "
                 f"convert_to_float8_training (Float8Linear in q/k/v_proj's places) or apply_to(model, fp8=...)")
     if w is not None and is_mx_wrapped(w):  # torchao's MX training over qkv_proj (quantize_ after apply_to)
@@ -414,14 +418,14 @@ def _slots_fp8_recipe(attn, slots: list, given):
 
         if f8:
             raise UnsupportedModuleError(
-                f"fusedqkv: {where}.qkv_proj.weight is wrapped by torchao's MX training and {f8[0][0]} is a torchao "
+                f"fusedqkv: {where}.{fused_name}.weight is wrapped by torchao's MX training and {f8[0][0]} is a torchao "
                 f"Float8Linear; the fused projection is one GEMM, one recipe")
         try:
-            got = recipe_of_torchao_mx_config(w.config, f"{where}.qkv_proj.weight")
+            got = recipe_of_torchao_mx_config(w.config, f"{where}.{fused_name}.weight")
         except ValueError as e:
             raise UnsupportedModuleError(f"fusedqkv: {e}") from None
         if given is not None and given != got:
-            raise UnsupportedModuleError(f"fusedqkv: {where}: apply_to(fp8={given.key!r}) but qkv_proj.weight is "
+            raise UnsupportedModuleError(f"fusedqkv: {where}: apply_to(fp8={given.key!r}) but {fused_name}.weight is "
                                          f"wrapped by torchao's MX training of the recipe {got.key!r}")
         return got
     if not f8:

@@ -54,10 +54,10 @@ class ProjectionPlan:
     None: not kept)."""
 
     def __init__(self, attn, spec):
-        self.slots = projection_slots(attn, spec.projs, spec.quantized)  # raises on anything unsupported
+        self.slots = projection_slots(attn, spec.projs, spec.quantized, spec.fused_name)  # raises on anything unsupported
         n_rows = sum(spec.split)
         self.lora = LoRAOperands(_pairs(self.slots, spec.split), n_rows)
-        self.fp8 = slots_fp8_recipe(attn, self.slots, spec.block_kwargs.get("fp8"))
+        self.fp8 = slots_fp8_recipe(attn, self.slots, spec.block_kwargs.get("fp8"), spec.fused_name)
         self.quantized = spec.quantized
         self.where = type(attn).__name__
         self.key = None
@@ -91,7 +91,7 @@ def projection_plan(attn, spec) -> ProjectionPlan:
     holds; the full checks, and their errors, otherwise)."""
     if torch.compiler.is_compiling():
         return ProjectionPlan(attn, spec)
-    key = _fingerprint(attn, spec.projs)
+    key = _fingerprint(attn, spec.projs, spec.fused_name)
     plan = _PLANS.get(attn)
     if plan is not None and key is not None and plan.key == key:
         plan.per_call()
@@ -99,7 +99,7 @@ def projection_plan(attn, spec) -> ProjectionPlan:
     plan = ProjectionPlan(attn, spec)
     # the modules changed (PEFT's merge and unmerge write the fused weight through .data, which leaves its
     # version counter as it was): the fused weight's kept FP8 casts (config.fp8_frozen_weight_cache) go too
-    w = getattr(attn._modules.get("qkv_proj"), "_parameters", {}).get("weight")
+    w = getattr(attn._modules.get(spec.fused_name), "_parameters", {}).get("weight")
     if w is not None:
         forget_frozen_weight_casts(w)
     if key is not None and not any(_is_float8_linear(m) for _, m, _ in plan.slots):
@@ -121,13 +121,13 @@ def _lora_classes() -> tuple:
     return tuple(out)
 
 
-def _fingerprint(attn, projs: tuple):
+def _fingerprint(attn, projs: tuple, fused_name: str):
     """Everything the plan's decisions read (the module docstring lists it), as one flat tuple
     compared with ``==`` (modules by identity; parameters by ``id``, kept alive by the plan);
     None where a place holds no module (the full checks name it). One function, locals only: it
     runs every forward of every layer."""
     mods = attn._modules
-    fused = mods.get("qkv_proj")
+    fused = mods.get(fused_name)
     key = []
     add = key.extend
     if isinstance(fused, nn.Module):
@@ -141,7 +141,7 @@ def _fingerprint(attn, projs: tuple):
     # the attention's other children and their weights' classes: one of them in torchao's low precision
     # while the block stays in 16 bits is warned of (slots_fp8_recipe), a conversion after the first forward too
     for name, m in mods.items():
-        if name != "qkv_proj" and name not in projs:
+        if name != fused_name and name not in projs:
             add((m, type(m), type(m._parameters.get("weight")) if isinstance(m, nn.Module) else None))
     lora_classes = _lora_classes()
     for name in projs:

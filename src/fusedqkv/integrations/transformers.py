@@ -5,7 +5,9 @@ For every supported attention module of the model it
 * joins ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj`` (a
   :class:`~fusedqkv.integrations.fused_projection.FusedQKVProjection`, no ``nn.Linear``, whose
   weight rows are ``[Q | K | V]`` -- ``[Q | K]`` where v is k, Gemma 4 -- with the biases where the
-  config has them), in ``q_proj``'s place, q/k/v_proj left as views of its rows;
+  config has them), in ``q_proj``'s place, q/k/v_proj left as views of its rows (where HF's
+  attention has one joined ``qkv_proj`` Linear already, Ergo, its parameters become
+  ``qkv_fused``'s and ``qkv_proj`` stays as the view of all its rows);
   bitsandbytes 4-bit q/k/v stay as they are instead (dequantized per call into that layout:
   :mod:`fusedqkv.integrations.qlora`);
 * swaps the module's class for a subclass whose ``forward`` computes q, k, v (and the output
@@ -146,18 +148,27 @@ def _gate_sigmoid_gate_proj_with_head_bias(attn, attn_output, hidden_states):
     return (out * torch.sigmoid(gate)).view(shape)
 
 
-def _query_scale_beam(attn, query, kwargs):
+def _qk_scale_beam(attn, query, key, kwargs):
     # Beam: the NoPE layers' position-dependent query scale (the decoder's attention_scaling), in fp32 after the
     # block as HF applies it after RoPE; None on the RoPE layers
     scaling = kwargs.pop("attention_scaling", None)
     if scaling is None:
-        return query
-    return (query.float() * scaling).to(query.dtype)
+        return query, key
+    return (query.float() * scaling).to(query.dtype), key
 
 
-def _query_scale_muse_spark(attn, query, kwargs):
+def _qk_scale_muse_spark(attn, query, key, kwargs):
     # MuseSpark: q times qk_scale_factor after its weightless norm; HF scales before RoPE, a linear map: the same
-    return query * attn.qk_scale_factor
+    return query * attn.qk_scale_factor, key
+
+
+def _qk_scale_ergo(attn, query, key, kwargs):
+    # Ergo: q and k times sqrt(global_attention_scale) on the global layers, after RoPE, the scale rounded to their
+    # dtype first (HF's order and rounding: the block's outputs are HF's q and k there)
+    if attn.qk_scale is None:
+        return query, key
+    scale = attn.qk_scale.to(query.dtype)
+    return query * scale, key * scale
 
 
 def _gate_o_norm_sigmoid_gate_proj(attn, attn_output, hidden_states):
@@ -245,7 +256,9 @@ class Arch:
     shared_kv: Optional[Callable] = None       # (attn) -> key of shared_kv_states it stores under
     output_gate: Optional[Callable] = None     # (attn, attn_output, x) -> gated output
     sinks: Optional[str] = None                # attribute of per-head attention sinks, passed on as s_aux
-    query_scale: Optional[Callable] = None     # (attn, q, kwargs) -> q scaled after the block (pops what it reads)
+    qk_scale: Optional[Callable] = None        # (attn, q, k, kwargs) -> (q, k) scaled after the block (pops what it reads)
+    joined: Optional[str] = None               # HF's own q/k/v Linear (rows [Q | K | V]; Ergo's qkv_proj): its rows
+                                               # module spans all rows, the fused parameter is FUSED_NAME_OVER_JOINED
     consumes: tuple = ()                       # the HF forward's own parameters (beyond the common ones) hooks read
     skip: Optional[Callable] = None            # (attn) -> why this layer stays HF's, or None
 
@@ -290,7 +303,7 @@ SUPPORTED = (
          rope=_rope_nope_on_global_layers, sliding_window=_sw_if_sliding),
     _row("doge", "doge.modeling_doge", "DogeAttention", "DogeRMSNorm", dynamic_mask=_mask_doge_dynamic),
     _row("beam", "beam.modeling_beam", "BeamAttention", "BeamRMSNorm", sliding_window=_sw_attr, rope=_rope_nope_if_none,
-         query_scale=_query_scale_beam, output_gate=_gate_sigmoid_gate_proj_with_head_bias,
+         qk_scale=_qk_scale_beam, output_gate=_gate_sigmoid_gate_proj_with_head_bias,
          consumes=("attention_scaling",)),
     _row("flint", "flint.modeling_flint", "FlintAttention", "FlintRMSNorm", sliding_window=_sw_attr,
          rope=_rope_only_on_sliding_layers, sinks="sinks"),
@@ -300,7 +313,11 @@ SUPPORTED = (
     # (one weightless norm module for q and k; the text model of a composite config, its vision and audio towers HF's)
     _row("muse_spark_text", "muse_spark.modeling_muse_spark", "MuseSparkTextAttention", "MuseSparkRMSNorm",
          norm_weight=False, q_norm="qk_norm", k_norm="qk_norm", sliding_window=_sw_attr, rope=_rope_nope_if_none,
-         query_scale=_query_scale_muse_spark, output_gate=_gate_o_norm_sigmoid_gate_proj),
+         qk_scale=_qk_scale_muse_spark, output_gate=_gate_o_norm_sigmoid_gate_proj),
+    # (HF's qkv_proj is already one Linear: its rows module keeps the name; interleaved RoPE in fp32 on the sliding
+    # layers; the global ones NoPE, their q and k scaled)
+    _row("ergo", "ergo.modeling_ergo", "ErgoAttention", "ErgoRMSNorm", joined="qkv_proj", rope_style="interleaved",
+         sliding_window=_sw_attr, rope=_rope_nope_if_none, qk_scale=_qk_scale_ergo),
     _row("glm4_moe", "glm4_moe.modeling_glm4_moe", "Glm4MoeAttention", "Glm4MoeRMSNorm", skip=_skip_glm4_moe),
     _row("laguna", "laguna.modeling_laguna", "LagunaAttention", "LagunaRMSNorm", sliding_window=_sw_attr,
          output_gate=_gate_softplus_g_proj),
@@ -372,9 +389,14 @@ class FusedSpec:
     k_eq_v: bool                # v is the raw k projection (no v_proj; Gemma 4)
     hf_children: tuple          # the HF module's child names in order (its state-dict order)
     quantized: bool = False     # q/k/v are bitsandbytes 4-bit layers, kept in place (integrations.qlora)
+    fused_name: str = "qkv_proj"  # the FusedQKVProjection's attribute (FUSED_NAME, or ..._OVER_JOINED)
 
 
+# where the fused projection goes: before q_proj; where HF's attention already has one joined q/k/v Linear
+# (Arch.joined), that name stays its rows module's (what PEFT and module filters target) and this one is the fused
+# parameter's
 FUSED_NAME = "qkv_proj"
+FUSED_NAME_OVER_JOINED = "qkv_fused"
 
 
 # --------------------------------------------------------------------------- the fused forward
@@ -417,7 +439,7 @@ class _FusedAttention:
             if torch.compiler.is_compiling():
                 source = None
         else:
-            proj = self.qkv_proj
+            proj = self._modules[spec.fused_name]
             w, b = fused_weights(proj)  # (torchao's MX-wrapped parameters unwrapped)
         # the adapters inside the block (in place), or as a residual of the projection output
         residual, lora = plan.lora(hidden_states, inplace=not spec.k_eq_v)
@@ -444,8 +466,8 @@ class _FusedAttention:
                                                                 attention_mask, cache)
         shared_kv_states = kwargs.pop("shared_kv_states", None) if arch.shared_kv is not None else None
         query, key, value, gate = self._fusedqkv_qkv(hidden_states, position_embeddings)
-        if arch.query_scale is not None:
-            query = arch.query_scale(self, query, kwargs)
+        if arch.qk_scale is not None:
+            query, key = arch.qk_scale(self, query, key, kwargs)
         if cache is not None:
             key, value = self._fusedqkv_update(cache, key, value, kwargs, position_embeddings, cache_position)
         if arch.shared_kv is not None and self.store_full_length_kv:
@@ -485,7 +507,7 @@ class _FusedAttention:
         else:
             kw["fp8"] = kw["fp8"].key
         opts = "".join(f", {k}={v}" for k, v in kw.items())
-        return (f"fusedqkv: {FUSED_NAME} = [{' | '.join(s.projs)}] + RMSNorm {pos} (num_heads={s.num_heads}, "
+        return (f"fusedqkv: {s.fused_name} = [{' | '.join(s.projs)}] + RMSNorm {pos} (num_heads={s.num_heads}, "
                 f"num_kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, eps={s.eps}{opts})")
 
 
@@ -602,10 +624,10 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
     """``qkv_proj.weight``/``.bias`` -> HF's ``q_proj``/``k_proj``/``v_proj`` entries, in HF's
     key order (the module's keys are the tail of ``state_dict`` when this runs: its own
     parameters and buffers, then its children's, which are put back in the HF module's order)."""
-    fused_w, fused_b = prefix + FUSED_NAME + ".weight", prefix + FUSED_NAME + ".bias"
+    spec: FusedSpec = module._fusedqkv
+    fused_w, fused_b = prefix + spec.fused_name + ".weight", prefix + spec.fused_name + ".bias"
     if fused_w not in state_dict:
         return
-    spec: FusedSpec = module._fusedqkv
     tail = []
     for key in reversed(state_dict):
         if not key.startswith(prefix):
@@ -618,7 +640,7 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
         child, _, rest = key[len(prefix):].partition(".")
         if not rest or child not in module._modules:  # the module's own parameter or buffer
             state_dict[key] = value
-        elif child != FUSED_NAME:
+        elif child != spec.fused_name:
             children.setdefault(child, []).append((key, value))
     bias = items.get(fused_b)
     # copies: views of one storage would be taken for tied weights by save_pretrained
@@ -640,8 +662,8 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
         for key, value in entries:
             state_dict[key] = value
     meta = getattr(state_dict, "_metadata", None)
-    if meta is not None and (prefix + FUSED_NAME) in meta:
-        version = meta.pop(prefix + FUSED_NAME)
+    if meta is not None and (prefix + spec.fused_name) in meta:
+        version = meta.pop(prefix + spec.fused_name)
         for name in spec.projs:
             meta[prefix + name] = dict(version)
 
@@ -650,8 +672,8 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
                               error_msgs):
     """HF's ``q_proj``/``k_proj``/``v_proj`` entries -> ``qkv_proj.weight``/``.bias`` (a part
     that is absent keeps the current value and is reported missing)."""
-    proj = module._modules[FUSED_NAME]
     spec: FusedSpec = module._fusedqkv
+    proj = module._modules[spec.fused_name]
     for suffix in ("weight", "bias"):
         # HF's keys, or HF+PEFT's (<name>.base_layer.*) where a LoRA layer wraps the projection
         names = [f"{prefix}{p}.base_layer.{suffix}" if f"{prefix}{p}.base_layer.{suffix}" in state_dict
@@ -676,7 +698,7 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
                 continue
             parts.append(t.to(device=cur.device, dtype=cur.dtype))
         if ok:
-            state_dict[f"{prefix}{FUSED_NAME}.{suffix}"] = torch.cat(parts, 0)
+            state_dict[f"{prefix}{spec.fused_name}.{suffix}"] = torch.cat(parts, 0)
 
 
 def _register_hooks(module: nn.Module) -> None:
@@ -817,7 +839,13 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
                                     f"head_dim <= {limit}" + (" with its norm over all heads" if
                                                               arch.norm_scope == "all_heads" else ""))
     k_eq_v = bool(arch.k_eq_v and getattr(attn, arch.k_eq_v))
-    names = ("q_proj", "k_proj") if k_eq_v else ("q_proj", "k_proj", "v_proj")
+    if arch.joined is not None:
+        names = (arch.joined,)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            if attn._modules.get(name) is not None:
+                raise UnsupportedModelError(f"fusedqkv.apply_to: {path} has a {name} beside its joined {arch.joined}")
+    else:
+        names = ("q_proj", "k_proj") if k_eq_v else ("q_proj", "k_proj", "v_proj")
     projs = []
     for name in names:
         p = attn._modules.get(name)
@@ -833,9 +861,18 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
             f"({[type(p).__name__ for p in projs]}); the fused block takes all dense or all 4-bit")
     quantized = all(quantized)
     n_rows = [p.out_features if quantized else p.weight.shape[0] for p in projs]
-    q_rows, k_rows = n_rows[0], n_rows[1]
     q_per_head = 2 * d if arch.q_gate else d
-    if q_rows % q_per_head or k_rows % d or any(n != k_rows for n in n_rows[2:]):
+    if arch.joined is not None:  # [Q | K | V] in one Linear: the heads from the config
+        hq, hkv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+        if not (isinstance(hq, int) and isinstance(hkv, int) and hq > 0 and hkv > 0
+                and n_rows[0] == hq * q_per_head + 2 * hkv * d):
+            raise UnsupportedModelError(
+                f"fusedqkv.apply_to: {what}: {arch.joined} has {n_rows[0]} rows; expected (num_attention_heads + 2 * "
+                f"num_key_value_heads) * head_dim = ({hq} + 2 * {hkv}) * {d} from the config, rows [Q | K | V]")
+        q_rows, k_rows = hq * q_per_head, hkv * d
+    else:
+        q_rows, k_rows = n_rows[0], n_rows[1]
+    if q_rows % q_per_head or k_rows % d or (arch.joined is None and any(n != k_rows for n in n_rows[2:])):
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {what}: q/k/v_proj have {n_rows} rows; expected "
             f"multiples of {q_per_head} (q" + (": [q | gate] per head" if arch.q_gate else "")
@@ -924,7 +961,8 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
                 f"configs ({', '.join(f'{n}: {r.key}' for n, r in recipes.items())}); one fused GEMM, one recipe")
         opts.append(("fp8", recipes[names[0]]))
     split = tuple(n_rows)
-    return FusedSpec(hq, hkv, d, eps_q, names, split, dict(opts), k_eq_v, tuple(attn._modules), quantized)
+    return FusedSpec(hq, hkv, d, eps_q, names, split, dict(opts), k_eq_v, tuple(attn._modules), quantized,
+                     FUSED_NAME_OVER_JOINED if arch.joined is not None else FUSED_NAME)
 
 
 def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
@@ -943,10 +981,15 @@ def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
     biases = [mx_plain(p.bias) for p in projs]
     has_bias = biases[0] is not None
     # the fused projection; no init (its values are the joined weights)
-    with torch.no_grad():
-        # (requires_grad the parameters': an MX-wrapped one's plain tensor has none)
-        weight = nn.Parameter(torch.cat(ws, 0), requires_grad=projs[0].weight.requires_grad)
-        bias = nn.Parameter(torch.cat(biases, 0), requires_grad=projs[0].bias.requires_grad) if has_bias else None
+    if len(ws) == 1 and all(type(t) in (nn.Parameter, type(None)) for t in (ws[0], biases[0])):
+        # HF's joined projection (Arch.joined): its parameters become the fused ones (an optimizer made before
+        # apply_to still holds what trains)
+        weight, bias = ws[0], biases[0]
+    else:
+        with torch.no_grad():
+            # (requires_grad the parameters': an MX-wrapped one's plain tensor has none)
+            weight = nn.Parameter(torch.cat(ws, 0), requires_grad=projs[0].weight.requires_grad)
+            bias = nn.Parameter(torch.cat(biases, 0), requires_grad=projs[0].bias.requires_grad) if has_bias else None
     proj = FusedQKVProjection(weight, bias, spec.split)
     proj.train(q.training)
     rows, start = {}, 0
@@ -960,8 +1003,8 @@ def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
         start += n
     modules = OrderedDict()
     for name, m in attn._modules.items():
-        if name == "q_proj":
-            modules[FUSED_NAME] = proj
+        if name == spec.projs[0]:
+            modules[spec.fused_name] = proj
         modules[name] = rows.get(name, m)
     attn._modules.clear()
     attn._modules.update(modules)

@@ -124,7 +124,9 @@ def require_number(name: str, x, *, min_value: Optional[float] = None, finite: b
         raise TypeError(f"{name}: expected a real number, got {type(x).__name__}")
     else:
         v = float(x)
-    if finite and not math.isfinite(v):
+    # (comparisons, not math.isfinite: under torch.compile a float that differed between two compiled calls, an eps
+    # of two models, arrives symbolic, and math.isfinite of it breaks the graph)
+    if finite and not (v == v and -math.inf < v < math.inf):
         raise ValueError(f"{name}: expected a finite number, got {v}")
     if min_value is not None and v < min_value:
         raise ValueError(f"{name}: expected a number >= {min_value}, got {v}")
