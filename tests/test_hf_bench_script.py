@@ -134,7 +134,7 @@ def test_tiny_qlora_run(tmp_path, capsys):
     pytest.importorskip("bitsandbytes")
     bench = load_bench()
     rc = bench.main(["--tiny", "--steps", "2", "--device", "cpu", "--lora", "4", "--qlora", "nf4", "--lora-init",
-                     "random", "--stacks", "hf,hf+fusedqkv", "--out", str(tmp_path)])
+                     "random", "--stacks", "hf-fp32,hf,hf+fusedqkv", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "bench_hf.json").read_text())
     assert report["config"]["lora"]["qlora"] == "nf4" and "linear layers nf4 4-bit" in out
