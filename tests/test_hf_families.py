@@ -327,7 +327,7 @@ def test_gemma4_every_attention_layer_fused_global_head_dim_512():
     assert not fused_modules(big)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "olmo2", "llama4_text", "nanochat", "gemma4_text", "exaone4"])
+@pytest.mark.parametrize("name", ["qwen3_next", "olmo2", "llama4_text", "nanochat", "gemma4_text", "exaone4", "ergo"])
 def test_cpu_autocast_bf16_three_way(name):
     """Under autocast the block runs in bf16 as HF's Linear layers do (one family per switch):
     the patched model's loss and every gradient of the fp32 master weights are at most twice
