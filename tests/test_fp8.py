@@ -371,6 +371,41 @@ def test_float8_linears_over_the_rows_compile_as_one_graph_and_stay_checked(way)
     assert torch.equal(m(ids).logits, want)
 
 
+def test_float8_linears_over_the_rows_keep_their_plan_in_eager_and_stay_checked():
+    """Eager: the fused forward's decisions about Float8Linear layers over the rows are kept between calls (their
+    config, and their and the fused parameters' identities and storage, in the fingerprint), and every change
+    that their check refuses is still refused at the next call: another weight in a Float8Linear, another fused
+    parameter, the fused parameter's storage replaced through .data."""
+    from _hf_models import batch
+
+    from fusedqkv.integrations import projection_plan
+
+    cfg = Float8LinearConfig.from_recipe_name("rowwise")
+    ref, m = _float8_model("convert_after_apply_to", cfg), _float8_model("convert_after_apply_to", cfg)
+    ids = batch()
+    want = ref(ids).logits
+    assert torch.equal(m(ids).logits, want)
+    attn = m.model.layers[0].self_attn
+    plan = projection_plan._PLANS.get(attn)
+    assert plan is not None and plan.key is not None
+    assert torch.equal(m(ids).logits, want) and projection_plan._PLANS.get(attn) is plan  # kept
+    rows = attn.k_proj.weight
+    attn.k_proj.weight = torch.nn.Parameter(rows.detach().clone())
+    _raises_naming("k_proj is a torchao Float8Linear whose weight is not rows", lambda: m(ids))
+    attn.k_proj.weight = rows
+    assert torch.equal(m(ids).logits, want)
+    fused = attn.qkv_proj.weight
+    attn.qkv_proj.weight = torch.nn.Parameter(fused.detach().clone())
+    _raises_naming("q_proj is a torchao Float8Linear whose weight is not rows 0:", lambda: m(ids))
+    attn.qkv_proj.weight = fused
+    assert torch.equal(m(ids).logits, want)
+    kept = fused.data
+    fused.data = kept.clone()  # the fused parameter's storage elsewhere: the views show the old rows
+    _raises_naming("q_proj is a torchao Float8Linear whose weight is not rows 0:", lambda: m(ids))
+    fused.data = kept
+    assert torch.equal(m(ids).logits, want)
+
+
 def test_float8_linears_over_rows_of_a_moved_or_copied_projection_are_refused():
     """The views a Float8Linear holds no longer show the fused rows once the fused parameter has other storage
     (``model.to`` to another dtype: the fused projection lets those views go) or in a deep copy: refused, eager

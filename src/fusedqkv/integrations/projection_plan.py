@@ -25,9 +25,10 @@ Any change to these gives a new fingerprint, so the full checks run again at the
 after it and raise there as they did before anything was kept. The decisions never read the
 weights' values; what depends on tensor state runs every call: bitsandbytes' quantization state
 (:func:`~.qlora.check_4bit`). (A rows module's view with an assigned ``.data`` writes the fused rows
-at once: :class:`~.fused_projection.RowsView`.) Not kept:
-torchao ``Float8Linear`` slots (their check reads where the weights' storage is) and anything
-under ``torch.compile`` (traced as before).
+at once: :class:`~.fused_projection.RowsView`.) A torchao ``Float8Linear`` in a rows module's place
+(``convert_to_float8_training`` after ``apply_to``): its config, and its weight's and bias's and the fused
+parameters' identities and storage addresses (what its check reads). Not kept: anything under
+``torch.compile`` (traced as before).
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ class ProjectionPlan:
         self.key = None
         # the parameters whose id() is in the key stay alive with the plan (no id reused meanwhile)
         self.kept = [w for p in self.lora.pairs for w in (p[3].weight, p[4].weight)]
+        if any(_is_float8_linear(m) for _, m, _ in self.slots):  # (their parameters' ids: _fingerprint)
+            fused = attn._modules.get(spec.fused_name)
+            self.kept += [m._parameters.get(a) for _, m, _ in self.slots for a in ("weight", "bias")]
+            self.kept += [fused._parameters.get(a) for a in ("weight", "bias")]
         self._dequantized = {}  # (dtype, device) -> qlora.DequantizedQKV, kept with the plan
 
     def dequantized(self, bases: list, dtype: torch.dtype, device: torch.device):
@@ -102,7 +107,7 @@ def projection_plan(attn, spec) -> ProjectionPlan:
     w = getattr(attn._modules.get(spec.fused_name), "_parameters", {}).get("weight")
     if w is not None:
         forget_frozen_weight_casts(w)
-    if key is not None and not any(_is_float8_linear(m) for _, m, _ in plan.slots):
+    if key is not None:
         plan.key = key
         _PLANS[attn] = plan
     else:
@@ -144,12 +149,21 @@ def _fingerprint(attn, projs: tuple, fused_name: str):
         if name != fused_name and name not in projs:
             add((m, type(m), type(m._parameters.get("weight")) if isinstance(m, nn.Module) else None))
     lora_classes = _lora_classes()
+    float8_linear = getattr(sys.modules.get("torchao.float8.float8_linear"), "Float8Linear", None)
     for name in projs:
         slot = mods.get(name)
         if not isinstance(slot, nn.Module):
             return None
         cls = type(slot)
         add((slot, cls, hook_counts(slot)))
+        if cls is float8_linear and isinstance(fused, nn.Module):
+            # torchao's Float8Linear over the rows: what _check_float8_rows reads, its recipe's config
+            key.append(id(slot.__dict__.get("config")))
+            for params in (slot._parameters, fused._parameters):
+                for attr in ("weight", "bias"):
+                    t = params.get(attr)
+                    add((id(t), t.data_ptr() if t is not None else 0))
+            continue
         if cls not in lora_classes:
             key.append(slot.__dict__.get("fused"))
             continue
