@@ -48,6 +48,7 @@ class Family:
     name: str                    # the model_type of the SUPPORTED row
     config: dict                 # the config's arguments beyond COMMON (None values drop a COMMON key)
     n_fused: int = 2             # attention layers apply_to fuses
+    n_calls: Optional[int] = None  # block calls in one forward, where not n_fused (a layer run more than once)
     bias: bool = True            # the config has attention_bias
     model: Optional[str] = None  # model class (default: AutoModelForCausalLM's)
     composite: Optional[tuple] = None   # (config class, its other sub-configs): the text config goes in text_config
@@ -112,6 +113,13 @@ FAMILIES = [
                         moe_intermediate_size=32, first_dense_intermediate_size=48, shared_intermediate_size=32,
                         sliding_window=5, global_attention_every_n_layers=2, global_attention_scale=2.5),
            bias=False, min_version="5.25"),
+    # nGPT: L2 norms of q and k (the block's RMSNorm at eps / head_dim, weight head_dim^-1/2), q scaled per channel after
+    # RoPE, a scaled gate and an L2 sub-norm after attention; its middle layer runs twice a step (a cache of its own
+    # per loop)
+    Family("dory", dict(n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2,
+                        num_hidden_layers=3, sliding_window=5,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+           n_fused=3, n_calls=4, min_version="5.25"),
     Family("glm4_moe", dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_experts=None,
                             use_qk_norm=True, rope_parameters=rope(0.5)), min_version="5.0"),
     Family("laguna", dict(MOE, shared_expert_intermediate_size=32, sliding_window=5, gating="per-head",

@@ -45,7 +45,7 @@ def test_family_fp32_outputs_gradients_and_state_dict(fam, monkeypatch):
     ids = H.batch(2, 12)
     out = m(input_ids=ids, labels=ids)
     out_ref = ref(input_ids=ids, labels=ids)
-    assert len(calls) == fam.n_fused  # the fused block ran in each fused layer
+    assert len(calls) == (fam.n_calls or fam.n_fused)  # the fused block ran in each fused layer
     torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-6)
     out.loss.backward()
@@ -327,7 +327,7 @@ def test_gemma4_every_attention_layer_fused_global_head_dim_512():
     assert not fused_modules(big)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "olmo2", "llama4_text", "nanochat", "gemma4_text", "exaone4", "ergo"])
+@pytest.mark.parametrize("name", ["qwen3_next", "olmo2", "llama4_text", "nanochat", "gemma4_text", "exaone4", "ergo", "dory"])
 def test_cpu_autocast_bf16_three_way(name):
     """Under autocast the block runs in bf16 as HF's Linear layers do (one family per switch):
     the patched model's loss and every gradient of the fp32 master weights are at most twice

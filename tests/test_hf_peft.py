@@ -1,5 +1,5 @@
 """PEFT LoRA inside the fused block (integrations.peft), and nothing in the projection's place
-bypassed (integrations.fused_projection): tiny models of four families against the same PEFT
+bypassed (integrations.fused_projection): tiny models of five families against the same PEFT
 model without fusedqkv, fp32 on the CPU, both orders (apply_to then get_peft_model, and back)."""
 
 import copy
@@ -22,8 +22,8 @@ from _lora_checks import rel as _rel, step as _step  # noqa: E402
 
 # Qwen3 (the common recipe), Qwen3.5 (gated q: its q_proj rows are [q | gate] per head, and the
 # LoRA B rows follow them as in HF; partial rotary), OLMo 3 (the norm across heads), GLM-4.5
-# (glm4_moe: partial rotary, q/k/v biases)
-FAMILIES = ["qwen3", "qwen3_5_text", "olmo3", "glm4_moe"]
+# (glm4_moe: partial rotary, q/k/v biases), Dory (transformers >= 5.25: L2 norms, a layer run twice a step)
+FAMILIES = ["qwen3", "qwen3_5_text", "olmo3", "glm4_moe", "dory"]
 TARGETS = {"all_linear": "all-linear", "q_v": ["q_proj", "v_proj"]}
 TOL = 1e-5
 

@@ -178,6 +178,25 @@ def _gate_o_norm_sigmoid_gate_proj(attn, attn_output, hidden_states):
     return out * torch.sigmoid(attn.gate_proj(hidden_states))
 
 
+def _qk_scale_dory(attn, query, key, kwargs):
+    # Dory (nGPT): q times (sqk * sqk_scale)^2 per channel after RoPE, as HF scales it
+    return query * (attn.sqk * attn.sqk_scale).view(-1, 1, attn.head_dim).square(), key
+
+
+def _gate_dory(attn, attn_output, hidden_states):
+    # Dory: sigmoid(gate_proj(x) * (s_gate * s_gate_scale)^2) per channel, then its L2 sub-norm (HF's module)
+    gate = torch.sigmoid(attn.gate_proj(hidden_states) * (attn.s_gate * attn.s_gate_scale).square())
+    return attn.attn_sub_norm(attn_output * gate)
+
+
+def _kv_update_dory(attn, cache, key, value, kwargs):
+    # Dory: its recurrent loops write their own copies of a layer's cache, cache_offset layers on (HF passes no kwargs)
+    offset = kwargs.pop("cache_offset", 0)
+    if cache is None:
+        return key, value
+    return cache.update(key, value, attn.layer_idx + offset)
+
+
 def _mask_doge_dynamic(attn, hidden_states, value_states, attention_mask):
     # Doge: the dynamic mask from the (cached) values, as DogeAttention.forward builds it
     dt_states = attn.dt_proj(value_states.transpose(1, 2).reshape(value_states.shape[0], value_states.shape[-2], -1))
@@ -241,6 +260,8 @@ class Arch:
     qk_norm_position: str = "before_rope"
     norm_weight_offset: float = 0.0  # the norm scales by offset + weight
     norm_weight: bool = True         # False: RMSNorm without a weight (Llama 4, NanoChat)
+    l2_norm: bool = False            # x / sqrt(sum x^2 + eps), no weight (Dory): the block's RMSNorm at eps / head_dim
+                                     # with a constant weight head_dim^-1/2 (L2_SCALE)
     norm_scope: str = "head"         # "all_heads": one RMS over all heads' channels (OLMo 2)
     q_gate: bool = False             # q_proj gives [q | gate] per head (Qwen3-Next / Qwen3.5)
     rope_style: str = "neox"         # "interleaved": pairs (2i, 2i+1) (Llama 4)
@@ -261,6 +282,8 @@ class Arch:
                                                # module spans all rows, the fused parameter is FUSED_NAME_OVER_JOINED
     consumes: tuple = ()                       # the HF forward's own parameters (beyond the common ones) hooks read
     skip: Optional[Callable] = None            # (attn) -> why this layer stays HF's, or None
+    kv_update: Optional[Callable] = None       # (attn, cache or None, k, v, kwargs) -> (k, v): the family's own cache
+                                               # update (pops what it reads), else the transformers release's
 
 
 def _row(model_type, module, attention, norm_class, **kw):
@@ -318,6 +341,11 @@ SUPPORTED = (
     # layers; the global ones NoPE, their q and k scaled)
     _row("ergo", "ergo.modeling_ergo", "ErgoAttention", "ErgoRMSNorm", joined="qkv_proj", rope_style="interleaved",
          sliding_window=_sw_attr, rope=_rope_nope_if_none, qk_scale=_qk_scale_ergo),
+    # (nGPT: L2 norms of q and k, q scaled per channel after RoPE, a scaled sigmoid gate and an L2 sub-norm after
+    # attention; recurrent layers run several times a step, each loop with a cache of its own)
+    _row("dory", "dory.modeling_dory", "DoryAttention", "DoryL2Norm", norm_weight=False, l2_norm=True,
+         sliding_window=_sw_attr, qk_scale=_qk_scale_dory, output_gate=_gate_dory, kv_update=_kv_update_dory,
+         consumes=("cache_offset",)),
     _row("glm4_moe", "glm4_moe.modeling_glm4_moe", "Glm4MoeAttention", "Glm4MoeRMSNorm", skip=_skip_glm4_moe),
     _row("laguna", "laguna.modeling_laguna", "LagunaAttention", "LagunaRMSNorm", sliding_window=_sw_attr,
          output_gate=_gate_softplus_g_proj),
@@ -397,6 +425,20 @@ class FusedSpec:
 # parameter's
 FUSED_NAME = "qkv_proj"
 FUSED_NAME_OVER_JOINED = "qkv_fused"
+# Arch.l2_norm: the norms' weight in the block, fp32 [head_dim] of head_dim^-1/2, kept on the attention module per
+# device (fp32 whatever the model's dtype: 128^-1/2 is no bf16 number)
+L2_SCALE = "_fusedqkv_l2_scale"
+
+
+def _l2_scales(attn, d: int, device: torch.device) -> tuple:
+    """The q and k norm weights of an Arch.l2_norm family: one kept tensor twice in eager; under torch.compile two
+    constants of the graph (Dynamo refuses one tensor as two inputs of an autograd.Function)."""
+    if torch.compiler.is_compiling():
+        return tuple(torch.full((d,), d ** -0.5, dtype=torch.float32, device=device) for _ in range(2))
+    t = attn.__dict__.get(L2_SCALE)
+    if t is None or t.device != device:
+        t = attn.__dict__[L2_SCALE] = torch.full((d,), d ** -0.5, dtype=torch.float32, device=device)
+    return t, t
 
 
 # --------------------------------------------------------------------------- the fused forward
@@ -447,6 +489,8 @@ class _FusedAttention:
         # (k_eq_v: rows [Q | K], the block takes v from the k projection: its k_eq_v in block_kwargs)
         if arch.norm_weight:
             wq, wk = getattr(self, arch.q_norm).weight, getattr(self, arch.k_norm).weight
+        elif arch.l2_norm:
+            wq, wk = _l2_scales(self, spec.head_dim, hidden_states.device)
         else:
             wq = wk = None
         # under autocast the block casts its inputs as HF's Linear would (gqa_qkv_rope_qk_norm)
@@ -468,7 +512,9 @@ class _FusedAttention:
         query, key, value, gate = self._fusedqkv_qkv(hidden_states, position_embeddings)
         if arch.qk_scale is not None:
             query, key = arch.qk_scale(self, query, key, kwargs)
-        if cache is not None:
+        if arch.kv_update is not None:
+            key, value = arch.kv_update(self, cache, key, value, kwargs)
+        elif cache is not None:
             key, value = self._fusedqkv_update(cache, key, value, kwargs, position_embeddings, cache_position)
         if arch.shared_kv is not None and self.store_full_length_kv:
             shared_kv_states[arch.shared_kv(self)] = key, value
@@ -961,6 +1007,8 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
                 f"configs ({', '.join(f'{n}: {r.key}' for n, r in recipes.items())}); one fused GEMM, one recipe")
         opts.append(("fp8", recipes[names[0]]))
     split = tuple(n_rows)
+    if arch.l2_norm:  # rsqrt(sum + eps) = rsqrt(mean + eps / d) * d^-1/2: the block's RMSNorm, the scale as its weight
+        eps_q = eps_q / d
     return FusedSpec(hq, hkv, d, eps_q, names, split, dict(opts), k_eq_v, tuple(attn._modules), quantized,
                      FUSED_NAME_OVER_JOINED if arch.joined is not None else FUSED_NAME)
 
