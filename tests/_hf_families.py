@@ -120,6 +120,17 @@ FAMILIES = [
                         num_hidden_layers=3, sliding_window=5,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
            n_fused=3, n_calls=4, min_version="5.25"),
+    # RoPE on the sliding layers; the indexed-attention ones NoPE, their indexer narrowing the mask (a pool of 8 keys,
+    # top 4, at 12 tokens: the selection bites), k/v rounded to NVFP4; the third layer reads the second's k/v (q only:
+    # stays HF's)
+    Family("kolibri1_1", dict(MOE, shared_expert_intermediate_size=32, num_hidden_layers=3, sliding_window=5,
+                              layer_types=["sliding_attention", "indexed_attention", "indexed_attention"],
+                              index_layers=[1], kv_source_layers=[0, 1, 1], index_topk=4, index_pool_size=8,
+                              index_compression=2, index_num_heads=2, index_num_local_tokens=2, index_num_sink_tokens=1,
+                              mlp_only_layers=[0], mlp_only_intermediate_size=48),
+           bias=False, min_version="5.25",
+           graph_breaks="HF's own indexer, which the indexed layers call: query groups from .unique().tolist() per batch "
+                        "row (data-dependent)"),
     Family("glm4_moe", dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_experts=None,
                             use_qk_norm=True, rope_parameters=rope(0.5)), min_version="5.0"),
     Family("laguna", dict(MOE, shared_expert_intermediate_size=32, sliding_window=5, gating="per-head",

@@ -90,6 +90,13 @@ def _rope_only_on_sliding_layers(attn, hidden_states, position_embeddings):
     return _identity_rope(hidden_states)
 
 
+def _rope_if_sliding(attn, hidden_states, position_embeddings):
+    # Kolibri 1.1: RoPE on the sliding layers; the indexed-attention ones are NoPE
+    if attn.is_sliding:
+        return position_embeddings
+    return _identity_rope(hidden_states)
+
+
 def _rope_nope_if_none(attn, hidden_states, position_embeddings):
     # OLMo-Hybrid: no position embeddings -> NoPE
     if position_embeddings is None:
@@ -197,6 +204,33 @@ def _kv_update_dory(attn, cache, key, value, kwargs):
     return cache.update(key, value, attn.layer_idx + offset)
 
 
+def _kv_update_layer_idx(attn, cache, key, value, kwargs):
+    # Kolibri 1.1: cache.update(k, v, layer_idx), no kwargs
+    if cache is None:
+        return key, value
+    return cache.update(key, value, attn.layer_idx)
+
+
+def _indexer_kolibri1_1(attn, query, key, value, attention_mask, kwargs):
+    # Kolibri 1.1's indexed-attention layers: the indexer narrows the mask from q and the cached k (after the KV
+    # store), then k and v are rounded to NVFP4 with a straight-through gradient; every layer returns its index pool
+    # (HF's lines, HF's functions)
+    index_pool = kwargs.pop("index_pool", None)
+    if attn.indexer is None:
+        return key, value, attention_mask, (index_pool,)
+    if attention_mask is None:
+        raise ValueError("Sparse attention layers need an explicit 4D attention mask to overlay their selection.")
+    selected, index_pool = attn.indexer(query, key, attention_mask, index_pool)
+    if attention_mask.dtype == torch.bool:
+        attention_mask = selected
+    else:
+        attention_mask = attention_mask.masked_fill(~selected, torch.finfo(attention_mask.dtype).min)
+    quantize = attn._fusedqkv_modeling.nvfp4_fake_quantize
+    key = key + (quantize(key) - key).detach()
+    value = value + (quantize(value) - value).detach()
+    return key, value, attention_mask, (index_pool,)
+
+
 def _mask_doge_dynamic(attn, hidden_states, value_states, attention_mask):
     # Doge: the dynamic mask from the (cached) values, as DogeAttention.forward builds it
     dt_states = attn.dt_proj(value_states.transpose(1, 2).reshape(value_states.shape[0], value_states.shape[-2], -1))
@@ -224,6 +258,11 @@ def _shared_kv_key(attn):
     # index where those read it by kv_shared_layer_index (Gemma 3n before transformers 5.2x), else
     # under its layer type
     return attn.layer_idx if hasattr(attn, "kv_shared_layer_index") else attn.layer_type
+
+
+def _shared_kv_layer_str(attn):
+    # Kolibri 1.1: the full-length k/v stored under str(layer_idx)
+    return str(attn.layer_idx)
 
 
 def _skip_kv_shared(attn) -> Optional[str]:
@@ -284,6 +323,8 @@ class Arch:
     skip: Optional[Callable] = None            # (attn) -> why this layer stays HF's, or None
     kv_update: Optional[Callable] = None       # (attn, cache or None, k, v, kwargs) -> (k, v): the family's own cache
                                                # update (pops what it reads), else the transformers release's
+    before_attention: Optional[Callable] = None  # (attn, q, k, v, mask, kwargs) -> (k, v, mask, extra outputs): after
+                                                 # the cache, before the attention function (pops what it reads)
 
 
 def _row(model_type, module, attention, norm_class, **kw):
@@ -346,6 +387,12 @@ SUPPORTED = (
     _row("dory", "dory.modeling_dory", "DoryAttention", "DoryL2Norm", norm_weight=False, l2_norm=True,
          sliding_window=_sw_attr, qk_scale=_qk_scale_dory, output_gate=_gate_dory, kv_update=_kv_update_dory,
          consumes=("cache_offset",)),
+    # (RoPE on the sliding layers; the indexed-attention ones NoPE, with the indexer's selection and NVFP4-rounded k/v;
+    # KV-shared layers, which have q_proj only, stay HF's)
+    _row("kolibri1_1", "kolibri1_1.modeling_kolibri1_1", "Kolibri1_1Attention", "Kolibri1_1RMSNorm",
+         rope=_rope_if_sliding, sliding_window=_sw_if_sliding, shared_kv=_shared_kv_layer_str, skip=_skip_kv_shared,
+         kv_update=_kv_update_layer_idx, before_attention=_indexer_kolibri1_1,
+         consumes=("shared_kv_states", "index_pool")),
     _row("glm4_moe", "glm4_moe.modeling_glm4_moe", "Glm4MoeAttention", "Glm4MoeRMSNorm", skip=_skip_glm4_moe),
     _row("laguna", "laguna.modeling_laguna", "LagunaAttention", "LagunaRMSNorm", sliding_window=_sw_attr,
          output_gate=_gate_softplus_g_proj),
@@ -520,6 +567,9 @@ class _FusedAttention:
             shared_kv_states[arch.shared_kv(self)] = key, value
         if arch.dynamic_mask is not None:
             attention_mask = arch.dynamic_mask(self, hidden_states, value, attention_mask)
+        extra = ()
+        if arch.before_attention is not None:
+            key, value, attention_mask, extra = arch.before_attention(self, query, key, value, attention_mask, kwargs)
         modeling = self._fusedqkv_modeling
         functions = modeling.ALL_ATTENTION_FUNCTIONS
         impl = self.config._attn_implementation
@@ -540,7 +590,7 @@ class _FusedAttention:
             attn_output = (attn_output.view(gate.shape) * torch.sigmoid(gate)).view(attn_output.shape)
         if arch.output_gate is not None:
             attn_output = arch.output_gate(self, attn_output, hidden_states)
-        return getattr(self, arch.out_proj)(attn_output), attn_weights
+        return (getattr(self, arch.out_proj)(attn_output), attn_weights, *extra)
 
     def extra_repr(self) -> str:
         s: FusedSpec = self._fusedqkv
