@@ -2,14 +2,14 @@
 # session 32, call 1: on an H200, issue 36's rows and user clock (no H200 came in sessions 29-31); else
 # issue 35's end to end under compile (Qwen3-8B shape, 4 layers, torchao float8 rowwise, 100 steps; never run
 # since the graph breaks were fixed in session 30). (Issue 34's QLoRA 0.6B row: run_2.sh, which carries .bnb.)
-# First the new Ergo row (transformers 5.25, carried as .whl525) in the GPU family tests beside two other 5.25 rows,
+# First the new Ergo row (transformers 5.25, carried as .whl525) in the GPU family tests beside Dory, Kolibri 1.1 and Beam (5.25),
 # and the block compiled at several eps in one process (inductor).
 # Carry .whl .shared .whl525.
 source benchmarks/results/device_setup.sh
 TOTAL=${TOTAL:-575}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site525 .whl525/*.whl > $J/pip525.txt 2>&1
 step fam525 90 j/k/fam525.txt env PYTHONPATH=/tmp/site525:src:/tmp/site python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/test_gpu_hf_families.py -k "ergo or beam or llama4"
+  tests/test_gpu_hf_families.py -k "ergo or dory or kolibri1_1 or beam"
 step t_eps 60 j/k/t_eps.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py -k several_eps
 if grep -q H200 $W/gpu.txt; then
   step host 200 host.txt python3 benchmarks/host_costs.py --workloads=11,2,15,3 --train-tokens 128,131,512,1571 --out $J/host
