@@ -25,8 +25,9 @@ block reads; Liger-Kernel may patch their forward) stay the objects the model re
 ``SUPPORTED`` is the one table of what each HF family's attention computes, as the block's
 switches (norm position and scope, weight form, gated query, RoPE style, v norm) plus the few
 places where a family's forward differs from the common one (how it passes the sliding window,
-NoPE layers, an output gate from another projection, a dynamic mask, shared KV). Adding a
-family whose forward follows the common pattern is one row. Anything else raises
+NoPE layers, q/k scales after the block, an output gate from another projection, a dynamic mask,
+shared KV, its own cache update, an indexer before attention, HF's own joined q/k/v Linear).
+Adding a family whose forward follows the common pattern is one row. Anything else raises
 :class:`UnsupportedModelError` naming the family and the reason.
 """
 
