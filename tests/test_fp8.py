@@ -320,6 +320,16 @@ def _raises_naming(words, call):
     assert words in text, text
 
 
+def _refused_until_put_back(m, ids, want, owner, attr, new, words):
+    """``owner.<attr> = new`` is refused at the next call with ``words``; the old value put back, ``m`` computes
+    ``want`` again."""
+    old = getattr(owner, attr)
+    setattr(owner, attr, new)
+    _raises_naming(words, lambda: m(ids))
+    setattr(owner, attr, old)
+    assert torch.equal(m(ids).logits, want)
+
+
 def _float8_model(way, cfg):
     m = _tiny_qwen3()
     if way == "convert_before_apply_to":
@@ -359,16 +369,10 @@ def test_float8_linears_over_the_rows_compile_as_one_graph_and_stay_checked(way)
     if way != "convert_after_apply_to":
         return
     attn = m.model.layers[0].self_attn
-    rows = attn.q_proj.weight
-    attn.q_proj.weight = torch.nn.Parameter(rows.detach().clone())
-    _raises_naming("q_proj is a torchao Float8Linear whose weight is not rows 0:", lambda: m(ids))
-    attn.q_proj.weight = rows
-    assert torch.equal(m(ids).logits, want)
-    fused = attn.qkv_proj.weight
-    attn.qkv_proj.weight = torch.nn.Parameter(fused.detach().clone())
-    _raises_naming("q_proj is a torchao Float8Linear whose weight is not rows 0:", lambda: m(ids))
-    attn.qkv_proj.weight = fused
-    assert torch.equal(m(ids).logits, want)
+    words = "q_proj is a torchao Float8Linear whose weight is not rows 0:"
+    for owner in (attn.q_proj, attn.qkv_proj):
+        _refused_until_put_back(m, ids, want, owner, "weight", torch.nn.Parameter(owner.weight.detach().clone()),
+                                words)
 
 
 def test_float8_linears_over_the_rows_keep_their_plan_in_eager_and_stay_checked():
@@ -389,21 +393,13 @@ def test_float8_linears_over_the_rows_keep_their_plan_in_eager_and_stay_checked(
     plan = projection_plan._PLANS.get(attn)
     assert plan is not None and plan.key is not None
     assert torch.equal(m(ids).logits, want) and projection_plan._PLANS.get(attn) is plan  # kept
-    rows = attn.k_proj.weight
-    attn.k_proj.weight = torch.nn.Parameter(rows.detach().clone())
-    _raises_naming("k_proj is a torchao Float8Linear whose weight is not rows", lambda: m(ids))
-    attn.k_proj.weight = rows
-    assert torch.equal(m(ids).logits, want)
+    words = "q_proj is a torchao Float8Linear whose weight is not rows 0:"
+    _refused_until_put_back(m, ids, want, attn.k_proj, "weight", torch.nn.Parameter(attn.k_proj.weight.detach().clone()),
+                            "k_proj is a torchao Float8Linear whose weight is not rows")
     fused = attn.qkv_proj.weight
-    attn.qkv_proj.weight = torch.nn.Parameter(fused.detach().clone())
-    _raises_naming("q_proj is a torchao Float8Linear whose weight is not rows 0:", lambda: m(ids))
-    attn.qkv_proj.weight = fused
-    assert torch.equal(m(ids).logits, want)
-    kept = fused.data
-    fused.data = kept.clone()  # the fused parameter's storage elsewhere: the views show the old rows
-    _raises_naming("q_proj is a torchao Float8Linear whose weight is not rows 0:", lambda: m(ids))
-    fused.data = kept
-    assert torch.equal(m(ids).logits, want)
+    _refused_until_put_back(m, ids, want, attn.qkv_proj, "weight", torch.nn.Parameter(fused.detach().clone()), words)
+    # the fused parameter's storage elsewhere: the views show the old rows
+    _refused_until_put_back(m, ids, want, fused, "data", fused.data.clone(), words)
 
 
 def test_float8_linears_over_rows_of_a_moved_or_copied_projection_are_refused():

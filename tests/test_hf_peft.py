@@ -78,6 +78,21 @@ def test_lora_logits_and_adapter_gradients_match_peft(fam, targets, order):
     assert not attn.qkv_proj.weight.requires_grad and attn.qkv_proj.weight.grad is None  # no dW GEMM
 
 
+def _check_round_trip(m, ref, base, ids, tmp_path):
+    """Adapters saved from the fused PEFT model load into the unfused one and back, the logits equal; the fused
+    model's adapter and base keys are PEFT's and HF+PEFT's (<proj>.base_layer.*)."""
+    m.save_pretrained(tmp_path / "fused")
+    unfused = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "fused")
+    assert _rel(unfused(input_ids=ids).logits, m(input_ids=ids).logits) <= TOL
+    ref.save_pretrained(tmp_path / "unfused")
+    fused_base = copy.deepcopy(base)
+    fusedqkv.apply_to(fused_base)
+    fused = PeftModel.from_pretrained(fused_base, tmp_path / "unfused")
+    assert _rel(fused(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
+    assert list(get_peft_model_state_dict(m)) == list(get_peft_model_state_dict(ref))
+    assert list(m.state_dict()) == list(ref.state_dict())
+
+
 ERGO_TARGETS = {"all_linear": "all-linear", "qkv_proj": ["qkv_proj"]}
 
 
@@ -106,15 +121,7 @@ def test_lora_on_hfs_own_joined_qkv_proj(targets, order):
 def test_joined_qkv_proj_adapters_round_trip_merge_and_compile(tmp_path):
     m, ref, base = _pair("ergo", _lora("all-linear"), "apply_first")
     ids = _ids(m.config.vocab_size, 12)
-    m.save_pretrained(tmp_path / "fused")
-    unfused = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "fused")
-    assert _rel(unfused(input_ids=ids).logits, m(input_ids=ids).logits) <= TOL
-    ref.save_pretrained(tmp_path / "unfused")
-    fused_base = copy.deepcopy(base)
-    fusedqkv.apply_to(fused_base)
-    fused = PeftModel.from_pretrained(fused_base, tmp_path / "unfused")
-    assert _rel(fused(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
-    assert list(m.state_dict()) == list(ref.state_dict())  # HF+PEFT's qkv_proj.base_layer.weight
+    _check_round_trip(m, ref, base, ids, tmp_path)  # (HF+PEFT's qkv_proj.base_layer.weight)
     # each fused attention of the PEFT model as one graph, through AOT autograd
     c = copy.deepcopy(m)
     for mod in c.modules():
@@ -150,17 +157,7 @@ def test_dropout_rslora_and_rank_patterns(dropout):
 
 def test_adapters_round_trip_between_fused_and_unfused(tmp_path):
     m, ref, base = _pair("qwen3", _lora("all-linear"), "apply_first")
-    ids = _ids(m.config.vocab_size, 3)
-    m.save_pretrained(tmp_path / "fused")
-    unfused = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "fused")
-    assert _rel(unfused(input_ids=ids).logits, m(input_ids=ids).logits) <= TOL
-    ref.save_pretrained(tmp_path / "unfused")
-    fused_base = copy.deepcopy(base)
-    fusedqkv.apply_to(fused_base)
-    fused = PeftModel.from_pretrained(fused_base, tmp_path / "unfused")
-    assert _rel(fused(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
-    assert list(get_peft_model_state_dict(m)) == list(get_peft_model_state_dict(ref))
-    assert list(m.state_dict()) == list(ref.state_dict())  # base keys: HF+PEFT's <proj>.base_layer.*
+    _check_round_trip(m, ref, base, _ids(m.config.vocab_size, 3), tmp_path)
 
 
 @pytest.mark.parametrize("safe_merge", [False, True])

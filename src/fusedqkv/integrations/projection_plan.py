@@ -150,6 +150,7 @@ def _fingerprint(attn, projs: tuple, fused_name: str):
             add((m, type(m), type(m._parameters.get("weight")) if isinstance(m, nn.Module) else None))
     lora_classes = _lora_classes()
     float8_linear = getattr(sys.modules.get("torchao.float8.float8_linear"), "Float8Linear", None)
+    float8_slots = False
     for name in projs:
         slot = mods.get(name)
         if not isinstance(slot, nn.Module):
@@ -157,12 +158,11 @@ def _fingerprint(attn, projs: tuple, fused_name: str):
         cls = type(slot)
         add((slot, cls, hook_counts(slot)))
         if cls is float8_linear and isinstance(fused, nn.Module):
-            # torchao's Float8Linear over the rows: what _check_float8_rows reads, its recipe's config
+            # torchao's Float8Linear over the rows: what _check_float8_rows reads (the fused parameters' part once,
+            # after the loop), its recipe's config
+            float8_slots = True
             key.append(id(slot.__dict__.get("config")))
-            for params in (slot._parameters, fused._parameters):
-                for attr in ("weight", "bias"):
-                    t = params.get(attr)
-                    add((id(t), t.data_ptr() if t is not None else 0))
+            add(_identity_and_storage(slot._parameters))
             continue
         if cls not in lora_classes:
             key.append(slot.__dict__.get("fused"))
@@ -198,4 +198,12 @@ def _fingerprint(attn, projs: tuple, fused_name: str):
                  wb.dtype, wa.shape[0], wa.device, B._parameters.get("bias") is None, scaling.get(a),
                  bool(use_dora.get(a, False)), variants.get(a) is None, drop, type(drop), drop.training,
                  drop.__dict__.get("p")))
+    if float8_slots:
+        add(_identity_and_storage(fused._parameters))
     return tuple(key)
+
+
+def _identity_and_storage(params: dict) -> tuple:
+    """A module's weight's and bias's ids and storage addresses (0 where absent)."""
+    w, b = params.get("weight"), params.get("bias")
+    return (id(w), w.data_ptr() if w is not None else 0, id(b), b.data_ptr() if b is not None else 0)
