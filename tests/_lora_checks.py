@@ -39,3 +39,30 @@ def dense_copy(m):
                 lin.requires_grad_(False)
                 setattr(mod, name, lin)
     return m
+
+
+# register_<kind> -> the module's hook dict it writes
+_HOOK_DICTS = {"forward_hook": "_forward_hooks", "forward_pre_hook": "_forward_pre_hooks",
+               "full_backward_hook": "_backward_hooks", "full_backward_pre_hook": "_backward_pre_hooks"}
+
+
+def add_hook(mod, kind="forward_hook"):
+    """A no-op hook on ``mod`` (``mod.register_<kind>``), its handle returned. fusedqkv's own modules in the
+    projection's place refuse the registration (checked here); on those the hook is written into the hook dict
+    as ``register_<kind>`` writes it, which the next forward must still refuse."""
+    import pytest
+    from torch.utils.hooks import RemovableHandle
+
+    from fusedqkv.integrations.fused_projection import FusedQKVProjection, ProjectionRows, UnsupportedModuleError
+
+    def fn(*args):
+        return None
+
+    if not isinstance(mod, (FusedQKVProjection, ProjectionRows)):
+        return getattr(mod, f"register_{kind}")(fn)
+    with pytest.raises(UnsupportedModuleError, match=f"{type(mod).__name__} refuses a"):
+        getattr(mod, f"register_{kind}")(fn)
+    hooks = getattr(mod, _HOOK_DICTS[kind])
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = fn
+    return handle

@@ -20,7 +20,7 @@ from fusedqkv.integrations.fused_projection import (FusedQKVProjection, Projecti
                                                      UnsupportedModuleError)
 
 from _hf_families import build, family, fused_modules  # noqa: E402
-from _lora_checks import rel as _rel, step as _step  # noqa: E402
+from _lora_checks import add_hook, rel as _rel, step as _step  # noqa: E402
 
 TOL = 1e-5
 
@@ -85,7 +85,7 @@ def test_a_hook_added_after_a_forward_is_refused_and_its_removal_seen(where, kin
     m, ref = _pair()
     ids = _ids(m.config.vocab_size, 1)
     m(input_ids=ids)
-    handle = getattr(_module(_attn(m), where), f"register_{kind}")(lambda *a: None)
+    handle = add_hook(_module(_attn(m), where), kind)
     with pytest.raises(UnsupportedModuleError, match=rf"{where} has a forward"):
         m(input_ids=ids)
     with pytest.raises(UnsupportedModuleError):  # every forward, not only the first
@@ -102,7 +102,7 @@ def test_a_backward_hook_in_the_place_is_refused(where, kind):
     m, ref = _pair()
     ids = _ids(m.config.vocab_size, 4)
     m(input_ids=ids)
-    handle = getattr(_module(_attn(m), where), f"register_{kind}")(lambda *a: None)
+    handle = add_hook(_module(_attn(m), where), kind)
     with pytest.raises(UnsupportedModuleError, match=rf"{where} has a backward"):
         m(input_ids=ids)
     handle.remove()
@@ -194,7 +194,7 @@ def test_a_module_swapped_after_a_forward_is_refused_without_peft():
         m(input_ids=ids)
     attn._modules["v_proj"] = old
     m(input_ids=ids)
-    old.register_forward_pre_hook(lambda *a: None)
+    add_hook(old, "forward_pre_hook")
     with pytest.raises(UnsupportedModuleError, match="v_proj has a forward pre-hook"):
         m(input_ids=ids)
 

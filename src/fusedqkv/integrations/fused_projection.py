@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 
 import torch
@@ -28,14 +29,36 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import UnsupportedModelError
-from ..ops.internals import TRACES_MODULE_DICT_KEYS
+from ..ops.internals import compile_guards_new_hooks
 
 
 class UnsupportedModuleError(UnsupportedModelError):
     """A module in the fused block's place (or a hook on it) that the block cannot compute."""
 
 
-class FusedQKVProjection(nn.Module):
+class _RefusesHooks:
+    """Module hooks refused as they are registered: the fused block computes these modules' rows itself and
+    never calls them. Refused here, not only at the next forward: under ``torch.compile`` on torch 2.11,
+    a hook added after compiling is not guarded (an empty hook dict never is), so the next call would not
+    look (session 33). A hook written straight into a hook dict is still refused at the next forward."""
+
+    def register_forward_hook(self, *args, **kwargs):
+        _refuse_hook(self, "forward hook")
+
+    def register_forward_pre_hook(self, *args, **kwargs):
+        _refuse_hook(self, "forward pre-hook")
+
+    def register_full_backward_hook(self, *args, **kwargs):
+        _refuse_hook(self, "backward hook")
+
+    def register_full_backward_pre_hook(self, *args, **kwargs):
+        _refuse_hook(self, "backward pre-hook")
+
+    def register_backward_hook(self, *args, **kwargs):
+        _refuse_hook(self, "backward hook")
+
+
+class FusedQKVProjection(_RefusesHooks, nn.Module):
     """The joined q/k/v projection of a fused attention: ``weight`` ``[rows, in_features]``, rows
     ``[Q | K | V]`` (``split`` rows each), ``bias`` or None. Called directly it is ``x W^T + b``."""
 
@@ -124,7 +147,7 @@ class RowsView(nn.Parameter):
             forget_frozen_weight_casts(fused)
 
 
-class ProjectionRows(nn.Linear):
+class ProjectionRows(_RefusesHooks, nn.Linear):
     """Rows ``[start, stop)`` of a :class:`FusedQKVProjection`, as the ``nn.Linear`` HF had there.
 
     ``weight``/``bias`` are :class:`RowsView` parameters over the fused parameters' rows, kept in the fused
@@ -186,28 +209,30 @@ def _hooks(m: nn.Module) -> list:
     """The kinds of module hook ``m`` carries (the fused block never calls it: none would run), and
     ``"replaced forward"`` where ``forward`` was set on the instance.
 
-    The hook dicts are read through the instance ``__dict__``: so ``torch.compile`` guards on them (read
-    as ``m._forward_hooks``, an empty hook dict is not guarded unless
+    The hook dicts are read through the instance ``__dict__``: so ``torch.compile`` guards on them from
+    torch 2.12 on (read as ``m._forward_hooks``, an empty hook dict is not guarded unless
     ``torch._dynamo.config.skip_nnmodule_hook_guards`` is off, and a hook added after compiling would be
-    bypassed by the compiled graph). A ``forward`` set on the instance: :func:`_forward_set` (under
-    ``torch.compile`` before torch 2.13 not seen; the fused modules refuse it as it is set,
-    :func:`_refuse_forward`)."""
+    bypassed by the compiled graph; on torch 2.11 not either way: :func:`_announce_unguarded_hooks`). A ``forward`` set on the instance: :func:`_forward_set` (the fused
+    modules refuse it as it is set, :func:`_refuse_forward`)."""
     d = m.__dict__
     out = []
     for kind, attr in _HOOK_DICTS:  # (plain loops: what session 30 traced on torch 2.11 and 2.13)
         if len(d[attr]):
             out.append(kind)
-    if _forward_set(d):
+    if _forward_set(m, d):
         out.append("replaced forward")
     return out
 
 
-def _forward_set(d: dict) -> bool:
-    """``forward`` is in a module's instance ``__dict__`` ``d``. Under ``torch.compile`` read as the keys'
-    list, on which it guards, where it traces that (torch 2.13 on); before, not looked for there."""
+def _forward_set(m: nn.Module, d: dict) -> bool:
+    """``forward`` is in the instance ``__dict__`` ``d`` of module ``m``. Under ``torch.compile``, read as
+    the attribute ``m.forward``: Dynamo guards on what that attribute resolves to (it does not guard
+    on a key test of the instance dict, and torch 2.11 cannot list its keys), so a forward set after
+    compiling makes the next call retrace and refuse it."""
     if not torch.compiler.is_compiling():
         return "forward" in d
-    return TRACES_MODULE_DICT_KEYS and "forward" in list(d.keys())
+    f = m.forward
+    return not (type(f) is types.MethodType and f.__func__ is type(m).forward)
 
 
 def _refuse_forward(m: nn.Module, name: str) -> None:
@@ -217,13 +242,19 @@ def _refuse_forward(m: nn.Module, name: str) -> None:
             f"itself and never calls its forward, so the new forward would not run")
 
 
+def _refuse_hook(m: nn.Module, kind: str) -> None:
+    raise UnsupportedModuleError(
+        f"fusedqkv: {type(m).__name__} refuses a {kind}: the fused block computes this module's rows itself "
+        f"and never calls it, so the hook would not run")
+
+
 def hook_counts(m: nn.Module) -> tuple:
     """What a kept decision about ``m`` depends on of its hooks (:mod:`.projection_plan`). Read as
     :func:`_hooks` reads them, so that ``torch.compile`` guards on them where it compiles this (a frame
     run after a graph break)."""
     d = m.__dict__  # (_HOOK_DICTS spelled out: this runs for every slot of every fused forward)
     return (len(d["_forward_hooks"]), len(d["_forward_pre_hooks"]), len(d["_backward_hooks"]),
-            len(d["_backward_pre_hooks"]), _forward_set(d))
+            len(d["_backward_pre_hooks"]), _forward_set(m, d))
 
 
 def unwrap_lora(m) -> tuple:
@@ -283,7 +314,34 @@ def projection_slots(attn, projs: tuple, quantized: bool = False, fused_name: st
                 _hint(lora if lora is not None else m))
         _check_unhooked(where, name, lora, m)
         out.append((name, m, lora))
+    if torch.compiler.is_compiling():
+        for _, m, lora in out:  # (a loop: torch.compile traces no generator)
+            if lora is not None or type(m) is not ProjectionRows:
+                _announce_unguarded_hooks(where)
+                break
     return out
+
+
+_ANNOUNCED_UNGUARDED = set()
+
+
+@torch.compiler.assume_constant_result  # run as torch.compile traces, not in the graph
+def _announce_unguarded_hooks(where: str) -> bool:
+    """Warn once per attention class where ``torch.compile`` would not see a hook added after compiling
+    to a module fusedqkv does not own in the projection's place (PEFT's layers, torchao's, bitsandbytes';
+    fusedqkv's own modules refuse hooks as they are registered): True where warned or would be."""
+    if compile_guards_new_hooks():
+        return False
+    if where not in _ANNOUNCED_UNGUARDED:
+        _ANNOUNCED_UNGUARDED.add(where)
+        warnings.warn(
+            f"fusedqkv: under torch.compile on torch {torch.__version__}, a hook added after compiling to a module "
+            f"in {where}'s q/k/v places (a PEFT, torchao or bitsandbytes layer) is not seen by the compiled graph: "
+            f"torch guards no module hook dict that was empty when it compiled "
+            f"(torch._dynamo.config.skip_nnmodule_hook_guards, on by default), so the fused block would run past "
+            f"the hook instead of refusing it as in eager. Set torch._dynamo.config.skip_nnmodule_hook_guards = "
+            f"False before compiling, or use torch >= 2.12, to have such hooks refused", UserWarning, stacklevel=2)
+    return True
 
 
 # the classes of what the fused block reads that are never torchao's: the checks below return at once for
@@ -474,6 +532,8 @@ def _quantized_slots(attn, projs: tuple, where: str) -> list:
         _check_unhooked(where, name, lora, m)
         check_4bit(f"{where}.{name}", m, m.in_features, UnsupportedModuleError)
         out.append((name, m, lora))
+    if torch.compiler.is_compiling():
+        _announce_unguarded_hooks(where)
     return out
 
 

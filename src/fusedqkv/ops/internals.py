@@ -131,10 +131,20 @@ def fast_path_info() -> dict:
 _TORCH_PROBLEM = (None if _in_range(torch.__version__, TORCH_SUPPORTED) else
                   f"torch {torch.__version__} is outside the supported range {_range_text(TORCH_SUPPORTED)}")
 
-# torch.compile traces ``list(module.__dict__.keys())`` and guards on the keys from torch 2.13 (2.11 breaks
-# the graph there: session 30's device call 4; 2.12 not tried): what the HF integration reads to see a forward
-# set on a module's instance after compiling (integrations.fused_projection._hooks)
-TRACES_MODULE_DICT_KEYS = (_minor(torch.__version__) or (0, 0)) >= (2, 13)
+
+# torch.compile guards a module's hook dicts read through its instance ``__dict__`` from torch 2.12 on; before,
+# an empty one is not guarded while ``torch._dynamo.config.skip_nnmodule_hook_guards`` is on (its default), so a
+# hook added after compiling goes unseen by the compiled graph (session 33: torch 2.11; 2.12, 2.13, 2.14 guard it)
+GUARDS_HOOK_DICT_READS = (_minor(torch.__version__) or (0, 0)) >= (2, 12)
+
+
+def compile_guards_new_hooks() -> bool:
+    """Whether ``torch.compile`` would see a module hook added after it compiled the fused attention:
+    from torch 2.12 on, or before with ``torch._dynamo.config.skip_nnmodule_hook_guards`` off."""
+    if GUARDS_HOOK_DICT_READS:
+        return True
+    return not _torch_internal("torch._dynamo.config.skip_nnmodule_hook_guards",
+                               lambda: torch._dynamo.config.skip_nnmodule_hook_guards, True)
 
 
 def _torch_internal(what: str, get: Callable, public):
