@@ -14,7 +14,7 @@ if grep -q H200 $W/gpu.txt; then
   tail -4 $W/b091.txt | cut -c1-200; tail -24 $W/fp8.txt | cut -c1-220
 else
   step cpu211 200 cpu211.txt env TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= PYTHONPATH=src:tests:/tmp/site python3 -m pytest -q -rfs -p no:cacheprovider tests/test_hf_peft.py tests/test_hf_projection_plan.py tests/test_fp8.py -k "not gpu"
-  step gpu 240 gpu.txt env PYTHONPATH=src:tests:/tmp/site python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_graphs.py "tests/test_gpu_fp8.py::test_hf_model_with_torchao_float8_compiles_with_inductor"
-  tail -6 $W/cpu211.txt | cut -c1-200; tail -6 $W/gpu.txt | cut -c1-200
+  step gputests 240 gputests.txt env PYTHONPATH=src:tests:/tmp/site python3 -m pytest -q -rfs -p no:cacheprovider tests/test_gpu_graphs.py "tests/test_gpu_fp8.py::test_hf_model_with_torchao_float8_compiles_with_inductor"
+  tail -6 $W/cpu211.txt | cut -c1-200; tail -6 $W/gputests.txt | cut -c1-200
 fi
 cat $W/status
