@@ -38,9 +38,9 @@ class UnsupportedModuleError(UnsupportedModelError):
 
 class _RefusesHooks:
     """Module hooks refused as they are registered: the fused block computes these modules' rows itself and
-    never calls them. Refused here, not only at the next forward: under ``torch.compile`` on torch 2.11,
-    a hook added after compiling is not guarded (an empty hook dict never is), so the next call would not
-    look (session 33). A hook written straight into a hook dict is still refused at the next forward."""
+    never calls them. Refused here, not only at the next forward: under ``torch.compile`` on torch 2.11 a
+    hook added after compiling is not seen (no empty module hook dict is guarded there), so the next call
+    would not look. A hook written straight into a hook dict is still refused at the next forward."""
 
     def register_forward_hook(self, *args, **kwargs):
         _refuse_hook(self, "forward hook")
@@ -212,8 +212,9 @@ def _hooks(m: nn.Module) -> list:
     The hook dicts are read through the instance ``__dict__``: so ``torch.compile`` guards on them from
     torch 2.12 on (read as ``m._forward_hooks``, an empty hook dict is not guarded unless
     ``torch._dynamo.config.skip_nnmodule_hook_guards`` is off, and a hook added after compiling would be
-    bypassed by the compiled graph; on torch 2.11 not either way: :func:`_announce_unguarded_hooks`). A ``forward`` set on the instance: :func:`_forward_set` (the fused
-    modules refuse it as it is set, :func:`_refuse_forward`)."""
+    bypassed by the compiled graph; on torch 2.11 not either way: :func:`_announce_unguarded_hooks`). A
+    ``forward`` set on the instance: :func:`_forward_set` (the fused modules refuse it as it is set,
+    :func:`_refuse_forward`)."""
     d = m.__dict__
     out = []
     for kind, attr in _HOOK_DICTS:  # (plain loops: what session 30 traced on torch 2.11 and 2.13)
