@@ -119,7 +119,9 @@ def draw_case(seed: int, index: int, caps: dict, api=None, plain=False) -> dict:
         opt_train["norm_scope"] = "head"
     # the FP8 projection (issue 35) where its GEMMs take the sizes: hidden and qkv rows multiples of 16
     rows = ((2 if opt_train["q_gate"] else 1) * hq + (1 if opt_train["k_eq_v"] else 2) * hkv) * d
-    opt_train["fp8"] = fp8_draw if caps.get("fp8", True) and hidden % 16 == 0 and rows % 16 == 0 else None
+    # (caps["fp8_recipes"]: the recipes the device runs; torch 2.11's CPU torch._scaled_mm takes no row scales)
+    opt_train["fp8"] = fp8_draw if (caps.get("fp8", True) and hidden % 16 == 0 and rows % 16 == 0
+                                    and fp8_draw in caps.get("fp8_recipes", (fp8_draw,))) else None
     case["api"] = api or case["api"]
     case.update(opt_091 if case["api"] == "091" else opt_train)
     return case
@@ -555,6 +557,12 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     caps = dict(max_tokens=args.max_tokens, max_hidden=args.max_hidden, max_heads=args.max_heads,
                 head_dims=args.head_dims)
+    if device.type == "cpu":
+        from fusedqkv.ops import fp8
+
+        if not fp8.cpu_scaled_mm_takes_row_scales():  # such cases raise (clearly) on this CPU: not drawn
+            caps["fp8_recipes"] = [k for k in ("rowwise", "tensorwise", "rowwise_with_gw_hp")
+                                   if not fp8.row_scaled_gemms(fp8.RECIPES[k])]
     if args.case_json:
         cases = [json.loads(args.case_json)]
     elif args.case is not None:

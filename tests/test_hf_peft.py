@@ -18,7 +18,7 @@ from fusedqkv.integrations.fused_projection import (_ANNOUNCED_UNGUARDED, Projec
                                                      UnsupportedModuleError)
 from fusedqkv.ops.internals import GUARDS_HOOK_DICT_READS  # noqa: E402
 
-from _fp8_cpu import needs_cpu_row_scales  # noqa: E402
+from _fp8_cpu import needs_cpu_row_scales, needs_torchao_mx_training  # noqa: E402
 from _hf_families import build, family  # noqa: E402
 from _lora_checks import add_hook, rel as _rel, step as _step  # noqa: E402
 
@@ -413,6 +413,7 @@ def _mx_config():
     return MXFP8TrainingOpConfig()  # torchao 0.18's MX training: RCEIL scales
 
 
+@needs_torchao_mx_training
 def test_lora_then_mx_training_over_qkv_proj_runs_both_in_the_block():
     """get_peft_model after apply_to, then quantize_ with torchao's MX training config over qkv_proj: the
     adapters inside the block and the fused GEMM in mxfp8_rceil (emulated on the CPU), as the same PEFT
@@ -441,6 +442,7 @@ def test_lora_then_mx_training_over_qkv_proj_runs_both_in_the_block():
 
 
 @pytest.mark.filterwarnings("ignore:TorchaoLoraLinear was instantiated")
+@needs_torchao_mx_training
 def test_lora_over_rows_of_an_mx_wrapped_qkv_proj_is_refused():
     """quantize_ over qkv_proj first: PEFT then sees torchao tensors in the rows and makes its own
     TorchaoLoraLinear, which the block does not compute: refused by name (LoRA first works, above)."""

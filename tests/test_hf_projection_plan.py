@@ -20,6 +20,7 @@ from fusedqkv.integrations.fused_projection import (FusedQKVProjection, Projecti
                                                      UnsupportedModuleError)
 
 from _hf_families import build, family, fused_modules  # noqa: E402
+from _fp8_cpu import needs_torchao_mx_training  # noqa: E402
 from _lora_checks import add_hook, rel as _rel, step as _step  # noqa: E402
 
 TOL = 1e-5
@@ -199,6 +200,7 @@ def test_a_module_swapped_after_a_forward_is_refused_without_peft():
         m(input_ids=ids)
 
 
+@needs_torchao_mx_training
 def test_qkv_proj_parameters_wrapped_after_a_forward_are_seen():
     """torchao's MX training (quantize_ over qkv_proj) swaps qkv_proj's parameters for wrapped ones, the
     module and its rows unchanged: the fingerprint holds the parameters' classes and the config, so
