@@ -40,7 +40,8 @@ class _RefusesHooks:
     """Module hooks refused as they are registered: the fused block computes these modules' rows itself and
     never calls them. Refused here, not only at the next forward: under ``torch.compile`` on torch 2.11 a
     hook added after compiling is not seen (no empty module hook dict is guarded there), so the next call
-    would not look. A hook written straight into a hook dict is still refused at the next forward."""
+    would not look. A hook written straight into a hook dict is still refused at the next forward (compiled:
+    from torch 2.12)."""
 
     def register_forward_hook(self, *args, **kwargs):
         _refuse_hook(self, "forward hook")
