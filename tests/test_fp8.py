@@ -288,17 +288,9 @@ def test_float8_over_hfs_own_joined_qkv_proj(way):
     ref = build(fam)
     convert_to_float8_training(ref, config=cfg)
     assert type(ref.model.layers[0].self_attn.qkv_proj) is Float8Linear
-    m = build(fam)
-    if way == "convert_before_apply_to":
-        convert_to_float8_training(m, config=cfg)
-        fusedqkv.apply_to(m)
-    elif way == "convert_after_apply_to":
-        fusedqkv.apply_to(m)
-        convert_to_float8_training(m, config=cfg)
+    m = _with_float8(build(fam), way, cfg, lambda mod, fqn: not fqn.endswith("qkv_proj"))
+    if way == "convert_after_apply_to":
         assert type(m.model.layers[0].self_attn.qkv_proj) is Float8Linear
-    else:
-        fusedqkv.apply_to(m, fp8="rowwise")
-        convert_to_float8_training(m, config=cfg, module_filter_fn=lambda mod, fqn: not fqn.endswith("qkv_proj"))
     assert "fp8=rowwise" in repr(m.model.layers[0].self_attn) or way != "apply_to_fp8"
     ids = batch(2, 12)
     out, want = m(ids).logits, ref(ids).logits
@@ -330,8 +322,9 @@ def _refused_until_put_back(m, ids, want, owner, attr, new, words):
     assert torch.equal(m(ids).logits, want)
 
 
-def _float8_model(way, cfg):
-    m = _tiny_qwen3()
+def _with_float8(m, way, cfg, not_qkv=_not_qkv):
+    """``m`` with torchao's float8 (``cfg``) and the fused block, one of three ways: converted before ``apply_to``,
+    after it, or ``apply_to(fp8="rowwise")`` with the modules ``not_qkv`` leaves out (q/k/v's) left unconverted."""
     if way == "convert_before_apply_to":
         convert_to_float8_training(m, config=cfg)
         fusedqkv.apply_to(m)
@@ -340,8 +333,12 @@ def _float8_model(way, cfg):
         convert_to_float8_training(m, config=cfg)
     else:
         fusedqkv.apply_to(m, fp8="rowwise")
-        convert_to_float8_training(m, config=cfg, module_filter_fn=_not_qkv)
+        convert_to_float8_training(m, config=cfg, module_filter_fn=not_qkv)
     return m
+
+
+def _float8_model(way, cfg):
+    return _with_float8(_tiny_qwen3(), way, cfg)
 
 
 @pytest.mark.parametrize("way", ["convert_before_apply_to", "convert_after_apply_to", "apply_to_fp8"])
