@@ -248,7 +248,8 @@ def cpu_native_bf16() -> Optional[bool]:
     """Whether this x86 CPU lists AVX-512 BF16 or AMX-BF16 (torch's fast CPU bf16 GEMMs), None
     where its flags cannot be read."""
     try:
-        text = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
     except OSError:
         return None
     for line in text.splitlines():
