@@ -11,7 +11,7 @@ if grep -q H200 $W/gpu.txt; then
   step fp8 170 fp8.txt python3 benchmarks/bench_fp8.py --rows 2,5,8,9 --reps 12 --out $J/fp8
   step blora 100 blora.txt python3 benchmarks/bench_lora.py --reps 12 --out $J/blora
 fi
-step gputests 150 gputests.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py "tests/test_gpu_fp8.py::test_hf_model_with_torchao_float8_compiles_with_inductor" -W "error::UserWarning:torch._dynamo.*"
+step gputests 150 gputests.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py "tests/test_gpu_fp8.py::test_hf_model_with_torchao_float8_compiles_with_inductor"
 if grep -q H200 $W/gpu.txt; then
   grep -A6 "^091 / two torch.mm" $W/host.txt; grep -A9 "^training fwd+bwd / two torch.mm, interleaved" $W/host.txt
   tail -4 $W/b091.txt | cut -c1-200; tail -24 $W/fp8.txt | cut -c1-220; tail -14 $W/blora.txt | cut -c1-240
