@@ -274,10 +274,18 @@ def test_changes_after_compiling_are_refused_not_bypassed(peft):
         m = get_peft_model(m, _lora("all-linear"))
     ids = _ids(m.config.vocab_size)
     want = m(input_ids=ids).logits
+    graphs = []
+
+    def eager_recorded(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    attns = [mod for mod in m.modules() if hasattr(mod, "_fusedqkv")]
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=GUARDS_HOOK_DICT_READS):
-        for mod in [mod for mod in m.modules() if hasattr(mod, "_fusedqkv")]:
-            mod.compile(backend="eager")
+        for mod in attns:
+            mod.compile(backend=eager_recorded)
         assert torch.equal(m(input_ids=ids).logits, want)
+        assert len(graphs) == len(attns)
         attn = next(mod for mod in m.modules() if hasattr(mod, "_fusedqkv"))
         rows = attn.v_proj.base_layer if peft else attn.v_proj
         for mod in (rows, attn.qkv_proj):  # a forward set on the fused modules is refused as it is set
@@ -291,6 +299,12 @@ def test_changes_after_compiling_are_refused_not_bypassed(peft):
                 m(input_ids=ids)
             handle.remove()
             assert torch.equal(m(input_ids=ids).logits, want), label
+    # Dynamo runs a frame that raised without its graph from then on (the attention traced in pieces);
+    # torch.compiler.reset() has each attention compiled as one graph again (the README says so)
+    torch.compiler.reset()
+    graphs.clear()
+    assert torch.equal(m(input_ids=ids).logits, want)
+    assert len(graphs) == len(attns)
 
 
 @pytest.mark.parametrize("peft", [False, True], ids=["rows", "lora"])
