@@ -163,7 +163,7 @@ def test_compiled_block_traces_no_cpu_scaled_mm_probe():
     """The CPU check of row-scale support (a 16 x 16 ``_scaled_mm``, probed once) is a constant to
     torch.compile: traced through, its probe GEMM was in the graph (and torch 2.15 warned of its cache)."""
     from fusedqkv.ops import fp8 as ops_fp8
-    ops_fp8._CPU_ROW_SCALES.clear()  # the probe would run as Dynamo traces
+    ops_fp8._cpu_row_scales_probe.cache_clear()  # the probe would run as Dynamo traces
     torch._dynamo.reset()
     blk = fusedqkv.GQAQKVRoPEQKNorm(64, 4, 2, 16, fp8="rowwise", dtype=torch.bfloat16)
     x = torch.randn(1, 8, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -180,7 +180,7 @@ def test_compiled_block_traces_no_cpu_scaled_mm_probe():
         out = torch.compile(blk, backend=record, fullgraph=True)(x, cos, sin)
     assert len(graphs) == 1 and all(torch.equal(a, b) for a, b in zip(out, blk(x, cos, sin)))
     probes = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "scaled_mm" in str(n.target)]
-    assert probes == [] and ops_fp8._CPU_ROW_SCALES in ([True], [False])
+    assert probes == [] and ops_fp8._cpu_row_scales_probe.cache_info().currsize == 1
 
 
 # ------------------------------------------------------------------------ the kernels, interpreted

@@ -234,22 +234,21 @@ def recipe_of_torchao_mx_config(config, where: str = "torchao MX training") -> F
     return r
 
 
-_CPU_ROW_SCALES: list = []  # the probe's answer, once
+@functools.cache
+def _cpu_row_scales_probe() -> bool:
+    a = torch.ones(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 @torch.compiler.assume_constant_result  # under torch.compile: a constant, not a probe GEMM in the graph
 def cpu_scaled_mm_takes_row_scales() -> bool:
     """``torch._scaled_mm`` on the CPU takes row/column scales (torch 2.13's does; 2.11's CPU kernel takes
     per-tensor scales only and fails an internal assert otherwise). Probed once, on 16 x 16 operands."""
-    if not _CPU_ROW_SCALES:
-        a = torch.ones(16, 16).to(E4M3)
-        try:
-            torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
-                             out_dtype=torch.bfloat16)
-            _CPU_ROW_SCALES.append(True)
-        except (RuntimeError, NotImplementedError):
-            _CPU_ROW_SCALES.append(False)
-    return _CPU_ROW_SCALES[0]
+    return _cpu_row_scales_probe()
 
 
 def row_scaled_gemms(r: Fp8Recipe) -> list:
