@@ -118,6 +118,11 @@ def same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def dump(out: str, results: list) -> None:
+    with open(os.path.join(out, "cast_tuning.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=results), f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -163,10 +168,10 @@ def main(argv=None) -> int:
                          f"best {best} {bmed * 1e3:7.1f} us ({bmed / base:.3f}x, "
                          f"{cfgs[0][2] / (bmed * 1e-3) / 1e12:.2f} TB/s)  bitwise {all(ok.values())}")
             print(table[-1], flush=True)
+            dump(args.out, results)  # after each group: a run cut short keeps what it measured
         del x, w, d
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "cast_tuning.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=results), f, indent=1)
+    dump(args.out, results)
     print("\n".join(table))
     return 0
 
