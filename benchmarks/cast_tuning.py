@@ -166,7 +166,7 @@ def main(argv=None) -> int:
             bmed = statistics.median(ms[best])
             table.append(f"{sname:<11} {gname:<15} default {cfgs[0][0]} {base * 1e3:7.1f} us  "
                          f"best {best} {bmed * 1e3:7.1f} us ({bmed / base:.3f}x, "
-                         f"{cfgs[0][2] / (bmed * 1e-3) / 1e12:.2f} TB/s)  bitwise {all(ok.values())}")
+                         f"{cfgs[0][1][2] / (bmed * 1e-3) / 1e12:.2f} TB/s)  bitwise {all(ok.values())}")
             print(table[-1], flush=True)
             dump(args.out, results)  # after each group: a run cut short keeps what it measured
         del x, w, d
