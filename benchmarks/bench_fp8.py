@@ -236,35 +236,6 @@ class Row:
         return {n: dict(fused=rel(f, r_), torchao=rel(a, r_)) for n, f, a, r_ in zip(names, fused, ao, ref)}
 
 
-TUNED_GROUPS = {  # cast_tuning.py's kernel group -> fusedqkv.ops.fp8's launch flag(s) for its config
-    "dual_amax": lambda c: dict(AMAX_TILE=tuple(c)),
-    "dual_cast": lambda c: dict(DUAL_CAST_TILE=tuple(c)),
-    "cast_t": lambda c: dict(CAST_TILE=tuple(c)),
-    "colamax": lambda c: dict(COLAMAX_WHOLE=(c[0], c[2]), _PART_ROWS=c[1]),
-    "rowwise": lambda c: dict(ROWWISE_WHOLE=tuple(c)),
-}
-
-
-def tuned_flags(path: str) -> dict:
-    """fusedqkv.ops.fp8's launch flags from cast_tuning.py's JSON: per kernel group, the configuration
-    with the lowest geomean time over the library's launch across the file's shapes and operands, among
-    those bitwise equal everywhere."""
-    with open(path) as f:
-        rows = json.load(f)["rows"]
-    flags = {}
-    for group, to_flags in TUNED_GROUPS.items():
-        by_cfg = {}
-        for r in rows:
-            if r["kernel"].split("/")[0] == group:
-                by_cfg.setdefault(tuple(r["config"]), []).append(r)
-        ok = {c: rs for c, rs in by_cfg.items() if all(x["bitwise"] for x in rs)}
-        if not ok:
-            continue
-        best = min(ok, key=lambda c: statistics.geometric_mean([x["over_default"] for x in ok[c]]))
-        flags.update(to_flags(best))
-    return flags
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -283,15 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ab-part-rows", action="store_true",
                     help="also time fp8_rowwise_pr16: x's cast with column partials at 16 rows a partial whatever the "
                          "token count (fp8._COLAMAX_PROGRAMS 1: session 25's launch, partials in bf16)")
-    ap.add_argument("--tuned", default=None,
-                    help="cast_tuning.py's JSON: also time fp8_rowwise_tuned and fp8_rowwise_with_gw_hp_tuned, the "
-                         "cast kernels launched with the configurations that file found best (its geomean over "
-                         "its shapes), against the library's launches in the same rounds")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    tuned = tuned_flags(args.tuned) if args.tuned else None
-    if tuned is not None:
-        log(f"tuned cast launches: {tuned}")
     raise_compile_limits(64)
     if args.smoke:
         device, dtype, backend = torch.device("cpu"), torch.bfloat16, "aot_eager"
@@ -321,9 +285,6 @@ def main(argv=None) -> int:
             fns[f"fp8_{gw_hp}_allrows"] = row.fp8_flags(row.fwd_bwd(row.fused(gw_hp)), STAGE_AMAX_ROW_CAST_ABOVE=0)
         if args.ab_part_rows:  # x's cast with 16 rows a column partial at every token count (session 25's launch)
             fns["fp8_rowwise_pr16"] = row.fp8_flags(row.fwd_bwd(row.fused("rowwise")), _COLAMAX_PROGRAMS=1)
-        if tuned is not None:
-            for r in ("rowwise", "rowwise_with_gw_hp"):
-                fns[f"fp8_{r}_tuned"] = row.fp8_flags(row.fwd_bwd(row.fused(r)), **tuned)
         fns.update(torchao=row.torchao_call(compiled), bf16_floor=row.bf16_floor(), fp8_floor=row.fp8_floor())
         err = row.errors()
         ms = time_providers(fns, args.reps, flusher)
@@ -342,16 +303,6 @@ def main(argv=None) -> int:
             r["rowwise_over_pr16"] = f / med["fp8_rowwise_pr16"]
             print(f"{cname:<22} {tokens:>6}  fp8_rowwise / fp8_rowwise_pr16 (16 rows a partial) "
                   f"{r['rowwise_over_pr16']:.3f}", flush=True)
-        if tuned is not None:
-            r["tuned_flags"] = {k: list(v) if isinstance(v, tuple) else v for k, v in tuned.items()}
-            r["rowwise_tuned_over_default"] = med["fp8_rowwise_tuned"] / f
-            r["gw_hp_tuned_over_default"] = med["fp8_rowwise_with_gw_hp_tuned"] / med["fp8_rowwise_with_gw_hp"]
-            r["rowwise_tuned_over_bf16_floor"] = med["fp8_rowwise_tuned"] / med["bf16_floor"]
-            r["gw_hp_tuned_over_bf16_floor"] = med["fp8_rowwise_with_gw_hp_tuned"] / med["bf16_floor"]
-            print(f"{cname:<22} {tokens:>6}  tuned/default: rowwise {r['rowwise_tuned_over_default']:.3f} gw_hp "
-                  f"{r['gw_hp_tuned_over_default']:.3f}; / bf16 floor: rowwise {r['rowwise_over_bf16_floor']:.3f} -> "
-                  f"{r['rowwise_tuned_over_bf16_floor']:.3f}, gw_hp {r['gw_hp_over_bf16_floor']:.3f} -> "
-                  f"{r['gw_hp_tuned_over_bf16_floor']:.3f}", flush=True)
         if args.old_casts:
             r["rowwise_over_old"] = f / med["fp8_rowwise_old"]
             r["tensorwise_over_old"] = med["fp8_tensorwise"] / med["fp8_tensorwise_old"]

@@ -585,34 +585,6 @@ def test_dual_cast_equals_the_one_cast_kernels_bitwise(interpret, monkeypatch, w
     _same_up_to_interpreter_cast(yt[:, :R].t(), fp8.cast_torch(t, col_cast, 0, pow2)[0])
 
 
-def test_launch_shapes_change_no_value(interpret, monkeypatch):
-    """The large operands' launch flags (AMAX_TILE, DUAL_CAST_TILE, CAST_TILE, ROWWISE_WHOLE,
-    COLAMAX_WHOLE: what benchmarks/cast_tuning.py tunes) change tiling only: every code, scale and
-    partial amax is the library launches' (whole rows of 4096 columns, where the row flags apply)."""
-    cast = fp8.Cast(fp8.E4M3)
-    t = _dual_operand(6, 4096, 3)
-    x = _dual_operand(37, 80, 5)
-
-    def run():
-        dual = fp8._dual_triton(x, cast, cast, True, pad_to=16)
-        colamax = fp8._rowwise_colamax_triton(t, cast, True)
-        return (*dual, *fp8._rowwise_triton(t, cast, True), colamax[0], colamax[1], colamax[2].float().amax(0),
-                *fp8._cast_triton(x, cast, True, transpose=True, pad_to=16))
-
-    want = run()
-    monkeypatch.setattr(fp8, "AMAX_TILE", (16, 32, 2))
-    monkeypatch.setattr(fp8, "DUAL_CAST_TILE", (32, 16, 2))
-    monkeypatch.setattr(fp8, "CAST_TILE", (16, 64, 1))
-    monkeypatch.setattr(fp8, "ROWWISE_WHOLE", (2, 4))
-    monkeypatch.setattr(fp8, "COLAMAX_WHOLE", (2, 4))
-    got = run()
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape
-        assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,
-                           w.view(torch.uint8) if w.element_size() == 1 else w)
-
-
 def test_dual_cast_drops_no_partial(interpret, monkeypatch):
     """Each row's amax in the last (partial) column block, each column's in the last (partial) row
     block, and partial counts that are no multiple of the finish's step: a partial left out of a

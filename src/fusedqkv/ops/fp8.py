@@ -316,18 +316,6 @@ def cast_torch(t: torch.Tensor, cast: Cast, dim: int, pow2: bool):
 _WHOLE_ROW_MAX = 8192       # rowwise cast: a row this long (padded to a power of two) stays in registers
 _ROWS, _BLOCK_C = 4, 1024   # rowwise cast of longer rows: rows per program, columns per step
 _BR, _BC, _BP = 128, 64, 64  # tile amax / cast tiles; partial rows reduced per step
-# Launch shapes of the large operands' kernels (benchmarks/cast_tuning.py times them; tiling changes no value:
-# a max is exact in any order, each element's cast is its own). Tiles (BR, BC, num_warps), None: (_BR, _BC, 4):
-AMAX_TILE = None       # dual_amax_kernel (its tile also sets the partials' shapes)
-DUAL_CAST_TILE = None  # dual_cast_kernel
-CAST_TILE = None       # cast_kernel
-# ... whole rows of >= 4096 columns (rows at a time, num_warps), None: (1, 8):
-ROWWISE_WHOLE = None   # rowwise_cast_kernel
-COLAMAX_WHOLE = None   # rowwise_cast_colamax_kernel
-
-
-def _tile(tile) -> tuple:
-    return (_BR, _BC, 4) if tile is None else tile
 
 
 def _rowwise_triton(t: torch.Tensor, cast: Cast, pow2: bool):
@@ -340,8 +328,6 @@ def _rowwise_triton(t: torch.Tensor, cast: Cast, pow2: bool):
     if whole:  # one row per program from 2048 columns on (<= 32 fp32 values per thread at 8 warps)
         block, rows = next_pow2(C), 1 if C > 2048 else max(1, 2048 // next_pow2(C))
         warps = 8 if block >= 4096 else 4
-        if block >= 4096 and ROWWISE_WHOLE is not None:
-            rows, warps = ROWWISE_WHOLE
     else:
         block, rows, warps = _BLOCK_C, _ROWS, 4
     rowwise_cast_kernel[(triton_cdiv(R, rows),)](t, y, inv, R, C, t.stride(0), y.stride(0),
@@ -381,10 +367,8 @@ def _rowwise_colamax_triton(t: torch.Tensor, cast: Cast, pow2: bool):
     if whole:  # rowwise_cast_kernel's rows and warps per step (up to 32 fp32 a thread), looped over a
         # partial's rows; the running column max adds as many registers again at most
         block = next_pow2(C)
-        rows, warps = 1 if C > 2048 else max(1, 2048 // block), 8 if block >= 4096 else 4
-        if block >= 4096 and COLAMAX_WHOLE is not None:
-            rows, warps = COLAMAX_WHOLE
-        part_rows = colamax_part_rows(R, rows)
+        rows = 1 if C > 2048 else max(1, 2048 // block)
+        part_rows, warps = colamax_part_rows(R, rows), 8 if block >= 4096 else 4
     else:  # a program's rows all in each column chunk: as many values per chunk as rowwise_cast_kernel's
         part_rows = rows = _PART_ROWS
         block, warps = max(16, _ROWS * _BLOCK_C // _PART_ROWS), 4
@@ -441,10 +425,9 @@ def _cast_triton(t: torch.Tensor, cast: Cast, pow2: bool, transpose: bool, pad_t
         inv = torch.empty((), dtype=torch.float32, device=t.device)
     R_pad = -(-R // pad_to) * pad_to if transpose else R
     y = torch.empty((C, R_pad) if transpose else (R, C), dtype=cast.dtype, device=t.device)
-    br, bc, warps = _tile(CAST_TILE)
-    cast_kernel[(triton_cdiv(R_pad, br), triton_cdiv(C, bc))](
+    cast_kernel[(triton_cdiv(R_pad, _BR), triton_cdiv(C, _BC))](
         t, y, part, inv, R, R_pad, C, t.stride(0), part.shape[0] if per_column else 1, PER_COLUMN=per_column,
-        TRANSPOSE=transpose, FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, BR=br, BC=bc, BP=_BP, num_warps=warps)
+        TRANSPOSE=transpose, FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, BR=_BR, BC=_BC, BP=_BP, num_warps=4)
     return y, inv
 
 
@@ -479,13 +462,12 @@ def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pa
     R, C = t.shape
     dev = t.device
     row_per, col_per = not row_cast.tensorwise, not col_cast.tensorwise
+    n_rb, n_cb = triton_cdiv(R, _BR), triton_cdiv(C, _BC)
     if parts is None:
-        abr, abc, awarps = _tile(AMAX_TILE)
-        n_rb, n_cb = triton_cdiv(R, abr), triton_cdiv(C, abc)
         cpart = torch.empty((n_rb, C), dtype=torch.float32, device=dev)
         rpart = torch.empty((n_cb, R) if row_per else (1,), dtype=torch.float32, device=dev)
-        dual_amax_kernel[(n_rb, n_cb)](t, rpart, cpart, R, C, t.stride(0), n_cb, ROW_PART=row_per, BR=abr, BC=abc,
-                                       num_warps=awarps)
+        dual_amax_kernel[(n_rb, n_cb)](t, rpart, cpart, R, C, t.stride(0), n_cb, ROW_PART=row_per, BR=_BR, BC=_BC,
+                                       num_warps=4)
         n_rpart, n_cpart, fb_c, bp_r, bp_c = n_cb, n_rb, _FB, _FP, _FP
         tamax_of = cpart
     else:
@@ -517,10 +499,9 @@ def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pa
     R_pad = triton_cdiv(R, pad_to) * pad_to
     yr = torch.empty((R, C), dtype=row_cast.dtype, device=dev)
     yt = torch.empty((C, R_pad), dtype=col_cast.dtype, device=dev)
-    br, bc, warps = _tile(DUAL_CAST_TILE)
-    dual_cast_kernel[(triton_cdiv(R_pad, br), triton_cdiv(C, bc))](
+    dual_cast_kernel[(triton_cdiv(R_pad, _BR), n_cb)](
         t, yr, yt, r_scale, c_scale, tamax, r_inv, c_inv, R, R_pad, C, t.stride(0), ROW_PER=row_per,
-        COL_PER=col_per, FP8_MAX_R=fmax_r, FP8_MAX_C=fmax_c, POW2=pow2, BR=br, BC=bc, num_warps=warps)
+        COL_PER=col_per, FP8_MAX_R=fmax_r, FP8_MAX_C=fmax_c, POW2=pow2, BR=_BR, BC=_BC, num_warps=4)
     return yr, r_inv, yt, c_inv
 
 
