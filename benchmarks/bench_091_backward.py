@@ -53,7 +53,11 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
     defn = problem.load_definition()
-    ref = problem.load_official_reference()
+    try:
+        ref = problem.load_official_reference()
+    except ValueError as e:  # FUSEDQKV_SOL_EXECBENCH set to a folder without the pack
+        print(e, file=sys.stderr)
+        return 2
     if ref is None:
         print("official pack not found: set FUSEDQKV_SOL_EXECBENCH", file=sys.stderr)
         return 2

@@ -201,11 +201,7 @@ def _pack_dir(problem_dir):
     from fusedqkv.bench import problem
 
     if problem_dir:
-        p = Path(problem_dir)
-        for cand in (p, p / problem.DEFAULT_DEFINITION, p / "sol-execbench" / problem.DEFAULT_DEFINITION):
-            if (cand / "definition.json").is_file():
-                return cand
-        return None
+        return problem.pack_in(problem_dir)
     return problem.official_pack_dir()
 
 

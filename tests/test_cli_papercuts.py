@@ -88,6 +88,42 @@ def test_missing_pack_label_says_how_to_point_at_it(monkeypatch):
     assert "official pack not found" in label and "FUSEDQKV_SOL_EXECBENCH" in label
 
 
+def _fake_pack(root: Path) -> Path:
+    pack = root / "sol-execbench" / problem.DEFAULT_DEFINITION
+    pack.mkdir(parents=True)
+    (pack / "definition.json").write_text(json.dumps({"name": problem.DEFAULT_DEFINITION, "reference": ""}))
+    return pack
+
+
+@pytest.mark.parametrize("given", ["sol-execbench", "pack", "shared"])
+def test_the_pack_variable_takes_each_layout(tmp_path, monkeypatch, given):
+    """$FUSEDQKV_SOL_EXECBENCH may name the folder holding the pack (SOL-ExecBench's layout), the pack
+    itself, or a shared folder holding sol-execbench/ (what the device scripts carry): one lookup for
+    the library and the benchmarks."""
+    pack = _fake_pack(tmp_path / "shared")
+    folder = {"sol-execbench": pack.parent, "pack": pack, "shared": tmp_path / "shared"}[given]
+    monkeypatch.setenv(problem.PACK_ENV, str(folder))
+    assert problem.official_pack_dir() == pack
+    assert problem.pack_in(folder) == pack
+
+
+def test_a_pack_variable_without_the_pack_is_refused_by_name(tmp_path, monkeypatch, capsys):
+    """Set to a folder without the pack, the variable is an error naming it (not passed over for
+    ../shared's pack or the eager re-implementation), and `fusedqkv bench` says so in one line before
+    --out is touched. A pack of another problem at that path is not taken for 091's."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "definition.json").write_text(json.dumps({"name": "090_something_else"}))
+    for folder in (tmp_path / "empty", other):
+        monkeypatch.setenv(problem.PACK_ENV, str(folder))
+        with pytest.raises(ValueError, match=rf"FUSEDQKV_SOL_EXECBENCH={re.escape(str(folder))}: no "
+                                             rf"{problem.DEFAULT_DEFINITION}/definition.json there"):
+            problem.official_pack_dir()
+    out = tmp_path / "out"
+    _one_line_error(capsys, ["bench", *TINY, "--out", str(out)], r"^.*FUSEDQKV_SOL_EXECBENCH=.*other: no 091_")
+    assert not out.exists()
+
+
 def _record(name_suffix, observed):
     rec = records.make_record(
         definition="091_fused_gqa_qkv_rope_qk_norm_backward", implementation="fusedqkv", impl_label="x",

@@ -209,15 +209,41 @@ def shared_dir(sub: str) -> Optional[Path]:
     return next((c for c in _shared_candidates(sub) if c.is_dir()), None)
 
 
+PACK_ENV = "FUSEDQKV_SOL_EXECBENCH"
+
+
+def pack_in(folder, name: str = DEFAULT_DEFINITION) -> Optional[Path]:
+    """Problem ``name``'s pack (the folder holding its ``definition.json``) at ``folder``, given as the
+    folder that holds ``<name>/`` (SOL-ExecBench's layout), the pack itself, or a ``shared`` folder holding
+    ``sol-execbench/<name>/``; None where none of these is there."""
+    folder = Path(folder)
+    for cand in (folder / name, folder, folder / "sol-execbench" / name):
+        if (cand / "definition.json").is_file() and (cand.name == name or _definition_name(cand) == name):
+            return cand
+    return None
+
+
+def _definition_name(pack: Path) -> Optional[str]:
+    try:
+        return json.loads((pack / "definition.json").read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def official_pack_dir(name: str = DEFAULT_DEFINITION) -> Optional[Path]:
-    """Where the official problem pack lives, if anywhere: $FUSEDQKV_SOL_EXECBENCH, or a
-    ``shared/sol-execbench`` folder beside/above the working directory or the package."""
-    candidates = []
-    env = os.environ.get("FUSEDQKV_SOL_EXECBENCH")
+    """Where the official problem pack lives, if anywhere: ``$FUSEDQKV_SOL_EXECBENCH`` (any layout of
+    :func:`pack_in`), else a ``shared/sol-execbench`` folder beside/above the working directory or the
+    package. The variable set to a folder without the pack is a ValueError naming it: a path the user
+    gave is never passed over for another pack or the eager re-implementation."""
+    env = os.environ.get(PACK_ENV)
     if env:
-        candidates.append(Path(env))
-    candidates += _shared_candidates("sol-execbench")
-    for c in candidates:
+        pack = pack_in(env, name)
+        if pack is None:
+            raise ValueError(f"{PACK_ENV}={env}: no {name}/definition.json there; expected the folder holding "
+                             f"{name}/ (SOL-ExecBench's sol-execbench folder), the pack itself, or a shared folder "
+                             f"holding sol-execbench/{name}/")
+        return pack
+    for c in _shared_candidates("sol-execbench"):
         p = c / name / "definition.json"
         if p.is_file():
             return p.parent
