@@ -28,6 +28,9 @@ weights and inputs (bf16 activations and weights, all trainable):
   fp8_rowwise_pr16 (--ab-part-rows) fp8=rowwise with x's cast storing column partials of 16 rows at every
                 token count (fp8._COLAMAX_PROGRAMS 1: session 25's launch; its partials in bf16), against the
                 plan's fewer rows a partial at small token counts (session 26)
+  fp8_rowwise_stagecols (--ab-stage-columns) fp8=rowwise with fp8.STAGE_AMAX_COLUMNS on: the backward stage
+                writes dQKV's column amax partials too, so the dual cast makes no amax pass over dQKV (off
+                since session 22: the stage ran 2.5x slower)
   fp8_floor     the three torch._scaled_mm calls of the rowwise recipe on operands cast beforehand,
                 as the block issues them (rowwise scales in cuBLASLt's epilogue; fast accumulation in
                 the forward only): no cast, no stage
@@ -254,6 +257,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ab-part-rows", action="store_true",
                     help="also time fp8_rowwise_pr16: x's cast with column partials at 16 rows a partial whatever the "
                          "token count (fp8._COLAMAX_PROGRAMS 1: session 25's launch, partials in bf16)")
+    ap.add_argument("--ab-stage-columns", action="store_true",
+                    help="also time fp8_rowwise_stagecols: fp8.STAGE_AMAX_COLUMNS on (the backward stage writes dQKV's "
+                         "column amax partials too, and the dual cast skips its amax pass; off by default since "
+                         "session 22), against the plan's default in the same rounds")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     raise_compile_limits(64)
@@ -285,6 +292,8 @@ def main(argv=None) -> int:
             fns[f"fp8_{gw_hp}_allrows"] = row.fp8_flags(row.fwd_bwd(row.fused(gw_hp)), STAGE_AMAX_ROW_CAST_ABOVE=0)
         if args.ab_part_rows:  # x's cast with 16 rows a column partial at every token count (session 25's launch)
             fns["fp8_rowwise_pr16"] = row.fp8_flags(row.fwd_bwd(row.fused("rowwise")), _COLAMAX_PROGRAMS=1)
+        if args.ab_stage_columns:  # the stage's column partials instead of the dual cast's amax pass (session 22's)
+            fns["fp8_rowwise_stagecols"] = row.fp8_flags(row.fwd_bwd(row.fused("rowwise")), STAGE_AMAX_COLUMNS=True)
         fns.update(torchao=row.torchao_call(compiled), bf16_floor=row.bf16_floor(), fp8_floor=row.fp8_floor())
         err = row.errors()
         ms = time_providers(fns, args.reps, flusher)
@@ -303,6 +312,10 @@ def main(argv=None) -> int:
             r["rowwise_over_pr16"] = f / med["fp8_rowwise_pr16"]
             print(f"{cname:<22} {tokens:>6}  fp8_rowwise / fp8_rowwise_pr16 (16 rows a partial) "
                   f"{r['rowwise_over_pr16']:.3f}", flush=True)
+        if args.ab_stage_columns:
+            r["rowwise_over_stagecols"] = f / med["fp8_rowwise_stagecols"]
+            print(f"{cname:<22} {tokens:>6}  fp8_rowwise / fp8_rowwise_stagecols (the stage's column partials) "
+                  f"{r['rowwise_over_stagecols']:.3f}", flush=True)
         if args.old_casts:
             r["rowwise_over_old"] = f / med["fp8_rowwise_old"]
             r["tensorwise_over_old"] = med["fp8_tensorwise"] / med["fp8_tensorwise_old"]
