@@ -109,8 +109,9 @@ def test_the_pack_variable_takes_each_layout(tmp_path, monkeypatch, given):
 
 def test_a_pack_variable_without_the_pack_is_refused_by_name(tmp_path, monkeypatch, capsys):
     """Set to a folder without the pack, the variable is an error naming it (not passed over for
-    ../shared's pack or the eager re-implementation), and `fusedqkv bench` says so in one line before
-    --out is touched. A pack of another problem at that path is not taken for 091's."""
+    ../shared's pack or the eager re-implementation); `fusedqkv bench` says so in one line before --out is
+    touched, and `export-solution --check` (whose check reads the pack) in one line too. A pack of another
+    problem at that path is not taken for 091's."""
     other = tmp_path / "other"
     other.mkdir()
     (other / "definition.json").write_text(json.dumps({"name": "090_something_else"}))
@@ -122,6 +123,8 @@ def test_a_pack_variable_without_the_pack_is_refused_by_name(tmp_path, monkeypat
     out = tmp_path / "out"
     _one_line_error(capsys, ["bench", *TINY, "--out", str(out)], r"^.*FUSEDQKV_SOL_EXECBENCH=.*other: no 091_")
     assert not out.exists()
+    sol = tmp_path / "sol.json"  # export-solution --check reads the pack too: the same one line, no traceback
+    _one_line_error(capsys, ["export-solution", "--out", str(sol), "--check"], r"FUSEDQKV_SOL_EXECBENCH=.*other")
 
 
 def _record(name_suffix, observed):

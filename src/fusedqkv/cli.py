@@ -566,6 +566,8 @@ def cmd_export(a) -> int:
 
 
 def main(argv=None) -> int:
+    from .bench.problem import PackNotFoundError
+
     ap = _parser()
     a = ap.parse_args(argv)
     if a.cmd is None:
@@ -580,6 +582,8 @@ def main(argv=None) -> int:
             return cmd_export(a)
     except CliError as e:
         return _err(str(e), e.code)
+    except PackNotFoundError as e:  # $FUSEDQKV_SOL_EXECBENCH without the pack (export-solution --check reads it)
+        return _err(str(e), EXIT_USAGE)
     except KeyboardInterrupt:
         return _err("interrupted", 130)
     except BrokenPipeError:  # output piped into head & co.

@@ -91,7 +91,7 @@ def _official_pack(name: str = problem.DEFAULT_DEFINITION):
     pack) a BenchError."""
     try:
         return problem.official_pack_dir(name)
-    except ValueError as e:
+    except problem.PackNotFoundError as e:
         raise BenchError(str(e)) from None
 
 

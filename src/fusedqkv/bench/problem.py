@@ -212,6 +212,10 @@ def shared_dir(sub: str) -> Optional[Path]:
 PACK_ENV = "FUSEDQKV_SOL_EXECBENCH"
 
 
+class PackNotFoundError(ValueError):
+    """``$FUSEDQKV_SOL_EXECBENCH`` names a folder without the problem's pack."""
+
+
 def pack_in(folder, name: str = DEFAULT_DEFINITION) -> Optional[Path]:
     """Problem ``name``'s pack (the folder holding its ``definition.json``) at ``folder``, given as the
     folder that holds ``<name>/`` (SOL-ExecBench's layout), the pack itself, or a ``shared`` folder holding
@@ -233,13 +237,13 @@ def _definition_name(pack: Path) -> Optional[str]:
 def official_pack_dir(name: str = DEFAULT_DEFINITION) -> Optional[Path]:
     """Where the official problem pack lives, if anywhere: ``$FUSEDQKV_SOL_EXECBENCH`` (any layout of
     :func:`pack_in`), else a ``shared/sol-execbench`` folder beside/above the working directory or the
-    package. The variable set to a folder without the pack is a ValueError naming it: a path the user
-    gave is never passed over for another pack or the eager re-implementation."""
+    package. The variable set to a folder without the pack is an error naming it: a path the user
+    gave is never passed over for another pack or the eager re-implementation (:class:`PackNotFoundError`)."""
     env = os.environ.get(PACK_ENV)
     if env:
         pack = pack_in(env, name)
         if pack is None:
-            raise ValueError(f"{PACK_ENV}={env}: no {name}/definition.json there; expected the folder holding "
+            raise PackNotFoundError(f"{PACK_ENV}={env}: no {name}/definition.json there; expected the folder holding "
                              f"{name}/ (SOL-ExecBench's sol-execbench folder), the pack itself, or a shared folder "
                              f"holding sol-execbench/{name}/")
         return pack
