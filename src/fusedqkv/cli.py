@@ -582,7 +582,7 @@ def main(argv=None) -> int:
             return cmd_export(a)
     except CliError as e:
         return _err(str(e), e.code)
-    except PackNotFoundError as e:  # $FUSEDQKV_SOL_EXECBENCH without the pack (export-solution --check reads it)
+    except PackNotFoundError as e:  # $FUSEDQKV_SOL_EXECBENCH without the pack (bench, export-solution --check)
         return _err(str(e), EXIT_USAGE)
     except KeyboardInterrupt:
         return _err("interrupted", 130)

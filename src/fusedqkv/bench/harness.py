@@ -86,17 +86,8 @@ class Context:
     cache: dict = field(default_factory=dict)  # what one run reads once (the shipped modules)
 
 
-def _official_pack(name: str = problem.DEFAULT_DEFINITION):
-    """``problem.official_pack_dir``, its error (``$FUSEDQKV_SOL_EXECBENCH`` set to a folder without the
-    pack) a BenchError."""
-    try:
-        return problem.official_pack_dir(name)
-    except problem.PackNotFoundError as e:
-        raise BenchError(str(e)) from None
-
-
 def _reference_source() -> dict:
-    pack = _official_pack()
+    pack = problem.official_pack_dir()
     if pack is not None:
         src = json.loads((pack / "definition.json").read_text())["reference"]
         return {"reference": "definition.json", "sha256": records.sha256_text(src)}
@@ -420,7 +411,7 @@ def plan_bench(cfg: BenchConfig) -> Plan:
         defn = problem.load_definition(cfg.definition)
     except KeyError as e:
         raise BenchError(str(e).strip("'\"")) from None
-    _official_pack(defn.name)  # a $FUSEDQKV_SOL_EXECBENCH without the pack: named before anything runs
+    problem.official_pack_dir(defn.name)  # a $FUSEDQKV_SOL_EXECBENCH without the pack raises, before anything runs
     impl_names = resolve_implementations(cfg.implementations, device)
     wls, cap = resolve_workloads(defn, cfg.workloads, device, cfg.quick, max_tokens)
     if cpu:
