@@ -243,9 +243,9 @@ def official_pack_dir(name: str = DEFAULT_DEFINITION) -> Optional[Path]:
     if env:
         pack = pack_in(env, name)
         if pack is None:
-            raise PackNotFoundError(f"{PACK_ENV}={env}: no {name}/definition.json there; expected the folder holding "
-                             f"{name}/ (SOL-ExecBench's sol-execbench folder), the pack itself, or a shared folder "
-                             f"holding sol-execbench/{name}/")
+            raise PackNotFoundError(f"{PACK_ENV}={env}: no {name}/definition.json there; expected the folder "
+                                    f"holding {name}/ (SOL-ExecBench's sol-execbench folder), the pack itself, or a "
+                                    f"shared folder holding sol-execbench/{name}/")
         return pack
     for c in _shared_candidates("sol-execbench"):
         p = c / name / "definition.json"
