@@ -11,6 +11,7 @@ import torch
 
 import fusedqkv
 from fusedqkv.ops import backward_091 as gqa_backward
+from fusedqkv.ops import device as device_state
 
 from _oracle import make_inputs
 
@@ -381,6 +382,40 @@ def test_forward_bad_argument_raises_clear_error(case, backend):
         fusedqkv.gqa_qkv_rope_qk_norm(*args, **kw)
     assert type(info.value) is exc
     assert "\n" not in str(info.value)
+
+
+# a plan in the cache must not take a call that validation refuses: 4.0 heads, a one-element tensor, q_gate=1
+# compare equal to a cached plan's 4 and True (found in session 36: they ran on it after one valid call)
+SCALAR_CASES = [
+    ("num_heads_float", dict(num_heads=4.0), r"^num_heads: expected an int, got float$"),
+    ("num_heads_tensor", dict(num_heads=torch.tensor(HQ)), r"^num_heads: expected an int, got Tensor$"),
+    ("num_kv_heads_float", dict(num_kv_heads=2.0), r"^num_kv_heads: expected an int, got float$"),
+    ("q_gate_int", dict(q_gate=0), r"^q_gate: expected a bool, got int$"),
+    ("v_norm_int", dict(v_norm=0), r"^v_norm: expected a bool, got int$"),
+    ("k_eq_v_int", dict(k_eq_v=0), r"^k_eq_v: expected a bool, got int$"),
+]
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "after_a_valid_call"])
+@pytest.mark.parametrize("case", SCALAR_CASES, ids=lambda c: c[0])
+def test_forward_scalar_refusals_do_not_depend_on_the_plan_cache(case, warm):
+    cid, over, pattern = case
+    args, kw = _fwd_valid()
+    kw["backend"] = "torch"
+    device_state.clear()  # no plan from an earlier test
+    if warm:
+        fusedqkv.gqa_qkv_rope_qk_norm(*args, **kw)
+    with pytest.raises(TypeError, match=pattern):
+        fusedqkv.gqa_qkv_rope_qk_norm(*args, **dict(kw, **over))
+
+
+def test_forward_numpy_integers_are_counts():
+    args, kw = _fwd_valid()
+    kw["backend"] = "torch"
+    want = fusedqkv.gqa_qkv_rope_qk_norm(*args, **kw)
+    got = fusedqkv.gqa_qkv_rope_qk_norm(*args, **dict(kw, num_heads=np.int64(HQ), num_kv_heads=np.int32(HKV)))
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
 
 
 def test_forward_table_control():

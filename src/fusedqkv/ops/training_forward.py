@@ -17,7 +17,8 @@ from . import host_gemm
 from . import fp8
 from . import validation as V
 from .cublaslt import lt_matmul
-from .gqa_forward import forward_outputs, forward_torch, plan_forward_stage, token_major, validate_forward_inputs
+from .gqa_forward import (_require_bool, _require_int, forward_outputs, forward_torch, plan_forward_stage, token_major,
+                          validate_forward_inputs)
 from .launch import Table
 from .plan_cache import Misaligned, PlanCache, as_matrix
 from .qkv_rope_norm_gemm import LORA_ENTRIES, FusedGemmForward, call_entries, plan_fused_forward
@@ -271,6 +272,13 @@ def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, s
     None: unweighted norms. ``residual``: the calls pass a ``qkv_residual``. ``k_eq_v``: no V rows.
     ``fp8_key``: an FP8 recipe's key (:mod:`fusedqkv.ops.fp8`), "" for none."""
     tensors = _guarded(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias)
+    # the counts and flags as validation takes them before the cache sees them: 4.0 heads or q_gate=1 compare
+    # equal to a cached plan's 4 and True, and would run on it where a first call is refused
+    if type(num_heads) is not int or type(num_kv_heads) is not int:
+        num_heads, num_kv_heads = _require_int("num_heads", num_heads), _require_int("num_kv_heads", num_kv_heads)
+    if type(q_gate) is not bool or type(v_norm) is not bool or type(k_eq_v) is not bool:
+        q_gate, v_norm, k_eq_v = (_require_bool("q_gate", q_gate), _require_bool("v_norm", v_norm),
+                                  _require_bool("k_eq_v", k_eq_v))
     args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
             qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope, v_norm, residual, k_eq_v, fp8_key)
     if type(eps) not in (float, int):
