@@ -418,6 +418,22 @@ def test_forward_numpy_integers_are_counts():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("eps", [np.float64(1e-6), torch.tensor(1e-6, dtype=torch.float64)], ids=["numpy", "tensor"])
+def test_forward_eps_of_another_type_is_read_once_and_planned(eps):
+    from fusedqkv.ops import training_forward
+
+    args, kw = _fwd_valid()
+    kw["backend"] = "torch"
+    want = fusedqkv.gqa_qkv_rope_qk_norm(*args, **kw)
+    device_state.clear()
+    builds = training_forward.PLANS.builds
+    for _ in range(3):
+        got = fusedqkv.gqa_qkv_rope_qk_norm(*args, **dict(kw, eps=eps))
+        for a, b in zip(want, got):
+            assert torch.equal(a, b)
+    assert training_forward.PLANS.builds - builds == 1  # (it built a plan every call, outside the cache)
+
+
 def test_forward_table_control():
     args, kw = _fwd_valid()
     q, k, v = fusedqkv.gqa_qkv_rope_qk_norm(*args, **kw)

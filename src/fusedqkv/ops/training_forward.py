@@ -279,10 +279,10 @@ def forward_plan(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, s
     if type(q_gate) is not bool or type(v_norm) is not bool or type(k_eq_v) is not bool:
         q_gate, v_norm, k_eq_v = (_require_bool("q_gate", q_gate), _require_bool("v_norm", v_norm),
                                   _require_bool("k_eq_v", k_eq_v))
+    if type(eps) not in (float, int):  # a NumPy number or a one-element tensor: read once, then planned as a float
+        eps = V.require_number("eps", eps, min_value=0.0)
     args = (hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, num_heads, num_kv_heads, eps,
             qk_norm_position, backend, qkv_bias, q_gate, rope_style, norm_scope, v_norm, residual, k_eq_v, fp8_key)
-    if type(eps) not in (float, int):
-        return build_forward(*args, cfg=_config.current())
     for t in tensors:  # (a loop: no generator per call)
         if not isinstance(t, torch.Tensor):
             return build_forward(*args, cfg=_config.current())
