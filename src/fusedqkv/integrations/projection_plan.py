@@ -14,6 +14,8 @@ everything those decisions read, and reuses it while a new fingerprint is equal:
   ``quantize_`` wrapped it (:func:`~.fused_projection.slots_fp8_recipe` reads its recipe);
 * the attention's other children (``o_proj``, the norms) by identity with their classes and their
   weights' classes (a torchao conversion of ``o_proj`` with the block left in 16 bits is warned of);
+* the norms the block computes: their hooks, whether ``forward`` was set, and their eps attributes
+  (the HF forward checks them again, and takes the block's eps from them, once per state: ``eps``);
 * each such module's hooks (forward, forward pre, backward, backward pre: how many) and whether
   ``forward`` was set on it;
 * per PEFT LoRA layer: ``disable_adapters``, ``merged``, the active adapters; per active adapter
@@ -69,6 +71,7 @@ class ProjectionPlan:
             self.kept += [m._parameters.get(a) for _, m, _ in self.slots for a in ("weight", "bias")]
             self.kept += [fused._parameters.get(a) for a in ("weight", "bias")]
         self._dequantized = {}  # (dtype, device) -> qlora.DequantizedQKV, kept with the plan
+        self.eps = None  # the block's eps from the norms as this state holds them (the HF forward's checks set it)
 
     def dequantized(self, bases: list, dtype: torch.dtype, device: torch.device):
         """The 4-bit slots' :class:`~.qlora.DequantizedQKV` in ``dtype``: on a kept plan one per dtype
@@ -96,7 +99,7 @@ def projection_plan(attn, spec) -> ProjectionPlan:
     holds; the full checks, and their errors, otherwise)."""
     if torch.compiler.is_compiling():
         return ProjectionPlan(attn, spec)
-    key = _fingerprint(attn, spec.projs, spec.fused_name)
+    key = _fingerprint(attn, spec.projs, spec.fused_name, spec.norms)
     plan = _PLANS.get(attn)
     if plan is not None and key is not None and plan.key == key:
         plan.per_call()
@@ -126,7 +129,7 @@ def _lora_classes() -> tuple:
     return tuple(out)
 
 
-def _fingerprint(attn, projs: tuple, fused_name: str):
+def _fingerprint(attn, projs: tuple, fused_name: str, norms: tuple = ()):
     """Everything the plan's decisions read (the module docstring lists it), as one flat tuple
     compared with ``==`` (modules by identity; parameters by ``id``, kept alive by the plan);
     None where a place holds no module (the full checks name it). One function, locals only: it
@@ -148,6 +151,12 @@ def _fingerprint(attn, projs: tuple, fused_name: str):
     for name, m in mods.items():
         if name != fused_name and name not in projs:
             add((m, type(m), type(m._parameters.get("weight")) if isinstance(m, nn.Module) else None))
+    # the norms the block computes: their hooks and eps (HF's norms read their eps every call)
+    for name in norms:
+        m = mods.get(name)
+        if isinstance(m, nn.Module):
+            d = m.__dict__
+            add((hook_counts(m), d.get("variance_epsilon"), d.get("eps")))
     lora_classes = _lora_classes()
     float8_linear = getattr(sys.modules.get("torchao.float8.float8_linear"), "Float8Linear", None)
     float8_slots = False

@@ -47,7 +47,7 @@ from torch.nn import functional as F
 from ..autograd import gqa_qkv_rope_qk_norm
 from ..ops.fp8 import (check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config,
                        recipe_of_torchao_mx_config)
-from .fused_projection import (FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _is_float8_linear,
+from .fused_projection import (FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _hooks, _is_float8_linear,
                                _is_torchao_mx, fused_weights, mx_plain, torchao_mx_config, unwrap_lora)
 from .projection_plan import projection_plan
 from . import qlora
@@ -466,6 +466,7 @@ class FusedSpec:
     hf_children: tuple          # the HF module's child names in order (its state-dict order)
     quantized: bool = False     # q/k/v are bitsandbytes 4-bit layers, kept in place (integrations.qlora)
     fused_name: str = "qkv_proj"  # the FusedQKVProjection's attribute (FUSED_NAME, or ..._OVER_JOINED)
+    norms: tuple = ()           # the norms' child names (q, k[, v]): checked again when they change (projection_plan)
 
 
 # where the fused projection goes: before q_proj; where HF's attention already has one joined q/k/v Linear
@@ -517,6 +518,10 @@ class _FusedAttention:
         # (anything else raises: it would be bypassed), which adapters apply, the FP8 recipe; kept
         # while the modules and PEFT's state stay the same (projection_plan)
         plan = projection_plan(self, spec)
+        eps = plan.eps
+        if eps is None:  # the norms as they are now (checked again once per state of the modules: projection_plan)
+            eps = plan.eps = _norms_eps(type(self).__name__, self, arch, spec.head_dim, spec.num_heads,
+                                        spec.num_kv_heads, "fusedqkv", UnsupportedModuleError)
         slots = plan.slots
         source = None
         if spec.quantized:
@@ -543,7 +548,7 @@ class _FusedAttention:
             wq = wk = None
         # under autocast the block casts its inputs as HF's Linear would (gqa_qkv_rope_qk_norm)
         out = gqa_qkv_rope_qk_norm(hidden_states, w, wq, wk, cos, sin, num_heads=spec.num_heads,
-                                   num_kv_heads=spec.num_kv_heads, eps=spec.eps, qkv_bias=b, qkv_residual=residual,
+                                   num_kv_heads=spec.num_kv_heads, eps=eps, qkv_bias=b, qkv_residual=residual,
                                    qkv_weight_source=source, qkv_lora=lora, **dict(spec.block_kwargs, fp8=fp8))
         if arch.q_gate:
             return out
@@ -827,46 +832,69 @@ def _is_liger(cls: type) -> bool:
     return any(c.__name__ == "LigerRMSNorm" and c.__module__.startswith("liger_kernel") for c in cls.__mro__)
 
 
-def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offset: float) -> float:
-    """One RMSNorm module the block computes: its class (HF's or Liger-Kernel's), forward,
-    weight form and shape (``weight_shape=None``: no weight); returns its eps."""
+def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offset: float,
+                who: str = "fusedqkv.apply_to", error: type = UnsupportedModelError) -> float:
+    """One RMSNorm module the block computes: its class (HF's or Liger-Kernel's), forward, hooks,
+    weight form and shape (``weight_shape=None``: no weight); returns its eps. ``who`` and ``error``:
+    the messages' prefix and class (apply_to's, or a fused forward's when the norm changed after it)."""
     if not isinstance(norm, nn.Module):
-        raise UnsupportedModelError(f"fusedqkv.apply_to: {path} is missing (expected a {arch.norm_class})")
+        raise error(f"{who}: {path} is missing (expected a {arch.norm_class})")
     cls = type(norm)
     if cls.__name__ != arch.norm_class and cls.__name__ not in arch.norm_aliases and not _is_liger(cls):
         names = " or ".join((arch.norm_class, *arch.norm_aliases))
-        raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path} is a {cls.__name__}; the fused block computes {names} "
-            f"(or Liger-Kernel's LigerRMSNorm) only")
+        raise error(f"{who}: {path} is a {cls.__name__}; the fused block computes {names} "
+                    f"(or Liger-Kernel's LigerRMSNorm) only")
     bound = norm.__dict__.get("forward")
     if bound is not None:
         func = getattr(bound, "__func__", None)
         if not (func is not None and func.__qualname__.endswith(".forward")
                 and getattr(func, "__module__", "").startswith("liger_kernel")):
-            raise UnsupportedModelError(
-                f"fusedqkv.apply_to: {path}.forward was replaced by {getattr(bound, '__qualname__', bound)!r}; the "
-                f"fused block would not compute it")
+            raise error(f"{who}: {path}.forward was replaced by {getattr(bound, '__qualname__', bound)!r}; the "
+                        f"fused block would not compute it")
+    for kind in _hooks(norm):  # (a replaced forward: above, where Liger's own is taken)
+        if kind != "replaced forward":
+            raise error(f"{who}: {path} has a {kind}; the fused block computes the norm in its kernel and never "
+                        f"calls the module, so it would not run")
     liger_offset = getattr(norm, "offset", None)  # Liger's RMSNorm (and its patch of HF norms)
     if liger_offset is not None and float(liger_offset) != offset:
-        raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path} scales by {liger_offset} + weight; {arch.model_type} expects "
-            f"{offset} + weight")
+        raise error(f"{who}: {path} scales by {liger_offset} + weight; {arch.model_type} expects {offset} + weight")
     w = getattr(norm, "weight", None)
     if weight_shape is None:
         # Gemma 3n's scale-free norm of transformers 5.0 keeps a constant 1.0 buffer named weight
         if w is not None and getattr(norm, "with_scale", True) is not False:
-            raise UnsupportedModelError(
-                f"fusedqkv.apply_to: {path} has a weight; {arch.model_type}'s norm here is unweighted")
+            raise error(f"{who}: {path} has a weight; {arch.model_type}'s norm here is unweighted")
     elif not isinstance(w, torch.Tensor) or tuple(w.shape) != weight_shape:
         shape = tuple(w.shape) if isinstance(w, torch.Tensor) else None
-        raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path}.weight has shape {shape}; the fused block needs "
+        raise error(
+            f"{who}: {path}.weight has shape {shape}; the fused block needs "
             + ("a per-head norm, weight [head_dim]" if len(weight_shape) == 1 and arch.norm_scope == "head"
                else "a norm over all heads, weight [heads*head_dim]") + f" = {list(weight_shape)}")
     eps = _norm_eps(norm)
     if eps is None:
-        raise UnsupportedModelError(f"fusedqkv.apply_to: {path} has no variance_epsilon/eps")
+        raise error(f"{who}: {path} has no variance_epsilon/eps")
     return eps
+
+
+def _norms_eps(path: str, attn: nn.Module, arch: Arch, d: int, hq: int, hkv: int, who: str = "fusedqkv.apply_to",
+               error: type = UnsupportedModelError) -> float:
+    """The q/k (and v) norms checked (:func:`_check_norm`) and the block's one eps from them."""
+    if arch.norm_weight:
+        wq, wk = ((d,), (d,)) if arch.norm_scope == "head" else ((hq * d,), (hkv * d,))
+    else:
+        wq = wk = None
+    off = arch.norm_weight_offset
+    eps_q = _check_norm(f"{path}.{arch.q_norm}", getattr(attn, arch.q_norm, None), arch, wq, off, who, error)
+    eps_k = _check_norm(f"{path}.{arch.k_norm}", getattr(attn, arch.k_norm, None), arch, wk, off, who, error)
+    if eps_q != eps_k:
+        raise error(f"{who}: {path}: the q and k norms have different eps ({eps_q}, {eps_k}); the fused block "
+                    f"takes one")
+    if arch.v_norm is not None:
+        eps_v = _check_norm(f"{path}.{arch.v_norm}", getattr(attn, arch.v_norm, None), arch, None, 0.0, who, error)
+        if eps_v != eps_q:
+            raise error(f"{who}: {path}: the v norm's eps {eps_v} differs from the q/k norms' {eps_q}; the fused "
+                        f"block takes one")
+    # l2_norm: rsqrt(sum + eps) = rsqrt(mean + eps / d) * d^-1/2, the block's RMSNorm with the scale as its weight
+    return eps_q / d if arch.l2_norm else eps_q
 
 
 def _base_linear(p):
@@ -995,21 +1023,8 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
                                   or (not quantized and biases[0].dtype != ws[0].dtype)):
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: the q/k/v_proj biases differ in dtype, device or "
                                     f"requires_grad from each other, or in dtype/device from the weights")
-    if arch.norm_weight:
-        wq, wk = ((d,), (d,)) if arch.norm_scope == "head" else ((hq * d,), (hkv * d,))
-    else:
-        wq = wk = None
+    eps = _norms_eps(path, attn, arch, d, hq, hkv)
     off = arch.norm_weight_offset
-    eps_q = _check_norm(f"{path}.{arch.q_norm}", getattr(attn, arch.q_norm, None), arch, wq, off)
-    eps_k = _check_norm(f"{path}.{arch.k_norm}", getattr(attn, arch.k_norm, None), arch, wk, off)
-    if eps_q != eps_k:
-        raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: the q and k norms have different eps "
-                                    f"({eps_q}, {eps_k}); the fused block takes one")
-    if arch.v_norm is not None:
-        eps_v = _check_norm(f"{path}.{arch.v_norm}", getattr(attn, arch.v_norm, None), arch, None, 0.0)
-        if eps_v != eps_q:
-            raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: the v norm's eps {eps_v} differs from the q/k "
-                                        f"norms' {eps_q}; the fused block takes one")
     if arch.model_type == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
         raise UnsupportedModelError(f"fusedqkv.apply_to: {what}: clip_qkv={cfg.clip_qkv} clamps q/k/v between the "
                                     f"norm and RoPE; the fused block does not")
@@ -1058,10 +1073,9 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
                 f"configs ({', '.join(f'{n}: {r.key}' for n, r in recipes.items())}); one fused GEMM, one recipe")
         opts.append(("fp8", recipes[names[0]]))
     split = tuple(n_rows)
-    if arch.l2_norm:  # rsqrt(sum + eps) = rsqrt(mean + eps / d) * d^-1/2: the block's RMSNorm, the scale as its weight
-        eps_q = eps_q / d
-    return FusedSpec(hq, hkv, d, eps_q, names, split, dict(opts), k_eq_v, tuple(attn._modules), quantized,
-                     FUSED_NAME_OVER_JOINED if arch.joined is not None else FUSED_NAME)
+    norms = tuple(n for n in (arch.q_norm, arch.k_norm, arch.v_norm) if n is not None)
+    return FusedSpec(hq, hkv, d, eps, names, split, dict(opts), k_eq_v, tuple(attn._modules), quantized,
+                     FUSED_NAME_OVER_JOINED if arch.joined is not None else FUSED_NAME, norms)
 
 
 def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
