@@ -371,6 +371,56 @@ def test_unsupported_configuration_is_named():
     _expect_unchanged_error(m, r"num_heads=4 .*is not a multiple of num_kv_heads=3")
 
 
+def test_hooked_norms_are_refused_by_apply_to():
+    for kind in ("register_forward_hook", "register_forward_pre_hook"):
+        m = H.build("qwen3")
+        fn = (lambda mod, i, o: o * 2) if kind == "register_forward_hook" else (lambda mod, i: None)
+        getattr(m.model.layers[1].self_attn.k_norm, kind)(fn)
+        what = "forward hook" if kind == "register_forward_hook" else "forward pre-hook"
+        _expect_unchanged_error(m, rf"model.layers.1.self_attn.k_norm has a {what}; the fused block computes the "
+                                   r"norm in its kernel and never calls the module")
+
+
+# what HF's norms are after apply_to, followed or refused at the next forward (session 36: a hook, another module
+# in q_norm's place or another eps were silently passed over; the block went on with apply_to's)
+NORM_CHANGES = [
+    ("forward_hook", lambda a: a.q_norm.register_forward_hook(lambda mod, i, o: o * 2),
+     r"^fusedqkv: FusedQKVQwen3Attention.q_norm has a forward hook; the fused block computes the norm in its kernel"),
+    ("backward_hook", lambda a: a.k_norm.register_full_backward_hook(lambda mod, gi, go: None),
+     r"^fusedqkv: FusedQKVQwen3Attention.k_norm has a backward hook"),
+    ("replaced_forward", lambda a: setattr(a.q_norm, "forward", lambda h: h),
+     r"^fusedqkv: FusedQKVQwen3Attention.q_norm.forward was replaced"),
+    ("another_module", lambda a: setattr(a, "k_norm", torch.nn.LayerNorm(16)),
+     r"^fusedqkv: FusedQKVQwen3Attention.k_norm is a LayerNorm; the fused block computes Qwen3RMSNorm"),
+    ("one_eps", lambda a: setattr(a.q_norm, "variance_epsilon", 1e-2),
+     r"^fusedqkv: FusedQKVQwen3Attention: the q and k norms have different eps \(0.01, 1e-06\)"),
+]
+
+
+@pytest.mark.parametrize("change", NORM_CHANGES, ids=lambda c: c[0])
+def test_norm_changes_after_apply_to_are_refused_at_the_next_forward(change):
+    _, do, pattern = change
+    m, _ = patched_pair("qwen3")
+    ids = H.batch()
+    m(ids)  # a first forward: the checks kept
+    handle = do(m.model.layers[1].self_attn)
+    with pytest.raises(fqt.UnsupportedModuleError, match=pattern):
+        m(ids)
+    if hasattr(handle, "remove"):  # a hook taken off again: the block runs as before
+        handle.remove()
+        m(ids)
+
+
+def test_norm_eps_changed_after_apply_to_is_followed():
+    m, ref = patched_pair("qwen3")
+    ids = H.batch()
+    m(ids)
+    for model in (m, ref):
+        for a in attn_modules(model)[:1]:
+            a.q_norm.variance_epsilon = a.k_norm.variance_epsilon = 0.5  # large: a block on the old eps differs
+    assert rel(m(ids).logits, ref(ids).logits) < 1e-5
+
+
 def test_int_weights_rejected():
     m = H.build("qwen3")
     m.model.layers[0].self_attn.q_proj.weight = torch.nn.Parameter(
