@@ -421,6 +421,31 @@ def test_norm_eps_changed_after_apply_to_is_followed():
     assert rel(m(ids).logits, ref(ids).logits) < 1e-5
 
 
+def test_a_replaced_rope_function_is_refused(monkeypatch):
+    """The block rotates q and k itself: another function in the modeling module's apply_rotary_pos_emb would not
+    run (found in session 36), before apply_to or after it; HF's own and Liger-Kernel's are taken."""
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+
+    def my_rope(q, k, cos, sin, *args, **kwargs):
+        return q, k
+
+    hf_rope = mq.apply_rotary_pos_emb
+    pattern = (r"transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb was replaced by .*my_rope.*; the fused "
+               r"block computes this family's RoPE in its kernel and would not call it")
+    m = H.build("qwen3")
+    monkeypatch.setattr(mq, "apply_rotary_pos_emb", my_rope)
+    _expect_unchanged_error(m, pattern)
+    monkeypatch.setattr(mq, "apply_rotary_pos_emb", hf_rope)
+    assert fusedqkv.apply_to(m) == 2
+    ids = H.batch()
+    m(ids)
+    monkeypatch.setattr(mq, "apply_rotary_pos_emb", my_rope)
+    with pytest.raises(fqt.UnsupportedModuleError, match="^fusedqkv: " + pattern):
+        m(ids)
+    monkeypatch.setattr(mq, "apply_rotary_pos_emb", hf_rope)
+    m(ids)
+
+
 def test_int_weights_rejected():
     m = H.build("qwen3")
     m.model.layers[0].self_attn.q_proj.weight = torch.nn.Parameter(

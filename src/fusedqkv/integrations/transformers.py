@@ -493,6 +493,31 @@ def _l2_scales(attn, d: int, device: torch.device) -> tuple:
 # --------------------------------------------------------------------------- the fused forward
 
 
+# the names HF's modeling modules give their RoPE function (Llama 4: apply_rotary_emb). The block computes the
+# rotation in its kernel, so a function put in that name's place would not run: HF's own (any transformers module)
+# and Liger-Kernel's (the same math) are taken, anything else refused
+ROPE_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_emb")
+_ROPE_TAKEN: dict = {}  # modeling module name -> the function last taken there (the forward's check: one lookup)
+
+
+def _check_rope_function(modeling, who: str = "fusedqkv.apply_to", error: type = UnsupportedModelError) -> None:
+    """Refuse a replaced RoPE function in ``modeling`` (see :data:`ROPE_FUNCTIONS`)."""
+    for name in ROPE_FUNCTIONS:
+        fn = getattr(modeling, name, None)
+        if fn is None:
+            continue
+        if fn is _ROPE_TAKEN.get(modeling.__name__):
+            return
+        where = getattr(fn, "__module__", None) or ""
+        if not (where.startswith("transformers.") or where.startswith("liger_kernel.")):
+            raise error(f"{who}: {modeling.__name__}.{name} was replaced by {getattr(fn, '__qualname__', fn)!r} "
+                        f"(from {where or 'an unknown module'}); the fused block computes this family's RoPE in its "
+                        f"kernel and would not call it")
+        if not torch.compiler.is_compiling():
+            _ROPE_TAKEN[modeling.__name__] = fn
+        return
+
+
 class _FusedAttention:
     """Mixin placed before the HF attention class: ``forward`` with the fused input block.
 
@@ -518,6 +543,7 @@ class _FusedAttention:
         # (anything else raises: it would be bypassed), which adapters apply, the FP8 recipe; kept
         # while the modules and PEFT's state stay the same (projection_plan)
         plan = projection_plan(self, spec)
+        _check_rope_function(self._fusedqkv_modeling, "fusedqkv", UnsupportedModuleError)
         eps = plan.eps
         if eps is None:  # the norms as they are now (checked again once per state of the modules: projection_plan)
             eps = plan.eps = _norms_eps(type(self).__name__, self, arch, spec.head_dim, spec.num_heads,
@@ -955,6 +981,7 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path}.forward was replaced by {getattr(f, '__qualname__', f)!r} (another patch or "
             f"an accelerate hook); the fused block would drop it")
+    _check_rope_function(sys.modules[type(attn).__module__])
     cfg = attn.config
     d = attn.head_dim
     what = f"{path} ({type(attn).__name__}, model_type {getattr(cfg, 'model_type', '?')!r})"
