@@ -178,6 +178,38 @@ def test_merge_and_unload_matches_peft(safe_merge):
         assert _rel(sd[k], sd_ref[k]) <= TOL if sd_ref[k].abs().max() > 0 else torch.equal(sd[k], sd_ref[k]), k
 
 
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+def test_modules_to_save_on_the_q_norm(order):
+    """PEFT's modules_to_save naming q_norm: the block takes the trained copy's weight (PEFT's wrapper gives it),
+    logits and the copy's gradients as PEFT's without fusedqkv; the adapter disabled, the original's; a hook on
+    the copy refused (session 36: the norm checks after apply_to first refused the wrapper itself)."""
+    m, ref, _ = _pair("qwen3", _lora(["q_proj", "v_proj"], modules_to_save=["q_norm"]), order)
+    for model in (m, ref):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "q_norm.modules_to_save" in name:
+                    p.mul_(3.0)  # a trained copy that differs from the original
+    ids = _ids(m.config.vocab_size, 6)
+    got, want = m(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert _rel(got, want) <= TOL
+    got.square().mean().backward()
+    want.square().mean().backward()
+    grads = {n: p.grad for n, p in ref.named_parameters() if "q_norm.modules_to_save" in n}
+    assert len(grads) == 2
+    for n, p in m.named_parameters():
+        if n in grads:
+            assert _rel(p.grad, grads.pop(n)) <= TOL, n
+    assert not grads
+    with m.disable_adapter(), ref.disable_adapter():
+        assert _rel(m(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
+    copy_ = m.base_model.model.model.layers[0].self_attn.q_norm.modules_to_save["default"]
+    handle = copy_.register_forward_hook(lambda mod, i, o: o)
+    with pytest.raises(UnsupportedModuleError, match=r"q_norm.modules_to_save.default has a forward hook"):
+        m(input_ids=ids)
+    handle.remove()
+    m(input_ids=ids)
+
+
 def test_disable_adapter_set_adapter_and_unload():
     m, ref, base = _pair("qwen3", _lora("all-linear"), "apply_first")
     ids = _ids(m.config.vocab_size, 5)

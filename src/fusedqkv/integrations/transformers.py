@@ -858,6 +858,17 @@ def _is_liger(cls: type) -> bool:
     return any(c.__name__ == "LigerRMSNorm" and c.__module__.startswith("liger_kernel") for c in cls.__mro__)
 
 
+def _peft_saved_modules(m) -> Optional[list]:
+    """``[(name, module)]`` of PEFT's ``ModulesToSaveWrapper`` (``modules_to_save`` naming a norm): its original
+    and its trained copies, one of which PEFT calls; None for any other module."""
+    cls = type(m)
+    if cls.__name__ != "ModulesToSaveWrapper" or not cls.__module__.startswith("peft."):
+        return None
+    copies = m._modules.get("modules_to_save")
+    return [("original_module", m._modules.get("original_module"))] + [
+        (f"modules_to_save.{k}", v) for k, v in (copies._modules.items() if isinstance(copies, nn.Module) else ())]
+
+
 def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offset: float,
                 who: str = "fusedqkv.apply_to", error: type = UnsupportedModelError) -> float:
     """One RMSNorm module the block computes: its class (HF's or Liger-Kernel's), forward, hooks,
@@ -865,6 +876,16 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
     the messages' prefix and class (apply_to's, or a fused forward's when the norm changed after it)."""
     if not isinstance(norm, nn.Module):
         raise error(f"{who}: {path} is missing (expected a {arch.norm_class})")
+    saved = _peft_saved_modules(norm)
+    if saved is not None:  # PEFT's modules_to_save: its weight and eps are the active copy's (attribute reads)
+        for kind in _hooks(norm):
+            raise error(f"{who}: {path} has a {kind}; the fused block computes the norm in its kernel and never "
+                        f"calls the module, so it would not run")
+        eps = {_check_norm(f"{path}.{name}", m, arch, weight_shape, offset, who, error) for name, m in saved}
+        if len(eps) != 1:
+            raise error(f"{who}: {path}: PEFT's copies of the norm have different eps ({sorted(eps)}); the fused "
+                        f"block takes one")
+        return eps.pop()
     cls = type(norm)
     if cls.__name__ != arch.norm_class and cls.__name__ not in arch.norm_aliases and not _is_liger(cls):
         names = " or ".join((arch.norm_class, *arch.norm_aliases))
