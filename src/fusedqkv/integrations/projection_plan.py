@@ -155,12 +155,10 @@ def _fingerprint(attn, projs: tuple, fused_name: str, norms: tuple = ()):
     for name in norms:
         m = mods.get(name)
         if isinstance(m, nn.Module):
-            d = m.__dict__
-            add((hook_counts(m), d.get("variance_epsilon"), d.get("eps")))
-            if d["_modules"]:  # a wrapper (PEFT's modules_to_save): the norms it holds too
-                for sub in m.modules():
-                    sd = sub.__dict__
-                    add((sub, type(sub), hook_counts(sub), sd.get("variance_epsilon"), sd.get("eps")))
+            # a wrapper (PEFT's modules_to_save): the norms it holds too
+            for sub in (m.modules() if m.__dict__["_modules"] else (m,)):
+                d = sub.__dict__
+                add((sub, type(sub), hook_counts(sub), d.get("variance_epsilon"), d.get("eps")))
     lora_classes = _lora_classes()
     float8_linear = getattr(sys.modules.get("torchao.float8.float8_linear"), "Float8Linear", None)
     float8_slots = False

@@ -876,21 +876,6 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
     the messages' prefix and class (apply_to's, or a fused forward's when the norm changed after it)."""
     if not isinstance(norm, nn.Module):
         raise error(f"{who}: {path} is missing (expected a {arch.norm_class})")
-    saved = _peft_saved_modules(norm)
-    if saved is not None:  # PEFT's modules_to_save: its weight and eps are the active copy's (attribute reads)
-        for kind in _hooks(norm):
-            raise error(f"{who}: {path} has a {kind}; the fused block computes the norm in its kernel and never "
-                        f"calls the module, so it would not run")
-        eps = {_check_norm(f"{path}.{name}", m, arch, weight_shape, offset, who, error) for name, m in saved}
-        if len(eps) != 1:
-            raise error(f"{who}: {path}: PEFT's copies of the norm have different eps ({sorted(eps)}); the fused "
-                        f"block takes one")
-        return eps.pop()
-    cls = type(norm)
-    if cls.__name__ != arch.norm_class and cls.__name__ not in arch.norm_aliases and not _is_liger(cls):
-        names = " or ".join((arch.norm_class, *arch.norm_aliases))
-        raise error(f"{who}: {path} is a {cls.__name__}; the fused block computes {names} "
-                    f"(or Liger-Kernel's LigerRMSNorm) only")
     bound = norm.__dict__.get("forward")
     if bound is not None:
         func = getattr(bound, "__func__", None)
@@ -902,6 +887,18 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
         if kind != "replaced forward":
             raise error(f"{who}: {path} has a {kind}; the fused block computes the norm in its kernel and never "
                         f"calls the module, so it would not run")
+    saved = _peft_saved_modules(norm)
+    if saved is not None:  # PEFT's modules_to_save: its weight and eps are the active copy's (attribute reads)
+        eps = {_check_norm(f"{path}.{name}", m, arch, weight_shape, offset, who, error) for name, m in saved}
+        if len(eps) != 1:
+            raise error(f"{who}: {path}: PEFT's copies of the norm have different eps ({sorted(eps)}); the fused "
+                        f"block takes one")
+        return eps.pop()
+    cls = type(norm)
+    if cls.__name__ != arch.norm_class and cls.__name__ not in arch.norm_aliases and not _is_liger(cls):
+        names = " or ".join((arch.norm_class, *arch.norm_aliases))
+        raise error(f"{who}: {path} is a {cls.__name__}; the fused block computes {names} "
+                    f"(or Liger-Kernel's LigerRMSNorm) only")
     liger_offset = getattr(norm, "offset", None)  # Liger's RMSNorm (and its patch of HF norms)
     if liger_offset is not None and float(liger_offset) != offset:
         raise error(f"{who}: {path} scales by {liger_offset} + weight; {arch.model_type} expects {offset} + weight")
