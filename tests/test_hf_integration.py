@@ -185,6 +185,41 @@ def test_deepcopy_and_pickle_keep_the_fusion():
         torch.testing.assert_close(clone(input_ids=ids).logits, want, rtol=0, atol=0)
         assert list(clone.state_dict()) == list(ref.state_dict())
 
+# --------------------------------------------------------------------------- HF's weight init
+
+
+def _forget_init_flags(model):
+    """As a model built without HF's init (meta device, ``_init_weights`` overridden...): no module or
+    tensor carries ``_is_hf_initialized``."""
+    for x in list(model.modules()) + list(model.parameters()) + list(model.buffers()):
+        x.__dict__.pop("_is_hf_initialized", None)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_init_weights_after_apply_to_is_hfs(arch):
+    """``init_weights()`` (``post_init()`` calls it) on a fused model does what it does on HF's: nothing
+    on an initialized model -- before, the fused projection and its rows modules, new to HF, were
+    initialized again, so a loaded model's q/k/v weights were redrawn and their biases zeroed -- and on
+    a model no init has touched, HF's draws from the same seed."""
+    m, ref = patched_pair(arch, True)
+    want = {k: v.clone() for k, v in ref.state_dict().items()}
+    for x in (m, ref):
+        torch.manual_seed(5)
+        x.init_weights()
+    for k, v in want.items():
+        assert torch.equal(ref.state_dict()[k], v), k  # (HF's own: a no-op)
+        assert torch.equal(m.state_dict()[k], v), k
+    for x in (m, ref):
+        _forget_init_flags(x)
+        torch.manual_seed(6)
+        x.init_weights()
+    sd, sd_ref = m.state_dict(), ref.state_dict()
+    assert not torch.equal(sd_ref["model.layers.0.self_attn.q_proj.weight"], want["model.layers.0.self_attn.q_proj.weight"])
+    for k in sd_ref:
+        assert torch.equal(sd[k], sd_ref[k]), k
+    ids = H.batch(1, 7)
+    torch.testing.assert_close(m(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+
 
 # --------------------------------------------------------------------------- training
 

@@ -1123,6 +1123,17 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
                      FUSED_NAME_OVER_JOINED if arch.joined is not None else FUSED_NAME, norms)
 
 
+def _keep_hf_init_flags(module: nn.Module, sources) -> None:
+    """HF's ``_is_hf_initialized`` on ``module`` (and on its own parameters) where every source module
+    (and its parameter of the same name) carries it: ``init_weights()``/``post_init()`` initializes
+    only what is not flagged, so without them it would draw a loaded model's q/k/v weights again."""
+    if all(getattr(m, "_is_hf_initialized", False) for m in sources):
+        module._is_hf_initialized = True
+    for name, p in module._parameters.items():
+        if p is not None and all(getattr(getattr(m, name, None), "_is_hf_initialized", False) for m in sources):
+            p._is_hf_initialized = True
+
+
 def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
     """Patch one validated attention module in place: ``qkv_proj`` (the joined weights) before
     q_proj, and q/k/v_proj as rows of it (a PEFT LoRA layer there keeps its adapters, over the rows).
@@ -1150,10 +1161,12 @@ def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
             bias = nn.Parameter(torch.cat(biases, 0), requires_grad=projs[0].bias.requires_grad) if has_bias else None
     proj = FusedQKVProjection(weight, bias, spec.split)
     proj.train(q.training)
+    _keep_hf_init_flags(proj, projs)
     rows, start = {}, 0
     for name, slot, base, n in zip(spec.projs, slots, projs, spec.split):
         r = ProjectionRows(proj, start, start + n)
         r.train(base.training)
+        _keep_hf_init_flags(r, (base,))
         if slot is not base:  # a PEFT LoRA layer: its adapters stay, over the rows
             slot._modules["base_layer"] = r
             r = slot
