@@ -296,6 +296,30 @@ def test_frozen_weight_and_no_input_grad():
     assert rel_err(m.k_norm_weight.grad, ref.k_norm_weight.grad) < 1e-4
 
 
+def test_create_graph_gives_the_first_order_gradients_and_refuses_a_second_order():
+    """backward(create_graph=True) through the block gives the gradients it gives without (bitwise), as
+    tensors that require grad; a backward through them raises, naming the reason (the block's backward
+    runs kernels and out= products, which build no graph: before, the first backward itself failed
+    inside the CPU path's mm(out=))."""
+    m = make_block(32, 4, 2, 64, "before_rope", torch.float32)
+    cos, sin = rope_cos_sin(1, 4, 64, torch.float32)
+    x0 = torch.randn(1, 4, 32)
+    wrt_params = [m.qkv_weight, m.q_norm_weight, m.k_norm_weight]
+
+    def first_order(create_graph):
+        x = x0.clone().requires_grad_()
+        q, k, v = m(x, cos, sin)
+        loss = (q * k.repeat_interleave(2, dim=1)).sum() + v.square().sum()
+        return torch.autograd.grad(loss, [x] + wrt_params, create_graph=create_graph)
+
+    want, got = first_order(False), first_order(True)
+    for a, b in zip(got, want):
+        assert a.requires_grad and torch.equal(a.detach(), b)
+    penalty = sum(g.square().sum() for g in got)
+    with pytest.raises(RuntimeError, match="fused block's backward is not itself differentiable"):
+        penalty.backward()
+
+
 def test_weight_source_rebuilds_the_frozen_weight_in_the_backward():
     """qkv_weight_source (QLoRA's dequantized weight): the backward calls it once instead of
     keeping qkv_weight, with the same gradients; the forward's tensor may be overwritten meanwhile."""

@@ -280,6 +280,22 @@ def test_frozen_projection_weights():
     assert m2.model.layers[0].self_attn.q_norm.weight.grad is not None
 
 
+
+def test_gradient_penalty_is_refused_with_the_reason():
+    """A gradient penalty (the input gradient's norm, from backward(create_graph=True)) needs the
+    block's backward differentiated: refused with the reason; the first-order gradients are HF's."""
+    m, ref = patched_pair("qwen3", True)
+    ids = H.batch(1, 6)
+    grads = []
+    for x in (m, ref):
+        e = x.get_input_embeddings()(ids).detach().requires_grad_()
+        (g,) = torch.autograd.grad(x(inputs_embeds=e, labels=ids).loss, e, create_graph=True)
+        grads.append(g)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    grads[1].square().sum().backward()  # HF's own: differentiable twice
+    with pytest.raises(RuntimeError, match="fused block's backward is not itself differentiable"):
+        grads[0].square().sum().backward()
+
 @pytest.mark.parametrize("arch", ["qwen3", "hunyuan_v1_dense", "gemma3_text"])
 def test_cpu_autocast_bf16(arch):
     """Under autocast the fused block runs in the autocast dtype as HF's Linear layers do.

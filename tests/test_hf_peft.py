@@ -80,6 +80,21 @@ def test_lora_logits_and_adapter_gradients_match_peft(fam, targets, order):
     assert not attn.qkv_proj.weight.requires_grad and attn.qkv_proj.weight.grad is None  # no dW GEMM
 
 
+
+def test_create_graph_through_the_lora_block():
+    """backward(create_graph=True) through the LoRA block: the adapters' first-order gradients are
+    PEFT's, and a backward through them is refused with the reason."""
+    m, ref, _ = _pair("qwen3", _lora("all-linear"), "apply_first")
+    ids = _ids(m.config.vocab_size)
+    got = {}
+    for x in (m, ref):
+        params = [p for n, p in x.named_parameters() if ".q_proj.lora_A." in n]
+        got[x] = torch.autograd.grad(x(input_ids=ids, labels=ids).loss, params, create_graph=True)
+    for a, b in zip(got[m], got[ref]):
+        assert _rel(a.detach(), b.detach()) <= TOL
+    with pytest.raises(RuntimeError, match="fused block's backward is not itself differentiable"):
+        sum(g.square().sum() for g in got[m]).backward()
+
 def _check_round_trip(m, ref, base, ids, tmp_path):
     """Adapters saved from the fused PEFT model load into the unfused one and back, the logits equal; the fused
     model's adapter and base keys are PEFT's and HF+PEFT's (<proj>.base_layer.*)."""

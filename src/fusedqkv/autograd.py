@@ -168,6 +168,40 @@ def _op_flags(variant: Variant) -> tuple:
     return variant.q_gate, variant.interleaved, variant.all_heads, variant.v_norm
 
 
+SECOND_ORDER_REFUSED = (
+    "fusedqkv: the fused block's backward is not itself differentiable: a backward through the gradients that "
+    "backward(create_graph=True) computed through the block (a gradient penalty, a Hessian-vector product) is not "
+    "supported. For higher-order gradients use the unfused model or fusedqkv.ReferenceGQAQKVRoPEQKNorm")
+
+
+class _OnceDifferentiable(torch.autograd.Function):
+    """Aliases of gradients that a fused block's backward computed under ``create_graph=True``: a
+    backward through them raises :data:`SECOND_ORDER_REFUSED` (what ``torch.autograd.function.
+    once_differentiable`` does, with the reason named)."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(SECOND_ORDER_REFUSED)
+
+
+def refuse_second_order(grads: tuple) -> tuple:
+    """``grads``, a backward's return computed with grad mode off, each tensor replaced by an alias
+    whose backward raises: for a backward run under ``create_graph=True`` (grad mode on), whose
+    kernels and out= products build no graph of their own."""
+    at = [i for i, g in enumerate(grads) if isinstance(g, Tensor)]
+    if not at:
+        return grads
+    aliases = _OnceDifferentiable.apply(*(grads[i].detach().requires_grad_() for i in at))
+    out = list(grads)
+    for i, a in zip(at, aliases):
+        out[i] = a
+    return tuple(out)
+
+
 class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
     """(hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta)
     -> (q, k, v), each [B, H, S, D]; with a gate (q, k, v, gate), gate [B, S, H, D].
@@ -194,6 +228,10 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v, grad_gate=None):
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            with torch.no_grad():
+                grads = GQAQKVRoPEQKNormFunction.backward(ctx, grad_q, grad_k, grad_v, grad_gate)
+            return refuse_second_order(grads)
         need = ctx.needs_input_grad
         need_res = bool(need[7])
         out = _backward(ctx, ctx.saved_tensors, grad_q, grad_k, grad_v, grad_gate, need[:7], need_res)
@@ -220,6 +258,10 @@ class GQAQKVRoPEQKNormLoRAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v, grad_gate=None):
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            with torch.no_grad():
+                grads = GQAQKVRoPEQKNormLoRAFunction.backward(ctx, grad_q, grad_k, grad_v, grad_gate)
+            return refuse_second_order(grads)
         need = ctx.needs_input_grad
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor one time
         g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b, dqkv = _backward(ctx, saved, grad_q, grad_k, grad_v, grad_gate,

@@ -657,10 +657,19 @@ def check_tp_errors(sz, device):
             msgs[key] = "no error"
         except exc as e:
             msgs[key] = str(e)
+    # a gradient through the head-parallel block's gradients (create_graph=True): refused with the reason
+    x, cos, sin, _ = make_batch(replace(sz, num_heads=2 * ws, num_kv_heads=ws), device)
+    x.requires_grad_()
+    (g,) = torch.autograd.grad(sum(t.square().sum() for t in done(x, cos, sin)), x, create_graph=True)
+    try:
+        g.square().sum().backward()
+        msgs["second_order"] = "no error"
+    except RuntimeError as e:
+        msgs["second_order"] = str(e)
     ok = ("num_kv_heads=3" in msgs["kv_heads_not_divisible"] and f"tp={ws}" in msgs["kv_heads_not_divisible"]
           and f"num_heads={3 * ws}" in msgs["kv_heads_not_divisible"]
           and "input_layouts" in msgs["bad_input_layout"] and "already head-parallel" in msgs["already_parallel"]
-          and "got Linear" in msgs["not_a_block"])
+          and "got Linear" in msgs["not_a_block"] and "not itself differentiable" in msgs["second_order"])
     return dict(check=f"tp{ws}[errors]", ok=ok, errors={}, messages=msgs, tolerances={})
 
 
