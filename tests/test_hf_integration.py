@@ -432,6 +432,24 @@ def test_hooked_norms_are_refused_by_apply_to():
                                    r"norm in its kernel and never calls the module")
 
 
+
+PROJECTION_HOOKS = [
+    ("forward_hook", lambda v: v.register_forward_hook(lambda mod, i, o: o * 2), " has a forward hook"),
+    ("forward_pre_hook", lambda v: v.register_forward_pre_hook(lambda mod, i: (i[0] * 2,)), " has a forward pre-hook"),
+    ("backward_hook", lambda v: v.register_full_backward_hook(lambda mod, gi, go: None), " has a backward hook"),
+    ("forward", lambda v: setattr(v, "forward", lambda x, f=v.forward: 2 * f(x)), r"\.forward was replaced by"),
+]
+
+
+@pytest.mark.parametrize("change", PROJECTION_HOOKS, ids=[c[0] for c in PROJECTION_HOOKS])
+def test_hooked_projections_are_refused_by_apply_to(change):
+    """A hook or a replaced forward on q/k/v_proj before apply_to (session 37: accepted, then dropped with the
+    module it sat on: v doubled by a hook, the fused logits 0.066 off HF's)."""
+    _, register, words = change
+    m = H.build("qwen3")
+    register(m.model.layers[1].self_attn.v_proj)
+    _expect_unchanged_error(m, r"model\.layers\.1\.self_attn\.v_proj" + words)
+
 # what HF's norms are after apply_to, followed or refused at the next forward (session 36: a hook, another module
 # in q_norm's place or another eps were silently passed over; the block went on with apply_to's)
 NORM_CHANGES = [

@@ -375,6 +375,18 @@ def test_compiling_where_torch_would_not_see_new_hooks_is_warned(peft):
     assert len(said) == (1 if peft and not GUARDS_HOOK_DICT_READS else 0), said
 
 
+
+@pytest.mark.parametrize("where", ["lora_layer", "base_layer"])
+def test_a_backward_hook_under_peft_is_refused_by_apply_to(where):
+    """PEFT first, then a backward hook on the LoRA layer or the Linear under it: apply_to refuses it (session 37:
+    only forward hooks were looked for there; the base layer and its hook were then replaced by the fused rows)."""
+    m = get_peft_model(build(family("qwen3"), bias=True), _lora(["v_proj"]))
+    v = m.base_model.model.model.layers[0].self_attn.v_proj
+    (v if where == "lora_layer" else v.base_layer).register_full_backward_hook(lambda mod, gi, go: None)
+    name = "v_proj" if where == "lora_layer" else "v_proj.base_layer"
+    with pytest.raises(fusedqkv.UnsupportedModelError, match=rf"self_attn\.{name} has a backward hook"):
+        fusedqkv.apply_to(m)
+
 def test_dora_is_refused():
     m, _, _ = _pair("qwen3", _lora(["q_proj", "v_proj"], use_dora=True), "apply_first")
     with pytest.raises(UnsupportedModuleError, match="DoRA"):

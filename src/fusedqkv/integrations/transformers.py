@@ -946,15 +946,27 @@ def _base_linear(p):
     return unwrap_lora(p)[1]
 
 
+def _check_projection_hooks(path: str, p, base) -> None:
+    """Refuse hooks and a replaced ``forward`` on a projection (and on the layer under a PEFT LoRA
+    layer): the fused block computes the projection in its GEMM and never calls the module, and
+    apply_to replaces a plain one by rows of the fused projection, so they would be dropped."""
+    for m, where in ((p, path), (base, f"{path}.base_layer")) if base is not p else ((p, path),):
+        for kind in _hooks(m):
+            if kind == "replaced forward":
+                f = m.__dict__["forward"]
+                raise UnsupportedModelError(
+                    f"fusedqkv.apply_to: {where}.forward was replaced by {getattr(f, '__qualname__', f)!r} (another "
+                    f"patch or an accelerate hook); the fused block computes the projection itself and would drop it")
+            raise UnsupportedModelError(f"fusedqkv.apply_to: {where} has a {kind}; the fused block computes the "
+                                        f"projection in its GEMM and never calls the module, so it would not run")
+
+
 def _check_linear(path: str, p, hidden: int) -> nn.Module:
     base = _base_linear(p)
     if qlora.is_8bit(base):
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {qlora.REFUSED_8BIT}")
+    _check_projection_hooks(path, p, base)
     if qlora.is_4bit(base):  # QLoRA: the quantized layer stays, dequantized per call (integrations.qlora)
-        for hooked, kind in ((p, "the LoRA layer"), (base, "its base layer")):
-            if hooked._forward_hooks or hooked._forward_pre_hooks:
-                raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {kind} has forward hooks, which the fused "
-                                            f"block would not run")
         qlora.check_4bit(path, base, hidden, UnsupportedModelError)
         return base
     if base is not p:  # a PEFT LoRA layer: its adapters are computed in the block (integrations.peft)
@@ -962,10 +974,6 @@ def _check_linear(path: str, p, hidden: int) -> nn.Module:
             raise UnsupportedModelError(
                 f"fusedqkv.apply_to: {path} is a PEFT LoRA layer over a {type(base).__name__}; the fused block takes "
                 f"LoRA over a plain torch.nn.Linear only")
-        for hooked, kind in ((p, "the LoRA layer"), (base, "its base layer")):
-            if hooked._forward_hooks or hooked._forward_pre_hooks:
-                raise UnsupportedModelError(f"fusedqkv.apply_to: {path}: {kind} has forward hooks, which the fused "
-                                            f"block would not run")
         p = base
     elif _is_torchao_mx(p):  # torchao's MX training: its recipe runs in the block (_validate)
         if type(p) is not nn.Linear and type(p).__name__ != "MXFP8Linear":
