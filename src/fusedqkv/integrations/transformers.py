@@ -1240,10 +1240,10 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
             f"not imported; from the clone: pip install -e '.[transformers]')")
     classes = _supported_classes()
     fused_types = set(_FUSED_CLASSES.values())
-    todo, skipped, already = [], [], 0
+    todo, skipped, already = [], [], []
     for path, m in model.named_modules():
         if type(m) in fused_types:
-            already += 1
+            already.append((path or type(model).__name__, m))
         elif type(m) in classes:
             arch = classes[type(m)]
             path = path or type(model).__name__
@@ -1266,6 +1266,14 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
             f"fusedqkv.apply_to: unsupported architecture {name}"
             + (f": {why}" if why else "")
             + f"; it has no attention module of a supported family: {_supported_names()}")
+    if recipe is not None:  # a fused layer keeps the recipe it was fused with: another one asked for is refused
+        for path, m in already:
+            had = m._fusedqkv.block_kwargs.get("fp8")
+            if had != recipe:
+                raise UnsupportedModelError(
+                    f"fusedqkv.apply_to: {name} {path} is already fused "
+                    + (f"with fp8={had.key!r}" if had is not None else "without fp8 (16-bit GEMMs)")
+                    + f"; fp8={recipe.key!r} would not reach it (apply_to fuses once: give fp8= at the first call)")
     # all checks first (nothing changes when one module cannot be fused), then the patch
     specs = [_validate(path, m, arch) for path, m, arch in todo]
     if recipe is not None:
