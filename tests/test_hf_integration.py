@@ -450,6 +450,23 @@ def test_hooked_projections_are_refused_by_apply_to(change):
     register(m.model.layers[1].self_attn.v_proj)
     _expect_unchanged_error(m, r"model\.layers\.1\.self_attn\.v_proj" + words)
 
+
+@pytest.mark.parametrize("tie", ["module", "weight"])
+def test_tied_projections_are_refused_by_apply_to(tie):
+    """q/k/v weights tied across layers (one module in two layers, or one weight Parameter): the fused projection
+    copies them, so apply_to would untie them (session 37: accepted; after one SGD step the logits were 1.19 (module)
+    and 0.215 (weight) off the tied HF model's, with 2,048 more parameters)."""
+    m = H.build("qwen3")
+    a0, a1 = m.model.layers[0].self_attn, m.model.layers[1].self_attn
+    if tie == "module":
+        a1.v_proj = a0.v_proj
+        name = "v_proj"
+    else:
+        a1.k_proj.weight = a0.k_proj.weight
+        name = "k_proj"
+    _expect_unchanged_error(m, rf"model\.layers\.0\.self_attn\.{name}\.weight is tied: it is the one tensor of "
+                               rf"model\.layers\.0\.self_attn\.{name}\.weight, model\.layers\.1\.self_attn\.{name}\.weight")
+
 # what HF's norms are after apply_to, followed or refused at the next forward (session 36: a hook, another module
 # in q_norm's place or another eps were silently passed over; the block went on with apply_to's)
 NORM_CHANGES = [

@@ -1142,6 +1142,27 @@ def _keep_hf_init_flags(module: nn.Module, sources) -> None:
             p._is_hf_initialized = True
 
 
+def _check_untied(path: str, attn: nn.Module, spec: FusedSpec, names_of: dict) -> None:
+    """Refuse q/k/v weights or biases tied to another parameter slot of the model (the same module or
+    tensor in two layers, or elsewhere): the fused parameter is a copy of them (:func:`_fuse`), so each
+    fused layer would train its own. Where HF's joined projection's parameters become the fused ones
+    (no copy), or 4-bit layers stay as they are, the tie stays and nothing is refused."""
+    if spec.quantized:
+        return
+    projs = [_base_linear(attn._modules[name]) for name in spec.projs]
+    if len(projs) == 1 and all(type(mx_plain(t)) in (nn.Parameter, type(None)) for t in (projs[0].weight, projs[0].bias)):
+        return
+    for name, p in zip(spec.projs, projs):
+        for kind in ("weight", "bias"):
+            t = getattr(p, kind)
+            names = names_of.get(id(t), ())
+            if t is not None and len(names) > 1:
+                raise UnsupportedModelError(
+                    f"fusedqkv.apply_to: {path}.{name}.{kind} is tied: it is the one tensor of {', '.join(names)}; "
+                    f"the fused projection holds a copy of q/k/v's weights, so the tie would be broken and each "
+                    f"fused layer would train its own")
+
+
 def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
     """Patch one validated attention module in place: ``qkv_proj`` (the joined weights) before
     q_proj, and q/k/v_proj as rows of it (a PEFT LoRA layer there keeps its adapters, over the rows).
@@ -1276,6 +1297,12 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
                     + f"; fp8={recipe.key!r} would not reach it (apply_to fuses once: give fp8= at the first call)")
     # all checks first (nothing changes when one module cannot be fused), then the patch
     specs = [_validate(path, m, arch) for path, m, arch in todo]
+    if todo:
+        names_of: dict = {}
+        for pname, param in model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(param), []).append(pname)
+        for (path, m, _), spec in zip(todo, specs):
+            _check_untied(path, m, spec, names_of)
     if recipe is not None:
         for (path, m, _), spec in zip(todo, specs):
             if spec.quantized:
