@@ -188,6 +188,20 @@ class _OnceDifferentiable(torch.autograd.Function):
         raise RuntimeError(SECOND_ORDER_REFUSED)
 
 
+def differentiable_once(backward):
+    """An autograd Function's ``backward`` run with grad mode off where grad mode is on
+    (``backward(create_graph=True)``), its gradients returned through :func:`refuse_second_order`."""
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                out = backward(ctx, *grads)
+            return refuse_second_order(out)
+        return backward(ctx, *grads)
+
+    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = backward.__name__, backward.__qualname__, backward.__doc__
+    return wrapper
+
+
 def refuse_second_order(grads: tuple) -> tuple:
     """``grads``, a backward's return computed with grad mode off, each tensor replaced by an alias
     whose backward raises: for a backward run under ``create_graph=True`` (grad mode on), whose
@@ -227,11 +241,8 @@ class GQAQKVRoPEQKNormFunction(torch.autograd.Function):
                         qkv_residual, meta)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, grad_q, grad_k, grad_v, grad_gate=None):
-        if torch.is_grad_enabled():  # backward(create_graph=True)
-            with torch.no_grad():
-                grads = GQAQKVRoPEQKNormFunction.backward(ctx, grad_q, grad_k, grad_v, grad_gate)
-            return refuse_second_order(grads)
         need = ctx.needs_input_grad
         need_res = bool(need[7])
         out = _backward(ctx, ctx.saved_tensors, grad_q, grad_k, grad_v, grad_gate, need[:7], need_res)
@@ -257,11 +268,8 @@ class GQAQKVRoPEQKNormLoRAFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, grad_q, grad_k, grad_v, grad_gate=None):
-        if torch.is_grad_enabled():  # backward(create_graph=True)
-            with torch.no_grad():
-                grads = GQAQKVRoPEQKNormLoRAFunction.backward(ctx, grad_q, grad_k, grad_v, grad_gate)
-            return refuse_second_order(grads)
         need = ctx.needs_input_grad
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor one time
         g_x, g_w, g_qw, g_kw, g_cos, g_sin, g_b, dqkv = _backward(ctx, saved, grad_q, grad_k, grad_v, grad_gate,

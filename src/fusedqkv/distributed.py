@@ -86,7 +86,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, dist
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
-from .autograd import _position, gqa_qkv_rope_qk_norm, refuse_second_order
+from .autograd import _position, differentiable_once, gqa_qkv_rope_qk_norm
 from .module import GQAQKVRoPEQKNorm, ReferenceGQAQKVRoPEQKNorm, reference_block
 from .ops.internals import dtensor_from_spec, dtensor_spec, functional_collectives
 from .ops.training_backward import training_backward
@@ -364,11 +364,8 @@ class _HeadParallelFunction(torch.autograd.Function):
         return q, k, v
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, grad_q, grad_k, grad_v):
-        if torch.is_grad_enabled():  # backward(create_graph=True)
-            with torch.no_grad():
-                grads = _HeadParallelFunction.backward(ctx, grad_q, grad_k, grad_v)
-            return refuse_second_order(grads)
         x, w, q_w, k_w, cos, sin, qkv = ctx.saved_tensors
         plan, pg, eps, norm_after_rope, _ = ctx.meta
         need = ctx.needs_input_grad

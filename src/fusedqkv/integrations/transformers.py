@@ -1142,6 +1142,13 @@ def _keep_hf_init_flags(module: nn.Module, sources) -> None:
             p._is_hf_initialized = True
 
 
+def _keeps_hf_parameters(projs) -> bool:
+    """Whether the fused projection takes the projections' own parameters (HF's joined projection,
+    ``Arch.joined``: one plain Linear) rather than a copy of their weights joined."""
+    return len(projs) == 1 and all(type(mx_plain(t)) in (nn.Parameter, type(None))
+                                   for t in (projs[0].weight, projs[0].bias))
+
+
 def _check_untied(path: str, attn: nn.Module, spec: FusedSpec, names_of: dict) -> None:
     """Refuse q/k/v weights or biases tied to another parameter slot of the model (the same module or
     tensor in two layers, or elsewhere): the fused parameter is a copy of them (:func:`_fuse`), so each
@@ -1150,7 +1157,7 @@ def _check_untied(path: str, attn: nn.Module, spec: FusedSpec, names_of: dict) -
     if spec.quantized:
         return
     projs = [_base_linear(attn._modules[name]) for name in spec.projs]
-    if len(projs) == 1 and all(type(mx_plain(t)) in (nn.Parameter, type(None)) for t in (projs[0].weight, projs[0].bias)):
+    if _keeps_hf_parameters(projs):
         return
     for name, p in zip(spec.projs, projs):
         for kind in ("weight", "bias"):
@@ -1179,7 +1186,7 @@ def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
     biases = [mx_plain(p.bias) for p in projs]
     has_bias = biases[0] is not None
     # the fused projection; no init (its values are the joined weights)
-    if len(ws) == 1 and all(type(t) in (nn.Parameter, type(None)) for t in (ws[0], biases[0])):
+    if _keeps_hf_parameters(projs):
         # HF's joined projection (Arch.joined): its parameters become the fused ones (an optimizer made before
         # apply_to still holds what trains)
         weight, bias = ws[0], biases[0]
