@@ -2,6 +2,7 @@
 # Session 37, device call 2 (H200 only: stops at once on any other card; carry .whl .bnb .shared): run_1.sh's
 # H200 branch: issue 34's QLoRA 0.6B row, then issue 36's user clock and host_costs (in that order: the
 # budget left when it runs may cut the last step).
+# With little budget left, TOTAL=240 runs the QLoRA row alone (the later steps are skipped for time).
 source benchmarks/results/device_setup.sh
 TOTAL=${TOTAL:-430}
 cat $W/gpu.txt
