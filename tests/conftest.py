@@ -258,6 +258,8 @@ def pytest_sessionfinish(session, exitstatus):
     if out is not None:  # a pytest-xdist worker: the controller adds up every worker's oracle GEMMs
         o = _gemm_audit.ORACLE
         out["oracle_gemms"] = [(str(dt).replace("torch.", ""), la, f, o.calls[(dt, la)]) for (dt, la), f in o.flops.items()]
+        if _AUDIT_FILE:  # and writes the per-test table from every worker's
+            out["audit_gemms"] = {k: t.rows() for k, t in _AUDIT.items()}
         return
     why = _gemm_audit.check_oracle_budget()
     if why:
@@ -271,10 +273,16 @@ def pytest_testnodedown(node, error):
     whole suite's)."""
     import torch
 
-    for dt, la, flops, calls in getattr(node, "workeroutput", {}).get("oracle_gemms", []):
+    out = getattr(node, "workeroutput", {})
+    for dt, la, flops, calls in out.get("oracle_gemms", []):
         key = (getattr(torch, dt), la)
         _gemm_audit.ORACLE.flops[key] += flops
         _gemm_audit.ORACLE.calls[key] += calls
+    for nodeid, rows in out.get("audit_gemms", {}).items():
+        tally = _AUDIT.setdefault(nodeid, _gemm_audit.Tally())
+        for dt, la, flops, calls in rows:
+            tally.flops[(getattr(torch, dt), la)] += flops
+            tally.calls[(getattr(torch, dt), la)] += calls
 
 
 # --------------------------------------------------------------------------- workers (pytest-xdist)
