@@ -281,6 +281,33 @@ def test_frozen_projection_weights():
 
 
 
+@pytest.mark.parametrize("how", ["requires_grad_", "attribute"])
+@pytest.mark.parametrize("part", ["weight", "bias"])
+def test_freezing_one_projection_after_apply_to_is_refused(how, part):
+    """q/k/v are one parameter after apply_to: ``q_proj.weight.requires_grad_(False)`` would be set back to the
+    fused parameter's flag at the next access and q would train on (logits 1.2 off HF's after one AdamW step,
+    before the check). Refused, naming the way; the fused parameter's own flag is accepted through the rows."""
+    m, _ = patched_pair("qwen3", True)
+    a = m.model.layers[0].self_attn
+    view = getattr(a.q_proj, part)
+    with pytest.raises(fqt.UnsupportedModuleError, match=r"rows 0:64 of the fused q/k/v projection's parameter.*"
+                                                     r"qkv_proj\.weight"):
+        if how == "requires_grad_":
+            view.requires_grad_(False)
+        else:
+            view.requires_grad = False
+    assert getattr(a.q_proj, part).requires_grad and getattr(a.qkv_proj, part).requires_grad
+    view.requires_grad_(True)  # the fused parameter's flag: nothing to refuse
+    getattr(a.qkv_proj, part).requires_grad_(False)  # the way: q, k and v together ...
+    assert not getattr(a.v_proj, part).requires_grad  # ... which the rows follow
+    getattr(a.k_proj, part).requires_grad = False
+    with pytest.raises(fqt.UnsupportedModuleError, match="requires_grad=True"):
+        getattr(a.k_proj, part).requires_grad_(True)
+    # a view that no longer shows the fused rows (the parameter moved) is a tensor of its own
+    m.half()
+    view.requires_grad_(True)
+
+
 def test_gradient_penalty_is_refused_with_the_reason():
     """A gradient penalty (the input gradient's norm, from backward(create_graph=True)) needs the
     block's backward differentiated: refused with the reason; the first-order gradients are HF's."""

@@ -105,8 +105,24 @@ class FusedQKVProjection(_RefusesHooks, nn.Module):
                 f"bias={self.bias is not None}")
 
 
-# the ``.data`` descriptor of every tensor (torch's own attribute, read and written through it)
+# the ``.data`` and ``.requires_grad`` descriptors of every tensor (torch's own attributes, read and written through
+# them), and its ``requires_grad_``
 _TENSOR_DATA = torch.Tensor.data
+_TENSOR_REQUIRES_GRAD = torch.Tensor.requires_grad
+_TENSOR_REQUIRES_GRAD_ = torch.Tensor.requires_grad_
+
+
+def _check_rows_requires_grad(view: torch.Tensor, value) -> None:
+    """Refuse a ``requires_grad`` on rows of the fused parameter other than that parameter's own."""
+    fused, start, stop, _, _ = view.__dict__.get("_fusedqkv_rows", (None, 0, 0, None, None))
+    if fused is None or _TENSOR_DATA.__get__(view).data_ptr() != _rows_ptr(fused, start):
+        return  # no longer the fused rows (the fused parameter moved): a plain tensor of its own
+    if bool(value) != fused.requires_grad:
+        raise UnsupportedModuleError(
+            f"fusedqkv: requires_grad={bool(value)} on rows {start}:{stop} of the fused q/k/v projection's parameter, "
+            f"which has requires_grad={fused.requires_grad}: q, k and v are one parameter after apply_to and train or "
+            f"freeze together. Set it on the fused parameter (the FusedQKVProjection's, `qkv_proj.weight`/`.bias` in "
+            f"named_parameters), or freeze q/k/v_proj before apply_to (all three alike: apply_to refuses a mix)")
 
 
 def _rows_ptr(src: torch.Tensor, start: int) -> int:
@@ -124,6 +140,21 @@ class RowsView(nn.Parameter):
     @property
     def data(self):
         return _TENSOR_DATA.__get__(self)
+
+    # q/k/v train as one parameter: a rows view frozen (or unfrozen) alone would be set back to the fused
+    # parameter's flag at its next access, and its rows would train (or stay frozen) regardless
+    @property
+    def requires_grad(self):
+        return _TENSOR_REQUIRES_GRAD.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value):
+        _check_rows_requires_grad(self, value)
+        _TENSOR_REQUIRES_GRAD.__set__(self, value)
+
+    def requires_grad_(self, requires_grad=True):
+        _check_rows_requires_grad(self, requires_grad)
+        return _TENSOR_REQUIRES_GRAD_(self, requires_grad)
 
     @data.setter
     def data(self, value):
@@ -180,8 +211,8 @@ class ProjectionRows(_RefusesHooks, nn.Linear):
         if entry is not None:
             owner, view = entry
             if owner is src and view.data_ptr() == _rows_ptr(src, start):
-                if view.requires_grad != src.requires_grad:
-                    view.requires_grad_(src.requires_grad)
+                if _TENSOR_REQUIRES_GRAD.__get__(view) != src.requires_grad:  # follows the fused parameter's
+                    _TENSOR_REQUIRES_GRAD.__set__(view, src.requires_grad)
                 return view
         view = RowsView(src.data[start:stop], requires_grad=src.requires_grad)
         view.__dict__["_fusedqkv_rows"] = (src, start, stop, registry, (name, start))
