@@ -494,6 +494,36 @@ def test_tied_projections_are_refused_by_apply_to(tie):
     _expect_unchanged_error(m, rf"model\.layers\.0\.self_attn\.{name}\.weight is tied: it is the one tensor of "
                                rf"model\.layers\.0\.self_attn\.{name}\.weight, model\.layers\.1\.self_attn\.{name}\.weight")
 
+
+TENSOR_HOOKS = {"gradient": (lambda t, seen: t.register_hook(lambda g: seen.append(g.shape)),
+                             r"gradient hook \(register_hook\)"),
+                "post_accumulate": (lambda t, seen: t.register_post_accumulate_grad_hook(lambda p: seen.append(p.shape)),
+                                    "post-accumulate-grad hook")}
+
+
+@pytest.mark.parametrize("hook", list(TENSOR_HOOKS))
+@pytest.mark.parametrize("part", ["weight", "bias"])
+def test_tensor_hooks_on_projection_weights_are_refused(hook, part):
+    """A tensor hook on a q/k/v weight or bias (gradient masking, an optimizer step in backward) never ran: before
+    apply_to the fused parameter is a copy without it; after, q_proj.weight is a view of the fused rows that the block
+    never differentiates (session 38: accepted both ways, the hook silently never called). Refused both ways; on the
+    fused parameter it runs."""
+    register, kind = TENSOR_HOOKS[hook]
+    m = H.build("qwen3", bias=True)
+    register(getattr(m.model.layers[1].self_attn.v_proj, part), [])
+    _expect_unchanged_error(m, rf"model\.layers\.1\.self_attn\.v_proj\.{part} has a {kind}; the fused projection "
+                               rf"holds a copy")
+    m, _ = patched_pair("qwen3", True)
+    a = m.model.layers[0].self_attn
+    with pytest.raises(fqt.UnsupportedModuleError, match=rf"a {kind} on rows 64:96 of the fused q/k/v projection's "
+                                                         rf"parameter would never run"):
+        register(getattr(a.k_proj, part), [])
+    seen = []
+    register(getattr(a.qkv_proj, part), seen)
+    ids = H.batch(1, 6)
+    m(input_ids=ids, labels=ids).loss.backward()
+    assert seen == [getattr(a.qkv_proj, part).shape]
+
 # what HF's norms are after apply_to, followed or refused at the next forward (session 36: a hook, another module
 # in q_norm's place or another eps were silently passed over; the block went on with apply_to's)
 NORM_CHANGES = [

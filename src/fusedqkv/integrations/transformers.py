@@ -1149,11 +1149,13 @@ def _keeps_hf_parameters(projs) -> bool:
                                    for t in (projs[0].weight, projs[0].bias))
 
 
-def _check_untied(path: str, attn: nn.Module, spec: FusedSpec, names_of: dict) -> None:
-    """Refuse q/k/v weights or biases tied to another parameter slot of the model (the same module or
-    tensor in two layers, or elsewhere): the fused parameter is a copy of them (:func:`_fuse`), so each
-    fused layer would train its own. Where HF's joined projection's parameters become the fused ones
-    (no copy), or 4-bit layers stay as they are, the tie stays and nothing is refused."""
+def _check_copyable(path: str, attn: nn.Module, spec: FusedSpec, names_of: dict) -> None:
+    """Refuse q/k/v weights or biases that a copy would not stand for: the fused parameter is a copy of
+    them (:func:`_fuse`). One tied to another parameter slot of the model (the same module or tensor in two
+    layers, or elsewhere) would have each fused layer train its own; one carrying tensor hooks
+    (``register_hook``, ``register_post_accumulate_grad_hook``) would have them never run. Where HF's joined
+    projection's parameters become the fused ones (no copy), or 4-bit layers stay as they are, nothing is
+    refused."""
     if spec.quantized:
         return
     projs = [_base_linear(attn._modules[name]) for name in spec.projs]
@@ -1162,12 +1164,22 @@ def _check_untied(path: str, attn: nn.Module, spec: FusedSpec, names_of: dict) -
     for name, p in zip(spec.projs, projs):
         for kind in ("weight", "bias"):
             t = getattr(p, kind)
+            if t is None:
+                continue
             names = names_of.get(id(t), ())
-            if t is not None and len(names) > 1:
+            if len(names) > 1:
                 raise UnsupportedModelError(
                     f"fusedqkv.apply_to: {path}.{name}.{kind} is tied: it is the one tensor of {', '.join(names)}; "
                     f"the fused projection holds a copy of q/k/v's weights, so the tie would be broken and each "
                     f"fused layer would train its own")
+            hooks = [what for what, attr in (("gradient hook (register_hook)", "_backward_hooks"),
+                                             ("post-accumulate-grad hook", "_post_accumulate_grad_hooks"))
+                     if getattr(t, attr, None)]
+            if hooks:
+                raise UnsupportedModelError(
+                    f"fusedqkv.apply_to: {path}.{name}.{kind} has a {' and a '.join(hooks)}; the fused projection "
+                    f"holds a copy of q/k/v's weights, so it would never run. Register it on the fused parameter "
+                    f"(qkv_proj.{kind}) after apply_to")
 
 
 def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
@@ -1309,7 +1321,7 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
         for pname, param in model.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(param), []).append(pname)
         for (path, m, _), spec in zip(todo, specs):
-            _check_untied(path, m, spec, names_of)
+            _check_copyable(path, m, spec, names_of)
     if recipe is not None:
         for (path, m, _), spec in zip(todo, specs):
             if spec.quantized:
