@@ -120,15 +120,6 @@ def _shows_fused_rows(view: torch.Tensor):
     return fused, start, stop
 
 
-def _refuse_rows_tensor_hook(view: torch.Tensor, kind: str) -> None:
-    rows = _shows_fused_rows(view)
-    if rows is not None:
-        raise UnsupportedModuleError(
-            f"fusedqkv: a {kind} on rows {rows[1]}:{rows[2]} of the fused q/k/v projection's parameter would never "
-            f"run: the fused block differentiates that parameter, not a view of its rows. Register it on the fused "
-            f"parameter (the FusedQKVProjection's, `qkv_proj.weight`/`.bias` in named_parameters)")
-
-
 def _check_rows_requires_grad(view: torch.Tensor, value) -> None:
     """Refuse a ``requires_grad`` on rows of the fused parameter other than that parameter's own."""
     rows = _shows_fused_rows(view)
@@ -173,15 +164,6 @@ class RowsView(nn.Parameter):
     def requires_grad_(self, requires_grad=True):
         _check_rows_requires_grad(self, requires_grad)
         return _TENSOR_REQUIRES_GRAD_(self, requires_grad)
-
-    # the fused block differentiates the fused parameter: a view of its rows is never in the graph
-    def register_hook(self, hook):
-        _refuse_rows_tensor_hook(self, "gradient hook (register_hook)")
-        return super().register_hook(hook)
-
-    def register_post_accumulate_grad_hook(self, hook):
-        _refuse_rows_tensor_hook(self, "post-accumulate-grad hook")
-        return super().register_post_accumulate_grad_hook(hook)
 
     @data.setter
     def data(self, value):
