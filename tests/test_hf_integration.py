@@ -308,6 +308,21 @@ def test_freezing_one_projection_after_apply_to_is_refused(how, part):
     view.requires_grad_(True)
 
 
+def test_freezing_one_projection_module_after_apply_to_is_refused():
+    """``q_proj.requires_grad_(False)`` on the rows module: nn.Module's would find no parameters of its own and do
+    nothing (q trained on). Refused as its weight's is; the fused parameter's flag is accepted."""
+    m, _ = patched_pair("qwen3", True)
+    a = m.model.layers[0].self_attn
+    with pytest.raises(fqt.UnsupportedModuleError, match=r"requires_grad=False on rows 0:64 .*qkv_proj\.weight"):
+        a.q_proj.requires_grad_(False)
+    assert a.q_proj.requires_grad_(True) is a.q_proj
+    a.qkv_proj.requires_grad_(False)
+    a.v_proj.requires_grad_(False)
+    assert not a.v_proj.weight.requires_grad and not a.qkv_proj.bias.requires_grad
+    m.requires_grad_(True)  # the model's own: its parameters, the fused one among them
+    assert a.q_proj.weight.requires_grad
+
+
 def test_gradient_penalty_is_refused_with_the_reason():
     """A gradient penalty (the input gradient's norm, from backward(create_graph=True)) needs the
     block's backward differentiated: refused with the reason; the first-order gradients are HF's."""

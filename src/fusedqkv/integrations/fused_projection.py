@@ -236,6 +236,14 @@ class ProjectionRows(_RefusesHooks, nn.Linear):
     def bias(self):
         return self._view("bias")
 
+    def requires_grad_(self, requires_grad: bool = True):
+        # no parameters of its own: nn.Module's would do nothing, and these rows would train (or stay frozen) on
+        for name in ("weight", "bias"):
+            view = self._view(name)
+            if view is not None:
+                view.requires_grad_(requires_grad)
+        return self
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"rows {self.rows[0]}:{self.rows[1]} of the fused projection")
