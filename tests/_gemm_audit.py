@@ -80,6 +80,13 @@ class Tally:
         self.flops[key] += flops
         self.calls[key] += 1
 
+    def add_rows(self, rows) -> None:
+        """Add :meth:`rows` of another tally (a pytest-xdist worker's, sent to the controller)."""
+        for dt, la, flops, calls in rows:
+            key = (getattr(torch, dt), la)
+            self.flops[key] += flops
+            self.calls[key] += calls
+
     def merge(self, other: "Tally") -> None:
         self.flops.update(other.flops)
         self.calls.update(other.calls)

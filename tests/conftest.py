@@ -256,8 +256,7 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_sessionfinish(session, exitstatus):
     out = getattr(session.config, "workeroutput", None)
     if out is not None:  # a pytest-xdist worker: the controller adds up every worker's oracle GEMMs
-        o = _gemm_audit.ORACLE
-        out["oracle_gemms"] = [(str(dt).replace("torch.", ""), la, f, o.calls[(dt, la)]) for (dt, la), f in o.flops.items()]
+        out["oracle_gemms"] = _gemm_audit.ORACLE.rows()
         if _AUDIT_FILE:  # and writes the per-test table from every worker's
             out["audit_gemms"] = {k: t.rows() for k, t in _AUDIT.items()}
         return
@@ -271,18 +270,10 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_testnodedown(node, error):
     """pytest-xdist's controller: a worker's oracle GEMMs join the session's tally (the budget is the
     whole suite's)."""
-    import torch
-
     out = getattr(node, "workeroutput", {})
-    for dt, la, flops, calls in out.get("oracle_gemms", []):
-        key = (getattr(torch, dt), la)
-        _gemm_audit.ORACLE.flops[key] += flops
-        _gemm_audit.ORACLE.calls[key] += calls
+    _gemm_audit.ORACLE.add_rows(out.get("oracle_gemms", []))
     for nodeid, rows in out.get("audit_gemms", {}).items():
-        tally = _AUDIT.setdefault(nodeid, _gemm_audit.Tally())
-        for dt, la, flops, calls in rows:
-            tally.flops[(getattr(torch, dt), la)] += flops
-            tally.calls[(getattr(torch, dt), la)] += calls
+        _AUDIT.setdefault(nodeid, _gemm_audit.Tally()).add_rows(rows)
 
 
 # --------------------------------------------------------------------------- workers (pytest-xdist)

@@ -271,7 +271,6 @@ def test_apply_to_fp8_equals_unfused_float8_linears_in_the_forward():
     assert m.model.layers[0].self_attn.qkv_proj.weight.grad is not None
 
 
-
 def test_another_recipe_asked_of_a_fused_model_is_refused():
     """apply_to fuses once: fp8= given to a second call on a fused model (session 37: returned 0 and the layers
     stayed as fused, bf16 -- the FP8 asked for silently not run) is refused unless it is the layers' own recipe."""
@@ -287,6 +286,7 @@ def test_another_recipe_asked_of_a_fused_model_is_refused():
     with pytest.raises(fusedqkv.UnsupportedModelError, match=r"already fused with fp8='rowwise'; fp8='tensorwise'"):
         fusedqkv.apply_to(m, fp8="tensorwise")
     assert "fp8=rowwise" in repr(m.model.layers[0].self_attn)
+
 
 @pytest.mark.parametrize("order", ["convert_after_apply_to", "convert_before_apply_to"])
 def test_torchao_conversion_in_either_order_runs_its_recipe_in_the_block(order):

@@ -280,7 +280,6 @@ def test_frozen_projection_weights():
     assert m2.model.layers[0].self_attn.q_norm.weight.grad is not None
 
 
-
 @pytest.mark.parametrize("how", ["requires_grad_", "attribute"])
 @pytest.mark.parametrize("part", ["weight", "bias"])
 def test_freezing_one_projection_after_apply_to_is_refused(how, part):
@@ -534,6 +533,7 @@ def test_tensor_hooks_on_projection_weights_are_refused_by_apply_to(hook, part):
     ids = H.batch(1, 6)
     m(input_ids=ids, labels=ids).loss.backward()
     assert seen == [getattr(a.qkv_proj, part).shape]
+
 
 # what HF's norms are after apply_to, followed or refused at the next forward (session 36: a hook, another module
 # in q_norm's place or another eps were silently passed over; the block went on with apply_to's)

@@ -24,6 +24,7 @@ backward's is looked up by its own signature.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -191,6 +192,7 @@ class _OnceDifferentiable(torch.autograd.Function):
 def differentiable_once(backward):
     """An autograd Function's ``backward`` run with grad mode off where grad mode is on
     (``backward(create_graph=True)``), its gradients returned through :func:`refuse_second_order`."""
+    @functools.wraps(backward)
     def wrapper(ctx, *grads):
         if torch.is_grad_enabled():
             with torch.no_grad():
@@ -198,7 +200,6 @@ def differentiable_once(backward):
             return refuse_second_order(out)
         return backward(ctx, *grads)
 
-    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = backward.__name__, backward.__qualname__, backward.__doc__
     return wrapper
 
 

@@ -167,14 +167,15 @@ class RowsView(nn.Parameter):
 
     @data.setter
     def data(self, value):
-        fused, start, stop, registry, key = self.__dict__.get("_fusedqkv_rows", (None, 0, 0, {}, None))
-        here = _TENSOR_DATA.__get__(self)
-        if fused is None or here.data_ptr() != _rows_ptr(fused, start):
-            # no longer the fused rows (the fused parameter moved): a plain view, no longer registered as the rows
+        rows = _shows_fused_rows(self)
+        if rows is None:  # a plain view, no longer registered as the rows
+            _, _, _, registry, key = self.__dict__.get("_fusedqkv_rows", (None, 0, 0, {}, None))
             if registry.get(key, (None, None))[1] is self:
                 del registry[key]
             _TENSOR_DATA.__set__(self, value)
             return
+        fused, start, stop = rows
+        here = _TENSOR_DATA.__get__(self)
         if tuple(value.shape) != tuple(here.shape):
             raise UnsupportedModuleError(
                 f"fusedqkv: rows {start}:{stop} of the fused projection were given a .data of shape {tuple(value.shape)}; expected "

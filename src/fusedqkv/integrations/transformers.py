@@ -1149,6 +1149,11 @@ def _keeps_hf_parameters(projs) -> bool:
                                    for t in (projs[0].weight, projs[0].bias))
 
 
+# the kinds of tensor hook and the tensor attributes that hold them
+_TENSOR_HOOK_KINDS = (("gradient hook (register_hook)", "_backward_hooks"),
+                      ("post-accumulate-grad hook", "_post_accumulate_grad_hooks"))
+
+
 def _check_copyable(path: str, attn: nn.Module, spec: FusedSpec, names_of: dict) -> None:
     """Refuse q/k/v weights or biases that a copy would not stand for: the fused parameter is a copy of
     them (:func:`_fuse`). One tied to another parameter slot of the model (the same module or tensor in two
@@ -1172,9 +1177,7 @@ def _check_copyable(path: str, attn: nn.Module, spec: FusedSpec, names_of: dict)
                     f"fusedqkv.apply_to: {path}.{name}.{kind} is tied: it is the one tensor of {', '.join(names)}; "
                     f"the fused projection holds a copy of q/k/v's weights, so the tie would be broken and each "
                     f"fused layer would train its own")
-            hooks = [what for what, attr in (("gradient hook (register_hook)", "_backward_hooks"),
-                                             ("post-accumulate-grad hook", "_post_accumulate_grad_hooks"))
-                     if getattr(t, attr, None)]
+            hooks = [what for what, attr in _TENSOR_HOOK_KINDS if getattr(t, attr, None)]
             if hooks:
                 raise UnsupportedModelError(
                     f"fusedqkv.apply_to: {path}.{name}.{kind} has a {' and a '.join(hooks)}; the fused projection "
