@@ -387,10 +387,23 @@ def test_a_backward_hook_under_peft_is_refused_by_apply_to(where):
     with pytest.raises(fusedqkv.UnsupportedModelError, match=rf"self_attn\.{name} has a backward hook"):
         fusedqkv.apply_to(m)
 
+
 def test_dora_is_refused():
     m, _, _ = _pair("qwen3", _lora(["q_proj", "v_proj"], use_dora=True), "apply_first")
     with pytest.raises(UnsupportedModuleError, match="DoRA"):
         m(input_ids=_ids(m.config.vocab_size))
+
+
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+def test_other_lora_variants_are_refused_by_name(order):
+    """A PEFT LoRA variant other than DoRA (here aLoRA: the adapter applies from an invocation token on) is named
+    in the refusal, with the variant's own reason (session 39: the message gave DoRA's)."""
+    if not hasattr(peft.tuners.lora.variants, "ALoraLinearVariant"):
+        pytest.skip("this PEFT has no aLoRA")
+    m, _, _ = _pair("qwen3", _lora(["q_proj", "v_proj"], alora_invocation_tokens=[5]), order)
+    with pytest.raises(UnsupportedModuleError, match=r"q_proj adapter 'default' is ALoraLinearVariant") as e:
+        m(input_ids=_ids(m.config.vocab_size))
+    assert "DoRA" not in str(e.value)
 
 
 # ------------------------------------------------------------------ nothing bypassed

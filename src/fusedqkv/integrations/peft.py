@@ -51,10 +51,13 @@ def _adapters(name: str, lora) -> list:
             continue
         variant = getattr(lora, "lora_variant", {}).get(a)
         if lora.use_dora.get(a, False) or variant is not None:
-            what = "DoRA (use_dora=True)" if lora.use_dora.get(a, False) else type(variant).__name__
+            if lora.use_dora.get(a, False):
+                what, why = "DoRA (use_dora=True)", "DoRA rescales the whole weight per column"
+            else:
+                what, why = type(variant).__name__, "this LoRA variant replaces the adapter's forward"
             raise UnsupportedModuleError(
-                f"fusedqkv: {name} adapter {a!r} is {what}; the fused block computes plain LoRA only (DoRA rescales "
-                f"the whole weight per column, which the fused GEMM does not)")
+                f"fusedqkv: {name} adapter {a!r} is {what}; the fused block computes plain LoRA only ({why}, "
+                f"which the fused GEMMs do not compute)")
         A, B, drop = lora.lora_A[a], lora.lora_B[a], lora.lora_dropout[a]
         _check_adapter_modules(name, a, A, B, drop)
         out.append((a, A, B, lora.scaling[a], drop))
