@@ -1047,15 +1047,49 @@ def _cubin_stack_bytes(cubin: bytes):
     return int(m.group(1)) if m else None
 
 
+def _ir_cache(src, backend, opts, upto):
+    """Triton's cache entry for a passed IR-level job, or None where it cannot be keyed (another Triton's
+    internals) or Triton is told to always compile. Triton caches what ``triton.compile`` builds, the
+    cubin jobs' too, but not a pipeline stopped at TTIR/TTGIR: these covers ran their ~2 CPU-minutes
+    again on every run. Keyed as Triton keys a compile (its own version and sources, the kernel's
+    source and every jit function it calls, signature, constexprs, attributes, target, options,
+    cache-invalidating environment), plus the level: a changed kernel or Triton compiles again.
+    Only a pass is stored, so a failure is always compiled again."""
+    import hashlib
+
+    try:
+        from triton import knobs
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+        from triton.runtime.cache import get_cache_key, get_cache_manager
+    except ImportError:
+        return None
+    if knobs.compilation.always_compile:
+        return None
+    key = get_cache_key(src, backend, opts, env_vars=get_cache_invalidating_env_vars())
+    digest = hashlib.sha256(f"{key}-fusedqkv-offline-{upto}".encode()).hexdigest()
+    return get_cache_manager(digest), f"{src.name[:150]}.{upto}-passed.json"
+
+
 def _to_ir(src, target, options, upto="ttir"):
     """The front end (Python AST -> Triton IR: where a Python-level error in the kernel source, a
     method on a specialised int or a constexpr mismatch, shows), and with ``upto="ttgir"`` the
-    target's passes to TritonGPU IR; LLVM and ptxas are left out."""
-    from triton._C.libtriton import ir
+    target's passes to TritonGPU IR; LLVM and ptxas are left out. A pass is kept in Triton's cache
+    (:func:`_ir_cache`); a job found there passed with the same key."""
     from triton.compiler.compiler import make_backend
 
     backend = make_backend(target)
     opts = backend.parse_options(dict(options))
+    cache = _ir_cache(src, backend, opts, upto)
+    if cache is not None and cache[0].get_file(cache[1]) is not None:
+        return
+    _run_ir(src, target, options, upto, backend, opts)
+    if cache is not None:
+        cache[0].put(json.dumps({"level": upto, "passed": True}), cache[1], binary=False)
+
+
+def _run_ir(src, target, options, upto, backend, opts):
+    from triton._C.libtriton import ir
+
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)

@@ -50,7 +50,8 @@ def _offline(args, triton_dir=None):
 def compiled():
     """label -> result of every offline compile, run once in child processes: the test session
     runs Triton's interpreter (TRITON_INTERPRET=1), under which the kernels take their emulated
-    16-bit rounding instead of the GPU code paths. The jobs pinned to a Triton run in a child of
+    16-bit rounding instead of the GPU code paths. Triton's cache serves what passed before: the
+    cubins (Triton's own) and the IR-level covers (``_offline_compile._ir_cache``, Triton's key). The jobs pinned to a Triton run in a child of
     their own with that Triton; where it cannot be had, its jobs fail with the reason."""
     results, proc = _offline([])
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -430,3 +431,59 @@ def test_fp8_input_amax_casts_do_not_spill(compiled, cc):
         assert r["ok"], (j["label"], r["error"])
         if r["info"].get("stack") is not None:  # (None: no cuobjdump beside that Triton)
             assert r["info"]["stack"] == 0, (j["label"], r["info"])
+
+
+_IR_CACHE_CHILD = r'''
+import json, sys, textwrap, importlib.util
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+import _offline_compile as oc
+
+def kernel_from(tmp, name, body):
+    path = Path(tmp) / f"{name}.py"
+    path.write_text("import triton\nimport triton.language as tl\n\n@triton.jit\ndef k(x_ptr, n):\n" + textwrap.indent(body, "    "))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.k
+
+def src(fn):
+    return triton.compiler.ASTSource(fn=fn, signature={"x_ptr": "*fp32", "n": "i32"}, constexprs={}, attrs={})
+
+tmp, out = sys.argv[1], {}
+target = GPUTarget("cuda", 90, 32)
+good = kernel_from(tmp, "good", "tl.store(x_ptr + tl.arange(0, 16), tl.full((16,), 1.0, tl.float32))\n")
+other = kernel_from(tmp, "other", "tl.store(x_ptr + tl.arange(0, 16), tl.full((16,), 2.0, tl.float32))\n")
+bad = kernel_from(tmp, "bad", "tl.store(x_ptr + tl.arange(0, 16), n.no_such_method())\n")
+runs = []
+real = oc._run_ir
+oc._run_ir = lambda *a: (runs.append(a[0].fn.__module__), real(*a))
+for fn in (good, good, other):
+    oc._to_ir(src(fn), target, {"num_warps": 4}, upto="ttgir")
+oc._to_ir(src(good), target, {"num_warps": 8}, upto="ttgir")  # other options: another key
+oc._to_ir(src(good), target, {"num_warps": 4}, upto="ttir")  # another level: another key
+for _ in range(2):
+    try:
+        oc._to_ir(src(bad), target, {"num_warps": 4}, upto="ttgir")
+        out.setdefault("bad", []).append("passed")
+    except Exception as e:  # noqa: BLE001
+        out.setdefault("bad", []).append(type(e).__name__)
+out["runs"] = runs
+print(json.dumps(out))
+'''
+
+
+def test_ir_level_passes_are_cached_under_tritons_key(tmp_path):
+    """The TTIR/TTGIR covers (not cached by Triton: it caches whole compiles) are kept in Triton's cache once
+    passed: a second run of the same job does not compile again; another kernel source, option set or level
+    compiles; a failure is never stored (it fails again)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(SRC), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_ALWAYS_COMPILE", None)
+    proc = subprocess.run([sys.executable, "-c", _IR_CACHE_CHILD, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["runs"] == ["good", "other", "good", "good", "bad", "bad"]
+    assert out["bad"] == ["CompilationError", "CompilationError"]
