@@ -535,6 +535,32 @@ def test_tensor_hooks_on_projection_weights_are_refused_by_apply_to(hook, part):
     assert seen == [getattr(a.qkv_proj, part).shape]
 
 
+def test_a_model_inside_ddp_is_refused_by_apply_to(tmp_path):
+    """apply_to on a model already wrapped in DDP (``accelerate.prepare``'s result, say): DDP's reducer holds the
+    q/k/v weights it wrapped, so the fused weight's gradient would never be all-reduced -- each rank training its own
+    q/k/v, silently where ``find_unused_parameters=True`` (HF Trainer's default; session 39: accepted, the ranks'
+    gradients differed after the first step). Refused before anything changes, naming the wrapper; a model already
+    fused inside DDP is left as it is (0)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of the session's own")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        m = H.build("qwen3")
+        ddp = DDP(m)
+        with pytest.raises(fqt.UnsupportedModelError, match=r"model is a DistributedDataParallel, which recorded the "
+                                                            r"q/k/v weights when it wrapped the model.*before wrapping"):
+            fusedqkv.apply_to(ddp)
+        assert all(type(a).__name__ == "Qwen3Attention" for a in attn_modules(m))
+        fused = H.build("qwen3")
+        fusedqkv.apply_to(fused)
+        assert fusedqkv.apply_to(DDP(fused)) == 0
+    finally:
+        dist.destroy_process_group()
+
+
 # what HF's norms are after apply_to, followed or refused at the next forward (session 36: a hook, another module
 # in q_norm's place or another eps were silently passed over; the block went on with apply_to's)
 NORM_CHANGES = [

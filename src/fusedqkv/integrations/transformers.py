@@ -1235,6 +1235,37 @@ def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
     _register_hooks(attn)
 
 
+def _data_parallel_wrappers() -> tuple:
+    """The wrappers that keep their own record of the model's parameters when they wrap it: DDP (its
+    reducer's buckets) and FSDP1 (its flat parameters). FSDP2 shards in place (DTensor weights: refused
+    as such)."""
+    if not torch.distributed.is_available():
+        return ()
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrappers = [DistributedDataParallel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        wrappers.append(FullyShardedDataParallel)
+    except ImportError:  # pragma: no cover - a torch without FSDP1
+        pass
+    return tuple(wrappers)
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
+    """Refuse a model inside DDP or FSDP1: they registered q/k/v's weights when they wrapped it, and the
+    fused weight apply_to makes would never reach them -- under DDP its gradient is not all-reduced, so
+    each rank would train its own q/k/v (with ``find_unused_parameters=True``, HF Trainer's default,
+    without a word)."""
+    wrappers = _data_parallel_wrappers()
+    for path, m in model.named_modules():
+        if isinstance(m, wrappers):
+            raise UnsupportedModelError(
+                f"fusedqkv.apply_to: {path or 'model'} is a {type(m).__name__}, which recorded the q/k/v weights "
+                f"when it wrapped the model; the fused weight apply_to makes would not be synchronised across "
+                f"ranks. Call apply_to on the model before wrapping it (model = DDP(model) after apply_to)")
+
+
 def _supported_classes() -> dict:
     """HF attention class -> Arch, for the modeling modules already imported (a model that
     contains one has imported it)."""
@@ -1295,6 +1326,8 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
                 todo.append((path, m, arch))
             else:
                 skipped.append((path, arch, reason))
+    if todo:
+        _check_not_wrapped(model)
     cfg = getattr(model, "config", None)
     mt = getattr(cfg, "model_type", None)
     name = f"{type(model).__name__}" + (f" (model_type {mt!r})" if mt else "")
