@@ -561,6 +561,38 @@ def test_a_model_inside_ddp_is_refused_by_apply_to(tmp_path):
         dist.destroy_process_group()
 
 
+def test_an_optimizer_made_before_apply_to_is_refused_at_its_step():
+    """An optimizer made before apply_to holds the q/k/v parameters apply_to replaced: they never get a gradient
+    again, and the fused one, absent from it, never steps (session 39: accepted, q/k/v silently stopped training
+    while the fused gradient, never zeroed, grew). Its step raises naming both -- also when it stepped before
+    apply_to; one made after apply_to trains the fused weight; an optimizer of a PEFT model's trainable adapters
+    (the replaced base weights frozen) is left alone."""
+    m = H.build("qwen3", bias=True)
+    before = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ids = H.batch(2, 6)
+    m(input_ids=ids, labels=ids).loss.backward()
+    before.step()  # checked once: nothing replaced yet
+    fusedqkv.apply_to(m)
+    m(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(fqt.UnsupportedModelError, match=r"AdamW holds model\.layers\.0\.self_attn\.q_proj\.weight, "
+                                                        r"which fusedqkv\.apply_to replaced by "
+                                                        r"model\.layers\.0\.self_attn\.qkv_proj\.weight.*after apply_to"):
+        before.step()
+    with pytest.raises(fqt.UnsupportedModelError, match=r"AdamW holds model\.layers\.0\.self_attn\.q_proj\.weight"):
+        torch.compile(before.step, backend="eager")()  # traced: looked through as the step is traced
+    after = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    w = m.model.layers[0].self_attn.qkv_proj.weight
+    w0 = w.detach().clone()
+    after.step()
+    assert not torch.equal(w0, w)
+    peft = pytest.importorskip("peft")
+    m = peft.get_peft_model(H.build("qwen3", bias=True), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    adapters = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    fusedqkv.apply_to(m)
+    m(input_ids=ids, labels=ids).loss.backward()
+    adapters.step()
+
+
 # what HF's norms are after apply_to, followed or refused at the next forward (session 36: a hook, another module
 # in q_norm's place or another eps were silently passed over; the block went on with apply_to's)
 NORM_CHANGES = [

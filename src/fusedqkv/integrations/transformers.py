@@ -37,6 +37,7 @@ import dataclasses
 import importlib
 import inspect
 import sys
+import weakref
 from collections import OrderedDict
 from typing import Callable, Optional
 
@@ -1185,7 +1186,51 @@ def _check_copyable(path: str, attn: nn.Module, spec: FusedSpec, names_of: dict)
                     f"(qkv_proj.{kind}) after apply_to")
 
 
-def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
+# The q/k/v parameters apply_to replaced by a fused one stay in any optimizer made before it, where they never get
+# a gradient again while the fused parameter, absent from that optimizer, never steps (and its gradient, never
+# zeroed, grows): q/k/v silently stop training. Each trainable one is marked with the fused parameter's name, and
+# one global optimizer step pre-hook (torch's public API) refuses an optimizer holding a marked parameter. An
+# optimizer is looked through once per apply_to and per change of its parameter groups.
+_REPLACED_BY = "_fusedqkv_replaced_by"
+_replacements = 0  # apply_to calls that marked parameters: an optimizer checked before one is checked again
+_optimizers_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_optimizer_hook = None
+
+
+def _retire(params: list, fused_name: str) -> None:
+    """Mark the trainable ``(name, parameter)`` pairs that ``fused_name`` replaced (see above)."""
+    global _replacements, _optimizer_hook
+    marked = False
+    for name, p in params:
+        if p is not None and p.requires_grad:
+            setattr(p, _REPLACED_BY, (name, fused_name))
+            marked = True
+    if marked:
+        _replacements += 1
+        if _optimizer_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer, args, kwargs) -> None:
+    compiling = torch.compiler.is_compiling()  # traced: the look once, when the step is traced (no weakref cache)
+    shape = None if compiling else (_replacements, tuple(len(g["params"]) for g in optimizer.param_groups))
+    if shape is not None and _optimizers_checked.get(optimizer) == shape:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            replaced = getattr(p, _REPLACED_BY, None)
+            if replaced is not None:
+                raise UnsupportedModelError(
+                    f"fusedqkv: {type(optimizer).__name__} holds {replaced[0]}, which fusedqkv.apply_to replaced by "
+                    f"{replaced[1]}: that parameter would never get a gradient again and the fused one would never "
+                    f"step. Create the optimizer after apply_to")
+    if shape is not None:
+        _optimizers_checked[optimizer] = shape
+
+
+def _fuse(attn: nn.Module, spec: FusedSpec, path: str = "") -> None:
     """Patch one validated attention module in place: ``qkv_proj`` (the joined weights) before
     q_proj, and q/k/v_proj as rows of it (a PEFT LoRA layer there keeps its adapters, over the rows).
     4-bit q/k/v stay as they are (no fused parameter: each forward dequantizes them; their state
@@ -1210,6 +1255,10 @@ def _fuse(attn: nn.Module, spec: FusedSpec) -> None:
             # (requires_grad the parameters': an MX-wrapped one's plain tensor has none)
             weight = nn.Parameter(torch.cat(ws, 0), requires_grad=projs[0].weight.requires_grad)
             bias = nn.Parameter(torch.cat(biases, 0), requires_grad=projs[0].bias.requires_grad) if has_bias else None
+        prefix = f"{path}." if path else ""
+        for part in ("weight", "bias"):
+            _retire([(f"{prefix}{name}.{part}", getattr(p, part)) for name, p in zip(spec.projs, projs)],
+                    f"{prefix}{spec.fused_name}.{part}")
     proj = FusedQKVProjection(weight, bias, spec.split)
     proj.train(q.training)
     _keep_hf_init_flags(proj, projs)
@@ -1374,8 +1423,8 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
                 raise UnsupportedModelError(f"fusedqkv.apply_to: {name} {path}: fp8={recipe.key!r} but q/k/v_proj are "
                                             f"torchao Float8Linear or MX training layers of the recipe {had.key!r}")
             spec.block_kwargs["fp8"] = recipe
-    for (_, m, _), spec in zip(todo, specs):
-        _fuse(m, spec)
+    for (path, m, _), spec in zip(todo, specs):
+        _fuse(m, spec, "" if path == type(model).__name__ else path)
     return len(todo)
 
 
