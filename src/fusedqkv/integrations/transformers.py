@@ -1214,7 +1214,7 @@ def _retire(params: list, fused_name: str) -> None:
 
 
 def _check_optimizer(optimizer, args, kwargs) -> None:
-    compiling = torch.compiler.is_compiling()  # traced: the look once, when the step is traced (no weakref cache)
+    compiling = torch.compiler.is_compiling()  # traced: looked through as the step is traced (no weakref cache)
     shape = None if compiling else (_replacements, tuple(len(g["params"]) for g in optimizer.param_groups))
     if shape is not None and _optimizers_checked.get(optimizer) == shape:
         return
