@@ -1079,12 +1079,12 @@ def _to_ir(src, target, options, upto="ttir"):
 
     backend = make_backend(target)
     opts = backend.parse_options(dict(options))
-    cache = _ir_cache(src, backend, opts, upto)
-    if cache is not None and cache[0].get_file(cache[1]) is not None:
+    manager, passed = _ir_cache(src, backend, opts, upto) or (None, None)
+    if manager is not None and manager.get_file(passed) is not None:
         return
     _run_ir(src, target, options, upto, backend, opts)
-    if cache is not None:
-        cache[0].put(json.dumps({"level": upto, "passed": True}), cache[1], binary=False)
+    if manager is not None:
+        manager.put(json.dumps({"level": upto, "passed": True}), passed, binary=False)
 
 
 def _run_ir(src, target, options, upto, backend, opts):

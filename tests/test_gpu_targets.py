@@ -51,8 +51,9 @@ def compiled():
     """label -> result of every offline compile, run once in child processes: the test session
     runs Triton's interpreter (TRITON_INTERPRET=1), under which the kernels take their emulated
     16-bit rounding instead of the GPU code paths. Triton's cache serves what passed before: the
-    cubins (Triton's own) and the IR-level covers (``_offline_compile._ir_cache``, Triton's key). The jobs pinned to a Triton run in a child of
-    their own with that Triton; where it cannot be had, its jobs fail with the reason."""
+    cubins (Triton's own) and the IR-level covers (``_offline_compile._ir_cache``, Triton's key).
+    The jobs pinned to a Triton run in a child of their own with that Triton; where it cannot be
+    had, its jobs fail with the reason."""
     results, proc = _offline([])
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = {r["label"]: r for r in results}
