@@ -154,6 +154,14 @@ def test_load_state_dict_missing_unexpected_and_mismatch():
     assert torch.equal(w[64:96], before[64:96])  # the absent k rows kept
     with pytest.raises(RuntimeError, match="k_proj.weight"):
         m.load_state_dict(sd, strict=True)
+    # all three of a layer absent: reported as the model without fusedqkv reports them, not as qkv_proj
+    sd = ref.state_dict()
+    for p in ("q", "k", "v"):
+        del sd[f"model.layers.1.self_attn.{p}_proj.weight"]
+    assert m.load_state_dict(sd, strict=False) == ref.load_state_dict(sd, strict=False)
+    with pytest.raises(RuntimeError, match="Missing key.*model.layers.1.self_attn.q_proj.weight") as e:
+        m.load_state_dict(sd)
+    assert "qkv_proj" not in str(e.value)
     sd = ref.state_dict()
     sd["model.layers.1.self_attn.v_proj.weight"] = torch.zeros(5, 64)
     with pytest.raises(RuntimeError, match="size mismatch for model.layers.1.self_attn.v_proj.weight"):
@@ -219,6 +227,64 @@ def test_init_weights_after_apply_to_is_hfs(arch):
         assert torch.equal(sd[k], sd_ref[k]), k
     ids = H.batch(1, 7)
     torch.testing.assert_close(m(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def _built_on_meta(arch, bias, fuse):
+    with torch.device("meta"):
+        m = H.model_class(arch)(H.config(arch, bias))
+    if fuse:
+        assert fusedqkv.apply_to(m) == 2
+    return m
+
+
+def _unsaved_buffers_from(m, built):
+    """HF's non-persistent buffers (the rotary ``inv_freq``, Gemma's ``embed_scale``) are in no state dict, so a
+    model built on meta takes them from a built one (the same with or without fusedqkv)."""
+    src, saved = dict(built.named_buffers()), built.state_dict()
+    for name, _ in list(m.named_buffers()):
+        if name not in saved:
+            path, _, attr = name.rpartition(".")
+            m.get_submodule(path)._buffers[attr] = src[name].clone()
+
+
+@pytest.mark.parametrize("how", ["assign", "to_empty_then_load", "to_empty_then_init"])
+@pytest.mark.parametrize("arch, bias", [("qwen3", True), ("gemma3_text", False)])
+def test_a_model_built_on_meta_is_fused_then_materialised(arch, bias, how):
+    """Deferred init (``torch.device("meta")``, then ``load_state_dict(assign=True)``, or ``to_empty`` and a
+    load or HF's ``init_weights``): apply_to between the two, as FSDP2 recipes and accelerate's low-memory
+    loading do, gives what the model without fusedqkv gives through the same steps. apply_to used to refuse
+    meta weights."""
+    built = H.build(arch, bias, seed=3)
+    m, ref = _built_on_meta(arch, bias, True), _built_on_meta(arch, bias, False)
+    assert m.model.layers[0].self_attn.qkv_proj.weight.is_meta
+    for x in (m, ref):
+        if how == "assign":
+            result = x.load_state_dict(built.state_dict(), assign=True)
+        else:
+            x.to_empty(device="cpu")
+            if how == "to_empty_then_load":
+                result = x.load_state_dict(built.state_dict())
+            else:
+                _forget_init_flags(x)
+                torch.manual_seed(11)
+                x.init_weights()
+                result = None
+        assert result is None or (not result.missing_keys and not result.unexpected_keys)
+        _unsaved_buffers_from(x, built)
+    sd, sd_ref = m.state_dict(), ref.state_dict()
+    assert list(sd) == list(sd_ref)
+    for k in sd_ref:
+        assert torch.equal(sd[k], sd_ref[k]), k
+        if how != "to_empty_then_init":
+            assert torch.equal(sd[k], built.state_dict()[k]), k
+    w = m.model.layers[0].self_attn.qkv_proj.weight
+    assert isinstance(w, torch.nn.Parameter) and w.device.type == "cpu" and w.requires_grad
+    ids = H.batch(2, 9)
+    out, out_ref = m(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    out_ref.loss.backward()
+    check_grads(m, ref, 1e-4)
 
 
 # --------------------------------------------------------------------------- training

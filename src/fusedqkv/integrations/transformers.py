@@ -749,6 +749,42 @@ def __getattr__(name: str):
 # --------------------------------------------------------------------------- state-dict hooks
 
 
+def _is_dtensor(t) -> bool:
+    """A DTensor (FSDP2's and tensor parallel's parameters): its rows split and join with collectives."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _split_rows(t: torch.Tensor, split, copy: bool = True) -> tuple:
+    """``t``'s row blocks of sizes ``split``, detached; copies unless ``copy=False``. A DTensor's (FSDP2's
+    fused parameter, sharded by rows) are each placed as ``t`` is, as the unfused model's q/k/v parameters
+    are: splitting gathers the rows, then each rank keeps its shard of each block."""
+    if not _is_dtensor(t):
+        parts = t.detach().split(split)
+        return tuple(p.clone() for p in parts) if copy else parts
+    return tuple(p.redistribute(t.device_mesh, t.placements) for p in t.detach().split(split))
+
+
+def _join_rows(parts: list, param: torch.Tensor) -> torch.Tensor:
+    """The fused parameter's value from its row blocks. Into a DTensor parameter, from plain or DTensor blocks
+    of any placement (a full state dict on every rank, or torch.distributed.checkpoint's): the whole joined
+    rows on each rank (gathering DTensor blocks), then each rank's shard, placed as ``param`` is."""
+    if not _is_dtensor(param):
+        return torch.cat([p.full_tensor() if _is_dtensor(p) else p for p in parts], 0)
+    from torch.distributed.tensor import distribute_tensor
+
+    local = param.to_local()
+    whole = [p.full_tensor() if _is_dtensor(p) else p for p in parts]
+    # into a parameter on meta (loaded with assign=True: accelerate's FSDP2 loading) on the loaded values' device
+    device = whole[0].device if local.is_meta else local.device
+    full = torch.cat([p.to(device=device, dtype=local.dtype) for p in whole], 0)
+    # every rank holds the joined rows: each keeps its own shard (no communication)
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+
+
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
     """``qkv_proj.weight``/``.bias`` -> HF's ``q_proj``/``k_proj``/``v_proj`` entries, in HF's
     key order (the module's keys are the tail of ``state_dict`` when this runs: its own
@@ -773,8 +809,8 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
             children.setdefault(child, []).append((key, value))
     bias = items.get(fused_b)
     # copies: views of one storage would be taken for tied weights by save_pretrained
-    w_parts = items[fused_w].detach().split(spec.split)
-    b_parts = bias.detach().split(spec.split) if bias is not None else (None,) * len(spec.projs)
+    w_parts = _split_rows(items[fused_w], spec.split)
+    b_parts = _split_rows(bias, spec.split) if bias is not None else (None,) * len(spec.projs)
     for name, w_part, b_part in zip(spec.projs, w_parts, b_parts):
         # under a PEFT LoRA layer the base weights are HF+PEFT's <name>.base_layer.*; the adapters'
         # own entries (<name>.lora_A...) follow them, as in the unfused model
@@ -806,28 +842,54 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
     for suffix in ("weight", "bias"):
         # HF's keys, or HF+PEFT's (<name>.base_layer.*) where a LoRA layer wraps the projection
         names = [f"{prefix}{p}.base_layer.{suffix}" if f"{prefix}{p}.base_layer.{suffix}" in state_dict
+                 or (f"{prefix}{p}.{suffix}" not in state_dict and _base_linear(module._modules[p]) is not
+                     module._modules[p])
                  else f"{prefix}{p}.{suffix}" for p in spec.projs]
-        if not any(n in state_dict for n in names):
-            continue
         param = getattr(proj, suffix)
+        if not any(n in state_dict for n in names):
+            if param is not None and f"{prefix}{spec.fused_name}.{suffix}" not in state_dict:
+                missing_keys.extend(names)  # under HF's names (the post-hook drops the fused one torch adds)
+            continue
         if param is None:
             continue  # no bias here: torch reports the keys as unexpected
-        parts, ok = [], True
-        current = param.detach().split(spec.split)
-        for n, cur in zip(names, current):
+        parts, ok, current = [], True, None
+        for n, rows in zip(names, spec.split):
+            shape = (rows,) + tuple(param.shape[1:])
             if n not in state_dict:
                 missing_keys.append(n)
-                parts.append(cur)
+                if current is None:  # (a DTensor's rows are gathered: only where a part is absent)
+                    current = _split_rows(param, spec.split, copy=False)
+                parts.append(current[len(parts)])
                 continue
             t = state_dict.pop(n)
-            if tuple(t.shape) != tuple(cur.shape):
+            if tuple(t.shape) != shape:
                 error_msgs.append(f"size mismatch for {n}: copying a param with shape {tuple(t.shape)} from "
-                                  f"checkpoint, the shape in current model is {tuple(cur.shape)}.")
+                                  f"checkpoint, the shape in current model is {shape}.")
                 ok = False
                 continue
-            parts.append(t.to(device=cur.device, dtype=cur.dtype))
+            if _is_dtensor(t) or _is_dtensor(param):
+                parts.append(t)
+            elif param.is_meta:  # a model built on meta, loaded with assign=True: the loaded tensors become it
+                parts.append(t if not parts else t.to(device=parts[0].device, dtype=parts[0].dtype))
+            else:
+                parts.append(t.to(device=param.device, dtype=param.dtype))
         if ok:
-            state_dict[f"{prefix}{spec.fused_name}.{suffix}"] = torch.cat(parts, 0)
+            state_dict[f"{prefix}{spec.fused_name}.{suffix}"] = _join_rows(parts, param)
+
+
+def _load_state_dict_post_hook(module, incompatible_keys) -> None:
+    """A fused parameter reported missing where its q/k/v rows are, under HF's names (the pre-hook's): only
+    those stay, as the model without fusedqkv would report them."""
+    spec: FusedSpec = module._fusedqkv
+    missing = incompatible_keys.missing_keys
+    listed = set(missing)
+    for suffix in ("weight", "bias"):
+        tail = f"{spec.fused_name}.{suffix}"
+        for key in [k for k in missing if k.endswith(tail)]:
+            prefix = key[:-len(tail)]
+            if all(f"{prefix}{p}.{suffix}" in listed or f"{prefix}{p}.base_layer.{suffix}" in listed
+                   for p in spec.projs):
+                missing.remove(key)
 
 
 def _register_hooks(module: nn.Module) -> None:
@@ -837,6 +899,7 @@ def _register_hooks(module: nn.Module) -> None:
     else:  # older torch
         module._register_state_dict_hook(_state_dict_hook)
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+    module.register_load_state_dict_post_hook(_load_state_dict_post_hook)
 
 
 # --------------------------------------------------------------------------- checks and patch
@@ -988,7 +1051,7 @@ def _check_linear(path: str, p, hidden: int) -> nn.Module:
             f"otherwise: tensor parallel)")
     w = p.weight
     data = mx_plain(w).data  # (torchao's MX training wrapper: the plain tensor it holds)
-    if type(data) is not torch.Tensor or w.is_meta:
+    if type(data) is not torch.Tensor:
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path}.weight is a {type(data).__name__} on {w.device}; the fused "
             f"block needs a materialised dense tensor")
