@@ -95,6 +95,28 @@ def test_a_hook_added_after_a_forward_is_refused_and_its_removal_seen(where, kin
     assert _rel(m(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
 
 
+@pytest.mark.parametrize("where", ["q_proj.base_layer", "v_proj.base_layer", "qkv_proj"])
+@pytest.mark.parametrize("how", ["prune", "register_parameter", "assign_parameter"])
+def test_a_reparametrised_weight_is_refused_before_anything_changes(where, how):
+    """torch.nn.utils.prune (and weight_norm) first registers the weight's original under a new name: refused
+    there, so the module keeps its parameters and the fused output (before, pruning qkv_proj left it without
+    its weight and with an untracked pruned one, and pruning a rows module added a stray parameter)."""
+    import torch.nn.utils.prune as prune
+
+    m, ref = _pair()
+    ids = _ids(m.config.vocab_size, 1)
+    mod = _module(_attn(m), where)
+    names, keys = [n for n, _ in m.named_parameters()], list(m.state_dict())
+    extra = nn.Parameter(torch.zeros(3))
+    change = {"prune": lambda: prune.l1_unstructured(mod, "weight", 0.5),
+              "register_parameter": lambda: mod.register_parameter("weight_orig", extra),
+              "assign_parameter": lambda: setattr(mod, "scale", extra)}[how]
+    with pytest.raises(UnsupportedModuleError, match=rf"{type(mod).__name__} refuses a parameter '(weight_orig|scale)'"):
+        change()
+    assert [n for n, _ in m.named_parameters()] == names and list(m.state_dict()) == keys
+    assert _rel(m(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
+
+
 @pytest.mark.parametrize("where", _WHERE)
 @pytest.mark.parametrize("kind", ["full_backward_hook", "full_backward_pre_hook"])
 def test_a_backward_hook_in_the_place_is_refused(where, kind):

@@ -58,6 +58,13 @@ class _RefusesHooks:
     def register_backward_hook(self, *args, **kwargs):
         _refuse_hook(self, "backward hook")
 
+    def register_parameter(self, name, param):
+        # only the fused projection's own weight and bias (set, assigned or loaded); refused before anything
+        # changes, since a reparametrisation's first step is to register the original under a new name
+        if not (isinstance(self, FusedQKVProjection) and name in ("weight", "bias")):
+            _refuse_parameter(self, name)
+        super().register_parameter(name, param)
+
 
 class FusedQKVProjection(_RefusesHooks, nn.Module):
     """The joined q/k/v projection of a fused attention: ``weight`` ``[rows, in_features]``, rows
@@ -291,6 +298,14 @@ def _refuse_forward(m: nn.Module, name: str) -> None:
         raise UnsupportedModuleError(
             f"fusedqkv: {type(m).__name__}.forward cannot be set: the fused block computes this module's rows "
             f"itself and never calls its forward, so the new forward would not run")
+
+
+def _refuse_parameter(m: nn.Module, name: str) -> None:
+    held = ("it holds only the fused weight and bias" if isinstance(m, FusedQKVProjection) else
+            f"its weight is rows {m.rows[0]}:{m.rows[1]} of the fused projection's")
+    raise UnsupportedModuleError(
+        f"fusedqkv: {type(m).__name__} refuses a parameter {name!r}: {held}, which the fused block reads itself, "
+        f"so a reparametrisation of the weight (torch.nn.utils.prune, weight_norm) would not reach the block")
 
 
 def _refuse_hook(m: nn.Module, kind: str) -> None:
