@@ -11,6 +11,7 @@ and the two must agree:
   the other ranks on meta, apply_to on each, then ``fsdp2_load_full_state_dict``;
 - ``dcp``: sharded ``torch.distributed.checkpoint`` checkpoints from the unfused model into the fused one
   and back;
+- ``sharded_first``: apply_to after ``fully_shard`` is refused, naming the remedy, before anything changes;
 - ``broadcast``: ``set_model_state_dict(broadcast_from_rank0=True)``, which cannot reach the fused
   parameter on ranks other than 0 (it sends parameter names), fails there naming q/k/v's keys (not a silent
   partial load).
@@ -38,7 +39,7 @@ pytestmark = [
 WORLD_SIZE = 2
 DEADLINE_S = 240
 COLLECTIVE_TIMEOUT_S = 30
-FLOWS = ["fsdp2", "meta", "accelerate", "dcp", "broadcast"]
+FLOWS = ["fsdp2", "meta", "accelerate", "dcp", "sharded_first", "broadcast"]
 TOL = 1e-5  # relative, fp32: the fused block against HF's eager attention input
 
 
@@ -195,6 +196,17 @@ def _flows(rank, out_dir):
                                        zip(back.state_dict().values(), m.state_dict().values()))
         return errs
 
+    def sharded_first():  # apply_to after fully_shard: refused before anything changes
+        m = shard(copy.deepcopy(built))
+        keys = list(m.state_dict())
+        try:
+            fusedqkv.apply_to(m)
+        except ValueError as e:
+            return {"unchanged": float(list(m.state_dict()) != keys
+                                       or type(m.model.layers[0].self_attn).__name__ != "Qwen3Attention"),
+                    "message": str(e)}
+        return {"refused": 0.0}
+
     def broadcast():  # last: rank 0 loads, the others refuse; no collective follows
         m = shard(on_meta(True))
         m.to_empty(device="cpu")
@@ -240,6 +252,14 @@ def test_flow_matches_the_model_without_fusedqkv(results, name):
         bad = {k: v for k, v in r["errors"].items() if v > TOL}
         assert not bad, (rank, bad)
         assert any(k.startswith("grad:") and "qkv_proj" in k for k in r["errors"])
+
+
+def test_apply_to_after_fully_shard_is_refused_with_the_remedy(results):
+    for res in results:
+        r = res["sharded_first"]["errors"]
+        assert "message" in r, r
+        assert "is a DTensor" in r["message"] and "call apply_to before fully_shard" in r["message"], r["message"]
+        assert r["unchanged"] == 0.0
 
 
 def test_broadcast_from_rank0_fails_on_the_other_ranks_naming_hfs_keys(results):

@@ -1052,9 +1052,11 @@ def _check_linear(path: str, p, hidden: int) -> nn.Module:
     w = p.weight
     data = mx_plain(w).data  # (torchao's MX training wrapper: the plain tensor it holds)
     if type(data) is not torch.Tensor:
+        why = (" (FSDP2 or tensor parallel sharded it: call apply_to before fully_shard or parallelize_module)"
+               if _is_dtensor(data) else "")
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path}.weight is a {type(data).__name__} on {w.device}; the fused "
-            f"block needs a materialised dense tensor")
+            f"block needs a plain dense tensor{why}")
     if w.dtype not in _FLOAT_DTYPES:
         raise UnsupportedModelError(f"fusedqkv.apply_to: {path}.weight has dtype {w.dtype}; expected "
                                     f"float32, bfloat16 or float16")
