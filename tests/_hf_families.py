@@ -136,6 +136,9 @@ FAMILIES = [
                            "selection move with bf16 inputs)"),
     Family("glm4_moe", dict(MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_experts=None,
                             use_qk_norm=True, rope_parameters=rope(0.5)), min_version="5.0"),
+    # RoPE on the sliding layers only; a sigmoid gate per channel from gate_proj
+    Family("afmoe", dict(MOE, num_shared_experts=1, num_dense_layers=1, sliding_window=5,
+                         layer_types=["sliding_attention", "full_attention"])),
     Family("laguna", dict(MOE, shared_expert_intermediate_size=32, sliding_window=5, gating="per-head",
                           layer_types=["sliding_attention", "full_attention"],
                           rope_parameters={t: rope(0.5) for t in ("sliding_attention", "full_attention")})),
@@ -187,6 +190,11 @@ FAMILIES = [
                                num_kv_shared_layers=1, sliding_window=5, global_head_dim=512, attention_k_eq_v=True,
                                num_global_key_value_heads=1,
                                layer_types=["sliding_attention", "full_attention", "full_attention"])),
+    # Gemma 4's attention in its unified (text, vision, audio) release: the same recipe as gemma4_text
+    Family("gemma4_unified_text", dict(num_hidden_layers=3, vocab_size_per_layer_input=VOCAB,
+                                       hidden_size_per_layer_input=8, num_kv_shared_layers=1, sliding_window=5,
+                                       global_head_dim=512, attention_k_eq_v=True, num_global_key_value_heads=1,
+                                       layer_types=["sliding_attention", "full_attention", "full_attention"])),
     Family("qwen4_exp_text", dict(**MOE, **HYBRID, head_dim=32, shared_expert_intermediate_size=32, hc_count=2,
                                   hc_lowrank=8, layer_types=["linear_attention", "qwen_sparse_attention"],
                                   indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,

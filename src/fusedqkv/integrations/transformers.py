@@ -92,6 +92,13 @@ def _rope_only_on_sliding_layers(attn, hidden_states, position_embeddings):
     return _identity_rope(hidden_states)
 
 
+def _rope_if_local_attention(attn, hidden_states, position_embeddings):
+    # AFMoE: RoPE on the sliding-window (local) layers only; the global ones NoPE
+    if attn.is_local_attention:
+        return position_embeddings
+    return _identity_rope(hidden_states)
+
+
 def _rope_if_sliding(attn, hidden_states, position_embeddings):
     # Kolibri 1.1: RoPE on the sliding layers; the indexed-attention ones are NoPE
     if attn.is_sliding:
@@ -147,6 +154,11 @@ def _gate_sigmoid_g_proj_per_head(attn, attn_output, hidden_states):
     shape = attn_output.shape
     out = attn_output.view(*shape[:-1], -1, attn.head_dim) * torch.sigmoid(attn.g_proj(hidden_states)).unsqueeze(-1)
     return out.view(*shape)
+
+
+def _gate_sigmoid_gate_proj(attn, attn_output, hidden_states):
+    # AFMoE: sigmoid(gate_proj(x)) per channel
+    return attn_output * torch.sigmoid(attn.gate_proj(hidden_states))
 
 
 def _gate_sigmoid_gate_proj_with_head_bias(attn, attn_output, hidden_states):
@@ -396,6 +408,9 @@ SUPPORTED = (
          kv_update=_kv_update_layer_idx, before_attention=_indexer_kolibri1_1,
          consumes=("shared_kv_states", "index_pool")),
     _row("glm4_moe", "glm4_moe.modeling_glm4_moe", "Glm4MoeAttention", "Glm4MoeRMSNorm", skip=_skip_glm4_moe),
+    # (RoPE on the sliding layers, the global ones NoPE; a sigmoid gate from gate_proj per channel)
+    _row("afmoe", "afmoe.modeling_afmoe", "AfmoeAttention", "AfmoeRMSNorm", sliding_window=_sw_attr,
+         rope=_rope_if_local_attention, output_gate=_gate_sigmoid_gate_proj),
     _row("laguna", "laguna.modeling_laguna", "LagunaAttention", "LagunaRMSNorm", sliding_window=_sw_attr,
          output_gate=_gate_softplus_g_proj),
     # RMSNorm after RoPE (HunYuan; the 091 order)
@@ -436,6 +451,8 @@ SUPPORTED = (
     _row("gemma3n_text", "gemma3n.modeling_gemma3n", "Gemma3nTextAttention", "Gemma3nRMSNorm", **_GEMMA_N),
     _row("gemma4_text", "gemma4.modeling_gemma4", "Gemma4TextAttention", "Gemma4RMSNorm",
          **dict(_GEMMA_N, k_eq_v="use_alternative_attention")),
+    _row("gemma4_unified_text", "gemma4_unified.modeling_gemma4_unified", "Gemma4UnifiedTextAttention",
+         "Gemma4UnifiedRMSNorm", **dict(_GEMMA_N, k_eq_v="use_alternative_attention")),
 )
 
 # families with a QK norm the block does not compute (named in apply_to's error)
