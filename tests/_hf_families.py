@@ -163,6 +163,13 @@ FAMILIES = [
     # 1 + w
     Family("gemma3_text", dict(query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=20.0,
                                final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"]), min_version="5.0"),
+    # ... partial RoPE; a sparse layer whose indexer picks 2 of the 3 key blocks of 4 at 12 tokens (the pick bites)
+    Family("minimax_m3_vl_text", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                      dense_intermediate_size=48, shared_intermediate_size=32, rotary_dim=8,
+                                      mlp_layer_types=["dense", "sparse"],
+                                      layer_types=["minimax_m3_sparse", "full_attention"], index_n_heads=2,
+                                      index_head_dim=16, index_block_size=4, index_topk_blocks=2, index_local_blocks=1),
+           bias=False),
     # ... and an output gate from g_proj
     Family("step3p5", dict(MOE, num_experts=None, num_local_experts=4, n_routed_experts=4, share_expert_dim=32,
                            sliding_window=5, layer_types=["sliding_attention", "full_attention"],

@@ -225,7 +225,7 @@ def _kv_update_layer_idx(attn, cache, key, value, kwargs):
     return cache.update(key, value, attn.layer_idx)
 
 
-def _indexer_kolibri1_1(attn, query, key, value, attention_mask, kwargs):
+def _indexer_kolibri1_1(attn, hidden_states, position_embeddings, cache, query, key, value, attention_mask, kwargs):
     # Kolibri 1.1's indexed-attention layers: the indexer narrows the mask from q and the cached k (after the KV
     # store), then k and v are rounded to NVFP4 with a straight-through gradient; every layer returns its index pool
     # (HF's lines, HF's functions)
@@ -243,6 +243,24 @@ def _indexer_kolibri1_1(attn, query, key, value, attention_mask, kwargs):
     key = key + (quantize(key) - key).detach()
     value = value + (quantize(value) - value).detach()
     return key, value, attention_mask, (index_pool,)
+
+
+def _indexer_minimax_m3(attn, hidden_states, position_embeddings, cache, query, key, value, attention_mask, kwargs):
+    # MiniMax M3's sparse layers: the indexer picks key blocks after the KV store (its index keys go to the cache
+    # too); eager and SDPA take the pick as a block mask, every backend as block_indices (HF's lines)
+    block_indices = None
+    if attn.indexer is not None:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(key.shape[2] - query.shape[2], key.shape[2], device=query.device)
+        position_ids = (position_ids if position_ids.ndim > 1 else position_ids.unsqueeze(0)).expand(query.shape[0],
+                                                                                                    -1)
+        block_indices = attn.indexer(hidden_states, position_embeddings, cache, position_ids)
+        if attn.config._attn_implementation in ("eager", "sdpa"):
+            attention_mask = attn.indexer.build_block_mask(block_indices, attention_mask, key.shape[2], query.dtype,
+                                                           query.device, position_ids)
+    kwargs["block_indices"] = block_indices
+    return key, value, attention_mask, ()
 
 
 def _mask_doge_dynamic(attn, hidden_states, value_states, attention_mask):
@@ -337,8 +355,9 @@ class Arch:
     skip: Optional[Callable] = None            # (attn) -> why this layer stays HF's, or None
     kv_update: Optional[Callable] = None       # (attn, cache or None, k, v, kwargs) -> (k, v): the family's own cache
                                                # update (pops what it reads), else the transformers release's
-    before_attention: Optional[Callable] = None  # (attn, q, k, v, mask, kwargs) -> (k, v, mask, extra outputs): after
-                                                 # the cache, before the attention function (pops what it reads)
+    before_attention: Optional[Callable] = None  # (attn, x, position_embeddings, cache, q, k, v, mask, kwargs) ->
+                                                 # (k, v, mask, extra outputs): after the cache, before the attention
+                                                 # function (pops what it reads)
 
 
 def _row(model_type, module, attention, norm_class, **kw):
@@ -430,6 +449,9 @@ SUPPORTED = (
     # weight form 1 + w
     _row("gemma3_text", "gemma3.modeling_gemma3", "Gemma3Attention", "Gemma3RMSNorm", norm_weight_offset=1.0,
          sliding_window=_sw_attr),
+    # (partial RoPE; the sparse layers' indexer picks key blocks after the KV store)
+    _row("minimax_m3_vl_text", "minimax_m3_vl.modeling_minimax_m3_vl", "MiniMaxM3VLAttention", "MiniMaxM3VLRMSNorm",
+         norm_weight_offset=1.0, before_attention=_indexer_minimax_m3),
     _row("step3p5", "step3p7.modeling_step3p7", "Step3p7Attention", "Step3p7RMSNorm", norm_weight_offset=1.0,
          sliding_window=_sw_attr, output_gate=_gate_sigmoid_g_proj_per_head),
     # gated q (and 1 + w); the hybrids' linear-attention layers are not attention modules
@@ -619,7 +641,8 @@ class _FusedAttention:
             attention_mask = arch.dynamic_mask(self, hidden_states, value, attention_mask)
         extra = ()
         if arch.before_attention is not None:
-            key, value, attention_mask, extra = arch.before_attention(self, query, key, value, attention_mask, kwargs)
+            key, value, attention_mask, extra = arch.before_attention(self, hidden_states, position_embeddings, cache,
+                                                                      query, key, value, attention_mask, kwargs)
         modeling = self._fusedqkv_modeling
         functions = modeling.ALL_ATTENTION_FUNCTIONS
         impl = self.config._attn_implementation
