@@ -164,7 +164,7 @@ def test_mrope_sections_merged_into_cos_sin(name):
 def _tiny(model_type, model_cls=None, **kw):
     base = dict(vocab_size=H.VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
-    cfg = transformers.AutoConfig.for_model(model_type, **base, **kw)
+    cfg = transformers.AutoConfig.for_model(model_type, **{**base, **kw})
     cls = getattr(transformers, model_cls) if model_cls else transformers.AutoModelForCausalLM._model_mapping[type(cfg)]
     return cls(cfg)
 
@@ -182,6 +182,19 @@ _CHAMELEON = dict(vq_config=dict(embed_dim=4, num_embeddings=8, base_channels=32
     ("stablelm", None, dict(qk_layernorm=True), r"'stablelm'\): its QK layernorm is a per-head LayerNorm"),
 ], ids=lambda v: v if isinstance(v, str) and v.isidentifier() else None)
 def test_layernorm_qk_norm_families_are_named(model_type, cls, kw, words):
+    with pytest.raises(fqt.UnsupportedModelError, match=words):
+        fusedqkv.apply_to(_tiny(model_type, cls, **kw))
+
+
+@pytest.mark.parametrize("model_type, cls, kw, words", [
+    ("esmc", "EsmcModel", dict(num_key_value_heads=4), r"'esmc'\): its QK norm is a LayerNorm"),
+    ("inkling_text", "InklingTextModel", dict(), r"'inkling_text'\): its k and v pass through short convolutions"),
+    ("muse_glimmer_assistant", "MuseGlimmerAssistantModel", dict(),
+     r"'muse_glimmer_assistant'\): its k and v project the drafted block's context"),
+], ids=lambda v: v if isinstance(v, str) and v.isidentifier() else None)
+def test_qk_norm_families_the_block_cannot_take_are_named(model_type, cls, kw, words):
+    """Families of transformers 5.17 with a QK norm that apply_to cannot fuse: the reason, not only "no
+    attention module of a supported family"."""
     with pytest.raises(fqt.UnsupportedModelError, match=words):
         fusedqkv.apply_to(_tiny(model_type, cls, **kw))
 

@@ -484,6 +484,12 @@ UNSUPPORTED = {
     "persimmon": "its QK layernorm is a LayerNorm (mean-centred, with bias), not an RMSNorm",
     "phi": "its QK layernorm is a LayerNorm (mean-centred, with bias), not an RMSNorm",
     "stablelm": "its QK layernorm is a per-head LayerNorm (mean-centred), not an RMSNorm",
+    "esmc": "its QK norm is a LayerNorm (mean-centred), not an RMSNorm",
+    # RMS QK norms where the projection and the norm do not meet as the block has them
+    "inkling_text": "its k and v pass through short convolutions (k_sconv, v_sconv) between the projection and the "
+                    "norm, and it has no RoPE (relative position logits instead)",
+    "muse_glimmer_assistant": "its k and v project the drafted block's context together with the hidden states, q "
+                              "the hidden states alone: no one input for a fused q/k/v projection",
 }
 
 
