@@ -98,6 +98,14 @@ FAMILIES = [
            composite=("MuseSparkConfig", dict(vision_config=MUSE_VIT, audio_config=MUSE_AUDIO, out_hidden_size=32,
                                                projector_hidden_size=32)),
            model="MuseSparkForConditionalGeneration", min_version="5.25"),
+    # MuseSpark's attention without o_norm (a sigmoid gate_proj gate per channel)
+    Family("muse_glimmer_text", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
+           composite=("MuseGlimmerConfig", dict(vision_config=dict(patch_size=4, pos_emb_height=4, pos_emb_width=4,
+                                                                  num_attention_heads=2, num_hidden_layers=1,
+                                                                  hidden_size=32, intermediate_size=32,
+                                                                  max_position_embeddings=16),
+                                                out_hidden_size=32, projector_hidden_size=32)),
+           model="MuseGlimmerForConditionalGeneration"),
     Family("flint", dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"]), min_version="5.25",
            sdpa=False),  # (its attention sinks: HF's eager attention only)
     Family("lara_mini", dict(**MOE, **HYBRID, num_hidden_layers=3, shared_expert_intermediate_size=32, sliding_window=5,

@@ -157,7 +157,7 @@ def _gate_sigmoid_g_proj_per_head(attn, attn_output, hidden_states):
 
 
 def _gate_sigmoid_gate_proj(attn, attn_output, hidden_states):
-    # AFMoE: sigmoid(gate_proj(x)) per channel
+    # AFMoE and MuseGlimmer: sigmoid(gate_proj(x)) per channel
     return attn_output * torch.sigmoid(attn.gate_proj(hidden_states))
 
 
@@ -179,7 +179,8 @@ def _qk_scale_beam(attn, query, key, kwargs):
 
 
 def _qk_scale_muse_spark(attn, query, key, kwargs):
-    # MuseSpark: q times qk_scale_factor after its weightless norm; HF scales before RoPE, a linear map: the same
+    # MuseSpark and MuseGlimmer: q times qk_scale_factor after its weightless norm; HF scales before RoPE, a linear
+    # map: the same
     return query * attn.qk_scale_factor, key
 
 
@@ -411,6 +412,10 @@ SUPPORTED = (
     _row("muse_spark_text", "muse_spark.modeling_muse_spark", "MuseSparkTextAttention", "MuseSparkRMSNorm",
          norm_weight=False, q_norm="qk_norm", k_norm="qk_norm", sliding_window=_sw_attr, rope=_rope_nope_if_none,
          qk_scale=_qk_scale_muse_spark, output_gate=_gate_o_norm_sigmoid_gate_proj),
+    # (MuseSpark's attention without o_norm: a sigmoid gate_proj gate per channel; the vision tower HF's)
+    _row("muse_glimmer_text", "muse_glimmer.modeling_muse_glimmer", "MuseGlimmerTextAttention", "MuseGlimmerRMSNorm",
+         norm_weight=False, q_norm="qk_norm", k_norm="qk_norm", sliding_window=_sw_attr, rope=_rope_nope_if_none,
+         qk_scale=_qk_scale_muse_spark, output_gate=_gate_sigmoid_gate_proj),
     # (HF's qkv_proj is already one Linear: its rows module keeps the name; interleaved RoPE in fp32 on the sliding
     # layers; the global ones NoPE, their q and k scaled)
     _row("ergo", "ergo.modeling_ergo", "ErgoAttention", "ErgoRMSNorm", joined="qkv_proj", rope_style="interleaved",
