@@ -189,6 +189,7 @@ def test_layernorm_qk_norm_families_are_named(model_type, cls, kw, words):
 @pytest.mark.parametrize("model_type, cls, kw, words", [
     ("esmc", "EsmcModel", dict(num_key_value_heads=4), r"'esmc'\): its QK norm is a LayerNorm"),
     ("inkling_text", "InklingTextModel", dict(), r"'inkling_text'\): its k and v pass through short convolutions"),
+    ("zaya", "ZayaForCausalLM", dict(), r"'zaya'\): its q/k/v projection is Compressed Convolutional Attention"),
     ("muse_glimmer_assistant", "MuseGlimmerAssistantModel", dict(),
      r"'muse_glimmer_assistant'\): its k and v project the drafted block's context"),
 ], ids=lambda v: v if isinstance(v, str) and v.isidentifier() else None)

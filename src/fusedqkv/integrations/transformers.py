@@ -493,6 +493,8 @@ UNSUPPORTED = {
     # RMS QK norms where the projection and the norm do not meet as the block has them
     "inkling_text": "its k and v pass through short convolutions (k_sconv, v_sconv) between the projection and the "
                     "norm, and it has no RoPE (relative position logits instead)",
+    "zaya": "its q/k/v projection is Compressed Convolutional Attention (q and k mixed by a causal convolution with "
+            "residual paths, v from a recurrent state) and its QK norm an L2 norm with a per-KV-head key scale",
     "muse_glimmer_assistant": "its k and v project the drafted block's context together with the hidden states, q "
                               "the hidden states alone: no one input for a fused q/k/v projection",
 }
