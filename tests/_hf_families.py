@@ -61,10 +61,17 @@ class Family:
     # why HF's own bf16 gradients of the block's parameters are too far from fp32's for the GPU three-way test to
     # judge the block on the tiny model (test_gpu_hf_families; the fp32 tests judge it), or None
     bf16_grad_noise: Optional[str] = None
+    # inputs HF's model requires in training beyond input_ids (Molmo2's mm_token_type_ids): zeros like input_ids
+    # (text tokens)
+    train_inputs: tuple = ()
 
     @property
     def fast_attn(self) -> str:
         return "sdpa" if self.sdpa else "eager"
+
+    def inputs(self, ids) -> dict:
+        """The keyword inputs of a training forward on ``ids`` (with labels)."""
+        return dict(input_ids=ids, labels=ids, **{name: torch.zeros_like(ids) for name in self.train_inputs})
 
 
 FAMILIES = [
@@ -223,6 +230,16 @@ FAMILIES = [
     Family("flex_olmo", dict(MOE, head_dim=None, moe_intermediate_size=None), min_version="5.0"),
     Family("minimax_m2", dict(MOE, num_local_experts=4, num_experts=None, rope_parameters=rope(0.5)),
            bias=False, min_version="5.0"),
+    # the per-head norm (qk_norm_type "qwen3"); the "olmo" type (over all heads) in test_hf_families
+    Family("molmo2_text", dict(additional_vocab_size=8),
+           composite=("Molmo2Config", dict(vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                                              num_attention_heads=2, num_key_value_heads=2,
+                                                              head_dim=16, image_size=[28, 28], patch_size=14),
+                                           adapter_config=dict(hidden_size=32, num_attention_heads=2,
+                                                               num_key_value_heads=2, head_dim=16,
+                                                               intermediate_size=32, text_hidden_size=64,
+                                                               vision_feature_layer=[-1]))),
+           model="Molmo2ForConditionalGeneration", bias=True, min_version="5.25", train_inputs=("mm_token_type_ids",)),
     Family("olmo_hybrid", dict(**HYBRID, head_dim=None, layer_types=["linear_attention", "full_attention"]),
            n_fused=1),
 ]

@@ -32,8 +32,8 @@ def test_gpu_family_fp32_and_generate(fam):
     m.train()
     ref.train()
     ids = H.batch(2, 24).cuda()
-    out = m(input_ids=ids, labels=ids)
-    out_ref = ref(input_ids=ids, labels=ids)
+    out = m(**fam.inputs(ids))
+    out_ref = ref(**fam.inputs(ids))
     torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-4, atol=1e-4)
     out.loss.backward()
     out_ref.loss.backward()
@@ -68,7 +68,7 @@ def test_gpu_family_bf16_three_way(fam):
 
     assert fusedqkv.apply_to(m) == fam.n_fused
     ids = H.batch(2, 24).cuda()
-    losses = [x(input_ids=ids, labels=ids).loss for x in (m, ref, exact)]
+    losses = [x(**fam.inputs(ids)).loss for x in (m, ref, exact)]
     a, b, c = (float(x) for x in losses)
     assert abs(a - c) <= 2 * abs(b - c) + 1e-2 * abs(c), (a, b, c)
     for x in losses:

@@ -43,8 +43,8 @@ def test_family_fp32_outputs_gradients_and_state_dict(fam, monkeypatch):
     fused = fqt.gqa_qkv_rope_qk_norm
     monkeypatch.setattr(fqt, "gqa_qkv_rope_qk_norm", lambda *a, **k: calls.append(1) or fused(*a, **k))
     ids = H.batch(2, 12)
-    out = m(input_ids=ids, labels=ids)
-    out_ref = ref(input_ids=ids, labels=ids)
+    out = m(**fam.inputs(ids))
+    out_ref = ref(**fam.inputs(ids))
     assert len(calls) == (fam.n_calls or fam.n_fused)  # the fused block ran in each fused layer
     torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-6)
@@ -97,9 +97,9 @@ def test_family_torch_compile(fam):
         # one graph (raises on any break) unless HF's own code that the fused forward calls breaks it
         mod.compile(backend=COMPILE_BACKEND, fullgraph=fam.graph_breaks is None)
     ids = H.batch(2, 8)
-    out = m(input_ids=ids, labels=ids)
+    out = m(**fam.inputs(ids))
     out.loss.backward()
-    out_ref = ref(input_ids=ids, labels=ids)
+    out_ref = ref(**fam.inputs(ids))
     out_ref.loss.backward()
     torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
     check_grads(m, ref, 1e-4)
@@ -198,6 +198,22 @@ def test_qk_norm_families_the_block_cannot_take_are_named(model_type, cls, kw, w
     attention module of a supported family"."""
     with pytest.raises(fqt.UnsupportedModelError, match=words):
         fusedqkv.apply_to(_tiny(model_type, cls, **kw))
+
+
+def test_molmo2_norm_over_all_heads_follows_its_config():
+    """Molmo2's qk_norm_type "olmo" norms the whole q and k projections (OLMo 2's way), "qwen3" each head (the
+    family's test config): one row, the scope read per layer."""
+    fam = H.family("molmo2_text")
+    m, ref = patched_pair(fam, fam.bias, qk_norm_type="olmo")
+    assert all(mod._fusedqkv.block_kwargs.get("norm_scope") == "all_heads" for mod in fused_modules(m))
+    m.train()
+    ref.train()
+    ids = H.batch(2, 12)
+    out, out_ref = m(**fam.inputs(ids)), ref(**fam.inputs(ids))
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    out_ref.loss.backward()
+    check_grads(m, ref, 1e-4)
 
 
 def test_family_settings_without_a_block_are_named():

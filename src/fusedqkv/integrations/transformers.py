@@ -39,7 +39,7 @@ import inspect
 import sys
 import weakref
 from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -136,6 +136,16 @@ def _sw_if_sliding(attn):
 
 def _sw_config(attn):
     return getattr(attn.config, "sliding_window", None)
+
+
+def _norm_scope_molmo2(attn):
+    # Molmo2: qk_norm_type "olmo" norms the whole projection (all heads), "qwen3" each head
+    return "all_heads" if attn.qk_norm_type == "olmo" else "head"
+
+
+def _norm_scope(arch, attn) -> str:
+    scope = arch.norm_scope
+    return scope(attn) if callable(scope) else scope
 
 
 def _gate_softplus_g_proj(attn, attn_output, hidden_states):
@@ -334,7 +344,8 @@ class Arch:
     norm_weight: bool = True         # False: RMSNorm without a weight (Llama 4, NanoChat)
     l2_norm: bool = False            # x / sqrt(sum x^2 + eps), no weight (Dory): the block's RMSNorm at eps / head_dim
                                      # with a constant weight head_dim^-1/2 (L2_SCALE)
-    norm_scope: str = "head"         # "all_heads": one RMS over all heads' channels (OLMo 2)
+    norm_scope: Union[str, Callable] = "head"  # "all_heads": one RMS over all heads' channels (OLMo 2); or
+                                               # (attn) -> either, where the config chooses (Molmo2)
     q_gate: bool = False             # q_proj gives [q | gate] per head (Qwen3-Next / Qwen3.5)
     rope_style: str = "neox"         # "interleaved": pairs (2i, 2i+1) (Llama 4)
     q_norm: str = "q_norm"           # attribute names of the norm modules
@@ -473,6 +484,8 @@ SUPPORTED = (
     _row("flex_olmo", "flex_olmo.modeling_flex_olmo", "FlexOlmoAttention", "FlexOlmoRMSNorm", **_OLMO2),
     _row("olmo_hybrid", "olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridAttention", "OlmoHybridRMSNorm",
          rope=_rope_nope_if_none, **_OLMO2),
+    # (qk_norm_type "olmo": over all heads; "qwen3": per head; the vision tower and adapter stay HF's)
+    _row("molmo2_text", "molmo2.modeling_molmo2", "Molmo2Attention", "Molmo2RMSNorm", norm_scope=_norm_scope_molmo2),
     _row("minimax_m2", "minimax_m2.modeling_minimax_m2", "MiniMaxM2Attention", "MiniMaxM2RMSNorm", **_OLMO2),
     # v norm (Gemma 3n / 4: weight w, unweighted v RMSNorm; KV-shared layers stay HF's)
     _row("gemma3n_text", "gemma3n.modeling_gemma3n", "Gemma3nTextAttention", "Gemma3nRMSNorm", **_GEMMA_N),
@@ -987,7 +1000,7 @@ def _peft_saved_modules(m) -> Optional[list]:
 
 
 def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offset: float,
-                who: str = "fusedqkv.apply_to", error: type = UnsupportedModelError) -> float:
+                who: str = "fusedqkv.apply_to", error: type = UnsupportedModelError, scope: str = "head") -> float:
     """One RMSNorm module the block computes: its class (HF's or Liger-Kernel's), forward, hooks,
     weight form and shape (``weight_shape=None``: no weight); returns its eps. ``who`` and ``error``:
     the messages' prefix and class (apply_to's, or a fused forward's when the norm changed after it)."""
@@ -1006,7 +1019,7 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
                         f"calls the module, so it would not run")
     saved = _peft_saved_modules(norm)
     if saved is not None:  # PEFT's modules_to_save: its weight and eps are the active copy's (attribute reads)
-        eps = {_check_norm(f"{path}.{name}", m, arch, weight_shape, offset, who, error) for name, m in saved}
+        eps = {_check_norm(f"{path}.{name}", m, arch, weight_shape, offset, who, error, scope) for name, m in saved}
         if len(eps) != 1:
             raise error(f"{who}: {path}: PEFT's copies of the norm have different eps ({sorted(eps)}); the fused "
                         f"block takes one")
@@ -1028,8 +1041,8 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
         shape = tuple(w.shape) if isinstance(w, torch.Tensor) else None
         raise error(
             f"{who}: {path}.weight has shape {shape}; the fused block needs "
-            + ("a per-head norm, weight [head_dim]" if len(weight_shape) == 1 and arch.norm_scope == "head"
-               else "a norm over all heads, weight [heads*head_dim]") + f" = {list(weight_shape)}")
+            + ("a per-head norm, weight [head_dim]" if scope == "head" else
+               "a norm over all heads, weight [heads*head_dim]") + f" = {list(weight_shape)}")
     eps = _norm_eps(norm)
     if eps is None:
         raise error(f"{who}: {path} has no variance_epsilon/eps")
@@ -1039,13 +1052,14 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
 def _norms_eps(path: str, attn: nn.Module, arch: Arch, d: int, hq: int, hkv: int, who: str = "fusedqkv.apply_to",
                error: type = UnsupportedModelError) -> float:
     """The q/k (and v) norms checked (:func:`_check_norm`) and the block's one eps from them."""
+    scope = _norm_scope(arch, attn)
     if arch.norm_weight:
-        wq, wk = ((d,), (d,)) if arch.norm_scope == "head" else ((hq * d,), (hkv * d,))
+        wq, wk = ((d,), (d,)) if scope == "head" else ((hq * d,), (hkv * d,))
     else:
         wq = wk = None
     off = arch.norm_weight_offset
-    eps_q = _check_norm(f"{path}.{arch.q_norm}", getattr(attn, arch.q_norm, None), arch, wq, off, who, error)
-    eps_k = _check_norm(f"{path}.{arch.k_norm}", getattr(attn, arch.k_norm, None), arch, wk, off, who, error)
+    eps_q = _check_norm(f"{path}.{arch.q_norm}", getattr(attn, arch.q_norm, None), arch, wq, off, who, error, scope)
+    eps_k = _check_norm(f"{path}.{arch.k_norm}", getattr(attn, arch.k_norm, None), arch, wk, off, who, error, scope)
     if eps_q != eps_k:
         raise error(f"{who}: {path}: the q and k norms have different eps ({eps_q}, {eps_k}); the fused block "
                     f"takes one")
@@ -1130,11 +1144,12 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
     cfg = attn.config
     d = attn.head_dim
     what = f"{path} ({type(attn).__name__}, model_type {getattr(cfg, 'model_type', '?')!r})"
-    limit = _ALL_HEADS_MAX_HEAD_DIM if arch.norm_scope == "all_heads" else _MAX_HEAD_DIM
+    scope = _norm_scope(arch, attn)
+    limit = _ALL_HEADS_MAX_HEAD_DIM if scope == "all_heads" else _MAX_HEAD_DIM
     if not (isinstance(d, int) and d % 2 == 0 and 0 < d <= limit):
         raise UnsupportedModelError(f"fusedqkv.apply_to: {what}: head_dim={d}; the fused block needs an even "
                                     f"head_dim <= {limit}" + (" with its norm over all heads" if
-                                                              arch.norm_scope == "all_heads" else ""))
+                                                              scope == "all_heads" else ""))
     k_eq_v = bool(arch.k_eq_v and getattr(attn, arch.k_eq_v))
     if arch.joined is not None:
         names = (arch.joined,)
@@ -1208,7 +1223,7 @@ def _validate(path: str, attn: nn.Module, arch: Arch) -> FusedSpec:
     opts = [("qk_norm_position", arch.qk_norm_position), ("norm_weight_offset", off)]
     # the new switches only where used, so that the families of the original block need nothing more
     for key, value, default in (("q_gate", arch.q_gate, False), ("rope_style", arch.rope_style, "neox"),
-                                ("norm_scope", arch.norm_scope, "head"), ("v_norm", arch.v_norm is not None, False),
+                                ("norm_scope", scope, "head"), ("v_norm", arch.v_norm is not None, False),
                                 ("k_eq_v", k_eq_v, False)):
         if value != default:
             opts.append((key, value))
