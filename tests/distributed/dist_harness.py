@@ -788,6 +788,27 @@ def process_group(backend, rank, world_size, init_method):
         dist.destroy_process_group()
 
 
+def run_processes(fn, args, nprocs: int, deadline_s: float, poll_s: float = 5.0) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` spawned processes (torch.multiprocessing), waited for at most
+    ``deadline_s``: a hung collective fails the test (pytest.fail), not the CI job; the processes are
+    killed on the way out."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    t0 = time.monotonic()
+    try:
+        while not ctx.join(timeout=poll_s):
+            if time.monotonic() - t0 > deadline_s:
+                pytest.fail(f"the {nprocs} gloo processes did not finish in {deadline_s} s")
+    finally:
+        for p in ctx.processes:  # only ours; a no-op once they have exited
+            if p.is_alive():
+                p.kill()
+
+
 def gloo_worker(rank, world_size, init_file, out_path, opts):
     """torch.multiprocessing entry point: the checks on CPU tensors over gloo; rank 0 writes JSON."""
     import json

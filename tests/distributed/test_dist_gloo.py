@@ -10,7 +10,6 @@ check's verdict. Skipped under torchrun (test_dist_torchrun.py runs the checks t
 import json
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -32,20 +31,8 @@ CHECKS = ["ddp", "ddp_functional", "ddp_ac", "ddp_autocast", "fsdp", "fsdp_mp", 
 
 
 def _spawn(tmp, world_size, opts):
-    import torch.multiprocessing as mp
-
     out = tmp / "results.json"
-    ctx = mp.start_processes(H.gloo_worker, args=(world_size, str(tmp / "pg"), str(out), opts),
-                             nprocs=world_size, join=False, start_method="spawn")
-    t0 = time.monotonic()
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() - t0 > DEADLINE_S:
-                pytest.fail(f"the {world_size} gloo processes did not finish in {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:  # only ours; a no-op once they have exited
-            if p.is_alive():
-                p.kill()
+    H.run_processes(H.gloo_worker, (world_size, str(tmp / "pg"), str(out), opts), world_size, DEADLINE_S)
     with open(out) as f:
         return {r["key"]: r for r in json.load(f)}
 

@@ -24,11 +24,13 @@ import datetime
 import json
 import os
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import dist_harness  # noqa: E402
 
 pytest.importorskip("transformers")
 pytestmark = [
@@ -221,20 +223,8 @@ def _flows(rank, out_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     tmp = tmp_path_factory.mktemp("hf_fsdp")
-    ctx = mp.start_processes(_worker, args=(WORLD_SIZE, str(tmp / "pg"), str(tmp)), nprocs=WORLD_SIZE,
-                             join=False, start_method="spawn")
-    t0 = time.monotonic()
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() - t0 > DEADLINE_S:
-                pytest.fail(f"the {WORLD_SIZE} gloo processes did not finish in {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    dist_harness.run_processes(_worker, (WORLD_SIZE, str(tmp / "pg"), str(tmp)), WORLD_SIZE, DEADLINE_S, poll_s=2)
     out = []
     for r in range(WORLD_SIZE):
         with open(tmp / f"rank{r}.json") as f:
