@@ -225,6 +225,26 @@ def test_modules_to_save_on_the_q_norm(order):
     m(input_ids=ids)
 
 
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+def test_modules_to_save_on_a_projection_is_refused_with_the_reason(order):
+    """PEFT's modules_to_save naming v_proj (a trainable copy of it): refused in both orders, naming
+    modules_to_save; PEFT matches those names as suffixes, so after apply_to it wraps qkv_proj too, which the
+    message says (it was refused before with no word of modules_to_save)."""
+    base = build(family("qwen3"), bias=True)
+    config = _lora(["o_proj"], modules_to_save=["v_proj"])
+    if order == "apply_first":
+        fusedqkv.apply_to(base)
+        m = get_peft_model(base, config)
+        with pytest.raises(UnsupportedModuleError, match=r"qkv_proj is a peft.*ModulesToSaveWrapper.*modules_to_save "
+                                                         r".*'v_proj' also takes 'qkv_proj'"):
+            m(input_ids=_ids(m.config.vocab_size))
+    else:
+        m = get_peft_model(base, config)
+        with pytest.raises(fusedqkv.UnsupportedModelError, match=r"v_proj is a ModulesToSaveWrapper.*PEFT's "
+                                                                 r"modules_to_save"):
+            fusedqkv.apply_to(m)
+
+
 def test_disable_adapter_set_adapter_and_unload():
     m, ref, base = _pair("qwen3", _lora("all-linear"), "apply_first")
     ids = _ids(m.config.vocab_size, 5)

@@ -354,7 +354,7 @@ def projection_slots(attn, projs: tuple, quantized: bool = False, fused_name: st
         raise UnsupportedModuleError(
             f"fusedqkv: {where}.{fused_name} is a {_describe(fused)}; the fused block computes only the "
             f"FusedQKVProjection that apply_to put there (wrap {'/'.join(projs)} instead, with a wrapper "
-            f"fusedqkv supports: PEFT LoRA)")
+            f"fusedqkv supports: PEFT LoRA)" + (_hint(fused) if fused is not None else ""))
     hooked = _hooks(fused)
     if hooked:
         raise UnsupportedModuleError(f"fusedqkv: {where}.{fused_name} has a {hooked[0]}; "
@@ -603,7 +603,14 @@ def _quantized_slots(attn, projs: tuple, where: str) -> list:
     return out
 
 
+MODULES_TO_SAVE_HINT = ("; PEFT's modules_to_save (a trainable copy of the module) is not computed in the fused block: "
+                        "train q/k/v through qkv_proj.weight or with LoRA (PEFT matches modules_to_save names as "
+                        "suffixes: 'v_proj' also takes 'qkv_proj')")
+
+
 def _hint(m) -> str:
+    if type(m).__name__ == "ModulesToSaveWrapper" and type(m).__module__.startswith("peft."):
+        return MODULES_TO_SAVE_HINT
     mod = type(m).__module__
     if mod.startswith("torchao.float8"):
         return "; fusedqkv runs torchao's Float8Linear over apply_to's rows only, unwrapped and unhooked"

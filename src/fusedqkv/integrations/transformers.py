@@ -48,8 +48,9 @@ from torch.nn import functional as F
 from ..autograd import gqa_qkv_rope_qk_norm
 from ..ops.fp8 import (check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config,
                        recipe_of_torchao_mx_config)
-from .fused_projection import (FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _hooks, _is_float8_linear,
-                               _is_torchao_mx, fused_weights, mx_plain, torchao_mx_config, unwrap_lora)
+from .fused_projection import (MODULES_TO_SAVE_HINT, FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _hooks,
+                               _is_float8_linear, _is_torchao_mx, fused_weights, mx_plain, torchao_mx_config,
+                               unwrap_lora)
 from .projection_plan import projection_plan
 from . import qlora
 from ..ops.validation import ALL_HEADS_MAX_HEAD_DIM as _ALL_HEADS_MAX_HEAD_DIM, MAX_HEAD_DIM as _MAX_HEAD_DIM
@@ -1112,10 +1113,11 @@ def _check_linear(path: str, p, hidden: int) -> nn.Module:
                 f"fusedqkv.apply_to: {path} is a {type(p).__name__}; of torchao's MX training the fused block takes "
                 f"an MXFP8Linear or a Linear whose weight quantize_(MXFP8TrainingOpConfig) wrapped")
     elif type(p) is not nn.Linear and not _is_float8_linear(p):
+        why = (MODULES_TO_SAVE_HINT if type(p).__name__ == "ModulesToSaveWrapper" else
+               " (apply fusedqkv before wrapping projections otherwise: tensor parallel)")
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path} is a {type(p).__name__}; only a plain torch.nn.Linear or a bitsandbytes "
-            f"Linear4bit (or a PEFT LoRA layer over one) can be fused (apply fusedqkv before wrapping projections "
-            f"otherwise: tensor parallel)")
+            f"Linear4bit (or a PEFT LoRA layer over one) can be fused{why}")
     w = p.weight
     data = mx_plain(w).data  # (torchao's MX training wrapper: the plain tensor it holds)
     if type(data) is not torch.Tensor:
