@@ -71,7 +71,7 @@ def main():
     with open(os.path.join(os.environ.get("OUT", "."), "w", "fsdp_cuda.json"), "w") as f:
         json.dump(res, f, indent=1)
     for k, v in res.items():
-        ok = v["keys_equal"] and v["state_dict_max_err"] == 0 and v["logits_rel"] < 1e-5 and v["qkv_grad_rel"] < 1e-4
+        ok = v["keys_equal"] and v["state_dict_max_err"] == 0 and v["logits_rel"] < 1e-4 and v["qkv_grad_rel"] < 1e-3
         print(f"{k:8s} {'PASS' if ok else 'FAIL'} {v}")
     dist.destroy_process_group()
 
