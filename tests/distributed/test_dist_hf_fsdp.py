@@ -6,7 +6,7 @@ and the two must agree:
   steps, the full state dict (HF's keys and values), the sharded one (q/k/v as DTensors placed as the
   unfused model's);
 - ``meta``: deferred init (torchtitan's order): built on meta, apply_to, ``fully_shard``, ``to_empty``,
-  ``set_model_state_dict(full_state_dict=True)``;
+  ``set_model_state_dict(full_state_dict=True)``; ``meta_gemma4`` the same with Gemma 4 (rows [Q | K]);
 - ``accelerate``: accelerate's FSDP2 low-memory loading (``cpu_ram_efficient_loading``): rank 0 loaded,
   the other ranks on meta, apply_to on each, then ``fsdp2_load_full_state_dict``;
 - ``dcp``: sharded ``torch.distributed.checkpoint`` checkpoints from the unfused model into the fused one
@@ -41,7 +41,7 @@ pytestmark = [
 WORLD_SIZE = 2
 DEADLINE_S = 240
 COLLECTIVE_TIMEOUT_S = 30
-FLOWS = ["fsdp2", "meta", "accelerate", "dcp", "sharded_first", "broadcast"]
+FLOWS = ["fsdp2", "meta", "meta_gemma4", "accelerate", "dcp", "sharded_first", "broadcast"]
 TOL = 1e-5  # relative, fp32: the fused block against HF's eager attention input
 
 
@@ -81,14 +81,14 @@ def _flows(rank, out_dir):
         fully_shard(m)
         return m
 
-    def on_meta(fuse):
+    def on_meta(fuse, make=lambda: H.model_class("qwen3")(H.config("qwen3", True))):
         with torch.device("meta"):
-            m = H.model_class("qwen3")(H.config("qwen3", True))
+            m = make()
         if fuse:
             fusedqkv.apply_to(m)
         return m
 
-    def unsaved_buffers(m):  # HF's non-persistent buffers (rotary inv_freq): in no state dict
+    def unsaved_buffers(m, built=built):  # HF's non-persistent buffers (rotary inv_freq): in no state dict
         src, saved = dict(built.named_buffers()), built.state_dict()
         for name, _ in list(m.named_buffers()):
             if name not in saved:
@@ -114,9 +114,9 @@ def _flows(rank, out_dir):
                 got = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
                 want = {n: p.grad.full_tensor() for n, p in ref.named_parameters()}
                 for n, g in got.items():
-                    if ".qkv_proj." in n:
+                    if ".qkv_proj." in n:  # HF's projections joined in the block's order (Gemma 4's [Q | K])
                         base, kind = n.split(".qkv_proj.")
-                        w = torch.cat([want[f"{base}.{p}_proj.{kind}"] for p in "qkv"])
+                        w = torch.cat([want[f"{base}.{p}.{kind}"] for p in m.get_submodule(base)._fusedqkv.projs])
                     else:
                         w = want[n]
                     errs[f"grad:{n}"] = _rel(g, w)
@@ -155,6 +155,24 @@ def _flows(rank, out_dir):
             set_model_state_dict(m, built.state_dict(), options=StateDictOptions(full_state_dict=True))
             models.append(unsaved_buffers(m))
         return compare(*models)
+
+    def meta_gemma4():
+        """The same with Gemma 4 (its global layer's rows are [Q | K]: v is the k projection; the KV-shared
+        layer stays HF's)."""
+        import _hf_families as F
+
+        fam = F.family("gemma4_text")
+        built4 = F.build(fam, seed=3)
+        models = []
+        for fuse in (True, False):
+            m = shard(on_meta(fuse, lambda: F.model_class(fam)(F.config(fam))))
+            m.to_empty(device="cpu")
+            set_model_state_dict(m, built4.state_dict(), options=StateDictOptions(full_state_dict=True))
+            models.append(unsaved_buffers(m, built4))
+        errs = compare(*models)
+        errs["k_eq_v_layer_fused"] = float(not any(mod._fusedqkv.projs == ("q_proj", "k_proj")
+                                                   for mod in models[0].modules() if hasattr(mod, "_fusedqkv")))
+        return errs
 
     def accelerate():
         from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
@@ -232,10 +250,14 @@ def results(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "meta", "accelerate", "dcp"])
+@pytest.mark.parametrize("name", ["fsdp2", "meta", "meta_gemma4", "accelerate", "dcp"])
 def test_flow_matches_the_model_without_fusedqkv(results, name):
     if name == "accelerate":
         pytest.importorskip("accelerate")
+    if name == "meta_gemma4":
+        import _hf_families
+
+        _hf_families.family("gemma4_text")  # skips where the installed transformers has no Gemma 4
     for rank, res in enumerate(results):
         r = res[name]
         assert "raised" not in r, (rank, r.get("raised"))
