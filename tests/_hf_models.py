@@ -65,3 +65,14 @@ def perturb_norms_and_biases(m, seed):
 def batch(b=2, s=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (b, s), generator=g)
+
+
+def copy_unsaved_buffers(m, built):
+    """HF's non-persistent buffers (the rotary ``inv_freq``, Gemma's ``embed_scale``) are in no state dict, so a
+    model built on meta takes them from a built one (the same with or without fusedqkv); returns ``m``."""
+    src, saved = dict(built.named_buffers()), built.state_dict()
+    for name, _ in list(m.named_buffers()):
+        if name not in saved:
+            path, _, attr = name.rpartition(".")
+            m.get_submodule(path)._buffers[attr] = src[name].clone()
+    return m

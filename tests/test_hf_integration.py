@@ -237,16 +237,6 @@ def _built_on_meta(arch, bias, fuse):
     return m
 
 
-def _unsaved_buffers_from(m, built):
-    """HF's non-persistent buffers (the rotary ``inv_freq``, Gemma's ``embed_scale``) are in no state dict, so a
-    model built on meta takes them from a built one (the same with or without fusedqkv)."""
-    src, saved = dict(built.named_buffers()), built.state_dict()
-    for name, _ in list(m.named_buffers()):
-        if name not in saved:
-            path, _, attr = name.rpartition(".")
-            m.get_submodule(path)._buffers[attr] = src[name].clone()
-
-
 @pytest.mark.parametrize("how", ["assign", "to_empty_then_load", "to_empty_then_init"])
 @pytest.mark.parametrize("arch, bias", [("qwen3", True), ("gemma3_text", False)])
 def test_a_model_built_on_meta_is_fused_then_materialised(arch, bias, how):
@@ -270,7 +260,7 @@ def test_a_model_built_on_meta_is_fused_then_materialised(arch, bias, how):
                 x.init_weights()
                 result = None
         assert result is None or (not result.missing_keys and not result.unexpected_keys)
-        _unsaved_buffers_from(x, built)
+        H.copy_unsaved_buffers(x, built)
     sd, sd_ref = m.state_dict(), ref.state_dict()
     assert list(sd) == list(sd_ref)
     for k in sd_ref:

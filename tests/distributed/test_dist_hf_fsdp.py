@@ -89,12 +89,7 @@ def _flows(rank, out_dir):
         return m
 
     def unsaved_buffers(m, built=built):  # HF's non-persistent buffers (rotary inv_freq): in no state dict
-        src, saved = dict(built.named_buffers()), built.state_dict()
-        for name, _ in list(m.named_buffers()):
-            if name not in saved:
-                path, _, attr = name.rpartition(".")
-                m.get_submodule(path)._buffers[attr] = src[name].clone()
-        return m
+        return H.copy_unsaved_buffers(m, built)
 
     def compare(m, ref, steps=1):
         """The fused model ``m`` against ``ref``: the full state dicts (HF's keys), then the losses of ``steps``

@@ -39,12 +39,7 @@ def main():
             fusedqkv.apply_to(m)
         shard(m).to_empty(device="cuda")
         set_model_state_dict(m, built.state_dict(), options=StateDictOptions(full_state_dict=True))
-        src, saved = dict(built.named_buffers()), built.state_dict()
-        for name, _ in list(m.named_buffers()):
-            if name not in saved:
-                path, _, attr = name.rpartition(".")
-                m.get_submodule(path)._buffers[attr] = src[name].clone()
-        return m
+        return H.copy_unsaved_buffers(m, built)
 
     def compare(m, ref):
         full = [get_model_state_dict(x, options=StateDictOptions(full_state_dict=True)) for x in (m, ref)]
