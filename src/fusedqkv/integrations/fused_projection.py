@@ -608,8 +608,13 @@ MODULES_TO_SAVE_HINT = ("; PEFT's modules_to_save (a trainable copy of the modul
                         "suffixes: 'v_proj' also takes 'qkv_proj')")
 
 
+def is_modules_to_save(m) -> bool:
+    """PEFT's modules_to_save wrapper (a trainable copy of the module it wraps)."""
+    return type(m).__name__ == "ModulesToSaveWrapper" and type(m).__module__.startswith("peft.")
+
+
 def _hint(m) -> str:
-    if type(m).__name__ == "ModulesToSaveWrapper" and type(m).__module__.startswith("peft."):
+    if is_modules_to_save(m):
         return MODULES_TO_SAVE_HINT
     mod = type(m).__module__
     if mod.startswith("torchao.float8"):

@@ -49,8 +49,8 @@ from ..autograd import gqa_qkv_rope_qk_norm
 from ..ops.fp8 import (check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config,
                        recipe_of_torchao_mx_config)
 from .fused_projection import (MODULES_TO_SAVE_HINT, FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _hooks,
-                               _is_float8_linear, _is_torchao_mx, fused_weights, mx_plain, torchao_mx_config,
-                               unwrap_lora)
+                               _is_float8_linear, _is_torchao_mx, fused_weights, is_modules_to_save, mx_plain,
+                               torchao_mx_config, unwrap_lora)
 from .projection_plan import projection_plan
 from . import qlora
 from ..ops.validation import ALL_HEADS_MAX_HEAD_DIM as _ALL_HEADS_MAX_HEAD_DIM, MAX_HEAD_DIM as _MAX_HEAD_DIM
@@ -825,26 +825,26 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def _split_rows(t: torch.Tensor, split, copy: bool = True) -> tuple:
-    """``t``'s row blocks of sizes ``split``, detached; copies unless ``copy=False``. A DTensor's (FSDP2's
-    fused parameter, sharded by rows) are each placed as ``t`` is, as the unfused model's q/k/v parameters
-    are: splitting gathers the rows, then each rank keeps its shard of each block."""
+def _split_rows(t: torch.Tensor, split) -> tuple:
+    """``t``'s row blocks of sizes ``split``, detached (views of a plain tensor). A DTensor's (FSDP2's fused
+    parameter, sharded by rows) are each placed as ``t`` is, as the unfused model's q/k/v parameters are:
+    splitting gathers the rows, then each rank keeps its shard of each block."""
+    parts = t.detach().split(split)
     if not _is_dtensor(t):
-        parts = t.detach().split(split)
-        return tuple(p.clone() for p in parts) if copy else parts
-    return tuple(p.redistribute(t.device_mesh, t.placements) for p in t.detach().split(split))
+        return parts
+    return tuple(p.redistribute(t.device_mesh, t.placements) for p in parts)
 
 
 def _join_rows(parts: list, param: torch.Tensor) -> torch.Tensor:
     """The fused parameter's value from its row blocks. Into a DTensor parameter, from plain or DTensor blocks
     of any placement (a full state dict on every rank, or torch.distributed.checkpoint's): the whole joined
     rows on each rank (gathering DTensor blocks), then each rank's shard, placed as ``param`` is."""
+    whole = [p.full_tensor() if _is_dtensor(p) else p for p in parts]
     if not _is_dtensor(param):
-        return torch.cat([p.full_tensor() if _is_dtensor(p) else p for p in parts], 0)
+        return torch.cat(whole, 0)
     from torch.distributed.tensor import distribute_tensor
 
     local = param.to_local()
-    whole = [p.full_tensor() if _is_dtensor(p) else p for p in parts]
     # into a parameter on meta (loaded with assign=True: accelerate's FSDP2 loading) on the loaded values' device
     device = whole[0].device if local.is_meta else local.device
     full = torch.cat([p.to(device=device, dtype=local.dtype) for p in whole], 0)
@@ -900,6 +900,16 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
             meta[prefix + name] = dict(version)
 
 
+def _hf_key(module, state_dict, prefix: str, proj: str, suffix: str) -> str:
+    """A projection's HF key, or HF+PEFT's (``<proj>.base_layer.*``) where the state dict has that one or, having
+    neither, where a LoRA layer wraps the projection (the key the model without fusedqkv would miss)."""
+    plain, wrapped = f"{prefix}{proj}.{suffix}", f"{prefix}{proj}.base_layer.{suffix}"
+    slot = module._modules[proj]
+    if wrapped in state_dict or (plain not in state_dict and _base_linear(slot) is not slot):
+        return wrapped
+    return plain
+
+
 def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
     """HF's ``q_proj``/``k_proj``/``v_proj`` entries -> ``qkv_proj.weight``/``.bias`` (a part
@@ -907,11 +917,7 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
     spec: FusedSpec = module._fusedqkv
     proj = module._modules[spec.fused_name]
     for suffix in ("weight", "bias"):
-        # HF's keys, or HF+PEFT's (<name>.base_layer.*) where a LoRA layer wraps the projection
-        names = [f"{prefix}{p}.base_layer.{suffix}" if f"{prefix}{p}.base_layer.{suffix}" in state_dict
-                 or (f"{prefix}{p}.{suffix}" not in state_dict and _base_linear(module._modules[p]) is not
-                     module._modules[p])
-                 else f"{prefix}{p}.{suffix}" for p in spec.projs]
+        names = [_hf_key(module, state_dict, prefix, p, suffix) for p in spec.projs]
         param = getattr(proj, suffix)
         if not any(n in state_dict for n in names):
             if param is not None and f"{prefix}{spec.fused_name}.{suffix}" not in state_dict:
@@ -925,7 +931,7 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
             if n not in state_dict:
                 missing_keys.append(n)
                 if current is None:  # (a DTensor's rows are gathered: only where a part is absent)
-                    current = _split_rows(param, spec.split, copy=False)
+                    current = _split_rows(param, spec.split)
                 parts.append(current[len(parts)])
                 continue
             t = state_dict.pop(n)
@@ -1113,7 +1119,7 @@ def _check_linear(path: str, p, hidden: int) -> nn.Module:
                 f"fusedqkv.apply_to: {path} is a {type(p).__name__}; of torchao's MX training the fused block takes "
                 f"an MXFP8Linear or a Linear whose weight quantize_(MXFP8TrainingOpConfig) wrapped")
     elif type(p) is not nn.Linear and not _is_float8_linear(p):
-        why = (MODULES_TO_SAVE_HINT if type(p).__name__ == "ModulesToSaveWrapper" else
+        why = (MODULES_TO_SAVE_HINT if is_modules_to_save(p) else
                " (apply fusedqkv before wrapping projections otherwise: tensor parallel)")
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path} is a {type(p).__name__}; only a plain torch.nn.Linear or a bitsandbytes "
