@@ -20,7 +20,7 @@ import fusedqkv  # noqa: E402
 from fusedqkv.integrations import qlora  # noqa: E402
 
 import _hf_families as H  # noqa: E402
-from _lora_checks import assert_bf16_like_peft, dense_copy  # noqa: E402
+from _lora_checks import assert_bf16_like_peft, dense_copy, rel  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -59,6 +59,37 @@ def test_gpu_qlora_bf16_three_way(tmp_path, order):
     assert H.fused_modules(m) and "qkv_proj" not in H.fused_modules(m)[0]._modules
     (lf, gf), (le, ge), (l32, g32) = out["fused"], out["eager"], out["fp32"]
     assert_bf16_like_peft(lf, gf, le, ge, l32, g32)
+
+
+@cuda
+def test_gpu_qlora_mixed_batch_adapter_names(tmp_path):
+    """PEFT's mixed-batch inference (adapter_names) over the fused 4-bit q/k/v: logits by the three-way rule
+    against the dense fp32 copy, beside PEFT's without fusedqkv; generate takes them too (its tokens not compared:
+    a tiny random model's near-equal logits tie differently under bf16 rounding)."""
+    H.build(H.family("qwen3"), bias=True, dtype=torch.bfloat16).save_pretrained(tmp_path / "m")
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.bfloat16)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "m", quantization_config=q, device_map="cuda",
+                                                    dtype=torch.bfloat16)
+
+    torch.manual_seed(4)
+    ref = get_peft_model(load(), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+    ref.add_adapter("second", LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                         init_lora_weights=False))
+    m = copy.deepcopy(ref)
+    fusedqkv.apply_to(m)
+    ref32 = dense_copy(ref).float()
+    ids = H.batch(4, 24).cuda()
+    names = ["second", "__base__", "default", "second"]
+    with torch.no_grad():
+        got, want = (x.eval()(input_ids=ids, adapter_names=names).logits.float() for x in (m, ref))
+        want32 = ref32.eval()(input_ids=ids, adapter_names=names).logits.float()
+    assert H.fused_modules(m)
+    assert rel(got, want32) <= 2 * rel(want, want32) + 1e-3
+    kw = dict(max_new_tokens=4, do_sample=False, adapter_names=names)
+    assert m.generate(input_ids=ids, **kw).shape == (4, 28)
 
 
 @cuda

@@ -265,6 +265,146 @@ def test_disable_adapter_set_adapter_and_unload():
     assert _rel(unloaded(input_ids=ids).logits, plain) <= TOL
 
 
+def _two_adapter_pair(fam, order, targets="all-linear"):
+    """A fused PEFT model and the same without fusedqkv, each with adapters 'default' (``targets``) and
+    'second' (q/v only, another rank), equal adapters."""
+    m, ref, base = _pair(fam, _lora(targets), order)
+    torch.manual_seed(20)
+    ref.add_adapter("second", _lora(["q_proj", "v_proj"], r=2))
+    if order == "peft_first":
+        m = copy.deepcopy(ref)
+        fusedqkv.apply_to(m)
+    else:
+        m.add_adapter("second", _lora(["q_proj", "v_proj"], r=2))
+        set_peft_model_state_dict(m, get_peft_model_state_dict(ref, adapter_name="second"), adapter_name="second")
+    return m.eval(), ref.eval()
+
+
+# GLM-4.5: attention only (PEFT's own mixed batches refuse its MoE router's ParamWrapper)
+MIXED = {"qwen3": "all-linear", "qwen3_5_text": "all-linear", "olmo3": "all-linear",
+         "glm4_moe": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+@pytest.mark.parametrize("fam", list(MIXED))
+def test_mixed_batch_adapter_names_match_peft(fam, order):
+    """PEFT's mixed-batch inference (one adapter per sample, "__base__" for none: ``adapter_names=``, given to
+    the LoRA layers by forward pre-hooks) computed by the block: logits and greedy generation as PEFT's without
+    fusedqkv (session 41: refused as "a forward pre-hook" before)."""
+    m, ref = _two_adapter_pair(fam, order, MIXED[fam])
+    ids = _ids(m.config.vocab_size, 7, shape=(4, 6))
+    outs = {}
+    for names in (["default", "second", "__base__", "second"], ["second"] * 4, ["__base__"] * 4):
+        got, want = m(input_ids=ids, adapter_names=names).logits, ref(input_ids=ids, adapter_names=names).logits
+        assert _rel(got, want) <= TOL, names
+        outs[tuple(names)] = want
+    assert _rel(outs[("second",) * 4], ref(input_ids=ids).logits) > 1e-3  # the names, not the active adapter
+    assert _rel(outs[("__base__",) * 4], ref(input_ids=ids).logits) > 1e-3
+    assert _rel(m(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL  # and after them, the active one
+    names = ["second", "default", "__base__", "default"]
+    kw = dict(max_new_tokens=4, do_sample=False, adapter_names=names)
+    assert torch.equal(m.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw))
+
+
+def test_mixed_batch_refusals():
+    """Under adapter_names: PEFT's own errors where PEFT raises them (merged adapters, a wrong length); a hook of
+    the user's beside PEFT's refused, also when it comes in PEFT's place between two calls (the kept plan's
+    fingerprint holds the hooks' functions); modules_to_save on a norm the block computes refused by name.
+    (A fresh pair after each error: PEFT leaves its adapter_names hooks on the layers when the forward raises.)"""
+    ids = _ids(97, 8, shape=(2, 5))
+    for model in _two_adapter_pair("qwen3", "apply_first"):
+        with pytest.raises(ValueError, match="Length of `adapter_names` should be the same"):
+            model(input_ids=ids, adapter_names=["default"] * 3)
+    for model in _two_adapter_pair("qwen3", "apply_first"):
+        model.merge_adapter(["default"])
+        with pytest.raises(ValueError, match="Cannot pass `adapter_names` when there are merged adapters"):
+            model(input_ids=ids, adapter_names=["default", "second"])
+    m, ref = _two_adapter_pair("qwen3", "apply_first")
+    m(input_ids=ids, adapter_names=["default", "second"])  # a plan kept with PEFT's hook function
+    attn = m.base_model.model.model.layers[0].self_attn
+    handles = [getattr(attn, p).register_forward_pre_hook(lambda mod, args: None) for p in ("q_proj", "k_proj", "v_proj")]
+    with pytest.raises(UnsupportedModuleError, match=r"q_proj has a forward pre-hook"):
+        m(input_ids=ids)
+    for handle in handles:
+        handle.remove()
+    assert _rel(m(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
+    m, _ = _two_adapter_pair("qwen3", "apply_first")
+    m.base_model.model.model.layers[1].self_attn.v_proj.register_forward_pre_hook(lambda mod, args: None)
+    with pytest.raises(UnsupportedModuleError, match=r"v_proj has a forward pre-hook"):
+        m(input_ids=ids, adapter_names=["default", "second"])
+    saved, _, _ = _pair("qwen3", _lora(["q_proj", "v_proj"], modules_to_save=["q_norm"]), "apply_first")
+    saved.add_adapter("second", _lora(["q_proj", "v_proj"], modules_to_save=["q_norm"]))
+    saved.eval()
+    saved(input_ids=ids)
+    with pytest.raises(UnsupportedModuleError, match=r"q_norm is PEFT's modules_to_save under mixed-batch inference"):
+        saved(input_ids=ids, adapter_names=["default", "second"])
+
+
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+def test_hotswap_pissa_olora_and_layer_replication_match_peft(tmp_path, order):
+    """PEFT's workflows that write the adapters' or the base's weights in place, as PEFT's without fusedqkv:
+    hotswapping an adapter of another rank and alpha (with prepare_model_for_compiled_hotswap: the scalings
+    become tensors written in place), PiSSA and OLoRA (they rewrite the base weight: the fused rows), and
+    layer_replication (layers sharing the base weights, own adapters)."""
+    from peft import PeftModel
+    from peft.utils.hotswap import hotswap_adapter, prepare_model_for_compiled_hotswap
+
+    base = build(family("qwen3"), bias=True, seed=0)
+    ids = _ids(base.config.vocab_size, 9)
+    for seed, cfg, d in ((1, _lora("all-linear"), tmp_path / "a"), (2, _lora(["q_proj", "v_proj"], r=8, lora_alpha=32),
+                                                                    tmp_path / "b")):
+        torch.manual_seed(seed)
+        get_peft_model(copy.deepcopy(base), cfg).save_pretrained(d)
+
+    def load(fuse):
+        b = copy.deepcopy(base)
+        if fuse and order == "apply_first":
+            fusedqkv.apply_to(b)
+        m = PeftModel.from_pretrained(b, tmp_path / "a")
+        if fuse and order == "peft_first":
+            fusedqkv.apply_to(m)
+        prepare_model_for_compiled_hotswap(m, target_rank=8)
+        return m
+
+    m, ref = load(True), load(False)
+    assert _rel(m(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
+    for model in (m, ref):
+        hotswap_adapter(model, tmp_path / "b", "default")
+    want = ref(input_ids=ids).logits
+    assert _rel(m(input_ids=ids).logits, want) <= TOL
+    assert _rel(want, PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "b")(input_ids=ids).logits) <= TOL
+    for init in ("pissa_niter_2", "olora"):  # (randomised SVD: both from one seed)
+        cfg = LoraConfig(target_modules="all-linear", r=4, init_lora_weights=init)
+        torch.manual_seed(3)
+        ref = get_peft_model(copy.deepcopy(base), copy.deepcopy(cfg))
+        torch.manual_seed(3)
+        if order == "peft_first":
+            m = get_peft_model(copy.deepcopy(base), copy.deepcopy(cfg))
+            fusedqkv.apply_to(m)
+        else:
+            m = copy.deepcopy(base)
+            fusedqkv.apply_to(m)
+            m = get_peft_model(m, copy.deepcopy(cfg))
+        q = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+        plain = base.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+        assert torch.equal(m.state_dict()[q], ref.state_dict()[q]) and not torch.equal(ref.state_dict()[q], plain)
+        assert _rel(m(input_ids=ids).logits, ref(input_ids=ids).logits) <= TOL
+    replicated = _lora("all-linear", layer_replication=[[0, 2], [1, 2]])
+    if order == "peft_first":
+        with pytest.raises(Exception, match="is tied"):
+            _pair("qwen3", replicated, order)
+        return
+    m, ref, _ = _pair("qwen3", replicated, order)
+    for model in (m, ref):  # (PEFT leaves HF's per-layer list at the old depth)
+        model.base_model.model.model.config.layer_types = ["full_attention"] * 3
+    layers = m.base_model.model.model.layers
+    assert layers[1].self_attn.qkv_proj.weight is layers[2].self_attn.qkv_proj.weight
+    got, g = _step(m, ids)
+    want, w = _step(ref, ids)
+    assert _rel(got, want) <= TOL and sorted(g) == sorted(w)
+    assert all(_rel(g[n], w[n]) <= TOL for n in w)
+
+
 def test_gradient_checkpointing_and_compile():
     m, ref, _ = _pair("qwen3", _lora("all-linear"), "apply_first")
     ids = _ids(m.config.vocab_size, 6)

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 import warnings
@@ -334,6 +335,38 @@ def unwrap_lora(m) -> tuple:
     return None, m
 
 
+def _peft_names_hook_function():
+    """PEFT's forward pre-hook function that passes ``adapter_names`` (mixed-batch inference) to its LoRA
+    layers, or None where PEFT is not imported or no longer has it (its hooks are then refused as any)."""
+    mod = sys.modules.get("peft.tuners.lora.model")
+    return getattr(mod, "_adapter_names_pre_forward_hook", None) if mod is not None else None
+
+
+def _peft_names_hooks(m: nn.Module) -> int:
+    """How many of ``m``'s forward pre-hooks are PEFT's adapter_names hook."""
+    fn = _peft_names_hook_function()
+    hooks = m.__dict__["_forward_pre_hooks"]
+    if fn is None or not hooks:
+        return 0
+    return sum(1 for h in hooks.values() if type(h) is functools.partial and h.func is fn)
+
+
+def peft_adapter_names(m: nn.Module):
+    """The ``adapter_names`` that PEFT's mixed-batch inference (``model(..., adapter_names=[...])``,
+    ``generate(adapter_names=...)``) gives the PEFT LoRA layer ``m`` now, through its forward pre-hooks
+    (``functools.partial(_adapter_names_pre_forward_hook, adapter_names=...)``, registered for one call:
+    the last one registered wins, as in PEFT), or None."""
+    fn = _peft_names_hook_function()
+    hooks = m.__dict__["_forward_pre_hooks"]
+    if fn is None or not hooks:
+        return None
+    names = None
+    for h in hooks.values():
+        if type(h) is functools.partial and h.func is fn:
+            names = h.keywords["adapter_names"]
+    return names
+
+
 def _describe(m) -> str:
     cls = type(m)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -575,6 +608,11 @@ def _check_unhooked(where: str, name: str, lora, m) -> None:
         if mod is None:
             continue
         hooked = _hooks(mod)
+        if mod is lora and peft_adapter_names(lora) is not None:
+            # PEFT's mixed-batch inference: its pre-hooks carry adapter_names, which the block computes with
+            # (peft.MixedBatchLoRA); any other pre-hook beside them is refused
+            if len(lora.__dict__["_forward_pre_hooks"]) == _peft_names_hooks(lora):
+                hooked = [k for k in hooked if k != "forward pre-hook"]
         if hooked:
             raise UnsupportedModuleError(
                 f"fusedqkv: {where}.{label} has a {hooked[0]} "

@@ -24,6 +24,10 @@ GEMM. PEFT's state is followed per call: ``active_adapters``, ``disable_adapters
 (the base weight then holds the update), per-module ranks and scalings (``rank_pattern``,
 ``alpha_pattern``, ``use_rslora``). DoRA and PEFT's other LoRA variants raise
 :class:`UnsupportedModuleError`.
+
+PEFT's mixed-batch inference (``model(..., adapter_names=[...])``, ``generate(adapter_names=...)``: one
+adapter per sample, ``"__base__"`` for none) reaches the LoRA layers as forward pre-hooks that the block
+reads (:class:`MixedBatchLoRA`): each adapter's update of its samples, as the residual.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 from torch import nn
 
 from ..ops.lora import LoRALayout, LoRAUpdate
-from .fused_projection import UnsupportedModuleError, _describe, _hooks
+from .fused_projection import UnsupportedModuleError, _describe, _hooks, peft_adapter_names
 
 
 def _adapters(name: str, lora) -> list:
@@ -185,3 +189,70 @@ def _residual(hidden_states: torch.Tensor, pairs: list, n_tot: int) -> torch.Ten
     r2d = u.reshape(-1, u.shape[-1])
     out = torch.addmm(bias, r2d, b_rows.t()) if bias is not None else r2d @ b_rows.t()
     return out.view(*hidden_states.shape[:-1], n_tot).to(hidden_states.dtype)
+
+
+class MixedBatchLoRA:
+    """The adapters' residual under PEFT's mixed-batch inference: sample ``i`` of the batch gets
+    adapter ``adapter_names[i]`` on every targeted projection (``"__base__"``, or an adapter a layer
+    lacks: none), whatever the active adapters are, as PEFT's ``_mixed_batch_forward`` computes it
+    (``B(A(dropout(x[samples]))) * s``, cast to the activations' dtype). The names and PEFT's state are
+    read every call (they change per call); PEFT's own checks are made as it makes them."""
+
+    pairs = ()  # (what ProjectionPlan keeps alive: nothing here)
+
+    def __init__(self, slots: list, rows: tuple, n_tot: int):
+        self.layers, self.n_tot = [], n_tot
+        start = 0
+        for (name, _, lora), n in zip(slots, rows):
+            if lora is not None:
+                self.layers.append((name, start, n, lora))
+            start += n
+
+    @staticmethod
+    def of(slots: list, rows: tuple, n_tot: int):
+        """A :class:`MixedBatchLoRA` where a LoRA layer in the slots carries PEFT's adapter_names, else None."""
+        if any(lora is not None and peft_adapter_names(lora) is not None for _, _, lora in slots):
+            return MixedBatchLoRA(slots, rows, n_tot)
+        return None
+
+    def __call__(self, hidden_states: torch.Tensor, inplace: bool = True) -> tuple:
+        names = None
+        for name, _, _, lora in self.layers:
+            got = peft_adapter_names(lora)
+            if got is None or (names is not None and list(got) != list(names)):
+                raise UnsupportedModuleError(
+                    f"fusedqkv: {name} has {'no' if got is None else 'other'} adapter_names than the other q/k/v "
+                    f"LoRA layers of its attention; the fused block computes one batch's adapters for all three")
+            names = got
+        batch = hidden_states.shape[0]
+        for name, _, _, lora in self.layers:  # PEFT's _check_forward_args, in its words
+            if len(names) != batch:
+                raise ValueError(f"Length of `adapter_names` should be the same as the number of inputs, but got "
+                                 f"{len(names)} and {batch} respectively.")
+            if lora.merged:
+                raise ValueError("Cannot pass `adapter_names` when there are merged adapters, please call "
+                                 "`unmerge_adapter` first.")
+            if any(lora.use_dora.get(a, False) for a in set(names) if a != "__base__"):
+                raise ValueError("Cannot pass `adapter_names` when DoRA is enabled.")
+        residual = None
+        dt = hidden_states.dtype
+        for a in dict.fromkeys(names):  # (first-seen order: each sample takes one adapter)
+            if a == "__base__":
+                continue
+            samples = [i for i, n in enumerate(names) if n == a]
+            index = torch.tensor(samples, device=hidden_states.device)
+            for name, start, n, lora in self.layers:
+                if lora.disable_adapters or a not in lora.lora_A:
+                    continue
+                if a in getattr(lora, "lora_variant", {}):
+                    raise UnsupportedModuleError(
+                        f"fusedqkv: {name} adapter {a!r} is {type(lora.lora_variant[a]).__name__}; the fused block "
+                        f"computes plain LoRA only (this LoRA variant replaces the adapter's forward)")
+                A, B, drop = lora.lora_A[a], lora.lora_B[a], lora.lora_dropout[a]
+                _check_adapter_modules(name, a, A, B, drop)
+                x = hidden_states.index_select(0, index).to(A.weight.dtype)
+                update = (B(A(drop(x))) * lora.scaling[a]).to(dt)
+                if residual is None:
+                    residual = hidden_states.new_zeros((*hidden_states.shape[:-1], self.n_tot))
+                residual[index, ..., start:start + n] = update
+        return residual, None

@@ -17,7 +17,9 @@ everything those decisions read, and reuses it while a new fingerprint is equal:
 * the norms the block computes: their hooks, whether ``forward`` was set, and their eps attributes
   (the HF forward checks them again, and takes the block's eps from them, once per state: ``eps``);
 * each such module's hooks (forward, forward pre, backward, backward pre: how many) and whether
-  ``forward`` was set on it;
+  ``forward`` was set on it; in q/k/v_proj's places, the forward pre-hooks' functions too (PEFT's
+  mixed-batch hook, new each call, is read every call by :class:`~.peft.MixedBatchLoRA`; another in
+  its place is refused);
 * per PEFT LoRA layer: ``disable_adapters``, ``merged``, the active adapters; per active adapter
   its A, B and dropout modules (with their classes and hooks), A's and B's weight parameters
   (identity, dtype; A's rank and device) and B's bias, the scaling, ``use_dora``, the LoRA
@@ -44,7 +46,7 @@ from torch import nn
 from .fused_projection import (UnsupportedModuleError, _is_float8_linear, hook_counts,
                                projection_slots, slots_fp8_recipe)
 from ..ops.fp8 import forget_frozen_weight_casts
-from .peft import LoRAOperands, _pairs
+from .peft import LoRAOperands, MixedBatchLoRA, _pairs
 
 # attention module -> its ProjectionPlan (weak: a plan never keeps a model alive, and is neither
 # pickled nor deep-copied with it)
@@ -59,7 +61,9 @@ class ProjectionPlan:
     def __init__(self, attn, spec):
         self.slots = projection_slots(attn, spec.projs, spec.quantized, spec.fused_name)  # raises on anything unsupported
         n_rows = sum(spec.split)
-        self.lora = LoRAOperands(_pairs(self.slots, spec.split), n_rows)
+        # PEFT's mixed-batch inference (adapter_names in the LoRA layers' pre-hooks), or the active adapters
+        self.lora = (MixedBatchLoRA.of(self.slots, spec.split, n_rows)
+                     or LoRAOperands(_pairs(self.slots, spec.split), n_rows))
         self.fp8 = slots_fp8_recipe(attn, self.slots, spec.block_kwargs.get("fp8"), spec.fused_name)
         self.quantized = spec.quantized
         self.where = type(attn).__name__
@@ -167,7 +171,10 @@ def _fingerprint(attn, projs: tuple, fused_name: str, norms: tuple = ()):
         if not isinstance(slot, nn.Module):
             return None
         cls = type(slot)
-        add((slot, cls, hook_counts(slot)))
+        hooks = hook_counts(slot)
+        add((slot, cls, hooks))
+        if hooks[1]:  # forward pre-hooks: which functions (PEFT's adapter_names hook, new each call, or another)
+            add(tuple(getattr(h, "func", h) for h in slot.__dict__["_forward_pre_hooks"].values()))
         if cls is float8_linear and isinstance(fused, nn.Module):
             # torchao's Float8Linear over the rows: what _check_float8_rows reads (the fused parameters' part once,
             # after the loop), its recipe's config

@@ -49,6 +49,7 @@ from ..autograd import gqa_qkv_rope_qk_norm
 from ..ops.fp8 import (check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config,
                        recipe_of_torchao_mx_config)
 from .fused_projection import (MODULES_TO_SAVE_HINT, FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _hooks,
+                               _peft_names_hooks,
                                _is_float8_linear, _is_torchao_mx, fused_weights, is_modules_to_save, mx_plain,
                                torchao_mx_config, unwrap_lora)
 from .projection_plan import projection_plan
@@ -1020,6 +1021,10 @@ def _check_norm(path: str, norm, arch: Arch, weight_shape: Optional[tuple], offs
                 and getattr(func, "__module__", "").startswith("liger_kernel")):
             raise error(f"{who}: {path}.forward was replaced by {getattr(bound, '__qualname__', bound)!r}; the "
                         f"fused block would not compute it")
+    if _peft_names_hooks(norm):
+        raise error(f"{who}: {path} is PEFT's modules_to_save under mixed-batch inference (adapter_names): the "
+                    f"fused block computes one norm weight for the whole batch, not one copy per sample (LoRA "
+                    f"adapters on q/k/v_proj do take adapter_names)")
     for kind in _hooks(norm):  # (a replaced forward: above, where Liger's own is taken)
         if kind != "replaced forward":
             raise error(f"{who}: {path} has a {kind}; the fused block computes the norm in its kernel and never "
