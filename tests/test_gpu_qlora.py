@@ -74,12 +74,18 @@ def test_gpu_qlora_mixed_batch_adapter_names(tmp_path):
         return AutoModelForCausalLM.from_pretrained(tmp_path / "m", quantization_config=q, device_map="cuda",
                                                     dtype=torch.bfloat16)
 
-    torch.manual_seed(4)
-    ref = get_peft_model(load(), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
-    ref.add_adapter("second", LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                         init_lora_weights=False))
-    m = copy.deepcopy(ref)
-    fusedqkv.apply_to(m)
+    models = []
+    for fuse in (True, False):
+        torch.manual_seed(4)
+        x = get_peft_model(load(), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+        x.add_adapter("second", LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                           init_lora_weights=False))
+        if fuse:
+            fusedqkv.apply_to(x)
+        models.append(x)
+    m, ref = models
+    for a in ("default", "second"):
+        set_peft_model_state_dict(m, get_peft_model_state_dict(ref, adapter_name=a), adapter_name=a)
     ref32 = dense_copy(ref).float()
     ids = H.batch(4, 24).cuda()
     names = ["second", "__base__", "default", "second"]
@@ -90,6 +96,35 @@ def test_gpu_qlora_mixed_batch_adapter_names(tmp_path):
     assert rel(got, want32) <= 2 * rel(want, want32) + 1e-3
     kw = dict(max_new_tokens=4, do_sample=False, adapter_names=names)
     assert m.generate(input_ids=ids, **kw).shape == (4, 28)
+
+
+@cuda
+def test_gpu_qlora_quant_storage_bf16_is_read_as_bytes(tmp_path):
+    """``bnb_4bit_quant_storage=torch.bfloat16`` (FSDP's QLoRA recipe: the same packed bytes in a bf16 tensor):
+    the fused block's logits and adapter gradients bitwise those of the uint8-stored model, on the one-launch
+    dequantization and on bitsandbytes' own (session 41: the one-launch plan refused the bf16 tensor)."""
+    from fusedqkv.ops import config as C
+
+    H.build(H.family("qwen3"), bias=True, dtype=torch.bfloat16).save_pretrained(tmp_path / "m")
+    ids = H.batch(2, 24).cuda()
+    for dequant in ("one_launch", "bitsandbytes"):
+        out = []
+        for storage in (torch.uint8, torch.bfloat16):
+            q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                                   bnb_4bit_quant_storage=storage)
+            m = AutoModelForCausalLM.from_pretrained(tmp_path / "m", quantization_config=q, device_map="cuda",
+                                                     dtype=torch.bfloat16)
+            fusedqkv.apply_to(m)
+            torch.manual_seed(5)
+            m = get_peft_model(m, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
+            assert m.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == storage
+            with C.override(qlora_dequant=dequant):
+                o = m(input_ids=ids, labels=ids)
+                o.loss.backward()
+            out.append((o.logits, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+        (l8, g8), (l16, g16) = out
+        assert torch.equal(l8, l16), dequant
+        assert sorted(g8) == sorted(g16) and all(torch.equal(g8[n], g16[n]) for n in g8), dequant
 
 
 @cuda

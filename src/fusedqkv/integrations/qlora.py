@@ -155,7 +155,7 @@ class DequantizedQKV:
         one = self._one_launch_for(states, w)
         if one is not None:  # NF4 with fp32 absmax throughout: the three projections in one launch
             plan, code = one
-            plan(w, code, [m.weight.data for m in self.bases], [qs.absmax for qs in states], stream)
+            plan(w, code, [_packed(m) for m in self.bases], [qs.absmax for qs in states], stream)
             return w
         start = 0
         for m, rows, qs in zip(self.bases, self.rows, states):
@@ -193,11 +193,18 @@ class DequantizedQKV:
             return None
         plan = D.Dequant4bit(values, first.blocksize, self.dtype, self.device)
         code = first.code.to(device=self.device, dtype=torch.float32).contiguous()
-        plan.check(out.view(-1), code, [m.weight.data.reshape(-1) for m in self.bases], [qs.absmax for qs in states])
+        plan.check(out.view(-1), code, [_packed(m).reshape(-1) for m in self.bases], [qs.absmax for qs in states])
         if any(not torch.equal(qs.code.to(code.device, torch.float32), code) for qs in states[1:]):
             return None  # NF4 tables that differ: not bitsandbytes' own
         self._one_launch = (key, plan, code)
         return plan, code
+
+
+def _packed(m) -> torch.Tensor:
+    """A 4-bit layer's packed codes as bytes: ``bnb_4bit_quant_storage`` (bf16 for FSDP's QLoRA recipe) stores the
+    same bytes in another dtype, which bitsandbytes' kernels read as bytes too."""
+    t = m.weight.data
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
 def fused_bias(bases: list, dtype: torch.dtype):
