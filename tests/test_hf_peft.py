@@ -638,6 +638,35 @@ def test_peft_on_the_fused_projection_by_name_is_refused_by_peft():
         get_peft_model(m, _lora(["qkv_proj"]))
 
 
+@pytest.mark.parametrize("order", ["apply_first", "quantize_first"])
+def test_torchao_inference_quantization_of_q_k_v_is_refused_naming_it(order):
+    """torchao's quantize_ with an inference config (int8 weight-only here): after apply_to its swap of q_proj's
+    weight is refused before anything is swapped (was a bare AttributeError naming rows), naming quantize_ and the
+    filter_fn way out; before apply_to, apply_to refuses the quantized weight naming it. Leaving q/k/v out works."""
+    quant = pytest.importorskip("torchao.quantization")
+    base = build(family("qwen3"), bias=True)
+    m = copy.deepcopy(base)
+    words = r"torchao's quantize_ with an inference config .* filter_fn that leaves q/k/v_proj out"
+    if order == "apply_first":
+        fusedqkv.apply_to(m)
+        with pytest.raises(UnsupportedModuleError, match=r"ProjectionRows.weight cannot be replaced: .*" + words):
+            quant.quantize_(m, quant.Int8WeightOnlyConfig())
+        assert not any(type(p) is not nn.Parameter for p in m.parameters())  # nothing swapped before it
+        with pytest.raises(AttributeError):  # (an AttributeError too)
+            m.model.layers[0].self_attn.k_proj.bias = None
+    else:
+        quant.quantize_(m, quant.Int8WeightOnlyConfig())
+        with pytest.raises(fusedqkv.UnsupportedModelError, match=r"q_proj.weight is a Int8Tensor .*" + words):
+            fusedqkv.apply_to(m)
+    m = copy.deepcopy(base)
+    fusedqkv.apply_to(m)
+    quant.quantize_(m, quant.Int8WeightOnlyConfig(), filter_fn=lambda mod, fqn: fqn.endswith(("o_proj", "mlp.up_proj")))
+    ids = _ids(m.config.vocab_size)
+    want = copy.deepcopy(base)
+    quant.quantize_(want, quant.Int8WeightOnlyConfig(), filter_fn=lambda mod, fqn: fqn.endswith(("o_proj", "mlp.up_proj")))
+    assert _rel(m(input_ids=ids).logits, want(input_ids=ids).logits) <= TOL
+
+
 def test_a_float8_linear_not_over_the_fused_rows_is_refused():
     """torchao's conversion of apply_to's rows runs in the block (tests/test_fp8.py); a Float8Linear
     of weights of its own in q_proj's place would be bypassed: refused."""

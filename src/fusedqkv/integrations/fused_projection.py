@@ -37,6 +37,18 @@ class UnsupportedModuleError(UnsupportedModelError):
     """A module in the fused block's place (or a hook on it) that the block cannot compute."""
 
 
+class RowsAssignmentError(UnsupportedModuleError, AttributeError):
+    """A new weight or bias assigned to a :class:`ProjectionRows` (an AttributeError too: the attribute
+    cannot be set)."""
+
+
+TORCHAO_QUANTIZED = ("torchao's quantize_ with an inference config (int8/int4/float8 weight-only or dynamic) is not "
+                     "computed by the fused block, which takes q/k/v in 16 bits, in FP8 training (apply_to(fp8=...), "
+                     "torchao's convert_to_float8_training, or quantize_ with its MX training config and a filter_fn "
+                     "that takes qkv_proj) or as bitsandbytes 4-bit layers: give quantize_ a filter_fn that leaves "
+                     "q/k/v_proj out, or leave apply_to out of an inference model")
+
+
 class _RefusesHooks:
     """Module hooks refused as they are registered: the fused block computes these modules' rows itself and
     never calls them. Refused here, not only at the next forward: under ``torch.compile`` on torch 2.11 a
@@ -214,8 +226,11 @@ class ProjectionRows(_RefusesHooks, nn.Linear):
     def __setattr__(self, name, value):
         _refuse_forward(self, name)
         if name in ("weight", "bias"):
-            raise AttributeError(f"{type(self).__name__}.{name} is rows {self.rows[0]}:{self.rows[1]} of the fused "
-                                 f"projection's {name}; assign to that parameter's data instead")
+            raise RowsAssignmentError(
+                f"fusedqkv: {type(self).__name__}.{name} cannot be replaced: it is rows {self.rows[0]}:{self.rows[1]} of "
+                f"the fused q/k/v projection's {name}, which the fused block reads itself, so a new tensor here would "
+                f"not reach it. To change the values, write them into the fused parameter (or this {name}'s .data); "
+                f"{TORCHAO_QUANTIZED}")
         super().__setattr__(name, value)
 
     def _view(self, name: str):

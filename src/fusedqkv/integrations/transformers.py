@@ -48,7 +48,7 @@ from torch.nn import functional as F
 from ..autograd import gqa_qkv_rope_qk_norm
 from ..ops.fp8 import (check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config,
                        recipe_of_torchao_mx_config)
-from .fused_projection import (MODULES_TO_SAVE_HINT, FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _hooks,
+from .fused_projection import (MODULES_TO_SAVE_HINT, TORCHAO_QUANTIZED, FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _hooks,
                                _peft_names_hooks,
                                _is_float8_linear, _is_torchao_mx, fused_weights, is_modules_to_save, mx_plain,
                                torchao_mx_config, unwrap_lora)
@@ -1133,7 +1133,8 @@ def _check_linear(path: str, p, hidden: int) -> nn.Module:
     data = mx_plain(w).data  # (torchao's MX training wrapper: the plain tensor it holds)
     if type(data) is not torch.Tensor:
         why = (" (FSDP2 or tensor parallel sharded it: call apply_to before fully_shard or parallelize_module)"
-               if _is_dtensor(data) else "")
+               if _is_dtensor(data) else "; " + TORCHAO_QUANTIZED if type(data).__module__.startswith("torchao.")
+               else "")
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path}.weight is a {type(data).__name__} on {w.device}; the fused "
             f"block needs a plain dense tensor{why}")
