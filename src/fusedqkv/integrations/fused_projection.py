@@ -350,36 +350,24 @@ def unwrap_lora(m) -> tuple:
     return None, m
 
 
-def _peft_names_hook_function():
-    """PEFT's forward pre-hook function that passes ``adapter_names`` (mixed-batch inference) to its LoRA
-    layers, or None where PEFT is not imported or no longer has it (its hooks are then refused as any)."""
-    mod = sys.modules.get("peft.tuners.lora.model")
-    return getattr(mod, "_adapter_names_pre_forward_hook", None) if mod is not None else None
-
-
-def _peft_names_hooks(m: nn.Module) -> int:
-    """How many of ``m``'s forward pre-hooks are PEFT's adapter_names hook."""
-    fn = _peft_names_hook_function()
+def _peft_names_hooks(m: nn.Module) -> list:
+    """``m``'s forward pre-hooks that are PEFT's mixed-batch hook (``functools.partial(
+    _adapter_names_pre_forward_hook, adapter_names=...)``, registered for one call), in order; none where PEFT
+    is not imported or no longer has that function (its hooks are then refused as any)."""
     hooks = m.__dict__["_forward_pre_hooks"]
-    if fn is None or not hooks:
-        return 0
-    return sum(1 for h in hooks.values() if type(h) is functools.partial and h.func is fn)
+    if not hooks:
+        return []
+    mod = sys.modules.get("peft.tuners.lora.model")
+    fn = getattr(mod, "_adapter_names_pre_forward_hook", None) if mod is not None else None
+    return [h for h in hooks.values() if fn is not None and type(h) is functools.partial and h.func is fn]
 
 
 def peft_adapter_names(m: nn.Module):
     """The ``adapter_names`` that PEFT's mixed-batch inference (``model(..., adapter_names=[...])``,
-    ``generate(adapter_names=...)``) gives the PEFT LoRA layer ``m`` now, through its forward pre-hooks
-    (``functools.partial(_adapter_names_pre_forward_hook, adapter_names=...)``, registered for one call:
-    the last one registered wins, as in PEFT), or None."""
-    fn = _peft_names_hook_function()
-    hooks = m.__dict__["_forward_pre_hooks"]
-    if fn is None or not hooks:
-        return None
-    names = None
-    for h in hooks.values():
-        if type(h) is functools.partial and h.func is fn:
-            names = h.keywords["adapter_names"]
-    return names
+    ``generate(adapter_names=...)``) gives the PEFT LoRA layer ``m`` now (the last hook registered wins, as in
+    PEFT), or None."""
+    hooks = _peft_names_hooks(m)
+    return hooks[-1].keywords["adapter_names"] if hooks else None
 
 
 def _describe(m) -> str:
@@ -623,11 +611,10 @@ def _check_unhooked(where: str, name: str, lora, m) -> None:
         if mod is None:
             continue
         hooked = _hooks(mod)
-        if mod is lora and peft_adapter_names(lora) is not None:
-            # PEFT's mixed-batch inference: its pre-hooks carry adapter_names, which the block computes with
-            # (peft.MixedBatchLoRA); any other pre-hook beside them is refused
-            if len(lora.__dict__["_forward_pre_hooks"]) == _peft_names_hooks(lora):
-                hooked = [k for k in hooked if k != "forward pre-hook"]
+        # PEFT's mixed-batch inference: its pre-hooks carry adapter_names, which the block computes with
+        # (peft.MixedBatchLoRA); any other pre-hook beside them is refused
+        if mod is lora and len(_peft_names_hooks(lora)) == len(lora.__dict__["_forward_pre_hooks"]):
+            hooked = [k for k in hooked if k != "forward pre-hook"]
         if hooked:
             raise UnsupportedModuleError(
                 f"fusedqkv: {where}.{label} has a {hooked[0]} "

@@ -225,10 +225,10 @@ class MixedBatchLoRA:
                     f"LoRA layers of its attention; the fused block computes one batch's adapters for all three")
             names = got
         batch = hidden_states.shape[0]
-        for name, _, _, lora in self.layers:  # PEFT's _check_forward_args, in its words
-            if len(names) != batch:
-                raise ValueError(f"Length of `adapter_names` should be the same as the number of inputs, but got "
-                                 f"{len(names)} and {batch} respectively.")
+        if len(names) != batch:  # PEFT's _check_forward_args, in its words
+            raise ValueError(f"Length of `adapter_names` should be the same as the number of inputs, but got "
+                             f"{len(names)} and {batch} respectively.")
+        for lora in (layer[3] for layer in self.layers):
             if lora.merged:
                 raise ValueError("Cannot pass `adapter_names` when there are merged adapters, please call "
                                  "`unmerge_adapter` first.")

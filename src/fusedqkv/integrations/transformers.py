@@ -48,10 +48,9 @@ from torch.nn import functional as F
 from ..autograd import gqa_qkv_rope_qk_norm
 from ..ops.fp8 import (check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config,
                        recipe_of_torchao_mx_config)
-from .fused_projection import (MODULES_TO_SAVE_HINT, TORCHAO_QUANTIZED, FusedQKVProjection, ProjectionRows, UnsupportedModuleError, _hooks,
-                               _peft_names_hooks,
-                               _is_float8_linear, _is_torchao_mx, fused_weights, is_modules_to_save, mx_plain,
-                               torchao_mx_config, unwrap_lora)
+from .fused_projection import (MODULES_TO_SAVE_HINT, TORCHAO_QUANTIZED, FusedQKVProjection, ProjectionRows,
+                               UnsupportedModuleError, _hooks, _is_float8_linear, _is_torchao_mx, _peft_names_hooks,
+                               fused_weights, is_modules_to_save, mx_plain, torchao_mx_config, unwrap_lora)
 from .projection_plan import projection_plan
 from . import qlora
 from ..ops.validation import ALL_HEADS_MAX_HEAD_DIM as _ALL_HEADS_MAX_HEAD_DIM, MAX_HEAD_DIM as _MAX_HEAD_DIM
