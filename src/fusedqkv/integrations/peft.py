@@ -221,8 +221,9 @@ class MixedBatchLoRA:
             got = peft_adapter_names(lora)
             if got is None or (names is not None and list(got) != list(names)):
                 raise UnsupportedModuleError(
-                    f"fusedqkv: {name} has {'no' if got is None else 'other'} adapter_names than the other q/k/v "
-                    f"LoRA layers of its attention; the fused block computes one batch's adapters for all three")
+                    f"fusedqkv: {name} carries {'no adapter_names while' if got is None else 'other adapter_names than'} "
+                    f"another q/k/v LoRA layer of its attention; the fused block computes one batch's adapters for all "
+                    f"three")
             names = got
         batch = hidden_states.shape[0]
         if len(names) != batch:  # PEFT's _check_forward_args, in its words
