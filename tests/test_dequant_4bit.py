@@ -93,9 +93,12 @@ def test_refusals_and_operand_errors_name_what_is_wrong():
         plan.check(**dict(ok, code=torch.zeros(16, device="meta")))
 
 
-def test_the_fused_qlora_weight_takes_one_launch_and_equals_bitsandbytes():
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16], ids=["uint8", "bf16_storage"])
+def test_the_fused_qlora_weight_takes_one_launch_and_equals_bitsandbytes(storage):
     """A QLoRA layer's fused weight inside the kept plan: one launch for q/k/v, bitwise what
-    bitsandbytes' own dequantization (config.qlora_dequant "bitsandbytes") gives."""
+    bitsandbytes' own dequantization (config.qlora_dequant "bitsandbytes") gives; also where the packed
+    codes are stored as bf16 (``bnb_4bit_quant_storage``, FSDP's QLoRA recipe: the same bytes; session 41:
+    the one-launch plan refused them)."""
     from fusedqkv.integrations.qlora import DequantizedQKV
     from fusedqkv.ops import dequant_4bit as D
 
@@ -104,7 +107,8 @@ def test_the_fused_qlora_weight_takes_one_launch_and_equals_bitsandbytes():
     for rows in (32, 16, 16):
         lin = bnb.nn.Linear4bit(64, rows, bias=False, compute_dtype=torch.float32, quant_type="nf4")
         lin.weight = bnb.nn.Params4bit(torch.randn(rows, 64, generator=g), requires_grad=False, quant_type="nf4",
-                                       compress_statistics=True).to("cpu")
+                                       compress_statistics=True, quant_storage=storage).to("cpu")
+        assert lin.weight.dtype == storage
         bases.append(lin)
     source = DequantizedQKV(bases, torch.float32, torch.device("cpu"), keep_absmax=True)
     with config.override(qlora_dequant="bitsandbytes"):
