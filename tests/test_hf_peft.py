@@ -285,8 +285,8 @@ MIXED = {"qwen3": "all-linear", "qwen3_5_text": "all-linear", "olmo3": "all-line
          "glm4_moe": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
-@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
-@pytest.mark.parametrize("fam", list(MIXED))
+@pytest.mark.parametrize("fam,order", [("qwen3", "apply_first"), ("qwen3", "peft_first"), ("qwen3_5_text", "apply_first"),
+                                       ("olmo3", "peft_first"), ("glm4_moe", "apply_first")])
 def test_mixed_batch_adapter_names_match_peft(fam, order):
     """PEFT's mixed-batch inference (one adapter per sample, "__base__" for none: ``adapter_names=``, given to
     the LoRA layers by forward pre-hooks) computed by the block: logits and greedy generation as PEFT's without
