@@ -53,19 +53,26 @@ def _adapters(name: str, lora) -> list:
     for a in lora.active_adapters:
         if a not in lora.lora_A:
             continue
-        variant = getattr(lora, "lora_variant", {}).get(a)
-        if lora.use_dora.get(a, False) or variant is not None:
-            if lora.use_dora.get(a, False):
-                what, why = "DoRA (use_dora=True)", "DoRA rescales the whole weight per column"
-            else:
-                what, why = type(variant).__name__, "this LoRA variant replaces the adapter's forward"
-            raise UnsupportedModuleError(
-                f"fusedqkv: {name} adapter {a!r} is {what}; the fused block computes plain LoRA only ({why}, "
-                f"which the fused GEMMs do not compute)")
-        A, B, drop = lora.lora_A[a], lora.lora_B[a], lora.lora_dropout[a]
-        _check_adapter_modules(name, a, A, B, drop)
+        A, B, drop = _plain_adapter(name, lora, a)
         out.append((a, A, B, lora.scaling[a], drop))
     return out
+
+
+def _plain_adapter(name: str, lora, a: str) -> tuple:
+    """Adapter ``a``'s ``(A, B, dropout)`` of a PEFT lora.Linear, checked to be plain LoRA that the block
+    computes (raises naming DoRA, another LoRA variant, or a module the block would not run)."""
+    variant = getattr(lora, "lora_variant", {}).get(a)
+    if lora.use_dora.get(a, False) or variant is not None:
+        if lora.use_dora.get(a, False):
+            what, why = "DoRA (use_dora=True)", "DoRA rescales the whole weight per column"
+        else:
+            what, why = type(variant).__name__, "this LoRA variant replaces the adapter's forward"
+        raise UnsupportedModuleError(
+            f"fusedqkv: {name} adapter {a!r} is {what}; the fused block computes plain LoRA only ({why}, "
+            f"which the fused GEMMs do not compute)")
+    A, B, drop = lora.lora_A[a], lora.lora_B[a], lora.lora_dropout[a]
+    _check_adapter_modules(name, a, A, B, drop)
+    return A, B, drop
 
 
 def _check_adapter_modules(name: str, a: str, A, B, drop) -> None:
@@ -245,12 +252,7 @@ class MixedBatchLoRA:
             for name, start, n, lora in self.layers:
                 if lora.disable_adapters or a not in lora.lora_A:
                     continue
-                if a in getattr(lora, "lora_variant", {}):
-                    raise UnsupportedModuleError(
-                        f"fusedqkv: {name} adapter {a!r} is {type(lora.lora_variant[a]).__name__}; the fused block "
-                        f"computes plain LoRA only (this LoRA variant replaces the adapter's forward)")
-                A, B, drop = lora.lora_A[a], lora.lora_B[a], lora.lora_dropout[a]
-                _check_adapter_modules(name, a, A, B, drop)
+                A, B, drop = _plain_adapter(name, lora, a)
                 x = hidden_states.index_select(0, index).to(A.weight.dtype)
                 update = (B(A(drop(x))) * lora.scaling[a]).to(dt)
                 if residual is None:
