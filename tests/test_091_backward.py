@@ -153,8 +153,8 @@ def test_triton_products_match_cpu_path(shape, products, finish):
     (pdl_chain), or dW only with dX on torch.mm (hybrid: dW queued behind dX; hybrid_dw_first: dW
     right behind the stage, dX after it; either way waiting for its predecessor first); the norm-weight finish run by the dW
     launch or at the stage's end. The stage's outputs bit-equal to the CPU path, the Triton
-    products within one bf16 rounding of torch.mm on the same dQKV, and repeated calls bitwise
-    identical."""
+    products within one bf16 rounding of torch.mm on the same dQKV, and on the long shape (several
+    tiles per program, both products) repeated calls bitwise identical."""
     changes = dict(triton_products_in_interpreter=True, norm_finish_in_dw=finish == "finish_in_dw")
     if products == "pdl_chain":  # dX and dW as persistent TMA launches behind the stage
         # small tiles, fewer programs than tiles: several tiles per program, a partial last
@@ -169,7 +169,8 @@ def test_triton_products_match_cpu_path(shape, products, finish):
     with config.override(**changes):
         tri = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
         used = _last_plan()
-        again = gqa_qkv_rope_qk_norm_backward(*args, backend="triton")
+        repeated = shape == INTERP_SHAPES[LONG]
+        again = gqa_qkv_rope_qk_norm_backward(*args, backend="triton") if repeated else None
     _assert_stage_outputs_equal(cpu, tri)
     _assert_product_close("grad_qkv_weight", cpu[3], tri[3])
     assert used.path == ("chain" if products == "pdl_chain" else "hybrid")
@@ -182,7 +183,8 @@ def test_triton_products_match_cpu_path(shape, products, finish):
         assert used.before_dx == used.launches[:-1 if products == "hybrid" else None]
     else:
         _assert_product_close("grad_hidden_states", cpu[0], tri[0])
-    assert all(torch.equal(x, y) for x, y in zip(tri, again))
+    if repeated:
+        assert all(torch.equal(x, y) for x, y in zip(tri, again))
     # the finish went to the dW launch, or stayed in the stage (fused): never a separate launch
     finishes = [launch.constexprs.get("FINISH", False) for launch in used.launches]
     assert finishes.count(True) == (1 if finish == "finish_in_dw" else 0)

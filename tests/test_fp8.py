@@ -947,8 +947,10 @@ def _block_fwd_bwd(name, S, v_norm=False, frozen_w=False):
     return list(out) + [t.grad for t in inputs]
 
 
-@pytest.mark.parametrize("tile", list(_STAGE_TILES))
-@pytest.mark.parametrize("name", ["rowwise", "tensorwise"])
+# rowwise (row and column partials) on every tiling; tensorwise (one amax: the same partials' reduction)
+# on the launcher's own and the grouped one
+@pytest.mark.parametrize("name,tile", [("rowwise", t) for t in _STAGE_TILES]
+                         + [("tensorwise", "launcher"), ("tensorwise", "groups_of_two")])
 def test_stage_amax_partials_equal_the_amax_pass_bitwise(interpret, monkeypatch, name, tile):
     """The backward stage writing dQKV's amax partials (fp8.STAGE_AMAX) against the dual cast's amax
     pass: the same dQKV, every row's and column's amax exactly dQKV's (the partials cover every element:
@@ -1150,8 +1152,8 @@ def _input_amax_tiles(monkeypatch, whole_row: bool):
 
 
 @pytest.mark.parametrize("which", list(_INPUT_CASTS))
-@pytest.mark.parametrize("shape", [(37, 80), (53, 48)])
-@pytest.mark.parametrize("whole_row", [True, False])
+# rows of 48 stay whole under either tiling (48 <= 64): column chunks only on the rows of 80
+@pytest.mark.parametrize("shape,whole_row", [((37, 80), True), ((37, 80), False), ((53, 48), True)])
 def test_input_cast_keeping_amax_equals_the_one_cast_kernels_bitwise(interpret, monkeypatch, which, shape, whole_row):
     """The forward's cast of x with x's amaxes for dW kept gives the one-cast kernels' codes and
     scales (same interpreter); dW's cast of x from the kept amaxes (no pass over x for them) gives
