@@ -218,3 +218,24 @@ def test_torch_internals_are_in_use():
     assert [internals.has_internal_overlap(v) for v in views] == [torch._debug_has_internal_overlap(v) == 1
                                                                    for v in views]
     assert internals.has_internal_overlap(views[3])
+
+
+def test_the_constant_result_mark_is_torchs_and_import_leaves_dynamo_unloaded():
+    """internals.assume_constant_result sets what torch.compiler.assume_constant_result sets (torch's
+    decorator imports torch._dynamo for it: ~2 s of `import fusedqkv` on a slow host), and importing
+    fusedqkv with its CLI loads no torch._dynamo. (That dynamo takes the mark as it traces:
+    test_fp8.py::test_compiled_block_traces_no_cpu_scaled_mm_probe.)"""
+    import torch
+
+    def ours():
+        return 1
+
+    def torchs():
+        return 1
+
+    assert internals.assume_constant_result(ours) is ours
+    assert torch.compiler.assume_constant_result(torchs) is torchs
+    assert vars(ours) == vars(torchs) and vars(ours)
+    code = "import sys, fusedqkv, fusedqkv.cli; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

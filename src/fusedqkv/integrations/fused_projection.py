@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import UnsupportedModelError
-from ..ops.internals import compile_guards_new_hooks
+from ..ops.internals import assume_constant_result, compile_guards_new_hooks
 
 
 class UnsupportedModuleError(UnsupportedModelError):
@@ -427,7 +427,7 @@ def projection_slots(attn, projs: tuple, quantized: bool = False, fused_name: st
 _ANNOUNCED_UNGUARDED = set()
 
 
-@torch.compiler.assume_constant_result  # run as torch.compile traces, not in the graph
+@assume_constant_result  # run as torch.compile traces, not in the graph
 def _announce_unguarded_hooks(where: str) -> bool:
     """Warn once per attention class where ``torch.compile`` would not see a hook added after compiling
     to a module fusedqkv does not own in the projection's place (PEFT's layers, torchao's, bitsandbytes';

@@ -61,7 +61,7 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@torch.compiler.assume_constant_result  # traced (fp8's checks): a constant, not a call into a traced cache
+@internals.assume_constant_result  # traced (fp8's checks): a constant, not a call into a traced cache
 def capability(device: torch.device) -> tuple:
     """(major, minor) of a CUDA device; (0, 0) for the CPU."""
     return _capability(device_index(device)) if device.type == "cuda" else (0, 0)

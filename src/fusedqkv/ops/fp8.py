@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from . import device as _device
+from . import device as _device, internals
 from .launch import next_pow2
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -244,7 +244,7 @@ def _cpu_row_scales_probe() -> bool:
     return True
 
 
-@torch.compiler.assume_constant_result  # under torch.compile: a constant, not a probe GEMM in the graph
+@internals.assume_constant_result  # under torch.compile: a constant, not a probe GEMM in the graph
 def cpu_scaled_mm_takes_row_scales() -> bool:
     """``torch._scaled_mm`` on the CPU takes row/column scales (torch 2.13's does; 2.11's CPU kernel takes
     per-tensor scales only and fails an internal assert otherwise). Probed once, on 16 x 16 operands."""

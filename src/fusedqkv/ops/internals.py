@@ -209,6 +209,18 @@ def autograd_apply(function_class) -> Callable:
     return apply
 
 
+def _mark_constant_result(fn: Callable) -> Callable:
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+# ``torch.compiler.assume_constant_result`` imports torch._dynamo (~2 s of ``import fusedqkv``'s 2.3 on a 2-core
+# EPYC) only to set this mark, which dynamo reads as it traces (torch._dynamo.decorators); the test suite checks
+# that torch's decorator sets no other
+assume_constant_result = _torch_internal("torch._dynamo's constant-result mark", lambda: _mark_constant_result,
+                                         torch.compiler.assume_constant_result)
+
+
 def _tensor_guards_class():
     from torch._C._dynamo.guards import TensorGuards
 
