@@ -240,7 +240,7 @@ def test_modules_to_save_on_a_projection_is_refused_with_the_reason(order):
             m(input_ids=_ids(m.config.vocab_size))
     else:
         m = get_peft_model(base, config)
-        with pytest.raises(fusedqkv.UnsupportedModelError, match=r"v_proj is a ModulesToSaveWrapper.*PEFT's "
+        with pytest.raises(fusedqkv.UnsupportedModelError, match=r"v_proj is a peft\.[\w.]*\.ModulesToSaveWrapper.*PEFT's "
                                                                  r"modules_to_save"):
             fusedqkv.apply_to(m)
 
@@ -621,16 +621,68 @@ def test_changes_in_hfs_own_joined_qkv_proj_place_are_refused(where, change, wor
         m(input_ids=_ids(m.config.vocab_size))
 
 
-@pytest.mark.parametrize("method", ["ia3", "loha"])
-def test_other_peft_methods_are_refused(method):
-    m, _ = _fused_qwen3()
-    if method == "ia3":
-        cfg = peft.IA3Config(target_modules=["q_proj", "v_proj"], feedforward_modules=[])
+_OTHER_METHODS = {  # PEFT's methods other than LoRA over q/v_proj (IA3, VeRA, LoKr and OFT's layers are all `Linear`)
+    "ia3": lambda: peft.IA3Config(target_modules=["q_proj", "v_proj"], feedforward_modules=[]),
+    "loha": lambda: peft.LoHaConfig(r=2, target_modules=["q_proj", "v_proj"]),
+    "vera": lambda: peft.VeraConfig(r=8, target_modules=["q_proj", "v_proj"]),
+    "oft": lambda: peft.OFTConfig(r=0, oft_block_size=8, target_modules=["q_proj", "v_proj"]),
+    "adalora": lambda: peft.AdaLoraConfig(init_r=4, target_r=2, total_step=10, target_modules=["q_proj", "v_proj"]),
+}
+
+
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+@pytest.mark.parametrize("method", list(_OTHER_METHODS))
+def test_other_peft_methods_are_refused_naming_the_layer(method, order):
+    """Refused in either order, naming PEFT's layer by its module (PEFT's IA3/VeRA/OFT layers are all called
+    `Linear`: apply_to said "q_proj is a Linear; only a plain torch.nn.Linear ...") and what fusedqkv takes.
+    AdaLoRA's layer freezes the base weight as get_peft_model wraps the rows: that error names PEFT's module."""
+    m, _ = _fused_qwen3() if order == "apply_first" else (build(family("qwen3"), bias=True), None)
+    layer = r"q_proj is a peft\.tuners\.[\w.]+; .*of PEFT's methods fusedqkv computes LoRA \(lora\.Linear\) only"
+    if order == "peft_first":
+        pm = get_peft_model(m, _OTHER_METHODS[method]())
+        with pytest.raises(fusedqkv.UnsupportedModelError, match=layer):
+            fusedqkv.apply_to(pm)
+    elif method == "adalora":
+        with pytest.raises(UnsupportedModuleError, match=r"requires_grad=False on rows .*set by "
+                           r"peft\.tuners\.adalora\.layer as it wrapped the projection: of PEFT's methods fusedqkv "
+                           r"computes LoRA only"):
+            get_peft_model(m, _OTHER_METHODS[method]())
     else:
-        cfg = peft.LoHaConfig(r=2, target_modules=["q_proj", "v_proj"])
-    pm = get_peft_model(m, cfg)
-    with pytest.raises(UnsupportedModuleError, match=r"q_proj is a peft\.tuners\..*LoRA"):
-        pm(input_ids=_ids(m.config.vocab_size))
+        pm = get_peft_model(m, _OTHER_METHODS[method]())
+        with pytest.raises(UnsupportedModuleError, match=layer):
+            pm(input_ids=_ids(m.config.vocab_size))
+
+
+@pytest.mark.parametrize("order", ["apply_first", "peft_first"])
+def test_prompt_learning_methods_train_as_unfused(order):
+    """PEFT's prefix tuning (its past key/values in every attention), prompt tuning and P-tuning leave q/k/v
+    alone: logits and the trained parameters' gradients equal to the same PEFT model without fusedqkv."""
+    base = build(family("qwen3"), bias=True)
+    ids = _ids(base.config.vocab_size)
+    configs = (peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+               peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+               peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=16))
+    for cfg in configs:
+        torch.manual_seed(1)
+        want = get_peft_model(copy.deepcopy(base), copy.deepcopy(cfg))
+        torch.manual_seed(1)
+        if order == "apply_first":
+            m = copy.deepcopy(base)
+            fusedqkv.apply_to(m)
+            m = get_peft_model(m, copy.deepcopy(cfg))
+        else:
+            m = get_peft_model(copy.deepcopy(base), copy.deepcopy(cfg))
+            fusedqkv.apply_to(m)
+        assert any(hasattr(mod, "_fusedqkv") for mod in m.modules())
+        outs = []
+        for model in (want, m):
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            outs.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+        (lw, gw), (lm, gm) = outs
+        assert _rel(lm, lw) <= TOL and gw.keys() == gm.keys() and gw, type(cfg).__name__
+        for n in gw:
+            assert _rel(gm[n], gw[n]) <= TOL, (type(cfg).__name__, n)
 
 
 def test_peft_on_the_fused_projection_by_name_is_refused_by_peft():

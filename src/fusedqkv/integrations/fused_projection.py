@@ -151,7 +151,20 @@ def _check_rows_requires_grad(view: torch.Tensor, value) -> None:
             f"fusedqkv: requires_grad={bool(value)} on rows {start}:{stop} of the fused q/k/v projection's parameter, "
             f"which has requires_grad={fused.requires_grad}: q, k and v are one parameter after apply_to and train or "
             f"freeze together. Set it on the fused parameter (the FusedQKVProjection's, `qkv_proj.weight`/`.bias` in "
-            f"named_parameters), or freeze q/k/v_proj before apply_to (all three alike: apply_to refuses a mix)")
+            f"named_parameters), or freeze q/k/v_proj before apply_to (all three alike: apply_to refuses a mix)"
+            f"{_peft_setter_hint()}")
+
+
+def _peft_setter_hint() -> str:
+    """Where PEFT itself set it: PEFT's other methods freeze the base weight as they wrap a projection (AdaLoRA's
+    SVDLinear), so the user meets this error inside get_peft_model: name the module and what fusedqkv takes."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("fusedqkv."):
+        frame = frame.f_back
+    caller = "" if frame is None else frame.f_globals.get("__name__", "")
+    if not caller.startswith("peft."):
+        return ""
+    return f" (set by {caller} as it wrapped the projection: of PEFT's methods fusedqkv computes LoRA only)"
 
 
 def _rows_ptr(src: torch.Tensor, start: int) -> int:

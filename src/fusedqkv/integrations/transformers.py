@@ -48,9 +48,9 @@ from torch.nn import functional as F
 from ..autograd import gqa_qkv_rope_qk_norm
 from ..ops.fp8 import (check_supported as fp8_check_supported, recipe as fp8_recipe, recipe_of_torchao_config,
                        recipe_of_torchao_mx_config)
-from .fused_projection import (MODULES_TO_SAVE_HINT, TORCHAO_QUANTIZED, FusedQKVProjection, ProjectionRows,
-                               UnsupportedModuleError, _hooks, _is_float8_linear, _is_torchao_mx, _peft_names_hooks,
-                               fused_weights, is_modules_to_save, mx_plain, torchao_mx_config, unwrap_lora)
+from .fused_projection import (TORCHAO_QUANTIZED, FusedQKVProjection, ProjectionRows, UnsupportedModuleError,
+                               _describe, _hint, _hooks, _is_float8_linear, _is_torchao_mx, _peft_names_hooks,
+                               fused_weights, mx_plain, torchao_mx_config, unwrap_lora)
 from .projection_plan import projection_plan
 from . import qlora
 from ..ops.validation import ALL_HEADS_MAX_HEAD_DIM as _ALL_HEADS_MAX_HEAD_DIM, MAX_HEAD_DIM as _MAX_HEAD_DIM
@@ -1123,10 +1123,10 @@ def _check_linear(path: str, p, hidden: int) -> nn.Module:
                 f"fusedqkv.apply_to: {path} is a {type(p).__name__}; of torchao's MX training the fused block takes "
                 f"an MXFP8Linear or a Linear whose weight quantize_(MXFP8TrainingOpConfig) wrapped")
     elif type(p) is not nn.Linear and not _is_float8_linear(p):
-        why = (MODULES_TO_SAVE_HINT if is_modules_to_save(p) else
-               " (apply fusedqkv before wrapping projections otherwise: tensor parallel)")
+        # (PEFT's IA3, VeRA, LoKr and OFT layers are all named `Linear`: the module says which)
+        why = _hint(p) or " (apply fusedqkv before wrapping projections otherwise: tensor parallel)"
         raise UnsupportedModelError(
-            f"fusedqkv.apply_to: {path} is a {type(p).__name__}; only a plain torch.nn.Linear or a bitsandbytes "
+            f"fusedqkv.apply_to: {path} is a {_describe(p)}; only a plain torch.nn.Linear or a bitsandbytes "
             f"Linear4bit (or a PEFT LoRA layer over one) can be fused{why}")
     w = p.weight
     data = mx_plain(w).data  # (torchao's MX training wrapper: the plain tensor it holds)
