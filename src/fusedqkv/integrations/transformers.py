@@ -1124,7 +1124,8 @@ def _check_linear(path: str, p, hidden: int) -> nn.Module:
                 f"an MXFP8Linear or a Linear whose weight quantize_(MXFP8TrainingOpConfig) wrapped")
     elif type(p) is not nn.Linear and not _is_float8_linear(p):
         # (PEFT's IA3, VeRA, LoKr and OFT layers are all named `Linear`: the module says which)
-        why = _hint(p) or " (apply fusedqkv before wrapping projections otherwise: tensor parallel)"
+        why = (_hint(p) if type(p).__module__.startswith(("peft.", "torchao.")) else
+               " (apply fusedqkv before wrapping projections otherwise: tensor parallel)")
         raise UnsupportedModelError(
             f"fusedqkv.apply_to: {path} is a {_describe(p)}; only a plain torch.nn.Linear or a bitsandbytes "
             f"Linear4bit (or a PEFT LoRA layer over one) can be fused{why}")
