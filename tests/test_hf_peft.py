@@ -1017,3 +1017,35 @@ def test_fp8_frozen_weight_cache_follows_peft_merge_and_unmerge(monkeypatch, how
     m.unmerge_adapter()
     assert torch.equal(logits(True), logits(False))
     fp8.forget_frozen_weight_casts()
+
+
+def test_eva_initialisation_before_apply_to_matches_peft_and_after_is_refused_naming_it():
+    """PEFT's EVA (``init_lora_weights="eva"``, ``initialize_lora_eva_weights``) reads the LoRA layers' inputs
+    through forward hooks: run before apply_to, the adapters and logits equal PEFT's without fusedqkv; run after,
+    the hooks are refused at the first forward, saying that EVA goes before apply_to."""
+    eva = pytest.importorskip("peft.tuners.lora.eva")
+    base = build(family("qwen3"), bias=True)
+    ids = torch.randint(0, base.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+    loader = [{"input_ids": ids[i:i + 2], "attention_mask": torch.ones_like(ids[i:i + 2])} for i in (0, 2)]
+
+    def eva_lora():
+        return LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights="eva",
+                          eva_config=peft.EvaConfig(rho=1.0))
+
+    torch.manual_seed(1)
+    want = get_peft_model(copy.deepcopy(base), eva_lora(), low_cpu_mem_usage=True)
+    eva.initialize_lora_eva_weights(want, loader, show_progress_bar=False)
+    torch.manual_seed(1)
+    m = get_peft_model(copy.deepcopy(base), eva_lora(), low_cpu_mem_usage=True)
+    eva.initialize_lora_eva_weights(m, loader, show_progress_bar=False)
+    fusedqkv.apply_to(m)
+    adapters = {k: v for k, v in want.state_dict().items() if "lora_" in k}
+    got = m.state_dict()
+    assert adapters and all(torch.equal(got[k], v) for k, v in adapters.items())
+    assert _rel(m(input_ids=ids).logits, want(input_ids=ids).logits) <= TOL
+    m = copy.deepcopy(base)
+    fusedqkv.apply_to(m)
+    m = get_peft_model(m, eva_lora(), low_cpu_mem_usage=True)
+    with pytest.raises(UnsupportedModuleError, match=r"q_proj has a forward hook .*run initialize_lora_eva_weights "
+                       r"before apply_to"):
+        eva.initialize_lora_eva_weights(m, loader, show_progress_bar=False)

@@ -631,7 +631,19 @@ def _check_unhooked(where: str, name: str, lora, m) -> None:
         if hooked:
             raise UnsupportedModuleError(
                 f"fusedqkv: {where}.{label} has a {hooked[0]} "
-                f"({_describe(mod)}); the fused block never calls the module, so it would not run")
+                f"({_describe(mod)}); the fused block never calls the module, so it would not run"
+                f"{_eva_hint(mod)}")
+
+
+def _eva_hint(m: nn.Module) -> str:
+    """PEFT's EVA initialisation hooks the LoRA layers to read their inputs (``initialize_lora_eva_weights``):
+    say how it composes (error path only)."""
+    hooks = list(m.__dict__["_forward_hooks"].values())
+    if not any(type(h).__module__.startswith("peft.tuners.lora.eva") for h in hooks):
+        return ""
+    return ("; PEFT's EVA initialisation reads the LoRA layers' inputs through such hooks: run "
+            "initialize_lora_eva_weights before apply_to (get_peft_model, EVA, then apply_to: its adapters then "
+            "train in the block)")
 
 
 def _quantized_slots(attn, projs: tuple, where: str) -> list:
