@@ -4,9 +4,9 @@ fusedqkv's fast paths lean on things neither library documents: the compiled ker
 (called directly by :class:`fusedqkv.ops.launch.BoundLaunch`, skipping ``JITFunction.run``),
 Triton's host TMA descriptor encoder, the raw current stream, dynamo's C++ ``TensorGuards`` (the
 plan caches' repeat check), dynamo's constant-result mark (set without importing dynamo) and the
-grad-mode toggle. They live here and nowhere else, used only
-on the versions they are tested on (:data:`TRITON_SUPPORTED`, :data:`TORCH_SUPPORTED`: CI checks
-the raw launch against Triton's own launch path on every supported Triton, offline). Where one
+grad-mode toggle. They live here and nowhere else, used only on the versions they are tested on
+(:data:`TRITON_SUPPORTED`, :data:`TORCH_SUPPORTED`: CI checks the raw launch against Triton's own
+launch path on every supported Triton, offline). Where one
 cannot be used -- a version outside the range, a launcher of unknown structure, a kernel the raw
 path does not cover -- fusedqkv takes the public path (the same results, more host time), warns
 once with a :class:`FastPathWarning` naming the reason, and records it in :func:`fast_path_info`.
