@@ -158,7 +158,7 @@ def _check_rows_requires_grad(view: torch.Tensor, value) -> None:
 def _peft_setter_hint() -> str:
     """Where PEFT itself set it: PEFT's other methods freeze the base weight as they wrap a projection (AdaLoRA's
     SVDLinear), so the user meets this error inside get_peft_model: name the module and what fusedqkv takes."""
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)  # the first frame outside fusedqkv, whatever the depth of fusedqkv's own calls
     while frame is not None and frame.f_globals.get("__name__", "").startswith("fusedqkv."):
         frame = frame.f_back
     caller = "" if frame is None else frame.f_globals.get("__name__", "")
