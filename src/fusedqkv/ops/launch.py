@@ -218,3 +218,60 @@ class BoundLaunch:
             self.raw_disabled = True
             return
         self._raw, self._descs = bound
+
+
+class TensorLaunches:
+    """Bound launches of kernels that their callers launch with tensors directly, where no plan
+    holds the launch (the FP8 casts of :mod:`fusedqkv.ops.fp8`, called from the training plans and
+    the eager paths alike): ``launches(fn, grid, args, constexprs)`` queues ``fn[grid](*args,
+    **constexprs)`` on the current stream. Each launch signature -- kernel, grid, every non-tensor
+    argument's value, each tensor's dtype and 16-byte alignment (what Triton specialises a pointer
+    on), the constexprs -- gets one :class:`BoundLaunch` at its first call (through the JIT); later
+    calls pass the tensors' addresses to its raw launch. The token count is part of a signature:
+    at ``capacity`` signatures the oldest is dropped."""
+
+    def __init__(self, name: str, capacity: int = 256):
+        from . import device
+
+        self._stream = device.current_stream
+        self.capacity = capacity
+        self.launches: dict = {}
+        self.builds = 0
+        device.register_plan_cache(name, self)
+
+    def clear(self) -> None:
+        self.launches.clear()
+
+    def info(self) -> dict:
+        return dict(plans=len(self.launches), builds=self.builds,
+                    bound=sum(1 for b in list(self.launches.values()) if b.bound))
+
+    def __call__(self, fn, grid: tuple, args: tuple, constexprs: dict) -> None:
+        key = [fn, grid]
+        ptrs, tensors = [], []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                p = a.data_ptr()
+                tensors.append(a)
+                ptrs.append(p)
+                key.append((a.dtype, not p & 15))
+            else:
+                key.append(a)
+        key.append(tuple(constexprs.items()))
+        key = tuple(key)
+        bl = self.launches.get(key)
+        stream = self._stream(tensors[0].device)
+        if bl is not None and bl.bound:
+            bl.launch(tensors, ptrs, stream)
+            return
+        if bl is None:
+            table = Table()
+            slots = [table.add(f"t{i}", t) for i, t in enumerate(tensors)]
+            it = iter(slots)
+            bl = BoundLaunch(fn, grid, [next(it) if isinstance(a, torch.Tensor) else a for a in args], constexprs)
+            table.release()  # (the slots keep no tensor of this call alive)
+            if len(self.launches) >= self.capacity:
+                self.launches.pop(next(iter(self.launches)), None)
+            self.launches[key] = bl
+            self.builds += 1
+        bl.launch(tensors, None, stream)
