@@ -476,3 +476,42 @@ def test_hf_model_with_torchao_float8_compiles_with_inductor(way):
     want.pow(2).mean().backward()
     g, g_ref = (x.model.layers[0].self_attn.qkv_proj.weight.grad.float() for x in (m, ref))
     assert (g - g_ref).norm() / g_ref.norm() < 5e-2
+
+
+@cuda
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("dtypes", [(fp8.E4M3, fp8.E4M3), (fp8.E5M2, fp8.E4M3), (fp8.E4M3, fp8.E5M2)])
+@pytest.mark.parametrize("mnk", [(131, 6144, 4096), (4096, 1024, 512), (6144, 4096, 2048)])
+def test_planned_scaled_mm_equals_torchs_bitwise(rowwise, fast, dtypes, mnk):
+    """``fp8._mm`` through its planned cuBLASLt call (``cublaslt.LtScaledMatmul``, on sm_90) bitwise
+    ``torch._scaled_mm`` of the same operands, into a fresh output and into ``out=``, and in a CUDA
+    graph; elsewhere (no plan) it is torch's call itself."""
+    M, N, K = mnk
+    a, _ = fp8.cast_rows(_operand(M, K, 1), fp8.Cast(dtypes[0], not rowwise), True)
+    bt, _ = fp8.cast_rows(_operand(N, K, 2), fp8.Cast(dtypes[1], not rowwise), True)
+    b = bt.t()  # column-major [K, N]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    sa = torch.rand((M, 1) if rowwise else (), device="cuda", generator=g) + 0.5
+    sb = torch.rand((1, N) if rowwise else (), device="cuda", generator=g) + 0.5
+    want = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    fp8._SCALED_MM.clear()
+    got = fp8._mm(a, sa, b, sb, torch.bfloat16, fast, True)
+    out = torch.empty_like(want)
+    into = fp8._mm(a, sa, b, sb, torch.bfloat16, fast, True, out=out)
+    assert into is out
+    assert torch.equal(got, want) and torch.equal(out, want)
+    planned = fp8._SCALED_MM.info()["planned"]
+    if torch.cuda.get_device_capability() == (9, 0):
+        from fusedqkv.ops import cublaslt
+
+        lib = cublaslt.library()
+        assert lib is not None and (planned == 1 or cublaslt._lt_version(lib) < 120900), fp8._SCALED_MM.info()
+    graph_out = torch.empty_like(want)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        fp8._mm(a, sa, b, sb, torch.bfloat16, fast, True, out=graph_out)
+    graph_out.zero_()
+    gr.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, want)

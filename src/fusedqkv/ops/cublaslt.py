@@ -89,6 +89,7 @@ class _Lib:
         # every argument an address or a size: the hot path passes plain ints
         self.matmul = fn("cublasLtMatmul", vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp)
         self._lock = threading.Lock()
+        self.cdll = cdll
 
     def handle(self, index: int) -> int:
         """The device's cuBLASLt handle (owned by :mod:`fusedqkv.ops.device`)."""
@@ -251,4 +252,137 @@ def plan_matmul(dtype: torch.dtype, device: torch.device, M: int, N: int, K: int
     try:
         return LtMatmul(lib, device, _device.device_index(device), dtype, M, N, K, a_strides, b_strides, d_strides)
     except (LtError, OSError):  # no algorithm, or a library that refuses: torch.mm serves
+        return None
+
+
+# ------------------------------------------------------------------------ FP8: torch._scaled_mm's call, planned
+
+_CUDA_R_8F_E4M3, _CUDA_R_8F_E5M2 = 28, 29
+_FP8_DTYPES = {torch.float8_e4m3fn: _CUDA_R_8F_E4M3, torch.float8_e5m2: _CUDA_R_8F_E5M2}
+_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER, _DESC_FAST_ACCUM = 17, 18, 25
+_DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32  # (cuBLASLt 12.8+)
+_SCALE_SCALAR_32F, _SCALE_OUTER_VEC_32F = 0, 3  # (outer vectors: cuBLASLt 12.9+)
+_ALIGN_DEFAULT = 256  # cuBLASLt's default minimum alignment, which torch's scaled GEMM leaves as it is
+
+
+def _torch_lt_workspace_bytes() -> int:
+    # torch's cuBLASLt workspace (CUBLASLT_WORKSPACE_SIZE in KiB, default 1 MiB), which its scaled GEMM
+    # gives the heuristic: the same cap picks the same algorithm
+    try:
+        return max(0, int(os.environ.get("CUBLASLT_WORKSPACE_SIZE", "1024"))) * 1024
+    except ValueError:
+        return 1 << 20
+
+
+class LtScaledMatmul:
+    """``d[M, N] = (a[M, K] * a_scale) @ (b[K, N] * b_scale)`` in bf16 from FP8 operands: the cuBLASLt
+    call ``torch._scaled_mm`` makes on sm_90 with cuBLASLt 12.9+, planned once. torch asks the
+    heuristic on every call (tens of us of host time each); the plan asks once, with torch's
+    descriptors (the transposed problem: cuBLAS's A is ``b``, its B is ``a``, the scales swapped;
+    compute and scale type fp32; ``FAST_ACCUM``; per-tensor scalars or outer vectors), preference
+    (its workspace cap, default alignment) and one result, so the algorithm and the bits are
+    torch's (``tests/test_gpu_fp8.py`` compares them). ``a`` row-major, ``b`` column-major (a
+    transposed row-major [N, K]), ``d`` row-major; a call passes the five addresses and the stream.
+    Scales: ``a_rows`` -- ``a_scale`` is [M, 1] (else a scalar), ``b_cols`` -- ``b_scale`` [1, N]."""
+
+    __slots__ = ("lib", "handle", "desc", "layouts", "algo", "ws_bytes", "scalars", "device", "_keep", "shape",
+                 "_lock")
+
+    def __init__(self, lib: _Lib, device: torch.device, index: int, a_dtype, b_dtype, M: int, N: int, K: int,
+                 a_rows: bool, b_cols: bool, fast_accum: bool):
+        self.lib, self.device, self.shape = lib, device, (M, N, K)
+        self.desc, self.layouts = None, []
+        self.handle = lib.handle(index)
+        vp = ctypes.c_void_p
+        desc = vp()
+        _check(lib.desc_create(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R_32F), "cublasLtMatmulDescCreate")
+        self.desc = desc.value
+
+        def put(attr, value, name):
+            _check(lib.desc_set(desc, attr, ctypes.byref(value), ctypes.sizeof(value)), name)
+
+        put(_DESC_TRANSA, ctypes.c_int32(_OP_T), "TRANSA")
+        put(_DESC_TRANSB, ctypes.c_int32(_OP_N), "TRANSB")
+        put(_DESC_FAST_ACCUM, ctypes.c_int8(1 if fast_accum else 0), "FAST_ACCUM")
+        put(_DESC_A_SCALE_MODE, ctypes.c_int32(_SCALE_OUTER_VEC_32F if b_cols else _SCALE_SCALAR_32F), "A_SCALE_MODE")
+        put(_DESC_B_SCALE_MODE, ctypes.c_int32(_SCALE_OUTER_VEC_32F if a_rows else _SCALE_SCALAR_32F), "B_SCALE_MODE")
+        # cuBLAS's A: b as the column-major [K, N] (ld K), op T; its B: a as [K, M] (ld K); C = D: [N, M] (ld N)
+        for dt, rows, cols, ld in ((_FP8_DTYPES[b_dtype], K, N, K), (_FP8_DTYPES[a_dtype], K, M, K),
+                                   (_CUDA_R_16BF, N, M, N)):
+            lay = vp()
+            _check(lib.layout_create(ctypes.byref(lay), dt, rows, cols, ld), "cublasLtMatrixLayoutCreate")
+            self.layouts.append(lay.value)
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.scalars = (ctypes.addressof(alpha), ctypes.addressof(beta))
+        self.ws_bytes = _torch_lt_workspace_bytes()
+        pref = vp()
+        _check(lib.pref_create(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+        try:
+            ws = ctypes.c_uint64(self.ws_bytes)
+            _check(lib.pref_set(pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), 8), "MAX_WORKSPACE_BYTES")
+            result = (ctypes.c_uint8 * _HEURISTIC_RESULT_BYTES)()
+            count = ctypes.c_int(0)
+            A_l, B_l, d_l = self.layouts
+            _check(lib.heuristic(self.handle, self.desc, A_l, B_l, d_l, d_l, pref, 1, result, ctypes.byref(count)),
+                   "cublasLtMatmulAlgoGetHeuristic")
+            if count.value < 1:
+                raise LtError("cuBLASLt has no algorithm for this scaled matmul")
+        finally:
+            lib.pref_destroy(pref)
+        algo = (ctypes.c_uint8 * 64).from_buffer_copy(bytes(result)[:64])
+        self.algo = ctypes.addressof(algo)
+        self._keep = (algo, alpha, beta)
+        self._lock = threading.Lock()  # the scale pointers are the descriptor's: one call at a time
+
+    __del__ = LtMatmul.__del__
+
+    def __call__(self, a_ptr: int, b_ptr: int, d_ptr: int, a_scale_ptr: int, b_scale_ptr: int, stream: int,
+                 capture: Optional[bool] = None) -> bool:
+        """Queue the product; False (nothing queued) where an address is not aligned as the algorithm
+        assumes (the caller takes ``torch._scaled_mm``)."""
+        if (a_ptr | b_ptr | d_ptr) & (_ALIGN_DEFAULT - 1):
+            return False
+        lib = self.lib
+        ws = _device.workspace("cublaslt", self.device, stream, self.ws_bytes, capture) if self.ws_bytes else None
+        alpha, beta = self.scalars
+        A_l, B_l, d_l = self.layouts  # cuBLAS's A (b's layout), B (a's), C = D
+        with self._lock:
+            sa, sb = ctypes.c_void_p(b_scale_ptr), ctypes.c_void_p(a_scale_ptr)  # (the problem is transposed)
+            _check(lib.desc_set(self.desc, _DESC_A_SCALE_POINTER, ctypes.byref(sa), 8), "A_SCALE_POINTER")
+            _check(lib.desc_set(self.desc, _DESC_B_SCALE_POINTER, ctypes.byref(sb), 8), "B_SCALE_POINTER")
+            status = lib.matmul(self.handle, self.desc, alpha, b_ptr, A_l, a_ptr, B_l, beta, d_ptr, d_l, d_ptr, d_l,
+                                self.algo, None if ws is None else ws.data_ptr(), self.ws_bytes, stream)
+        if status != 0:
+            raise LtError(f"cublasLtMatmul (FP8) failed with cuBLAS status {status} (shape {self.shape})")
+        return True
+
+
+def _lt_version(lib: _Lib) -> int:
+    try:
+        f = lib.cdll.cublasLtGetVersion
+    except AttributeError:
+        return 0
+    f.argtypes, f.restype = [], ctypes.c_size_t
+    return int(f())
+
+
+def plan_scaled_matmul(device: torch.device, a_dtype, b_dtype, M: int, N: int, K: int, a_rows: bool, b_cols: bool,
+                       fast_accum: bool, cfg) -> Optional[LtScaledMatmul]:
+    """A planned :class:`LtScaledMatmul`, or None where ``torch._scaled_mm`` serves: ``cfg.cublaslt``
+    off, no library, not sm_90 (elsewhere torch's own choice of kernel differs: Ada's rowwise runs
+    CUTLASS, Blackwell's its own recipes), cuBLASLt older than 12.9 with a per-row or per-column
+    scale (torch then runs CUTLASS too), an empty problem, or no algorithm."""
+    if not cfg.cublaslt or device.type != "cuda" or min(M, N, K) == 0:
+        return None
+    if a_dtype not in _FP8_DTYPES or b_dtype not in _FP8_DTYPES:
+        return None
+    index = _device.device_index(device)
+    if torch.cuda.get_device_capability(index) != (9, 0):
+        return None
+    lib = library()
+    if lib is None or ((a_rows or b_cols) and _lt_version(lib) < 120900) or _lt_version(lib) < 120800:
+        return None
+    try:
+        return LtScaledMatmul(lib, device, index, a_dtype, b_dtype, M, N, K, a_rows, b_cols, fast_accum)
+    except (LtError, OSError):
         return None

@@ -583,8 +583,10 @@ def _mm(a, sa, b, sb, out_dtype, fast, pow2, out=None):
         post, sa = (sa, sb), sa.new_ones(())
         sb = sa
     dt = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
-    y = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=dt, use_fast_accum=fast,
-                         out=out if out is not None and out.dtype == dt else None)
+    y = _planned_scaled_mm(a, sa, b, sb, dt, fast, out) if a.is_cuda and dt == torch.bfloat16 else None
+    if y is None:
+        y = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=dt, use_fast_accum=fast,
+                             out=out if out is not None and out.dtype == dt else None)
     if post is not None:
         _outer_scale(y, *post)
     if dt != out_dtype:
@@ -592,6 +594,70 @@ def _mm(a, sa, b, sb, out_dtype, fast, pow2, out=None):
         if out is not None:
             out.copy_(y)
             y = out
+    return y
+
+
+class _ScaledMatmulPlans:
+    """:func:`_mm`'s planned cuBLASLt calls (``cublaslt.LtScaledMatmul``: torch._scaled_mm's call
+    without its per-call heuristic query), by device, operand dtypes, sizes, scale kinds, fast
+    accumulation and config; None kept where torch._scaled_mm serves. LRU of ``capacity``."""
+
+    def __init__(self, capacity: int = 128):
+        self.capacity, self.plans, self.builds = capacity, {}, 0
+        _device.register_plan_cache("fp8 scaled matmuls", self)
+
+    def clear(self) -> None:
+        self.plans.clear()
+
+    def info(self) -> dict:
+        return dict(plans=len(self.plans), builds=self.builds,
+                    planned=sum(1 for p in list(self.plans.values()) if p is not None))
+
+    def get(self, device, a_dtype, b_dtype, M, N, K, rowwise, fast):
+        from . import config
+
+        cfg = config.current()
+        key = (device, a_dtype, b_dtype, M, N, K, rowwise, fast, cfg)
+        plan = self.plans.get(key, False)
+        if plan is False:
+            from .cublaslt import plan_scaled_matmul
+
+            plan = plan_scaled_matmul(device, a_dtype, b_dtype, M, N, K, rowwise, rowwise, fast, cfg)
+            if len(self.plans) >= self.capacity:
+                self.plans.pop(next(iter(self.plans)), None)
+            self.plans[key] = plan
+            self.builds += 1
+        return plan
+
+
+_SCALED_MM = _ScaledMatmulPlans()
+
+
+def _planned_scaled_mm(a, sa, b, sb, dt, fast, out):
+    """``torch._scaled_mm(a, b, sa, sb, out_dtype=bf16, out=out)`` through its planned cuBLASLt call
+    (the same algorithm, so the same bits), or None where that does not apply: operands not row-major
+    ``a`` and column-major ``b``, scales neither both scalars nor ``[M, 1]`` and ``[1, N]`` contiguous
+    fp32, an ``out`` of dtype ``dt`` laid out otherwise, no plan, or addresses its algorithm does not take."""
+    M, K = a.shape
+    rowwise = sa.dim() == 2
+    N = b.shape[1]
+    if a.stride() != (K, 1) or b.stride() != (1, K) or b.shape[0] != K:
+        return None
+    if sa.dtype != torch.float32 or sb.dtype != torch.float32 or not (sa.is_contiguous() and sb.is_contiguous()):
+        return None
+    if (tuple(sa.shape), tuple(sb.shape)) != (((M, 1), (1, N)) if rowwise else ((), ())):
+        return None
+    plan = _SCALED_MM.get(a.device, a.dtype, b.dtype, M, N, K, rowwise, bool(fast))
+    if plan is None:
+        return None
+    if out is not None and out.dtype != dt:
+        out = None  # (the caller converts into it)
+    if out is not None and (tuple(out.shape) != (M, N) or out.stride() != (N, 1)):
+        return None
+    y = out if out is not None else torch.empty((M, N), dtype=dt, device=a.device)
+    stream, capture = _device.call_state(a.device)
+    if not plan(a.data_ptr(), b.data_ptr(), y.data_ptr(), sa.data_ptr(), sb.data_ptr(), stream, capture):
+        return None
     return y
 
 
