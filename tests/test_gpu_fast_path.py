@@ -100,7 +100,7 @@ def test_fp8_block_cast_launches_go_raw_and_equal_the_jit_path(recipe):
             if step == 0:
                 built = fp8._LAUNCH.info()["builds"]
     info = fp8._LAUNCH.info()
-    assert built > 0 and info["builds"] == built, info  # no signature built again
-    assert info["bound"] == info["plans"] == built, info
+    assert info["plans"] > 0 and info["builds"] == built, info  # no signature built again
+    assert info["bound"] == info["plans"], info
     for later in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], later))

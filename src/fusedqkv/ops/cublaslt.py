@@ -315,6 +315,11 @@ class LtScaledMatmul:
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.scalars = (ctypes.addressof(alpha), ctypes.addressof(beta))
         self.ws_bytes = _torch_lt_workspace_bytes()
+        # the heuristic refuses outer-vector scale modes without scale pointers (status 7, cuBLASLt 13.1): a
+        # stand-in's, as large as either vector, until a call sets the call's
+        stand_in = torch.empty(max(M, N, 4), dtype=torch.float32, device=device)
+        for attr in (_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER):
+            put(attr, ctypes.c_void_p(stand_in.data_ptr()), "SCALE_POINTER")
         pref = vp()
         _check(lib.pref_create(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
         try:
