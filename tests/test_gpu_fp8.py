@@ -269,10 +269,10 @@ def test_block_with_the_stage_amax_partials_equals_the_amax_pass_bitwise(name, b
     seen, amax_pass = [], []
     dual, launches = fp8._dual_triton, fp8._LAUNCH
 
-    def launch(fn, grid, args, constexprs):  # the casts' launches, dual_amax_kernel's recorded
+    def launch(fn, grid, tensors, scalars, constexprs):  # the casts' launches, dual_amax_kernel's recorded
         if fn is fp8_cast.dual_amax_kernel:
-            amax_pass.append(tuple(args[0].shape))
-        return launches(fn, grid, args, constexprs)
+            amax_pass.append(tuple(tensors[0].shape))
+        return launches(fn, grid, tensors, scalars, constexprs)
 
     def record(t, *a, parts=None, **k):
         if tuple(t.shape) == (M, N):

@@ -405,9 +405,9 @@ class _RecordingKernel:
 
 
 def test_tensor_launches_build_once_per_signature_and_keep_no_tensor(monkeypatch):
-    """``launch.TensorLaunches``: one bound launch per signature -- a tensor's dtype and 16-byte
-    alignment, every other argument's value, the grid and the constexprs -- each call launched with
-    that call's tensors; the oldest signature dropped at capacity; the build keeps no tensor alive."""
+    """``launch.TensorLaunches``: one bound launch per signature -- the tensors' dtypes and 16-byte
+    alignment, the scalars, the grid and the constexprs -- each call launched with that call's
+    tensors; the oldest signature dropped at capacity; the build keeps no tensor alive."""
     import gc
     import weakref
 
@@ -416,21 +416,21 @@ def test_tensor_launches_build_once_per_signature_and_keep_no_tensor(monkeypatch
     fn = _RecordingKernel()
     base = torch.zeros(64, dtype=torch.bfloat16)
     a, b = base[:32], torch.zeros(32, dtype=torch.bfloat16)
-    cache(fn, (2,), (a, 32, 1), dict(BLOCK=16, num_warps=4))
-    cache(fn, (2,), (b, 32, 1), dict(BLOCK=16, num_warps=4))  # other memory, the same signature
+    cache(fn, (2,), (a,), (32, 1), dict(BLOCK=16, num_warps=4))
+    cache(fn, (2,), (b,), (32, 1), dict(BLOCK=16, num_warps=4))  # other memory, the same signature
     assert cache.builds == 1 and len(fn.calls) == 2 and fn.calls[1][1][0] is b
-    for args, grid, kw in (((base[1:33], 32, 1), (2,), dict(BLOCK=16, num_warps=4)),  # misaligned
-                           ((a.float(), 32, 1), (2,), dict(BLOCK=16, num_warps=4)),  # another dtype
-                           ((a, 31, 1), (2,), dict(BLOCK=16, num_warps=4)),  # another scalar
-                           ((a, 32, 1), (3,), dict(BLOCK=16, num_warps=4)),  # another grid
-                           ((a, 32, 1), (2,), dict(BLOCK=32, num_warps=4))):  # another constexpr
+    for tensors, scalars, grid, kw in (((base[1:33],), (32, 1), (2,), dict(BLOCK=16, num_warps=4)),  # misaligned
+                                       ((a.float(),), (32, 1), (2,), dict(BLOCK=16, num_warps=4)),  # another dtype
+                                       ((a,), (31, 1), (2,), dict(BLOCK=16, num_warps=4)),  # another scalar
+                                       ((a,), (32, 1), (3,), dict(BLOCK=16, num_warps=4)),  # another grid
+                                       ((a,), (32, 1), (2,), dict(BLOCK=32, num_warps=4))):  # another constexpr
         before = cache.builds
-        cache(fn, grid, args, kw)
-        assert cache.builds == before + 1 and fn.calls[-1] == ((*grid, 1, 1), args, kw)
+        cache(fn, grid, tensors, scalars, kw)
+        assert cache.builds == before + 1 and fn.calls[-1] == ((*grid, 1, 1), tensors + scalars, kw)
     assert cache.info()["plans"] == 4  # at capacity: the oldest dropped
     held = torch.zeros(8)
     ref = weakref.ref(held)
-    cache(fn, (1,), (held,), dict(num_warps=1))
+    cache(fn, (1,), (held,), (), dict(num_warps=1))
     del held
     fn.calls.clear()
     gc.collect()

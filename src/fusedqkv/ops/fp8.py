@@ -334,7 +334,7 @@ def _rowwise_triton(t: torch.Tensor, cast: Cast, pow2: bool):
         warps = 8 if block >= 4096 else 4
     else:
         block, rows, warps = _BLOCK_C, _ROWS, 4
-    _LAUNCH(rowwise_cast_kernel, (triton_cdiv(R, rows),), (t, y, inv, R, C, t.stride(0), y.stride(0)),
+    _LAUNCH(rowwise_cast_kernel, (triton_cdiv(R, rows),), (t, y, inv), (R, C, t.stride(0), y.stride(0)),
             dict(FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, ROWS=rows, BLOCK_C=block, WHOLE_ROW=whole,
                  num_warps=warps))
     return y, inv
@@ -378,7 +378,7 @@ def _rowwise_colamax_triton(t: torch.Tensor, cast: Cast, pow2: bool):
         block, warps = max(16, _ROWS * _BLOCK_C // _PART_ROWS), 4
     part_dtype = t.dtype if t.dtype in (torch.bfloat16, torch.float16) else torch.float32
     part = torch.empty((triton_cdiv(R, part_rows), C), dtype=part_dtype, device=t.device)
-    _LAUNCH(rowwise_cast_colamax_kernel, (part.shape[0],), (t, y, inv, part, R, C, t.stride(0), y.stride(0)),
+    _LAUNCH(rowwise_cast_colamax_kernel, (part.shape[0],), (t, y, inv, part), (R, C, t.stride(0), y.stride(0)),
             dict(FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, PART_ROWS=part_rows, ROWS=rows, BLOCK_C=block,
                  WHOLE_ROW=whole, num_warps=warps))
     return y, inv, part
@@ -396,7 +396,7 @@ def _rowwise_parts_triton(t: torch.Tensor, cast: Cast, pow2: bool, parts: torch.
     y = torch.empty((R, C), dtype=cast.dtype, device=t.device)
     inv = torch.empty((R, 1), dtype=torch.float32, device=t.device)
     _LAUNCH(rowwise_cast_parts_kernel, (triton_cdiv(R, _BR), triton_cdiv(C, _BC)),
-            (t, y, parts, inv, R, C, t.stride(0), parts.shape[0]),
+            (t, y, parts, inv), (R, C, t.stride(0), parts.shape[0]),
             dict(FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, BR=_BR, BC=_BC, BP=_FP_STAGE, num_warps=4))
     return y, inv
 
@@ -406,7 +406,7 @@ def _part_triton(t: torch.Tensor) -> torch.Tensor:
 
     R, C = t.shape
     part = torch.empty((triton_cdiv(R, _BR), C), dtype=torch.float32, device=t.device)
-    _LAUNCH(tile_amax_kernel, (part.shape[0], triton_cdiv(C, _BC)), (t, part, R, C, t.stride(0)),
+    _LAUNCH(tile_amax_kernel, (part.shape[0], triton_cdiv(C, _BC)), (t, part), (R, C, t.stride(0)),
             dict(BR=_BR, BC=_BC, num_warps=4))
     return part
 
@@ -431,7 +431,7 @@ def _cast_triton(t: torch.Tensor, cast: Cast, pow2: bool, transpose: bool, pad_t
     R_pad = -(-R // pad_to) * pad_to if transpose else R
     y = torch.empty((C, R_pad) if transpose else (R, C), dtype=cast.dtype, device=t.device)
     _LAUNCH(cast_kernel, (triton_cdiv(R_pad, _BR), triton_cdiv(C, _BC)),
-            (t, y, part, inv, R, R_pad, C, t.stride(0), part.shape[0] if per_column else 1),
+            (t, y, part, inv), (R, R_pad, C, t.stride(0), part.shape[0] if per_column else 1),
             dict(PER_COLUMN=per_column, TRANSPOSE=transpose, FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, BR=_BR,
                  BC=_BC, BP=_BP, num_warps=4))
     return y, inv
@@ -472,7 +472,7 @@ def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pa
     if parts is None:
         cpart = torch.empty((n_rb, C), dtype=torch.float32, device=dev)
         rpart = torch.empty((n_cb, R) if row_per else (1,), dtype=torch.float32, device=dev)
-        _LAUNCH(dual_amax_kernel, (n_rb, n_cb), (t, rpart, cpart, R, C, t.stride(0), n_cb),
+        _LAUNCH(dual_amax_kernel, (n_rb, n_cb), (t, rpart, cpart), (R, C, t.stride(0), n_cb),
                 dict(ROW_PART=row_per, BR=_BR, BC=_BC, num_warps=4))
         n_rpart, n_cpart, fb_c, bp_r, bp_c = n_cb, n_rb, _FB, _FP, _FP
         tamax_of = cpart
@@ -498,7 +498,7 @@ def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pa
         n_row_prog = triton_cdiv(R, _FB) if row_per else 0
         n_prog = n_row_prog + (triton_cdiv(C, fb_c) if col_per else 0)
         _LAUNCH(dual_finish_kernel, (n_prog,),
-                (rpart, cpart, r_scale, r_inv, c_scale, c_inv, R, C, n_rpart, n_cpart, n_row_prog),
+                (rpart, cpart, r_scale, r_inv, c_scale, c_inv), (R, C, n_rpart, n_cpart, n_row_prog),
                 dict(ROW_PER=row_per, COL_PER=col_per, FP8_MAX_R=fmax_r, FP8_MAX_C=fmax_c, POW2=pow2, FB=_FB,
                      BP=bp_r, FBC=fb_c, BPC=bp_c, num_warps=4))
     # the tensor's amax (a max: deterministic)
@@ -507,7 +507,7 @@ def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pa
     yr = torch.empty((R, C), dtype=row_cast.dtype, device=dev)
     yt = torch.empty((C, R_pad), dtype=col_cast.dtype, device=dev)
     _LAUNCH(dual_cast_kernel, (triton_cdiv(R_pad, _BR), n_cb),
-            (t, yr, yt, r_scale, c_scale, tamax, r_inv, c_inv, R, R_pad, C, t.stride(0)),
+            (t, yr, yt, r_scale, c_scale, tamax, r_inv, c_inv), (R, R_pad, C, t.stride(0)),
             dict(ROW_PER=row_per, COL_PER=col_per, FP8_MAX_R=fmax_r, FP8_MAX_C=fmax_c, POW2=pow2, BR=_BR, BC=_BC,
                  num_warps=4))
     return yr, r_inv, yt, c_inv
@@ -667,7 +667,7 @@ def _outer_scale(y: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor) -> N
         from ..kernels.fp8_cast import outer_scale_kernel
 
         R, C = y.shape
-        _LAUNCH(outer_scale_kernel, (triton_cdiv(R, _BR), triton_cdiv(C, _BC)), (y, a_inv, b_inv, R, C),
+        _LAUNCH(outer_scale_kernel, (triton_cdiv(R, _BR), triton_cdiv(C, _BC)), (y, a_inv, b_inv), (R, C),
                 dict(BR=_BR, BC=_BC, num_warps=4))
     else:
         y *= a_inv * b_inv

@@ -223,12 +223,13 @@ class BoundLaunch:
 class TensorLaunches:
     """Bound launches of kernels that their callers launch with tensors directly, where no plan
     holds the launch (the FP8 casts of :mod:`fusedqkv.ops.fp8`, called from the training plans and
-    the eager paths alike): ``launches(fn, grid, args, constexprs)`` queues ``fn[grid](*args,
-    **constexprs)`` on the current stream. Each launch signature -- kernel, grid, every non-tensor
-    argument's value, each tensor's dtype and 16-byte alignment (what Triton specialises a pointer
-    on), the constexprs -- gets one :class:`BoundLaunch` at its first call (through the JIT); later
-    calls pass the tensors' addresses to its raw launch. The token count is part of a signature:
-    at ``capacity`` signatures the oldest is dropped."""
+    the eager paths alike): ``launches(fn, grid, tensors, scalars, constexprs)`` queues
+    ``fn[grid](*tensors, *scalars, **constexprs)`` (a kernel whose tensor parameters come first) on
+    the current stream. Each launch signature -- kernel, grid, the scalars, the constexprs, each
+    tensor's dtype, and whether every address is 16-byte aligned (what Triton specialises a pointer
+    on; else each tensor's alignment) -- gets one :class:`BoundLaunch` at its first call (through
+    the JIT); later calls pass the tensors' addresses to its raw launch. The token count is part of
+    a signature: at ``capacity`` signatures the oldest is dropped."""
 
     def __init__(self, name: str, capacity: int = 256):
         from . import device
@@ -246,19 +247,13 @@ class TensorLaunches:
         return dict(plans=len(self.launches), builds=self.builds,
                     bound=sum(1 for b in list(self.launches.values()) if b.bound))
 
-    def __call__(self, fn, grid: tuple, args: tuple, constexprs: dict) -> None:
-        key = [fn, grid]
-        ptrs, tensors = [], []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                p = a.data_ptr()
-                tensors.append(a)
-                ptrs.append(p)
-                key.append((a.dtype, not p & 15))
-            else:
-                key.append(a)
-        key.append(tuple(constexprs.items()))
-        key = tuple(key)
+    def __call__(self, fn, grid: tuple, tensors: tuple, scalars: tuple, constexprs: dict) -> None:
+        ptrs = [t.data_ptr() for t in tensors]
+        acc = 0
+        for p in ptrs:
+            acc |= p
+        aligned = True if not acc & 15 else tuple(not p & 15 for p in ptrs)
+        key = (fn, grid, scalars, tuple(constexprs.items()), aligned, *[t.dtype for t in tensors])
         bl = self.launches.get(key)
         stream = self._stream(tensors[0].device)
         if bl is not None and bl.bound:
@@ -267,8 +262,7 @@ class TensorLaunches:
         if bl is None:
             table = Table()
             slots = [table.add(f"t{i}", t) for i, t in enumerate(tensors)]
-            it = iter(slots)
-            bl = BoundLaunch(fn, grid, [next(it) if isinstance(a, torch.Tensor) else a for a in args], constexprs)
+            bl = BoundLaunch(fn, grid, slots + list(scalars), constexprs)
             table.release()  # (the slots keep no tensor of this call alive)
             if len(self.launches) >= self.capacity:
                 self.launches.pop(next(iter(self.launches)), None)
