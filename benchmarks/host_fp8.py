@@ -5,7 +5,7 @@ One fwd+bwd of ``GQAQKVRoPEQKNorm(fp8=...)`` through autograd, 091's heads (hidd
 number is the host's work alone) and the GPU's time per call (CUDA events over back-to-back calls),
 each recipe beside bf16, interleaved round by round. A call whose host time is above its GPU time is
 host-bound outside CUDA graphs. Then, per recipe at the first --tokens: Triton JIT launches
-(``JITFunction.run``) per fwd+bwd, and the Python profile of the fp8 calls (own time).
+(``JITFunction.run``) per fwd+bwd, and the Python profile of the fp8 calls (own time; fusedqkv's functions by cumulative time).
 
     PYTHONPATH=src python3 benchmarks/host_fp8.py --out DIR [--tokens 512,2048,8192] [--against SRC]
 
@@ -132,6 +132,7 @@ def main() -> int:
             torch.cuda.synchronize()
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(28)
+            pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats("fusedqkv", 24)
             print(f"\n== T{T} {r}: Triton JIT launches per fwd+bwd: {n_jit[0]}\n{s.getvalue()}", flush=True)
             rows.append(dict(tokens=T, tree="head", recipe=r, jit_launches=n_jit[0]))
     with open(os.path.join(args.out, "host_fp8.json"), "w") as f:
