@@ -2,7 +2,7 @@
 # Session 43, device call 2 (any card; carry .whl .shared; base43/src = the change's base, untracked): the FP8
 # casts' bound launches -- the GPU tests they touch, the fuzz, and the eager FP8 block's host time against the base.
 source benchmarks/results/device_setup.sh
-TOTAL=${TOTAL:-360}
+TOTAL=${TOTAL:-320}
 cat $W/gpu.txt
 step gtests 200 gtests.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fast_path.py tests/test_gpu_fp8.py
 step fuzz 100 fuzz.txt python3 benchmarks/gpu_fuzz.py --cases 200 --time-limit 95 --out $J/fuzz
