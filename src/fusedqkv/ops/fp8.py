@@ -600,7 +600,8 @@ def _mm(a, sa, b, sb, out_dtype, fast, pow2, out=None):
 class _ScaledMatmulPlans:
     """:func:`_mm`'s planned cuBLASLt calls (``cublaslt.LtScaledMatmul``: torch._scaled_mm's call
     without its per-call heuristic query), by device, operand dtypes, sizes, scale kinds, fast
-    accumulation and config; None kept where torch._scaled_mm serves. LRU of ``capacity``."""
+    accumulation and config; None kept where torch._scaled_mm serves. At ``capacity`` plans the
+    oldest built is dropped."""
 
     def __init__(self, capacity: int = 128):
         self.capacity, self.plans, self.builds = capacity, {}, 0
