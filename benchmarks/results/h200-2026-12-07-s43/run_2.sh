@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 43, device call 2 (any card; carry .whl .shared; base43/src = the change's base, untracked): the FP8
+# Session 43, device call 2 (any card; carry .whl .shared; base43/src = the change's base, untracked: `mkdir base43 &&
+# git archive c420312 src/fusedqkv | tar -x -C base43`, removed after): the FP8
 # casts' bound launches -- the GPU tests they touch, the fuzz, and the eager FP8 block's host time against the base.
 source benchmarks/results/device_setup.sh
 TOTAL=${TOTAL:-200}
