@@ -381,13 +381,14 @@ def plan_scaled_matmul(device: torch.device, a_dtype, b_dtype, M: int, N: int, K
         return None
     if a_dtype not in _FP8_DTYPES or b_dtype not in _FP8_DTYPES:
         return None
-    index = _device.device_index(device)
-    if torch.cuda.get_device_capability(index) != (9, 0):
+    if _device.capability(device) != (9, 0):
         return None
     lib = library()
-    if lib is None or ((a_rows or b_cols) and _lt_version(lib) < 120900) or _lt_version(lib) < 120800:
+    version = 0 if lib is None else _lt_version(lib)
+    if version < (120900 if a_rows or b_cols else 120800):
         return None
     try:
-        return LtScaledMatmul(lib, device, index, a_dtype, b_dtype, M, N, K, a_rows, b_cols, fast_accum)
+        return LtScaledMatmul(lib, device, _device.device_index(device), a_dtype, b_dtype, M, N, K, a_rows, b_cols,
+                              fast_accum)
     except (LtError, OSError):
         return None

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from . import device as _device, internals
+from . import config as _config, device as _device, internals
 from .launch import TensorLaunches, next_pow2
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -615,9 +615,7 @@ class _ScaledMatmulPlans:
                     planned=sum(1 for p in list(self.plans.values()) if p is not None))
 
     def get(self, device, a_dtype, b_dtype, M, N, K, rowwise, fast):
-        from . import config
-
-        cfg = config.current()
+        cfg = _config.current()
         key = (device, a_dtype, b_dtype, M, N, K, rowwise, fast, cfg)
         plan = self.plans.get(key, False)
         if plan is False:
