@@ -31,9 +31,6 @@ weights and inputs (bf16 activations and weights, all trainable):
   fp8_rowwise_stagecols (--ab-stage-columns) fp8=rowwise with fp8.STAGE_AMAX_COLUMNS on: the backward stage
                 writes dQKV's column amax partials too, so the dual cast makes no amax pass over dQKV (off
                 since session 22: the stage ran 2.5x slower)
-  fp8_<r>_serial (--ab-overlap) fp8=<r> (rowwise, rowwise_with_gw_hp) with fp8.OVERLAP_CASTS off: every cast
-                on the current stream (the dual casts, sessions 21-43), against the default's casts that only a
-                later GEMM reads on the device's side stream beside the GEMM before it (session 44)
   fp8_floor     the three torch._scaled_mm calls of the rowwise recipe on operands cast beforehand,
                 as the block issues them (rowwise scales in cuBLASLt's epilogue; fast accumulation in
                 the forward only): no cast, no stage
@@ -187,17 +184,15 @@ class Row:
     def dual_casts(fn, dqkv: bool, weight: bool, stage_amax: bool, input_amax: bool):
         """``fn`` with fp8.DUAL_CASTS set to ``dqkv``, fp8.DUAL_WEIGHT_CASTS to ``weight``,
         fp8.STAGE_AMAX to ``stage_amax`` and fp8.KEEP_INPUT_AMAX to ``input_amax`` while it runs (and
-        while it is captured), every cast on the current stream (fp8.OVERLAP_CASTS off: the sessions
-        these variants stand for)."""
+        while it is captured)."""
         def call():
-            prev = fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX, fp8.KEEP_INPUT_AMAX, fp8.OVERLAP_CASTS
-            (fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX, fp8.KEEP_INPUT_AMAX,
-             fp8.OVERLAP_CASTS) = (dqkv, weight, stage_amax, input_amax, False)
+            prev = fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX, fp8.KEEP_INPUT_AMAX
+            fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX, fp8.KEEP_INPUT_AMAX = (dqkv, weight, stage_amax,
+                                                                                          input_amax)
             try:
                 return fn()
             finally:
-                (fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX, fp8.KEEP_INPUT_AMAX,
-                 fp8.OVERLAP_CASTS) = prev
+                fp8.DUAL_CASTS, fp8.DUAL_WEIGHT_CASTS, fp8.STAGE_AMAX, fp8.KEEP_INPUT_AMAX = prev
         return call
 
     @staticmethod
@@ -266,10 +261,6 @@ def main(argv=None) -> int:
                     help="also time fp8_rowwise_stagecols: fp8.STAGE_AMAX_COLUMNS on (the backward stage writes dQKV's "
                          "column amax partials too, and the dual cast skips its amax pass; off by default since "
                          "session 22), against the plan's default in the same rounds")
-    ap.add_argument("--ab-overlap", action="store_true",
-                    help="also time fp8_rowwise_serial and fp8_rowwise_with_gw_hp_serial: fp8.OVERLAP_CASTS off (every "
-                         "cast on the current stream, the dual casts) against the default's side-stream casts, in the "
-                         "same rounds")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     raise_compile_limits(64)
@@ -303,9 +294,6 @@ def main(argv=None) -> int:
             fns["fp8_rowwise_pr16"] = row.fp8_flags(row.fwd_bwd(row.fused("rowwise")), _COLAMAX_PROGRAMS=1)
         if args.ab_stage_columns:  # the stage's column partials instead of the dual cast's amax pass (session 22's)
             fns["fp8_rowwise_stagecols"] = row.fp8_flags(row.fwd_bwd(row.fused("rowwise")), STAGE_AMAX_COLUMNS=True)
-        if args.ab_overlap:  # every cast on the current stream (sessions 21-43)
-            for r in ("rowwise", "rowwise_with_gw_hp"):
-                fns[f"fp8_{r}_serial"] = row.fp8_flags(row.fwd_bwd(row.fused(r)), OVERLAP_CASTS=False)
         fns.update(torchao=row.torchao_call(compiled), bf16_floor=row.bf16_floor(), fp8_floor=row.fp8_floor())
         err = row.errors()
         ms = time_providers(fns, args.reps, flusher)
@@ -328,14 +316,6 @@ def main(argv=None) -> int:
             r["rowwise_over_stagecols"] = f / med["fp8_rowwise_stagecols"]
             print(f"{cname:<22} {tokens:>6}  fp8_rowwise / fp8_rowwise_stagecols (the stage's column partials) "
                   f"{r['rowwise_over_stagecols']:.3f}", flush=True)
-        if args.ab_overlap:
-            r["rowwise_over_serial"] = f / med["fp8_rowwise_serial"]
-            r["gw_hp_over_serial"] = med["fp8_rowwise_with_gw_hp"] / med["fp8_rowwise_with_gw_hp_serial"]
-            r["rowwise_serial_over_bf16_floor"] = med["fp8_rowwise_serial"] / med["bf16_floor"]
-            r["gw_hp_serial_over_bf16_floor"] = med["fp8_rowwise_with_gw_hp_serial"] / med["bf16_floor"]
-            print(f"{cname:<22} {tokens:>6}  overlapped / serial casts: rowwise {r['rowwise_over_serial']:.3f}, "
-                  f"gw_hp {r['gw_hp_over_serial']:.3f}; serial / bf16 floor {r['rowwise_serial_over_bf16_floor']:.3f}"
-                  f", {r['gw_hp_serial_over_bf16_floor']:.3f}", flush=True)
         if args.old_casts:
             r["rowwise_over_old"] = f / med["fp8_rowwise_old"]
             r["tensorwise_over_old"] = med["fp8_tensorwise"] / med["fp8_tensorwise_old"]

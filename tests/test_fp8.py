@@ -653,7 +653,6 @@ def test_dual_casts_run_where_both_gemms_are_fp8(monkeypatch):
         calls.append(a)
         raise Taken
 
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)  # (on: the overlapped casts', test below)
     monkeypatch.setattr(fp8, "_dual_triton", dual)
     g, x, w = torch.zeros(16, 32), torch.zeros(16, 16), torch.zeros(32, 16)
     assert not fp8._dual_ok(g, fp8.RECIPES["rowwise"])  # CPU: the torch path
@@ -663,113 +662,6 @@ def test_dual_casts_run_where_both_gemms_are_fp8(monkeypatch):
     with pytest.raises(Taken):
         fp8.backward(g, x, w, fp8.RECIPES["rowwise"], True, True)
     assert len(calls) == 1
-
-
-# ------------------------------------------------------------------ the casts dW needs beside dX's GEMM (session 44)
-
-_MIXED = dataclasses.replace(fp8.RECIPES["rowwise"], name="row_then_tensor_dw",
-                             grad_output_for_grad_weight=fp8.Cast(fp8.E5M2, True))
-
-
-@pytest.mark.parametrize("name", ["rowwise", "tensorwise", "row_then_tensor_dw"])
-def test_overlapped_backward_equals_the_dual_cast_path_bitwise(interpret, monkeypatch, name):
-    """fp8.backward with OVERLAP_CASTS (dQKV's row cast and dX's GEMM, then dW's column casts forked
-    off; in place on the CPU): dX and dW bitwise the dual cast's path, with and without the stage's
-    row partials (each row's amax; the tensor's amax their max, bf16 partials), x's amaxes kept from
-    the forward, and W's dX cast from weight_casts with a side (the same codes, scales and layout)."""
-    monkeypatch.setattr(fp8, "_triton", lambda t: True)
-    torch.manual_seed(16)
-    tokens, K, N = 37, 64, 96
-    x = torch.randn(tokens, K, dtype=torch.bfloat16) * 3
-    w = torch.randn(N, K, dtype=torch.bfloat16) * 0.05
-    g = torch.randn(tokens, N, dtype=torch.bfloat16)
-    g[-1, 5] = 30.0
-    r = _MIXED if name == "row_then_tensor_dw" else fp8.RECIPES[name]
-    overlapped = []
-    inner = fp8._backward_overlapped
-    monkeypatch.setattr(fp8, "_backward_overlapped", lambda *a: overlapped.append(a[6]) or inner(*a))
-    w_casts = fp8.weight_casts(w, r, fp8.SideCasts())
-    x_amax = fp8.input_cast_keeping_amax(x, r)[1]
-    halves = torch.stack([g[:, :N // 2].abs().amax(1), g[:, N // 2:].abs().amax(1)])  # [2, R], bf16
-    got = [fp8.backward(g, x, w, r, True, True, out=torch.empty(tokens, K, dtype=torch.bfloat16),
-                        w_cast=w_casts[1], g_amax=parts, x_amax=x_amax) for parts in (None, (halves, None))]
-    assert len(overlapped) == 2 and overlapped[1] is not None
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)
-    want_w = fp8.weight_casts(w, r, fp8.SideCasts())
-    assert _same_casts(w_casts, want_w) and w_casts[1][0].stride() == want_w[1][0].stride()
-    want = fp8.backward(g, x, w, r, True, True, w_cast=want_w[1], x_amax=x_amax)
-    assert len(overlapped) == 2
-    for dx_dw in got:
-        assert all(torch.equal(a, b) for a, b in zip(dx_dw, want))
-
-
-@pytest.mark.parametrize("name", ["rowwise", "tensorwise"])
-def test_block_with_overlapped_casts_equals_the_dual_path_bitwise(interpret, monkeypatch, name):
-    """The block's fwd+bwd (the interpreted stage and casts) with OVERLAP_CASTS against the dual casts:
-    every output and gradient bitwise; no dual cast launched; W's dX cast made once, in the forward
-    (none in the backward); the stage's row partials taken for tensorwise (the tensor's amax)."""
-    monkeypatch.setattr(fp8, "_triton", lambda t: True)
-    duals, dx_casts, overlapped, phase = [], [], [], ["forward"]
-    dual, cast_columns, inner = fp8._dual_triton, fp8.cast_columns, fp8._backward_overlapped
-    monkeypatch.setattr(fp8, "_dual_triton", lambda t, *a, **k: duals.append(tuple(t.shape)) or dual(t, *a, **k))
-    monkeypatch.setattr(fp8, "cast_columns",
-                        lambda t, *a, **k: dx_casts.append((phase[0], tuple(t.shape))) or cast_columns(t, *a, **k))
-
-    def spy(*a):
-        phase[0] = "backward"
-        overlapped.append(a[6])
-        return inner(*a)
-
-    monkeypatch.setattr(fp8, "_backward_overlapped", spy)
-    got = _block_fwd_bwd(name, 37)
-    N, K = 128, 64
-    assert not duals and dx_casts == [("forward", (N, K))] and len(overlapped) == 1
-    assert (overlapped[0] is not None) == (name == "tensorwise")
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)
-    want = _block_fwd_bwd(name, 37)
-    assert duals and len(overlapped) == 1
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-
-
-def test_overlapped_casts_run_where_both_gemms_are_fp8(monkeypatch):
-    """The overlapped backward is taken for the rowwise and tensorwise recipes with both gradients
-    needed and the Triton casts, not for rowwise_with_gw_hp (dW in bf16), one gradient, an empty
-    dQKV, the torch casts (CPU), or with OVERLAP_CASTS off (the dual cast then)."""
-    class Taken(Exception):
-        pass
-
-    def taken(*a, **k):
-        raise Taken
-
-    monkeypatch.setattr(fp8, "_backward_overlapped", taken)
-    g, x, w = torch.zeros(16, 32), torch.zeros(16, 16), torch.zeros(32, 16)
-    assert not fp8.overlap_casts(g)
-    fp8.backward(g, x, w, fp8.RECIPES["rowwise"], True, True)  # CPU: the torch casts
-    monkeypatch.setattr(fp8, "_triton", lambda t: True)
-    assert fp8.overlap_casts(g)
-    for name in ("rowwise", "tensorwise"):
-        with pytest.raises(Taken):
-            fp8.backward(g, x, w, fp8.RECIPES[name], True, True)
-    monkeypatch.setattr(fp8, "_dual_triton", taken)
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)
-    assert not fp8.overlap_casts(g)
-    with pytest.raises(Taken):  # the dual cast
-        fp8.backward(g, x, w, fp8.RECIPES["rowwise"], True, True)
-
-
-def test_side_casts_off_cuda_run_in_place_and_join_does_nothing():
-    """SideCasts on the CPU: fork keeps no stream, ``with`` changes nothing, keep/join are no-ops;
-    join twice is harmless."""
-    side = fp8.SideCasts()
-    side.join()  # never forked
-    with side.fork(torch.device("cpu")) as s:
-        t = torch.ones(3) * 2
-        s.keep(t, None)
-    assert side.side is None and side.main is None
-    side.join()
-    side.join()
-    assert torch.equal(t, torch.full((3,), 2.0))
 
 
 # ------------------------------------------------------------------ W's two casts from one pass
@@ -827,7 +719,6 @@ def test_block_keeps_the_weights_dx_cast_only_where_the_backward_needs_it(interp
     """The block's eager fwd+bwd with W's casts from one pass and the dX cast kept (saved for the
     backward) equals, bitwise, the path that casts W per GEMM (fp8.DUAL_WEIGHT_CASTS off); W is cast
     once in all (a dual cast) where dX is needed, the one-cast way where it is not or grad is off."""
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)  # (on: test_overlapped_casts_...)
     monkeypatch.setattr(fp8, "_triton", lambda t: True)
     calls, dx_casts = [], []  # shapes cast by the dual kernels; by the dX GEMM's own cast of W
     dual, cast_columns = fp8._dual_triton, fp8.cast_columns
@@ -881,7 +772,7 @@ def test_block_keeps_the_weights_dx_cast_only_where_the_backward_needs_it(interp
 def _counting_weight_casts(monkeypatch):
     made = []
     casts = fp8.weight_casts
-    monkeypatch.setattr(fp8, "weight_casts", lambda w, r, side=None: made.append(id(w)) or casts(w, r, side))
+    monkeypatch.setattr(fp8, "weight_casts", lambda w, r: made.append(id(w)) or casts(w, r))
     return made
 
 
@@ -1066,7 +957,6 @@ def test_stage_amax_partials_equal_the_amax_pass_bitwise(interpret, monkeypatch,
     the maxima sit in the last, partial, token block and the last column), dX, dW and every other
     output and gradient bitwise; the amax pass not launched for dQKV."""
     monkeypatch.setattr(fp8, "STAGE_AMAX_COLUMNS", True)  # rowwise: off by default (NOTES, session 22)
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)  # the dual cast's partials
     from fusedqkv.kernels import fp8_cast
     from fusedqkv.ops import config
 
@@ -1106,7 +996,6 @@ def test_stage_amax_partials_equal_the_amax_pass_bitwise(interpret, monkeypatch,
 def test_stage_amax_partials_with_v_normed(interpret, monkeypatch):
     """v normed (its backward in the stage's value program): the partials still cover v's columns."""
     monkeypatch.setattr(fp8, "STAGE_AMAX_COLUMNS", True)  # rowwise: off by default (NOTES, session 22)
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)  # the dual cast's partials
     monkeypatch.setattr(fp8, "_triton", lambda t: True)
     seen = []
     dual = fp8._dual_triton
@@ -1147,24 +1036,14 @@ def test_dual_cast_from_given_partials_equals_the_amax_pass_bitwise(interpret, m
 
 
 def test_stage_amax_decides_per_recipe_and_gradients(monkeypatch):
-    """Which partials the stage writes. With both GEMMs in FP8 and the overlapped casts (the default):
-    the rows where a dQKV cast is tensorwise (its amax) or dX's per-row cast takes them (rows above 8192
-    columns), never the columns. With the dual cast instead: rows alone for tensorwise, none for rowwise
-    (its columns off). The rows for dX's per-row cast where it casts dQKV alone (rowwise_with_gw_hp, or
-    no dW) and dQKV's rows are too long to cast whole from one read; none without dX or with a
-    tensorwise dX cast alone; each switch turns its own off, and the plan's key holds them all."""
+    """Which partials the stage writes: the dual cast's where both GEMMs are FP8 (rows alone for
+    tensorwise; none for rowwise, its columns off), the rows for dX's per-row cast where it casts dQKV
+    alone (rowwise_with_gw_hp, or no dW) and dQKV's rows are too long to cast whole from one read (above
+    8192 columns), none without dX or with a tensorwise dX cast alone; each switch turns its own off, and
+    the plan's key holds them all."""
     rw, hp, tw = (fp8.RECIPES[n] for n in ("rowwise", "rowwise_with_gw_hp", "tensorwise"))
     long, short = 10240, 8192  # h5120_q64_kv8's dQKV columns; 091's are 6144
-    assert fp8.OVERLAP_CASTS
-    assert fp8.stage_amax(tw, True, True, short) == fp8.stage_amax(rw, True, True, long) == (True, False)
-    assert fp8.stage_amax(rw, True, True, short) == fp8.stage_amax(rw, True, True) == (False, False)
-    mixed = dataclasses.replace(rw, name="mixed", grad_output_for_grad_weight=fp8.Cast(fp8.E5M2, True))
-    assert fp8.stage_amax(mixed, True, True, short) == (True, False)  # dW's dQKV tensorwise: its amax from the rows
-    key_overlap = fp8.stage_amax_key("rowwise")
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)
-    assert fp8.stage_amax_key("rowwise") != key_overlap
     assert fp8.stage_amax(tw, True, True, short) == (True, False) and fp8.stage_amax(rw, True, True) == (False, False)
-    assert fp8.stage_amax(rw, True, True, long) == (False, False)
     assert fp8.stage_amax(hp, True, True, long) == fp8.stage_amax(hp, True, False, long) == (True, False)
     assert fp8.stage_amax(rw, True, False, long) == (True, False)
     assert fp8.stage_amax(hp, True, True, short) == fp8.stage_amax(rw, True, False, short) == (False, False)

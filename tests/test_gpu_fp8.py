@@ -179,13 +179,10 @@ def test_backward_with_dual_casts_equals_float8_linear_and_the_old_path_bitwise(
     x, w = _operand(tokens, K, 4) / 100, _operand(N, K, 5) / 1e4
     g = _operand(tokens, N, 6) / 100
     r = fp8.RECIPES[name]
-    dx, dw = fp8.backward(g, x, w, r, True, True, out=torch.empty_like(x))  # the overlapped casts (default)
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)
-    dx_dual, dw_dual = fp8.backward(g, x, w, r, True, True)
+    dx, dw = fp8.backward(g, x, w, r, True, True, out=torch.empty_like(x))
     monkeypatch.setattr(fp8, "DUAL_CASTS", False)
     dx_old, dw_old = fp8.backward(g, x, w, r, True, True)
     assert torch.equal(dx, dx_old) and torch.equal(dw, dw_old)
-    assert torch.equal(dx, dx_dual) and torch.equal(dw, dw_dual)
     if tokens % 16 == 0:
         f8 = _float8_linear(w, name)
         xr = x.clone().requires_grad_()
@@ -219,8 +216,7 @@ def test_weight_casts_equal_the_one_cast_path_and_torchaos_steps_bitwise(name, s
 def test_block_with_the_kept_weight_cast_equals_the_old_path_bitwise(name, tokens, monkeypatch):
     """The block's fwd+bwd (091's head layout at hidden 1024) with W cast once for both GEMMs and the
     dX cast kept: outputs, dX, dW and the norm weights' gradients bitwise DUAL_WEIGHT_CASTS off's;
-    W's dX cast made once, in the forward (the dual cast: OVERLAP_CASTS off)."""
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)
+    W's dX cast made once, in the forward."""
     torch.manual_seed(12)
     hq, hkv, d, K = 8, 2, 128, 1024
     N = (hq + 2 * hkv) * d
@@ -245,46 +241,6 @@ def test_block_with_the_kept_weight_cast_equals_the_old_path_bitwise(name, token
         assert torch.equal(a, b)
 
 
-# session 44: the casts a GEMM does not need on the side stream beside it (fp8.OVERLAP_CASTS)
-
-
-@cuda
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("tokens", [2048, 131])
-def test_block_with_overlapped_casts_equals_the_dual_path_bitwise(name, tokens, monkeypatch):
-    """The block's fwd+bwd (091's head layout at hidden 1024) with W's dX cast beside the forward GEMM and
-    (both GEMMs in FP8) dQKV's and x's dW casts beside dX's GEMM, on the device's side stream: every output
-    and gradient bitwise the dual casts' (OVERLAP_CASTS off), repeated bitwise; the side stream forked
-    and joined in each forward and (dW in FP8) each backward, none with OVERLAP_CASTS off."""
-    from fusedqkv.ops import device
-
-    torch.manual_seed(17)
-    hq, hkv, d, K = 8, 2, 128, 1024
-    N = (hq + 2 * hkv) * d
-    base = [torch.randn(1, tokens, K, device="cuda", dtype=torch.bfloat16),
-            _operand(N, K, 18) / 1e4, torch.rand(d, device="cuda") + 0.5, torch.rand(d, device="cuda") + 0.5]
-    ang = torch.randn(1, tokens, d, device="cuda")
-    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
-    gs = [torch.randn(1, h, tokens, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
-    joins = []
-    join = fp8.SideCasts.join
-    monkeypatch.setattr(fp8.SideCasts, "join", lambda self: joins.append(self.side is not None) or join(self))
-
-    def run():
-        return _block_fwd_bwd(base, cos, sin, gs, hq, hkv, name)
-
-    new, again = run(), run()
-    assert sum(joins) == (2 if name == "rowwise_with_gw_hp" else 4), joins
-    torch.cuda.synchronize()
-    assert device.side_stream(torch.device("cuda")).query()
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)
-    joins.clear()
-    old = run()
-    assert not any(joins)
-    for a, b, c in zip(new, again, old):
-        assert torch.equal(a, c) and torch.equal(a, b)
-
-
 # dQKV's amax partials written by the backward stage (fp8.STAGE_AMAX) instead of the dual cast's amax pass
 
 
@@ -298,7 +254,6 @@ def test_block_with_the_stage_amax_partials_equals_the_amax_pass_bitwise(name, b
     maxima exactly dQKV's rows' and columns' (outliers in the last token and the last column); the
     amax pass not launched for dQKV."""
     monkeypatch.setattr(fp8, "STAGE_AMAX_COLUMNS", True)  # rowwise: off by default (NOTES, session 22)
-    monkeypatch.setattr(fp8, "OVERLAP_CASTS", False)  # the dual cast's partials
     from fusedqkv.kernels import fp8_cast
 
     torch.manual_seed(14)

@@ -296,30 +296,23 @@ def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, 
     (num_heads, num_kv_heads, eps, norm_after_rope, backend, plan, variant, source, fp8, keep_fp8_weight,
      keep_fp8_input_amax) = meta
     w_fwd = w_dx = x_fwd = x_amax = None
+    if keep_fp8_weight:  # W cast for both its GEMMs from one pass; the dX GEMM's copy kept for the backward
+        casts = (_fp8.FROZEN_WEIGHT_CASTS.get(qkv_weight, plan.fp8) if plan.cfg.fp8_frozen_weight_cache
+                 else _fp8.weight_casts(qkv_weight, plan.fp8))
+        if casts is not None:
+            w_fwd, w_dx = casts
     if keep_fp8_input_amax:  # x's amaxes for dW's cast of x found by the forward's cast of x, and kept
         kept = _fp8.input_cast_keeping_amax(hidden_states.reshape(-1, hidden_states.shape[-1]), plan.fp8)
         if kept is not None:
             x_fwd, x_amax = kept
-    side = None
-    if keep_fp8_weight:  # W cast for both its GEMMs; the dX GEMM's copy kept for the backward (made on the
-        # side stream beside the forward GEMM where fp8.OVERLAP_CASTS applies: x's cast comes first for that)
-        side = _fp8.SideCasts()
-        casts = (_fp8.FROZEN_WEIGHT_CASTS.get(qkv_weight, plan.fp8, side) if plan.cfg.fp8_frozen_weight_cache
-                 else _fp8.weight_casts(qkv_weight, plan.fp8, side))
-        if casts is not None:
-            w_fwd, w_dx = casts
-    try:  # (the side stream reads W: joined whatever happens)
-        if plan is not None:
-            q, k, qkv, _, _, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
-                                             cos, sin, qkv_bias, qkv_residual, keep_rstd=False, lora=lora,
-                                             fp8_weight=w_fwd, fp8_input=x_fwd)
-        else:
-            q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
-                                       cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,
-                                       *_op_flags(variant), qkv_residual, variant.k_eq_v, fp8)
-    finally:
-        if side is not None:
-            side.join()
+    if plan is not None:
+        q, k, qkv, _, _, v = run_forward(plan, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
+                                         cos, sin, qkv_bias, qkv_residual, keep_rstd=False, lora=lora,
+                                         fp8_weight=w_fwd, fp8_input=x_fwd)
+    else:
+        q, k, qkv, _, _, v = _call(_fwd_op, _fwd_impl, hidden_states, qkv_weight, q_norm_weight, k_norm_weight,
+                                   cos, sin, num_heads, num_kv_heads, eps, norm_after_rope, backend, qkv_bias,
+                                   *_op_flags(variant), qkv_residual, variant.k_eq_v, fp8)
     # v: the value columns, or (k_eq_v) the raw k's; normed (v_norm): the run's own tensor
     if plan is not None:
         if plan.v_view is not None:  # one view op (qkv is the plan's contiguous [B, S, n_tot])

@@ -8,10 +8,6 @@ Buffers kept per stream (calls on one stream never overlap on the GPU, so they m
 * ``dqkv``: the 091 backward's dQKV workspace where it is small (its host time shows there);
 * ``cublaslt``: the workspace of the planned cuBLASLt GEMMs.
 
-Per device, one **side stream**: work forked off the current stream so that it runs beside that
-stream's next kernels (the FP8 casts a GEMM does not need, beside the GEMM). Nothing else queues on
-it; every use waits for the current stream first and is joined back before its results are read.
-
 **CUDA graphs.** While the current stream is being captured nothing is kept: each call takes its
 buffers from the caching allocator (the graph's private pool) and drops them when it returns,
 so no fusedqkv allocation outlives a captured call's outputs (``torch.compile(mode=
@@ -46,7 +42,6 @@ generation = 0  # bumped by clear(): cached views of kept buffers are stale afte
 _buffers: dict = {}  # (kind, device index, stream) -> tensor
 _plan_caches: dict = {}  # name -> PlanCache
 _handles: dict = {}  # (library, device index) -> handle
-_side_streams: dict = {}  # device index -> torch.cuda.Stream
 
 
 # ------------------------------------------------------------------------------ the device
@@ -197,16 +192,6 @@ def handle(library: str, index: int, create: Callable[[], int]) -> int:
     if h is None:
         h = _handles[(library, index)] = create()
     return h
-
-
-def side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The CUDA device's side stream (see the module's docstring), created once: streams are not
-    device memory, so ``clear()`` keeps it."""
-    i = cuda_index(device)
-    s = _side_streams.get(i)
-    if s is None:
-        s = _side_streams[i] = torch.cuda.Stream(device=i)
-    return s
 
 
 # ------------------------------------------------------------------------------ plan caches

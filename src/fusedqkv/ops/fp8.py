@@ -871,68 +871,6 @@ def _dual_ok(g2d: torch.Tensor, r: Fp8Recipe) -> bool:
             and not r.mx)
 
 
-# Session 44 (issue 35): the casts that only the *next* GEMM but one needs go on the device's side stream
-# (device.side_stream), beside the compute-bound GEMM queued meanwhile on the current stream: in the forward
-# W's column cast for dX beside the forward GEMM, in the backward dQKV's and x's column casts for dW beside
-# dX's GEMM. The current stream then casts only what its next GEMM reads (one read of W or dQKV per row
-# cast instead of the dual casts' amax pass and cast pass). Bitwise the same values. False: the dual casts
-# on the current stream (benchmarks/bench_fp8.py --ab-overlap times both).
-OVERLAP_CASTS = True
-
-
-class SideCasts:
-    """Casts queued on the device's side stream (:func:`device.side_stream`) behind the current
-    stream's work so far, to run beside what the current stream queues next. :meth:`fork` (the
-    side stream waits for the current one), then ``with side:`` around the casts (their tensors,
-    temporaries included, are the side stream's), :meth:`keep` on what the current stream will
-    read, and :meth:`join` (the current stream waits for the side one; kept tensors' reuse tied to
-    it) before it reads them. Off CUDA, or never forked, the casts run in place and join does
-    nothing."""
-
-    __slots__ = ("main", "side", "kept", "_ctx")
-
-    def __init__(self):
-        self.main = self.side = self._ctx = None
-        self.kept = []
-
-    def fork(self, device: torch.device) -> "SideCasts":
-        if device.type == "cuda":
-            self.main = torch.cuda.current_stream(device)
-            self.side = _device.side_stream(device)
-            self.side.wait_stream(self.main)
-        return self
-
-    def __enter__(self):
-        if self.side is not None:
-            self._ctx = torch.cuda.stream(self.side)
-            self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            ctx.__exit__(*exc)
-        return False
-
-    def keep(self, *tensors) -> None:
-        self.kept.extend(t for t in tensors if t is not None)
-
-    def join(self) -> None:
-        if self.side is None:
-            return
-        self.main.wait_stream(self.side)
-        for t in self.kept:  # freed later on the current stream's side of the join: not reused before it
-            t.record_stream(self.main)
-        self.kept.clear()
-        self.side = None
-
-
-def overlap_casts(t: torch.Tensor) -> bool:
-    """Whether :data:`OVERLAP_CASTS` applies to casts of ``t`` (the Triton casts' tensors; a side
-    stream where ``t`` is a CUDA tensor, in place otherwise: the CPU interpreter's tests)."""
-    return OVERLAP_CASTS and _triton(t)
-
-
 # dQKV's amax partials written by the backward stage as it stores dQKV (the dual cast's amax pass, a
 # read of dQKV, skipped; bitwise the same scales). False: the casts read dQKV for them
 # (benchmarks/bench_fp8.py --old-casts times both).
@@ -953,32 +891,26 @@ STAGE_AMAX_ROW_CAST_ABOVE = _WHOLE_ROW_MAX
 def stage_amax(r: Optional[Fp8Recipe], need_x: bool, need_w: bool, columns: int = 0) -> tuple:
     """``(rows, columns)``: which of dQKV's amax partials :func:`backward` takes from the backward
     stage for recipe ``r`` (both False where none: :data:`STAGE_AMAX` off, no dX, bf16). With both
-    GEMMs in FP8 and :data:`OVERLAP_CASTS`: rows where a cast of dQKV is tensorwise (the tensor's amax,
-    for both casts) or dX's is per row and :data:`STAGE_AMAX_ROW_CAST` takes dQKV's rows (its
-    ``columns``; longer than :data:`STAGE_AMAX_ROW_CAST_ABOVE`). With both in FP8 and the dual cast:
-    rows (each row's scale, or the tensor's amax) and columns where dW's dQKV is scaled per column;
-    none with :data:`DUAL_CASTS` off, or columns needed and :data:`STAGE_AMAX_COLUMNS` off. With dX's
-    GEMM alone casting dQKV (dW in high precision, or no dW): rows where that cast is per row and
-    :data:`STAGE_AMAX_ROW_CAST` takes them."""
+    GEMMs in FP8 the dual cast's: rows (each row's scale, or the tensor's amax) and columns where dW's
+    dQKV is scaled per column; none with :data:`DUAL_CASTS` off, or columns needed and
+    :data:`STAGE_AMAX_COLUMNS` off. With dX's GEMM alone casting dQKV (dW in high precision, or no
+    dW): rows where that cast is per row, :data:`STAGE_AMAX_ROW_CAST` is on and dQKV's rows (its
+    ``columns``) are longer than :data:`STAGE_AMAX_ROW_CAST_ABOVE`."""
     if not (STAGE_AMAX and r is not None and need_x) or r.mx:  # (MX: block amaxes, found by its cast)
         return False, False
-    long_rows = STAGE_AMAX_ROW_CAST and not r.grad_output.tensorwise and columns > STAGE_AMAX_ROW_CAST_ABOVE
-    if need_w and r.grad_output_for_grad_weight.dtype is not None:
-        if OVERLAP_CASTS:
-            return long_rows or r.grad_output.tensorwise or r.grad_output_for_grad_weight.tensorwise, False
-        columns = not r.grad_output_for_grad_weight.tensorwise  # the dual cast's
+    if need_w and r.grad_output_for_grad_weight.dtype is not None:  # the dual cast's
+        columns = not r.grad_output_for_grad_weight.tensorwise
         if not DUAL_CASTS or columns and not STAGE_AMAX_COLUMNS:
             return False, False
         return True, columns
-    return long_rows, False
+    return STAGE_AMAX_ROW_CAST and not r.grad_output.tensorwise and columns > STAGE_AMAX_ROW_CAST_ABOVE, False
 
 
 def stage_amax_key(fp8_key: str) -> tuple:
     """The module flags :func:`stage_amax` reads, as a plan's key holds them (``()`` without FP8)."""
     if not (fp8_key and STAGE_AMAX):
         return ()
-    return (STAGE_AMAX, DUAL_CASTS, STAGE_AMAX_COLUMNS, STAGE_AMAX_ROW_CAST, STAGE_AMAX_ROW_CAST_ABOVE,
-            OVERLAP_CASTS)
+    return STAGE_AMAX, DUAL_CASTS, STAGE_AMAX_COLUMNS, STAGE_AMAX_ROW_CAST, STAGE_AMAX_ROW_CAST_ABOVE
 
 
 def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, need_x: bool, need_w: bool,
@@ -992,9 +924,6 @@ def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe
     alone for dX's per-row cast where no dual cast runs. ``x_amax``: x's amaxes kept from the forward
     (:func:`input_cast_keeping_amax`), or None."""
     row = col = None
-    if need_x and need_w and overlap_casts(g2d) and g2d.numel() > 0 and not r.mx \
-            and r.grad_output_for_grad_weight.dtype is not None:
-        return _backward_overlapped(g2d, x2d, w, r, out, w_cast, g_amax, x_amax)
     if need_x and need_w and _dual_ok(g2d, r):
         if g2d.stride(1) != 1:
             g2d = g2d.contiguous()
@@ -1009,42 +938,6 @@ def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe
     return dx, dw
 
 
-def _backward_overlapped(g2d, x2d, w, r: Fp8Recipe, out, w_cast, g_amax, x_amax):
-    """:func:`backward` with both GEMMs in FP8 on CUDA and :data:`OVERLAP_CASTS`: dQKV's row cast and
-    dX's GEMM on the current stream, dQKV's and x's column casts for dW on the side stream beside
-    that GEMM, then dW's GEMM; the same values as the dual cast's path, bitwise. ``g_amax``: the
-    stage's row partials (:func:`stage_amax`): each row's amax for a per-row cast, the tensor's for
-    a tensorwise one."""
-    pow2, pad = r.round_scales_to_power_of_2, _inner_pad(g2d)
-    go, gw = r.grad_output, r.grad_output_for_grad_weight
-    if g2d.stride(1) != 1:
-        g2d = g2d.contiguous()
-    if x_amax is not None:
-        _checked_amax(x_amax, x2d.shape[1], not r.input_for_grad_weight.tensorwise, "x_amax")
-    rows = g_amax[0] if g_amax is not None else None
-    tamax = None  # dQKV's amax (a max of the row partials: exact in any dtype)
-    if rows is not None and (go.tensorwise or gw.tensorwise):
-        tamax = rows.amax().reshape(1).to(torch.float32)
-    if go.tensorwise:
-        ga, gs = _cast_triton(g2d, go, pow2, transpose=False, amax=tamax)
-    else:
-        ga, gs = cast_rows(g2d, go, pow2, rows)
-    wb, ws = (_checked_cast(w_cast, w, "w_cast") if w_cast is not None
-              else cast_columns(w, r.weight_for_grad_input, pow2))
-    side = SideCasts().fork(g2d.device)
-    try:  # (joined whatever happens: the side stream reads dQKV and x, which the caller frees)
-        with side:
-            gt, gts = cast_columns_t(g2d, gw, pow2, pad, tamax if gw.tensorwise else None)  # [N, M_pad], [1, N]
-            xb, xs = cast_columns_t(x2d, r.input_for_grad_weight, pow2, pad, x_amax)  # [K, M_pad], [1, K]
-            side.keep(gt, gts, xb, xs)
-        dx = _mm(ga, gs, wb, ws, g2d.dtype, r.fast_accum[1], pow2, out)
-    finally:
-        side.join()
-    del ga, gs
-    dw = _mm(gt, gts if gts.dim() == 0 else gts.reshape(-1, 1), xb.t(), xs, g2d.dtype, r.fast_accum[2], pow2)
-    return dx, dw
-
-
 # W's two casts (the forward GEMM's, per row; the dX GEMM's, per column, transposed) from one amax pass
 # and one cast pass of W in the forward, the dX one kept for the backward: N x K fp8 bytes held per
 # layer from forward to backward. False: each GEMM casts W itself (benchmarks/bench_fp8.py --old-casts
@@ -1052,29 +945,20 @@ def _backward_overlapped(g2d, x2d, w, r: Fp8Recipe, out, w_cast, g_amax, x_amax)
 DUAL_WEIGHT_CASTS = True
 
 
-def weight_casts(w: torch.Tensor, r: Fp8Recipe, side: Optional[SideCasts] = None):
+def weight_casts(w: torch.Tensor, r: Fp8Recipe):
     """``((data [N, K] row-major, inverse scale), (data [N, K] column-major, inverse scale))``: W
     ``[N, K]`` cast for the forward GEMM (``r.weight``, each row's scale or the tensor's) and for
     the dX GEMM (``r.weight_for_grad_input``, each column's or the tensor's), bitwise
-    ``cast_rows(w, r.weight)`` and ``cast_columns(w, r.weight_for_grad_input)``. ``side``: where
-    given and :data:`OVERLAP_CASTS` applies, the forward's cast on the current stream and the dX
-    one forked onto ``side`` (the caller joins it after queueing the forward GEMM); otherwise both
-    from one read of W for the amaxes and one for both casts (:func:`_dual_triton`). None where each
-    GEMM casts its own (:data:`DUAL_WEIGHT_CASTS` off, off the GPU, an empty W)."""
+    ``cast_rows(w, r.weight)`` and ``cast_columns(w, r.weight_for_grad_input)``, from one read of W
+    for the amaxes and one for both casts (:func:`_dual_triton`). None where each GEMM casts its own
+    (:data:`DUAL_WEIGHT_CASTS` off, off the GPU, an empty W)."""
     if not (DUAL_WEIGHT_CASTS and _triton(w) and w.numel() > 0) or r.mx:
         return None
     if w.dim() != 2:
         raise ValueError(f"w: expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
     if w.stride(1) != 1:
         w = w.contiguous()
-    pow2 = r.round_scales_to_power_of_2
-    if side is not None and overlap_casts(w):
-        forward_cast = cast_rows(w, r.weight, pow2)
-        with side.fork(w.device):
-            wt, wts = cast_columns(w, r.weight_for_grad_input, pow2)
-            side.keep(wt, wts)
-        return forward_cast, (wt, wts)
-    wa, ws, wt, wts = _dual_triton(w, r.weight, r.weight_for_grad_input, pow2)
+    wa, ws, wt, wts = _dual_triton(w, r.weight, r.weight_for_grad_input, r.round_scales_to_power_of_2)
     return (wa, ws), (wt.t(), wts)
 
 
@@ -1096,15 +980,15 @@ class FrozenWeightCasts:
     def _key(w: torch.Tensor, r: Fp8Recipe) -> tuple:
         return w.data_ptr(), w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w._version, r.key
 
-    def get(self, w: torch.Tensor, r: Fp8Recipe, side: Optional[SideCasts] = None):
-        """``weight_casts(w, r, side)``, kept for a frozen ``w`` (None where weight_casts gives None)."""
+    def get(self, w: torch.Tensor, r: Fp8Recipe):
+        """``weight_casts(w, r)``, kept for a frozen ``w`` (None where weight_casts gives None)."""
         if w.requires_grad or _device.capturing(w.device) or w.is_inference():
-            return weight_casts(w, r, side)  # (an inference tensor keeps no version counter to key on)
+            return weight_casts(w, r)  # (an inference tensor keeps no version counter to key on)
         i, key = id(w), self._key(w, r)
         entry = self._entries.get(i)
         if entry is not None and entry[0]() is w and entry[1] == key:
             return entry[2]
-        casts = weight_casts(w, r, side)
+        casts = weight_casts(w, r)
         if casts is None:
             self._entries.pop(i, None)
         else:
