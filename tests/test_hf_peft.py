@@ -813,16 +813,21 @@ def test_rows_views_follow_the_fused_weight():
     assert attn.q_proj.weight.dtype == torch.float64 and attn.q_proj.weight.data_ptr() == attn.qkv_proj.weight.data_ptr()
 
 
-def test_trl_sft_trainer_with_peft_config_trains_like_unfused(tmp_path):
-    trl = pytest.importorskip("trl")
-    from datasets import Dataset
+def _word_tokenizer(vocab):
+    """A word-level tokenizer over the tiny vocabulary ("t0" ... ; nothing downloaded)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    def tokenizer(vocab):  # a word-level tokenizer over the tiny vocabulary (nothing downloaded)
-        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t0")
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t0")
+
+
+def test_trl_sft_trainer_with_peft_config_trains_like_unfused(tmp_path):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    tokenizer = _word_tokenizer
 
     def losses(fused, out):
         m = build(family("qwen3"), bias=True)
@@ -847,6 +852,60 @@ def test_trl_sft_trainer_with_peft_config_trains_like_unfused(tmp_path):
     got = losses(True, tmp_path / "fused")
     assert len(got) == len(want) == 5
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5 * max(abs(x) for x in want)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "grpo"])
+def test_trl_preference_and_rl_trainers_with_peft_config_train_like_unfused(tmp_path, kind):
+    """TRL's DPOTrainer (the reference log-probs through PEFT's disabled adapters) and GRPOTrainer
+    (completions from ``generate`` with the KV cache, a KL term against the reference) with a LoRA
+    peft_config on a fused model: every logged loss, reward and KL the unfused model's (fp32, within
+    rounding of the fused GEMM's sums)."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    def history(fused, out):
+        m = build(family("qwen3"))
+        if fused:
+            fusedqkv.apply_to(m)
+        V = m.config.vocab_size
+        g = torch.Generator().manual_seed(0)
+
+        def words(n):
+            return " ".join(f"t{i}" for i in torch.randint(3, V, (n,), generator=g).tolist())
+
+        common = dict(output_dir=str(out), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+                      logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, data_seed=0,
+                      bf16=False, fp16=False, disable_tqdm=True)
+        peft = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+        torch.manual_seed(1)
+        if kind == "dpo":
+            data = Dataset.from_dict({"prompt": [words(6) for _ in range(12)], "chosen": [words(4) for _ in range(12)],
+                                      "rejected": [words(4) for _ in range(12)]})
+            trainer = trl.DPOTrainer(model=m, args=trl.DPOConfig(**common), train_dataset=data,
+                                     processing_class=_word_tokenizer(V), peft_config=peft)
+        else:
+            data = Dataset.from_dict({"prompt": [words(6) for _ in range(12)]})
+            args = trl.GRPOConfig(**common, num_generations=4, max_completion_length=6, generation_batch_size=8,
+                                  beta=0.1)
+            def length(completions, **kw):  # a reward that differs between completions
+                return [float(len(c)) for c in completions]
+
+            trainer = trl.GRPOTrainer(model=m, reward_funcs=length, args=args, train_dataset=data,
+                                      processing_class=_word_tokenizer(V), peft_config=peft)
+        trainer.train()
+        if fused:
+            attn = next(mod for mod in trainer.model.modules() if hasattr(mod, "_fusedqkv"))
+            assert type(attn.q_proj.base_layer) is ProjectionRows
+        keys = ("loss", "rewards/chosen", "rewards/rejected", "reward", "kl")
+        return [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+
+    want = history(False, tmp_path / "unfused")
+    got = history(True, tmp_path / "fused")
+    assert len(got) == len(want) == 3 and [sorted(h) for h in got] == [sorted(h) for h in want]
+    assert any(h.get("kl", 0) > 0 or h.get("rewards/chosen", 0) != 0 for h in want)  # the reference took part
+    for a, b in zip(got, want):
+        for k in b:
+            assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(b[k])), (k, a[k], b[k])
 
 
 # ------------------------------------------------------------------ the adapters inside the op
