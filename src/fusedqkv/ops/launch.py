@@ -253,7 +253,8 @@ class TensorLaunches:
         for p in ptrs:
             acc |= p
         aligned = True if not acc & 15 else tuple(not p & 15 for p in ptrs)
-        key = (fn, grid, scalars, tuple(constexprs.items()), aligned, *[t.dtype for t in tensors])
+        # id(fn): a JITFunction hashes through its cache_key (~1 us); the entry's BoundLaunch keeps fn alive
+        key = (id(fn), grid, scalars, tuple(constexprs.items()), aligned, *[t.dtype for t in tensors])
         bl = self.launches.get(key)
         stream = self._stream(tensors[0].device)
         if bl is not None and bl.bound:
