@@ -2,6 +2,7 @@
 # Session 44, device call 1 (any card; carry .whl .shared; base43/src = `git archive c420312 src/fusedqkv`,
 # untracked, removed after): the GPU tests of session 43's bound cast launches and session 44's side-stream
 # casts, the FP8 A/B (overlapped / serial casts, 091 8192 and 32768), the fuzz, and the eager host time.
+# (--ab-overlap exists at 5bb02de only: the design was reverted by 3ce9d9d; `git checkout 5bb02de` to re-run.)
 source benchmarks/results/device_setup.sh
 TOTAL=${TOTAL:-570}
 cat $W/gpu.txt
