@@ -132,6 +132,33 @@ def _column_major(shape, strides):
     return None
 
 
+def _first_algorithm(lib: "_Lib", handle: int, desc: int, layouts: list, ws_bytes: int, align: Optional[int] = None,
+                     what: str = "matmul"):
+    """cuBLASLt's first algorithm for ``desc`` over ``layouts`` (its A, B, C = D) under a workspace cap of
+    ``ws_bytes`` and, where given, a minimum alignment of ``align`` bytes for every matrix (else the
+    library's default): ``(the algorithm's 64 bytes, the workspace bytes it asks for)``."""
+    pref = ctypes.c_void_p()
+    _check(lib.pref_create(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+    try:
+        ws = ctypes.c_uint64(ws_bytes)
+        _check(lib.pref_set(pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), 8), "MAX_WORKSPACE_BYTES")
+        if align is not None:
+            a = ctypes.c_uint32(align)
+            for attr in (_PREF_ALIGN_A, _PREF_ALIGN_B, _PREF_ALIGN_C, _PREF_ALIGN_D):
+                _check(lib.pref_set(pref, attr, ctypes.byref(a), 4), "MIN_ALIGNMENT")
+        result = (ctypes.c_uint8 * _HEURISTIC_RESULT_BYTES)()
+        count = ctypes.c_int(0)
+        first, second, d_l = layouts
+        _check(lib.heuristic(handle, desc, first, second, d_l, d_l, pref, 1, result, ctypes.byref(count)),
+               "cublasLtMatmulAlgoGetHeuristic")
+        if count.value < 1:
+            raise LtError(f"cuBLASLt has no algorithm for this {what}")
+    finally:
+        lib.pref_destroy(pref)
+    raw = bytes(result)
+    return (ctypes.c_uint8 * 64).from_buffer_copy(raw[:64]), int.from_bytes(raw[64:72], "little")
+
+
 class LtMatmul:
     """``d[M, N] = a[M, K] @ b[K, N]`` (row-major semantics, the strides given at plan time) on
     one device, one dtype; call with the three addresses and the raw stream."""
@@ -166,7 +193,7 @@ class LtMatmul:
         self.scalars = (ctypes.addressof(alpha), ctypes.addressof(beta))
         algos, ws = [], 0
         for align in (ALIGN_HIGH, ALIGN_LOW):
-            buf, nbytes = self._heuristic(align)
+            buf, nbytes = _first_algorithm(lib, self.handle, self.desc, self.layouts, _MAX_WORKSPACE, align)
             algos.append(buf)
             ws = max(ws, nbytes)
         self.algos = (ctypes.addressof(algos[0]), ctypes.addressof(algos[1]))
@@ -183,33 +210,6 @@ class LtMatmul:
                 lib.desc_destroy(self.desc)
         except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone
             pass
-
-    def _heuristic(self, align: int):
-        lib, vp = self.lib, ctypes.c_void_p
-        pref = vp()
-        _check(lib.pref_create(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        try:
-            return self._ask(pref, align)
-        finally:
-            lib.pref_destroy(pref)
-
-    def _ask(self, pref, align: int):
-        lib = self.lib
-        ws = ctypes.c_uint64(_MAX_WORKSPACE)
-        _check(lib.pref_set(pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), 8), "MAX_WORKSPACE_BYTES")
-        a = ctypes.c_uint32(align)
-        for attr in (_PREF_ALIGN_A, _PREF_ALIGN_B, _PREF_ALIGN_C, _PREF_ALIGN_D):
-            _check(lib.pref_set(pref, attr, ctypes.byref(a), 4), "MIN_ALIGNMENT")
-        result = (ctypes.c_uint8 * _HEURISTIC_RESULT_BYTES)()
-        count = ctypes.c_int(0)
-        b_l, a_l, d_l = self.layouts
-        _check(lib.heuristic(self.handle, self.desc, b_l, a_l, d_l, d_l, pref, 1, result, ctypes.byref(count)),
-               "cublasLtMatmulAlgoGetHeuristic")
-        if count.value < 1:
-            raise LtError("cuBLASLt has no algorithm for this matmul")
-        algo = (ctypes.c_uint8 * 64).from_buffer_copy(bytes(result)[:64])
-        nbytes = int.from_bytes(bytes(result)[64:72], "little")
-        return algo, nbytes
 
     def __call__(self, a_ptr: int, b_ptr: int, d_ptr: int, stream: int, capture: Optional[bool] = None) -> None:
         """``capture``: whether ``stream`` is being captured, where the caller asked already (None: asked here)."""
@@ -320,21 +320,7 @@ class LtScaledMatmul:
         stand_in = torch.empty(max(M, N, 4), dtype=torch.float32, device=device)
         for attr in (_DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER):
             put(attr, ctypes.c_void_p(stand_in.data_ptr()), "SCALE_POINTER")
-        pref = vp()
-        _check(lib.pref_create(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        try:
-            ws = ctypes.c_uint64(self.ws_bytes)
-            _check(lib.pref_set(pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), 8), "MAX_WORKSPACE_BYTES")
-            result = (ctypes.c_uint8 * _HEURISTIC_RESULT_BYTES)()
-            count = ctypes.c_int(0)
-            A_l, B_l, d_l = self.layouts
-            _check(lib.heuristic(self.handle, self.desc, A_l, B_l, d_l, d_l, pref, 1, result, ctypes.byref(count)),
-                   "cublasLtMatmulAlgoGetHeuristic")
-            if count.value < 1:
-                raise LtError("cuBLASLt has no algorithm for this scaled matmul")
-        finally:
-            lib.pref_destroy(pref)
-        algo = (ctypes.c_uint8 * 64).from_buffer_copy(bytes(result)[:64])
+        algo, _ = _first_algorithm(lib, self.handle, self.desc, self.layouts, self.ws_bytes, what="scaled matmul")
         self.algo = ctypes.addressof(algo)
         self._keep = (algo, alpha, beta)
         self._lock = threading.Lock()  # the scale pointers are the descriptor's: one call at a time
@@ -362,6 +348,7 @@ class LtScaledMatmul:
         return True
 
 
+@functools.cache  # (one library object: asked once)
 def _lt_version(lib: _Lib) -> int:
     try:
         f = lib.cdll.cublasLtGetVersion
