@@ -411,6 +411,10 @@ def test_tensor_launches_build_once_per_signature_and_keep_no_tensor(monkeypatch
     import gc
     import weakref
 
+    from fusedqkv.ops import device
+
+    # (registered into a copy of the registry: cache_info() elsewhere lists the library's caches only)
+    monkeypatch.setattr(device, "_plan_caches", dict(device._plan_caches))
     cache = launch.TensorLaunches("test tensor launches", capacity=4)
     monkeypatch.setattr(launch.BoundLaunch, "_bind_raw", lambda self, compiled, resolved: None)
     fn = _RecordingKernel()
