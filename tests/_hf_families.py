@@ -64,14 +64,39 @@ class Family:
     # inputs HF's model requires in training beyond input_ids (Molmo2's mm_token_type_ids): zeros like input_ids
     # (text tokens)
     train_inputs: tuple = ()
+    # an encoder (EmbeddingGemma 2): no LM head, no generate(); the tests read last_hidden_state, train on a fixed
+    # regression target and pad the batch (the bidirectional mask then matters)
+    encoder: bool = False
 
     @property
     def fast_attn(self) -> str:
         return "sdpa" if self.sdpa else "eager"
 
     def inputs(self, ids) -> dict:
-        """The keyword inputs of a training forward on ``ids`` (with labels)."""
+        """The keyword inputs of a training forward on ``ids`` (with labels; an encoder's: a padded batch)."""
+        if self.encoder:
+            return dict(input_ids=ids, attention_mask=padding_mask(ids))
         return dict(input_ids=ids, labels=ids, **{name: torch.zeros_like(ids) for name in self.train_inputs})
+
+    def outputs(self, out) -> torch.Tensor:
+        """What the model computes per token: the logits, or an encoder's last hidden state."""
+        return out.last_hidden_state if self.encoder else out.logits
+
+    def loss(self, out) -> torch.Tensor:
+        """The training loss of ``out``: the LM loss, or an encoder's mean squared error against a fixed target
+        (as an embedding distillation trains)."""
+        if not self.encoder:
+            return out.loss
+        h = out.last_hidden_state
+        target = torch.randn(h.shape, generator=torch.Generator().manual_seed(11)).to(h.device, h.dtype)
+        return (h - target).square().mean()
+
+
+def padding_mask(ids) -> torch.Tensor:
+    """An attention mask that pads the last row's final third (right padding, as tokenizers of encoders pad)."""
+    mask = torch.ones_like(ids)
+    mask[-1, ids.shape[1] - ids.shape[1] // 3:] = 0
+    return mask
 
 
 FAMILIES = [
@@ -217,6 +242,12 @@ FAMILIES = [
                                        hidden_size_per_layer_input=8, num_kv_shared_layers=1, sliding_window=5,
                                        global_head_dim=512, attention_k_eq_v=True, num_global_key_value_heads=1,
                                        layer_types=["sliding_attention", "full_attention", "full_attention"])),
+    # an encoder (bidirectional, no KV cache): Gemma 4's attention per layer (head_dim 16 / 512, the v norm)
+    Family("embedding_gemma2_text", dict(num_hidden_layers=3, hidden_size_per_layer_input=8, embedding_dim=32,
+                                         global_head_dim=512, num_global_key_value_heads=1,
+                                         sliding_window=3, layer_types=["sliding_attention", "sliding_attention",
+                                                                        "full_attention"]),
+           n_fused=3, model="EmbeddingGemma2TextModel", min_version="5.25", encoder=True),
     Family("qwen4_exp_text", dict(**MOE, **HYBRID, head_dim=32, shared_expert_intermediate_size=32, hc_count=2,
                                   hc_lowrank=8, layer_types=["linear_attention", "qwen_sparse_attention"],
                                   indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,

@@ -494,6 +494,9 @@ SUPPORTED = (
          **dict(_GEMMA_N, k_eq_v="use_alternative_attention")),
     _row("gemma4_unified_text", "gemma4_unified.modeling_gemma4_unified", "Gemma4UnifiedTextAttention",
          "Gemma4UnifiedRMSNorm", **dict(_GEMMA_N, k_eq_v="use_alternative_attention")),
+    # (an encoder: bidirectional on every layer, no KV cache; per-layer head_dim)
+    _row("embedding_gemma2_text", "embedding_gemma2.modeling_embedding_gemma2", "EmbeddingGemma2Attention",
+         "EmbeddingGemma2RMSNorm", v_norm="v_norm", sliding_window=_sw_attr),
 )
 
 # families with a QK norm the block does not compute (named in apply_to's error)
@@ -747,8 +750,20 @@ def _forward_cache(self, hidden_states, position_embeddings=None, attention_mask
     return self._fusedqkv_forward(hidden_states, position_embeddings, attention_mask, cache, kwargs)
 
 
+def _forward_encoder(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
+    # encoders (EmbeddingGemma 2): no KV cache, and HF's order puts the mask before the position embeddings
+    return self._fusedqkv_forward(hidden_states, position_embeddings, attention_mask, None, kwargs)
+
+
+def _no_cache_update(self, cache, key, value, kwargs, position_embeddings, cache_position):
+    raise AssertionError("an encoder's fused forward takes no KV cache")
+
+
 def _cache_convention(cls):
     params = inspect.signature(cls.forward).parameters
+    if list(params)[:4] == ["self", "hidden_states", "attention_mask", "position_embeddings"] and not (
+            {"cache", "cache_position", "past_key_values"} & set(params)):
+        return _forward_encoder, _no_cache_update
     if "cache" in params:
         return _forward_cache, _update_with_kwargs
     if "cache_position" in params:
