@@ -514,6 +514,9 @@ UNSUPPORTED = {
             "residual paths, v from a recurrent state) and its QK norm an L2 norm with a per-KV-head key scale",
     "muse_glimmer_assistant": "its k and v project the drafted block's context together with the hidden states, q "
                               "the hidden states alone: no one input for a fused q/k/v projection",
+    "t5gemma2": "an encoder-decoder whose decoder attention is merged self- and cross-attention: its k_proj and v_proj "
+                "also project the encoder's states (those keys normed, not rotated), which the fused block does not "
+                "compute; fusing the encoder alone is not built",
 }
 
 
