@@ -378,6 +378,25 @@ def test_freezing_one_projection_module_after_apply_to_is_refused():
     assert a.q_proj.weight.requires_grad
 
 
+def test_a_projection_called_directly_trains_the_fused_parameter():
+    """User code that calls ``k_proj(x)`` itself after apply_to (keys of other states, as T5Gemma 2's cross-attention
+    computes them): HF's values, and the gradient reaches the fused parameter's rows -- before, nn.Linear's forward
+    read the rows views, leaves of their own, so the optimizer's parameter got none of it."""
+    m, ref = patched_pair("qwen3", True)
+    a, r = m.model.layers[0].self_attn, ref.model.layers[0].self_attn
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
+    for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+        y, y_ref = getattr(a, proj)(x), getattr(r, proj)(x)
+        assert torch.equal(y, y_ref)
+        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(i))
+        (y * w).sum().backward()
+        (y_ref * w).sum().backward()
+    for kind in ("weight", "bias"):
+        want = torch.cat([getattr(getattr(r, proj), kind).grad for proj in ("q_proj", "k_proj", "v_proj")])
+        torch.testing.assert_close(getattr(a.qkv_proj, kind).grad, want, rtol=0, atol=0)
+        assert all(getattr(getattr(a, proj), kind).grad is None for proj in ("q_proj", "k_proj", "v_proj"))
+
+
 def test_gradient_penalty_is_refused_with_the_reason():
     """A gradient penalty (the input gradient's norm, from backward(create_graph=True)) needs the
     block's backward differentiated: refused with the reason; the first-order gradients are HF's."""

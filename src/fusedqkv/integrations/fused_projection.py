@@ -265,6 +265,14 @@ class ProjectionRows(_RefusesHooks, nn.Linear):
         registry[(name, start)] = (src, view)
         return view
 
+    def forward(self, x):
+        # called directly (user code, T5Gemma 2's cross-attention keys): rows of the fused parameters themselves, so
+        # the gradient reaches them (nn.Linear's forward would read the rows views, leaves whose .grad no optimizer
+        # holds)
+        start, stop = self.rows
+        fused = self.fused
+        return F.linear(x, fused.weight[start:stop], None if fused.bias is None else fused.bias[start:stop])
+
     @property
     def weight(self):
         return self._view("weight")
