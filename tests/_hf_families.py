@@ -64,6 +64,9 @@ class Family:
     # inputs HF's model requires in training beyond input_ids (Molmo2's mm_token_type_ids): zeros like input_ids
     # (text tokens)
     train_inputs: tuple = ()
+    # where a composite config takes the text settings, where not in text_config (an encoder-decoder: T5Gemma 2's
+    # "encoder.text_config" and "decoder")
+    text_in: tuple = ("text_config",)
     # an encoder (EmbeddingGemma 2): no LM head, no generate(); the tests read last_hidden_state, train on a fixed
     # regression target and pad the batch (the bidirectional mask then matters)
     encoder: bool = False
@@ -242,6 +245,11 @@ FAMILIES = [
                                        hidden_size_per_layer_input=8, num_kv_shared_layers=1, sliding_window=5,
                                        global_head_dim=512, attention_k_eq_v=True, num_global_key_value_heads=1,
                                        layer_types=["sliding_attention", "full_attention", "full_attention"])),
+    # an encoder-decoder (1 + w): the encoder's self-attention, the decoder's merged self- and cross-attention (its
+    # k_proj / v_proj also project the encoder's states); one model for both rows
+    *[Family(name, dict(query_pre_attn_scalar=16, sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
+             n_fused=4, composite=("T5Gemma2Config", dict()), text_in=("encoder.text_config", "decoder"),
+             model="T5Gemma2ForConditionalGeneration") for name in ("t5gemma2_text", "t5gemma2_decoder")],
     # an encoder (bidirectional, no KV cache): Gemma 4's attention per layer (head_dim 16 / 512, the v norm)
     Family("embedding_gemma2_text", dict(num_hidden_layers=3, hidden_size_per_layer_input=8, embedding_dim=32,
                                          global_head_dim=512, num_global_key_value_heads=1,
@@ -290,7 +298,14 @@ def config(fam: Family, bias=False, **over):
     if fam.composite is not None:
         cls, others = fam.composite
         kw.pop("tie_word_embeddings")
-        cfg = getattr(tf, cls)(text_config=kw, **others)
+        nested: dict = {}
+        for path in fam.text_in:
+            *outer, last = path.split(".")
+            d = nested
+            for key in outer:
+                d = d.setdefault(key, {})
+            d[last] = dict(kw)
+        cfg = getattr(tf, cls)(**nested, **others)
     else:
         cfg = tf.AutoConfig.for_model(fam.name, **kw)
     return cfg

@@ -288,6 +288,27 @@ def test_another_recipe_asked_of_a_fused_model_is_refused():
     assert "fp8=rowwise" in repr(m.model.layers[0].self_attn)
 
 
+def test_t5gemma2_decoder_refuses_fp8_asked_or_converted():
+    """T5Gemma 2's decoder projects the encoder's states through k_proj / v_proj outside the block: fp8= is refused
+    before anything changes, and torchao's Float8Linear put over the rows after apply_to is refused at the forward,
+    before the block runs (16-bit cross keys, or a Float8Linear training its own copy of the rows, would be silent)."""
+    pytest.importorskip("transformers")
+    import _hf_families as H
+
+    fam = H.family("t5gemma2_decoder")
+    m = H.build(fam, True)
+    with pytest.raises(fusedqkv.UnsupportedModelError,
+                       match=r"decoder\.layers\.0\.self_attn: fp8='rowwise': the cross-attention's keys and values"):
+        fusedqkv.apply_to(m, fp8="rowwise")
+    assert not any(hasattr(mod, "_fusedqkv") for mod in m.modules())
+    assert fusedqkv.apply_to(m) == fam.n_fused
+    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=lambda mod, fqn: "decoder" in fqn and "self_attn" in fqn)
+    ids = H.batch(2, 8)
+    with pytest.raises(UnsupportedModuleError, match=r"T5Gemma2MergedAttention with FP8: the cross-attention's"):
+        m(**fam.inputs(ids))
+
+
 @pytest.mark.parametrize("order", ["convert_after_apply_to", "convert_before_apply_to"])
 def test_torchao_conversion_in_either_order_runs_its_recipe_in_the_block(order):
     from _hf_models import batch

@@ -275,6 +275,57 @@ def _indexer_minimax_m3(attn, hidden_states, position_embeddings, cache, query, 
     return key, value, attention_mask, ()
 
 
+def _kv_update_self_attention_cache(attn, cache, key, value, kwargs):
+    # T5Gemma 2's decoder: the self-attention half of an EncoderDecoderCache
+    if cache is None:
+        return key, value
+    return cache.self_attention_cache.update(key, value, attn.layer_idx)
+
+
+def _cross_attention_t5gemma2(attn, hidden_states, position_embeddings, cache, query, key, value, attention_mask,
+                              kwargs):
+    """T5Gemma 2's merged attention: the encoder's states through the same k_proj / v_proj (their keys normed, not
+    rotated; once per generation in the cross half of the cache) after the decoder's own keys and values."""
+    enc = kwargs.pop("encoder_hidden_states")
+    if cache is not None:
+        is_updated = cache.is_updated.get(attn.layer_idx)
+        cross_cache = cache.cross_attention_cache
+    if cache is None or not is_updated:
+        # the rows modules called directly (the fused parameter's rows; a PEFT adapter on them applies as in HF)
+        shape = (*enc.shape[:-1], -1, attn.head_dim)
+        cross_key = attn.k_norm(attn.k_proj(enc).view(shape).transpose(1, 2))
+        cross_value = attn.v_proj(enc).view(shape).transpose(1, 2)
+        if cache is not None:
+            cross_key, cross_value = cross_cache.update(cross_key, cross_value, attn.layer_idx)
+            cache.is_updated[attn.layer_idx] = True
+    else:
+        cross_key = cross_cache.layers[attn.layer_idx].keys
+        cross_value = cross_cache.layers[attn.layer_idx].values
+    key = torch.cat([key, cross_key], dim=2)
+    value = torch.cat([value, cross_value], dim=2)
+    return key, value, attention_mask, (enc.shape[1],)
+
+
+_NO_FP8_T5GEMMA2 = ("the cross-attention's keys and values of the encoder states go through k_proj / v_proj outside "
+                    "the fused block, which has no FP8 path for them (they would run in 16 bits, or torchao's layers "
+                    "over the rows would train their own copies)")
+
+
+def _prologue_t5gemma2(attn, hidden_states, position_embeddings, attention_mask, cache):
+    # a recipe that reached the block after apply_to (torchao's Float8Linear or MX layers in q/k/v_proj's places)
+    if projection_plan(attn, attn._fusedqkv).fp8 is not None:
+        raise UnsupportedModuleError(f"fusedqkv: {type(attn).__name__} with FP8: {_NO_FP8_T5GEMMA2}")
+    return position_embeddings, attention_mask
+
+
+def _split_weights_t5gemma2(attn_weights, extra):
+    # (self-attention weights, cross-attention weights), as HF's merged attention returns them
+    if attn_weights is None:
+        return None, None
+    (cross,) = extra
+    return attn_weights[..., :-cross], attn_weights[..., -cross:]
+
+
 def _mask_doge_dynamic(attn, hidden_states, value_states, attention_mask):
     # Doge: the dynamic mask from the (cached) values, as DogeAttention.forward builds it
     dt_states = attn.dt_proj(value_states.transpose(1, 2).reshape(value_states.shape[0], value_states.shape[-2], -1))
@@ -371,6 +422,10 @@ class Arch:
     before_attention: Optional[Callable] = None  # (attn, x, position_embeddings, cache, q, k, v, mask, kwargs) ->
                                                  # (k, v, mask, extra outputs): after the cache, before the attention
                                                  # function (pops what it reads)
+    split_weights: Optional[Callable] = None     # (attention weights, extra outputs) -> the outputs after the
+                                                 # attention output, where not (weights, *extra) (T5Gemma 2)
+    no_fp8: Optional[str] = None                 # why the family takes no FP8 recipe (apply_to's fp8=; its prologue
+                                                 # refuses one that reaches the block later)
 
 
 def _row(model_type, module, attention, norm_class, **kw):
@@ -494,6 +549,14 @@ SUPPORTED = (
          **dict(_GEMMA_N, k_eq_v="use_alternative_attention")),
     _row("gemma4_unified_text", "gemma4_unified.modeling_gemma4_unified", "Gemma4UnifiedTextAttention",
          "Gemma4UnifiedRMSNorm", **dict(_GEMMA_N, k_eq_v="use_alternative_attention")),
+    # T5Gemma 2 (1 + w): the encoder's self-attention, and the decoder's merged self- and cross-attention, whose
+    # k_proj / v_proj also project the encoder's states (those keys normed, not rotated)
+    _row("t5gemma2_text", "t5gemma2.modeling_t5gemma2", "T5Gemma2SelfAttention", "T5Gemma2RMSNorm",
+         norm_weight_offset=1.0, sliding_window=_sw_attr),
+    _row("t5gemma2_decoder", "t5gemma2.modeling_t5gemma2", "T5Gemma2MergedAttention", "T5Gemma2RMSNorm",
+         norm_weight_offset=1.0, kv_update=_kv_update_self_attention_cache, before_attention=_cross_attention_t5gemma2,
+         split_weights=_split_weights_t5gemma2, consumes=("merged_attention_mask", "encoder_hidden_states"),
+         prologue=_prologue_t5gemma2, no_fp8=_NO_FP8_T5GEMMA2),
     # (an encoder: bidirectional on every layer, no KV cache; per-layer head_dim)
     _row("embedding_gemma2_text", "embedding_gemma2.modeling_embedding_gemma2", "EmbeddingGemma2Attention",
          "EmbeddingGemma2RMSNorm", v_norm="v_norm", sliding_window=_sw_attr),
@@ -514,9 +577,6 @@ UNSUPPORTED = {
             "residual paths, v from a recurrent state) and its QK norm an L2 norm with a per-KV-head key scale",
     "muse_glimmer_assistant": "its k and v project the drafted block's context together with the hidden states, q "
                               "the hidden states alone: no one input for a fused q/k/v projection",
-    "t5gemma2": "an encoder-decoder whose decoder attention is merged self- and cross-attention: its k_proj and v_proj "
-                "also project the encoder's states (those keys normed, not rotated), which the fused block does not "
-                "compute; fusing the encoder alone is not built",
 }
 
 
@@ -696,6 +756,8 @@ class _FusedAttention:
             attn_output = (attn_output.view(gate.shape) * torch.sigmoid(gate)).view(attn_output.shape)
         if arch.output_gate is not None:
             attn_output = arch.output_gate(self, attn_output, hidden_states)
+        if arch.split_weights is not None:
+            return (getattr(self, arch.out_proj)(attn_output), *arch.split_weights(attn_weights, extra))
         return (getattr(self, arch.out_proj)(attn_output), attn_weights, *extra)
 
     def extra_repr(self) -> str:
@@ -758,6 +820,16 @@ def _forward_encoder(self, hidden_states, attention_mask=None, position_embeddin
     return self._fusedqkv_forward(hidden_states, position_embeddings, attention_mask, None, kwargs)
 
 
+def _forward_merged(self, hidden_states, position_embeddings=None, merged_attention_mask=None,
+                    encoder_hidden_states=None, cache=None, **kwargs):
+    # T5Gemma 2's decoder (merged self- and cross-attention): the mask and the encoder's states named so; the cache
+    # ``past_key_values`` before transformers 5.2x
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    kwargs["encoder_hidden_states"] = encoder_hidden_states
+    return self._fusedqkv_forward(hidden_states, position_embeddings, merged_attention_mask, cache, kwargs)
+
+
 def _no_cache_update(self, cache, key, value, kwargs, position_embeddings, cache_position):
     raise AssertionError("an encoder's fused forward takes no KV cache")
 
@@ -767,6 +839,9 @@ def _cache_convention(cls):
     if list(params)[:4] == ["self", "hidden_states", "attention_mask", "position_embeddings"] and not (
             {"cache", "cache_position", "past_key_values"} & set(params)):
         return _forward_encoder, _no_cache_update
+    if list(params)[:5] == ["self", "hidden_states", "position_embeddings", "merged_attention_mask",
+                            "encoder_hidden_states"]:
+        return _forward_merged, _no_cache_update  # (its row's kv_update updates the cache)
     if "cache" in params:
         return _forward_cache, _update_with_kwargs
     if "cache_position" in params:
@@ -1573,7 +1648,9 @@ def apply_to(model: nn.Module, *, fp8=None) -> int:
         for (path, m, _), spec in zip(todo, specs):
             _check_copyable(path, m, spec, names_of)
     if recipe is not None:
-        for (path, m, _), spec in zip(todo, specs):
+        for (path, m, arch), spec in zip(todo, specs):
+            if arch.no_fp8 is not None:
+                raise UnsupportedModelError(f"fusedqkv.apply_to: {name} {path}: fp8={recipe.key!r}: {arch.no_fp8}")
             if spec.quantized:
                 raise UnsupportedModelError(f"fusedqkv.apply_to: {name} {path}: fp8={recipe.key!r} with bitsandbytes "
                                             f"4-bit q/k/v; FP8 GEMMs over dequantized 4-bit weights are not built")
