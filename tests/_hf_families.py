@@ -67,9 +67,11 @@ class Family:
     # where a composite config takes the text settings, where not in text_config (an encoder-decoder: T5Gemma 2's
     # "encoder.text_config" and "decoder")
     text_in: tuple = ("text_config",)
-    # an encoder (EmbeddingGemma 2): no LM head, no generate(); the tests read last_hidden_state, train on a fixed
-    # regression target and pad the batch (the bidirectional mask then matters)
-    encoder: bool = False
+    # a model without an LM head (EmbeddingGemma 2, an encoder; Qwen3-Omni's code predictor): no generate(); the tests
+    # read last_hidden_state, train on a fixed regression target and pad the batch (an encoder's mask then matters)
+    base_model: bool = False
+    # the model takes inputs_embeds only (Qwen3-Omni's code predictor): a fixed random embedding of the ids
+    inputs_embeds: bool = False
 
     @property
     def fast_attn(self) -> str:
@@ -77,18 +79,21 @@ class Family:
 
     def inputs(self, ids) -> dict:
         """The keyword inputs of a training forward on ``ids`` (with labels; an encoder's: a padded batch)."""
-        if self.encoder:
+        if self.base_model:
+            if self.inputs_embeds:
+                table = torch.randn(VOCAB, COMMON["hidden_size"], generator=torch.Generator().manual_seed(13))
+                return dict(inputs_embeds=table.to(ids.device)[ids], attention_mask=padding_mask(ids))
             return dict(input_ids=ids, attention_mask=padding_mask(ids))
         return dict(input_ids=ids, labels=ids, **{name: torch.zeros_like(ids) for name in self.train_inputs})
 
     def outputs(self, out) -> torch.Tensor:
         """What the model computes per token: the logits, or an encoder's last hidden state."""
-        return out.last_hidden_state if self.encoder else out.logits
+        return out.last_hidden_state if self.base_model else out.logits
 
     def loss(self, out) -> torch.Tensor:
         """The training loss of ``out``: the LM loss, or an encoder's mean squared error against a fixed target
         (as an embedding distillation trains)."""
-        if not self.encoder:
+        if not self.base_model:
             return out.loss
         h = out.last_hidden_state
         target = torch.randn(h.shape, generator=torch.Generator().manual_seed(11)).to(h.device, h.dtype)
@@ -194,6 +199,10 @@ FAMILIES = [
            composite=("Qwen3OmniMoeThinkerConfig", dict(vision_config=QWEN_VIT, audio_config=OMNI_AUDIO,
                                                         vision_start_token_id=90)),
            model="Qwen3OmniMoeThinkerForConditionalGeneration", min_version="5.0"),
+    # Qwen3-Omni's talker code predictor (Qwen3's attention), its base model: it takes inputs_embeds only, and HF's
+    # model has no sliding layers' mask
+    Family("qwen3_omni_moe_talker_code_predictor", dict(), model="Qwen3OmniMoeTalkerCodePredictorModel",
+           base_model=True, inputs_embeds=True),
     # RMSNorm after RoPE
     Family("hunyuan_v1_dense", dict(), min_version="5.0"),
     Family("hunyuan_vl_text", dict(rope_parameters=rope(mrope_section=[4, 2, 2])),
@@ -255,7 +264,7 @@ FAMILIES = [
                                          global_head_dim=512, num_global_key_value_heads=1,
                                          sliding_window=3, layer_types=["sliding_attention", "sliding_attention",
                                                                         "full_attention"]),
-           n_fused=3, model="EmbeddingGemma2TextModel", min_version="5.25", encoder=True,
+           n_fused=3, model="EmbeddingGemma2TextModel", min_version="5.25", base_model=True,
            bf16_grad_noise="HF's bf16 model alone is 0.09-0.55 off fp32 in every q/k/v and norm gradient of this tiny "
                            "encoder on the GPU (seeds 0-2, H100; fusedqkv's within 0.03 of HF's in each; session 45)"),
     Family("qwen4_exp_text", dict(**MOE, **HYBRID, head_dim=32, shared_expert_intermediate_size=32, hc_count=2,

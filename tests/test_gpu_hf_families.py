@@ -40,7 +40,7 @@ def test_gpu_family_fp32_and_generate(fam):
     H.check_grads(m, ref, 1e-3, atol=1e-7)
     m.eval()
     ref.eval()
-    if fam.encoder:  # no generate(): its inference on a padded batch
+    if fam.base_model:  # no generate(): its inference on a padded batch
         ids = H.batch(3, 9, seed=5).cuda()
         with torch.no_grad():
             torch.testing.assert_close(fam.outputs(m(**fam.inputs(ids))), fam.outputs(ref(**fam.inputs(ids))),

@@ -71,7 +71,7 @@ def test_family_fp32_outputs_gradients_and_state_dict(fam, monkeypatch):
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_family_generate_same_tokens(fam):
     m, ref = patched_pair(fam, fam.bias, attn=fam.fast_attn)
-    if fam.encoder:  # no generate(): its inference, a padded batch under the fast attention
+    if fam.base_model:  # no generate(): its inference, a padded batch under the fast attention
         ids = H.batch(3, 9, seed=5)
         with torch.no_grad():
             torch.testing.assert_close(fam.outputs(m(**fam.inputs(ids))), fam.outputs(ref(**fam.inputs(ids))),

@@ -448,6 +448,9 @@ SUPPORTED = (
          "Qwen3VLMoeTextRMSNorm"),
     _row("qwen3_omni_moe_text", "qwen3_omni_moe.modeling_qwen3_omni_moe", "Qwen3OmniMoeThinkerTextAttention",
          "Qwen3OmniMoeThinkerTextRMSNorm", sliding_window=_sw_attr),
+    # (the talker's code predictor: Qwen3's attention; the talker's own layers are the thinker's class)
+    _row("qwen3_omni_moe_talker_code_predictor", "qwen3_omni_moe.modeling_qwen3_omni_moe",
+         "Qwen3OmniMoeTalkerCodePredictorAttention", "Qwen3OmniMoeRMSNorm", sliding_window=_sw_attr),
     _row("dots1", "dots1.modeling_dots1", "Dots1Attention", "Dots1RMSNorm", sliding_window=_sw_attr),
     _row("mellum", "mellum.modeling_mellum", "MellumAttention", "MellumRMSNorm", sliding_window=_sw_attr),
     _row("apertus", "apertus.modeling_apertus", "ApertusAttention", "ApertusRMSNorm"),
