@@ -834,7 +834,8 @@ def _forward_merged(self, hidden_states, position_embeddings=None, merged_attent
 
 
 def _no_cache_update(self, cache, key, value, kwargs, position_embeddings, cache_position):
-    raise AssertionError("an encoder's fused forward takes no KV cache")
+    # never called: an encoder has no cache, and T5Gemma 2's decoder updates its own through its row's kv_update
+    raise AssertionError(f"{type(self).__name__}: no KV-cache update of the common kind")
 
 
 def _cache_convention(cls):
