@@ -77,12 +77,13 @@ class Family:
     def fast_attn(self) -> str:
         return "sdpa" if self.sdpa else "eager"
 
-    def inputs(self, ids) -> dict:
-        """The keyword inputs of a training forward on ``ids`` (with labels; an encoder's: a padded batch)."""
+    def inputs(self, ids, dtype=torch.float32) -> dict:
+        """The keyword inputs of a training forward on ``ids`` (with labels; an encoder's: a padded batch); ``dtype``:
+        the model's, for inputs_embeds."""
         if self.base_model:
             if self.inputs_embeds:
                 table = torch.randn(VOCAB, COMMON["hidden_size"], generator=torch.Generator().manual_seed(13))
-                return dict(inputs_embeds=table.to(ids.device)[ids], attention_mask=padding_mask(ids))
+                return dict(inputs_embeds=table.to(ids.device, dtype)[ids], attention_mask=padding_mask(ids))
             return dict(input_ids=ids, attention_mask=padding_mask(ids))
         return dict(input_ids=ids, labels=ids, **{name: torch.zeros_like(ids) for name in self.train_inputs})
 

@@ -74,7 +74,7 @@ def test_gpu_family_bf16_three_way(fam):
 
     assert fusedqkv.apply_to(m) == fam.n_fused
     ids = H.batch(2, 24).cuda()
-    losses = [fam.loss(x(**fam.inputs(ids))) for x in (m, ref, exact)]
+    losses = [fam.loss(x(**fam.inputs(ids, next(x.parameters()).dtype))) for x in (m, ref, exact)]
     a, b, c = (float(x) for x in losses)
     assert abs(a - c) <= 2 * abs(b - c) + 1e-2 * abs(c), (a, b, c)
     for x in losses:
