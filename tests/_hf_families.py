@@ -29,6 +29,8 @@ OMNI_AUDIO = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2, e
 MUSE_VIT = dict(patch_size=4, pos_emb_height=4, pos_emb_width=4, num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
                 intermediate_size=32, max_position_embeddings=16)
 MUSE_AUDIO = dict(patch_sizes=(2, 2), hidden_sizes=(16, 32), depths=(1, 1), num_hidden_layers=2, out_hidden_size=64)
+SIGLIP = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)
 STEP_VIT = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                 patch_size=14, max_position_embeddings=4)
 
@@ -258,7 +260,8 @@ FAMILIES = [
     # an encoder-decoder (1 + w): the encoder's self-attention, the decoder's merged self- and cross-attention (its
     # k_proj / v_proj also project the encoder's states); one model for both rows
     *[Family(name, dict(query_pre_attn_scalar=16, sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
-             n_fused=4, composite=("T5Gemma2Config", dict()), text_in=("encoder.text_config", "decoder"),
+             n_fused=4, composite=("T5Gemma2Config", dict(encoder=dict(vision_config=SIGLIP))),
+             text_in=("encoder.text_config", "decoder"),
              model="T5Gemma2ForConditionalGeneration") for name in ("t5gemma2_text", "t5gemma2_decoder")],
     # an encoder (bidirectional, no KV cache): Gemma 4's attention per layer (head_dim 16 / 512, the v norm)
     Family("embedding_gemma2_text", dict(num_hidden_layers=3, hidden_size_per_layer_input=8, embedding_dim=32,
@@ -308,14 +311,14 @@ def config(fam: Family, bias=False, **over):
     if fam.composite is not None:
         cls, others = fam.composite
         kw.pop("tie_word_embeddings")
-        nested: dict = {}
+        nested = copy.deepcopy(others)
         for path in fam.text_in:
             *outer, last = path.split(".")
             d = nested
             for key in outer:
                 d = d.setdefault(key, {})
             d[last] = dict(kw)
-        cfg = getattr(tf, cls)(**nested, **others)
+        cfg = getattr(tf, cls)(**nested)
     else:
         cfg = tf.AutoConfig.for_model(fam.name, **kw)
     return cfg
