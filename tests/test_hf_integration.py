@@ -397,6 +397,29 @@ def test_a_projection_called_directly_trains_the_fused_parameter():
         assert all(getattr(getattr(a, proj), kind).grad is None for proj in ("q_proj", "k_proj", "v_proj"))
 
 
+def test_a_loss_on_a_projections_weight_view_is_refused_not_lost():
+    """A penalty on ``q_proj.weight`` after apply_to (a regulariser written against HF's names): that weight is a view
+    of the fused parameter's rows, a leaf no optimizer holds, so its gradient would stay there -- refused as the
+    backward reaches it, also through a view made while the fused parameter was frozen and used once it trains again. The same penalty on the fused
+    parameter's rows gives HF's gradient."""
+    m, ref = patched_pair("qwen3", True)
+    a, r = m.model.layers[0].self_attn, ref.model.layers[0].self_attn
+    ids = H.batch(1, 6)
+    with pytest.raises(fqt.UnsupportedModuleError, match=r"rows 64:96 of the fused q/k/v projection's weight .*"
+                                                         r"qkv_proj\.weight\[64:96\]"):
+        (m(input_ids=ids, labels=ids).loss + a.k_proj.weight.square().sum()).backward()
+    a.qkv_proj.requires_grad_(False)
+    assert not a.v_proj.bias.requires_grad  # (a view made while frozen: no gradient, nothing to refuse)
+    a.qkv_proj.requires_grad_(True)
+    m.zero_grad(set_to_none=True)
+    with pytest.raises(fqt.UnsupportedModuleError, match=r"rows 96:128 of the fused q/k/v projection's bias"):
+        (m(input_ids=ids, labels=ids).loss + a.v_proj.bias.square().sum()).backward()
+    m.zero_grad(set_to_none=True)
+    (m(input_ids=ids, labels=ids).loss + a.qkv_proj.weight[64:96].square().sum()).backward()
+    (ref(input_ids=ids, labels=ids).loss + r.k_proj.weight.square().sum()).backward()
+    torch.testing.assert_close(a.qkv_proj.weight.grad[64:96], r.k_proj.weight.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_gradient_penalty_is_refused_with_the_reason():
     """A gradient penalty (the input gradient's norm, from backward(create_graph=True)) needs the
     block's backward differentiated: refused with the reason; the first-order gradients are HF's."""

@@ -167,6 +167,25 @@ def _peft_setter_hint() -> str:
     return f" (set by {caller} as it wrapped the projection: of PEFT's methods fusedqkv computes LoRA only)"
 
 
+def _refuse_rows_grad(view: torch.Tensor) -> None:
+    """A gradient reaching a rows view (a loss on ``q_proj.weight`` itself: a penalty, a regulariser) would stay in
+    the view's ``.grad``, which no optimizer holds: refused as the backward reaches it. Hooked once, where the view
+    requires grad (a view follows the fused parameter's flag: hooked when that turns on)."""
+    if not _TENSOR_REQUIRES_GRAD.__get__(view) or view.__dict__.get("_fusedqkv_grad_refused"):
+        return
+    _, start, stop, _, (name, _) = view.__dict__["_fusedqkv_rows"]
+
+    def refuse(grad):
+        raise UnsupportedModuleError(
+            f"fusedqkv: a gradient reached rows {start}:{stop} of the fused q/k/v projection's {name} through a "
+            f"q/k/v_proj.{name}, a view of those rows that no optimizer holds: it would be lost. Compute with the "
+            f"fused parameter's rows instead (qkv_proj.{name}[{start}:{stop}]), or call the projection module, "
+            f"which does")
+
+    view.register_hook(refuse)
+    view.__dict__["_fusedqkv_grad_refused"] = True
+
+
 def _rows_ptr(src: torch.Tensor, start: int) -> int:
     """The address of row ``start`` of ``src``."""
     return src.data_ptr() + start * src.stride(0) * src.element_size()
@@ -193,10 +212,15 @@ class RowsView(nn.Parameter):
     def requires_grad(self, value):
         _check_rows_requires_grad(self, value)
         _TENSOR_REQUIRES_GRAD.__set__(self, value)
+        if "_fusedqkv_rows" in self.__dict__:
+            _refuse_rows_grad(self)
 
     def requires_grad_(self, requires_grad=True):
         _check_rows_requires_grad(self, requires_grad)
-        return _TENSOR_REQUIRES_GRAD_(self, requires_grad)
+        out = _TENSOR_REQUIRES_GRAD_(self, requires_grad)
+        if "_fusedqkv_rows" in self.__dict__:
+            _refuse_rows_grad(self)
+        return out
 
     @data.setter
     def data(self, value):
@@ -259,9 +283,11 @@ class ProjectionRows(_RefusesHooks, nn.Linear):
             if owner is src and view.data_ptr() == _rows_ptr(src, start):
                 if _TENSOR_REQUIRES_GRAD.__get__(view) != src.requires_grad:  # follows the fused parameter's
                     _TENSOR_REQUIRES_GRAD.__set__(view, src.requires_grad)
+                    _refuse_rows_grad(view)
                 return view
         view = RowsView(src.data[start:stop], requires_grad=src.requires_grad)
         view.__dict__["_fusedqkv_rows"] = (src, start, stop, registry, (name, start))
+        _refuse_rows_grad(view)
         registry[(name, start)] = (src, view)
         return view
 
