@@ -1124,18 +1124,7 @@ def test_lora_on_an_encoder_or_encoder_decoder_matches_peft(name, task, order, t
     gradient is 2.3e-5 off, the same model with its adapted layers' base GEMMs in float64 2.8e-5, fusedqkv's
     4.5e-5 (a PLE gate's) -- so the three-way rule would judge rounding orders, not the block.)"""
     fam = family(name)
-    config = _lora(["q_proj", "k_proj", "v_proj", "o_proj"], task_type=task)
-    base = build(fam, bias=True)
-    torch.manual_seed(10)
-    ref = get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
-    if order == "peft_first":
-        m = copy.deepcopy(ref)
-        assert fusedqkv.apply_to(m) == fam.n_fused
-    else:
-        m = copy.deepcopy(base)
-        fusedqkv.apply_to(m)
-        m = get_peft_model(m, copy.deepcopy(config))
-        set_peft_model_state_dict(m, get_peft_model_state_dict(ref))
+    m, ref, base = _pair(name, _lora(["q_proj", "k_proj", "v_proj", "o_proj"], task_type=task), order)
     inputs = fam.inputs(_ids(base.config.vocab_size, shape=(3, 9)))
 
     def run(x):

@@ -311,13 +311,6 @@ _NO_FP8_T5GEMMA2 = ("the cross-attention's keys and values of the encoder states
                     "over the rows would train their own copies)")
 
 
-def _prologue_t5gemma2(attn, hidden_states, position_embeddings, attention_mask, cache):
-    # a recipe that reached the block after apply_to (torchao's Float8Linear or MX layers in q/k/v_proj's places)
-    if projection_plan(attn, attn._fusedqkv).fp8 is not None:
-        raise UnsupportedModuleError(f"fusedqkv: {type(attn).__name__} with FP8: {_NO_FP8_T5GEMMA2}")
-    return position_embeddings, attention_mask
-
-
 def _split_weights_t5gemma2(attn_weights, extra):
     # (self-attention weights, cross-attention weights), as HF's merged attention returns them
     if attn_weights is None:
@@ -424,8 +417,8 @@ class Arch:
                                                  # function (pops what it reads)
     split_weights: Optional[Callable] = None     # (attention weights, extra outputs) -> the outputs after the
                                                  # attention output, where not (weights, *extra) (T5Gemma 2)
-    no_fp8: Optional[str] = None                 # why the family takes no FP8 recipe (apply_to's fp8=; its prologue
-                                                 # refuses one that reaches the block later)
+    no_fp8: Optional[str] = None                 # why the family takes no FP8 recipe (apply_to's fp8=, and one that
+                                                 # reaches the block later through the projection plan)
 
 
 def _row(model_type, module, attention, norm_class, **kw):
@@ -559,7 +552,7 @@ SUPPORTED = (
     _row("t5gemma2_decoder", "t5gemma2.modeling_t5gemma2", "T5Gemma2MergedAttention", "T5Gemma2RMSNorm",
          norm_weight_offset=1.0, kv_update=_kv_update_self_attention_cache, before_attention=_cross_attention_t5gemma2,
          split_weights=_split_weights_t5gemma2, consumes=("merged_attention_mask", "encoder_hidden_states"),
-         prologue=_prologue_t5gemma2, no_fp8=_NO_FP8_T5GEMMA2),
+         no_fp8=_NO_FP8_T5GEMMA2),
     # (an encoder: bidirectional on every layer, no KV cache; per-layer head_dim)
     _row("embedding_gemma2_text", "embedding_gemma2.modeling_embedding_gemma2", "EmbeddingGemma2Attention",
          "EmbeddingGemma2RMSNorm", v_norm="v_norm", sliding_window=_sw_attr),
@@ -679,6 +672,9 @@ class _FusedAttention:
         # (anything else raises: it would be bypassed), which adapters apply, the FP8 recipe; kept
         # while the modules and PEFT's state stay the same (projection_plan)
         plan = projection_plan(self, spec)
+        if plan.fp8 is not None and arch.no_fp8 is not None:
+            # a recipe that reached the block after apply_to (torchao's Float8Linear or MX layers in q/k/v_proj's places)
+            raise UnsupportedModuleError(f"fusedqkv: {type(self).__name__} with FP8: {arch.no_fp8}")
         _check_rope_function(self._fusedqkv_modeling, "fusedqkv", UnsupportedModuleError)
         eps = plan.eps
         if eps is None:  # the norms as they are now (checked again once per state of the modules: projection_plan)
