@@ -507,6 +507,51 @@ def test_exports():
     assert hasattr(fusedqkv, "gqa_qkv_rope_qk_norm_backward")
 
 
+def test_torch_func_transforms_are_refused_with_the_reason():
+    """torch.func's grad and vmap over the block (a functional_call of its parameters, or its input)
+    raise naming the reason and the way out, where before grad's wrapped tensors failed in the plan's
+    fingerprint ("Cannot access data pointer"); the reference module the message names takes them,
+    and the first plan's repeat check does not let a wrapped call through."""
+    from fusedqkv.ops.internals import FUNC_TRANSFORMS_REFUSED
+
+    m = make_block(32, 4, 2, 16, "before_rope", torch.float32)
+    r = reference_like(m, torch.float32)
+    cos, sin = rope_cos_sin(1, 4, 16, torch.float32)
+    x = torch.randn(1, 4, 32)
+    m(x, cos, sin)  # a plan in the cache: its guards must not take the wrapped tensors
+
+    def loss(mod, params, x):
+        q, k, v = torch.func.functional_call(mod, params, (x, cos, sin))
+        return q.square().sum() + k.sum() + v.sum()
+
+    def params(mod):
+        return {k: v.detach() for k, v in mod.named_parameters()}
+
+    calls = {"grad of the parameters": lambda mod: torch.func.grad(lambda p: loss(mod, p, x))(params(mod)),
+             "grad of the input": lambda mod: torch.func.grad(lambda t: loss(mod, params(mod), t))(x),
+             "vmap": lambda mod: torch.func.vmap(lambda t: mod(t[None], cos, sin)[0])(x.expand(3, 4, 32))}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError) as e:
+            call(m)
+        assert str(e.value) == FUNC_TRANSFORMS_REFUSED, name
+        call(r)
+    # a transform whose wrapped tensors do not reach the block: refused at the Function (as torch's apply
+    # refuses it), not run
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        torch.func.grad(lambda z: m(x, cos, sin)[0].sum() * z)(torch.tensor(1.0))
+
+
+def test_the_091_backward_refuses_a_transforms_tensors():
+    """The 091 entry point under vmap: its plan's miss path names the transform, not a data pointer."""
+    from _oracle import make_inputs
+
+    args = make_inputs(1, 4, 2, 4, 16, hidden=32, dtype=torch.float32)
+    fusedqkv.gqa_qkv_rope_qk_norm_backward(*args)
+    stacked = args[0].expand(2, *args[0].shape)
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        torch.func.vmap(lambda a: fusedqkv.gqa_qkv_rope_qk_norm_backward(a, *args[1:])[0])(stacked)
+
+
 def test_direct_apply_keeps_torch_semantics_where_it_steps_aside():
     """The Functions' apply without torch's Python layer (ops.internals.autograd_apply) is the
     public apply for a Function with setup_context, and under a functorch transform (where torch
@@ -542,6 +587,8 @@ def test_direct_apply_keeps_torch_semantics_where_it_steps_aside():
     for apply in (Doubling.apply, direct):
         with pytest.raises(RuntimeError, match="setup_context"):
             torch.func.grad(lambda t: apply(t, 2.0).sum())(x)
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        torch.func.grad(lambda t: internals.autograd_apply(Doubling, refuse_transforms=True)(t, 2.0).sum())(x)
     got = []
     for apply in (Doubling.apply, direct):
         xr = x.clone().requires_grad_()

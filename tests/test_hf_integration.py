@@ -420,6 +420,22 @@ def test_a_loss_on_a_projections_weight_view_is_refused_not_lost():
     torch.testing.assert_close(a.qkv_proj.weight.grad[64:96], r.k_proj.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_torch_func_grad_over_a_fused_model_is_refused_with_the_reason():
+    """``torch.func.grad`` over ``functional_call`` of a fused model (functional training, MAML-style
+    inner loops): refused naming torch.func and the unfused model, where HF's own model takes it."""
+    m, ref = patched_pair("qwen3")
+    ids = H.batch(1, 6)
+
+    def grads(x):
+        params = {k: v.detach() for k, v in x.named_parameters()}
+        return torch.func.grad(lambda p: torch.func.functional_call(x, p, (), {"input_ids": ids,
+                                                                               "labels": ids}).loss)(params)
+
+    assert grads(ref)["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="torch.func transforms .* not supported by the fused block.*without apply_to"):
+        grads(m)
+
+
 def test_gradient_penalty_is_refused_with_the_reason():
     """A gradient penalty (the input gradient's norm, from backward(create_graph=True)) needs the
     block's backward differentiated: refused with the reason; the first-order gradients are HF's."""

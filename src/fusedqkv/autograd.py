@@ -285,8 +285,8 @@ class GQAQKVRoPEQKNormLoRAFunction(torch.autograd.Function):
                 g_b if need[6] else None, None, None, *grads)
 
 
-_apply_block = _internals.autograd_apply(GQAQKVRoPEQKNormFunction)
-_apply_lora_block = _internals.autograd_apply(GQAQKVRoPEQKNormLoRAFunction)
+_apply_block = _internals.autograd_apply(GQAQKVRoPEQKNormFunction, refuse_transforms=True)
+_apply_lora_block = _internals.autograd_apply(GQAQKVRoPEQKNormLoRAFunction, refuse_transforms=True)
 
 
 def _forward(ctx, hidden_states, qkv_weight, q_norm_weight, k_norm_weight, cos, sin, qkv_bias, qkv_residual, meta,

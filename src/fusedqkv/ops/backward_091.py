@@ -379,12 +379,15 @@ def _backward_091(args: tuple, out, backend: Optional[str]):
     tensors = list(args[:13])
     if out is not None:
         if not (isinstance(out, (tuple, list)) and len(out) == 6):
-            return build_backward_091(args, out, backend, cfg=_config.current())  # raises, naming out
+            build_backward_091(args, out, backend, cfg=_config.current())  # raises, naming out
+            raise TypeError(f"out: expected a tuple or list of 6 tensors, got {type(out).__name__}")
         tensors += list(out)
     try:
         plan = PLANS.lookup(tensors, _scalars(args[13], out, backend), (args, out, backend))
-    except (TypeError, AttributeError, RuntimeError):  # not a dense tensor somewhere: validation names it
-        return build_backward_091(args, out, backend, cfg=_config.current())
+    except (TypeError, AttributeError, RuntimeError):
+        # not a dense tensor somewhere: validation names it; where it finds nothing, the lookup's own error
+        build_backward_091(args, out, backend, cfg=_config.current())
+        raise
     return _run(plan, args, out)
 
 

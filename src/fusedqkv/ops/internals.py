@@ -184,12 +184,31 @@ any_autocast_enabled = _torch_internal("torch._C._is_any_autocast_enabled", lamb
                                        lambda: True)
 
 
-def autograd_apply(function_class) -> Callable:
+FUNC_TRANSFORMS_REFUSED = (
+    "fusedqkv: torch.func transforms (grad, vmap, jacrev, jvp, ...) are not supported by the fused block: its kernels "
+    "need tensors with storage and its autograd Functions define no functorch rules. Run the transform over the "
+    "unfused model (without apply_to) or fusedqkv.ReferenceGQAQKVRoPEQKNorm")
+
+_functorch_wrapped = _torch_internal("torch._C._functorch.is_functorch_wrapped_tensor",
+                                     lambda: torch._C._functorch.is_functorch_wrapped_tensor, lambda t: False)
+
+
+def refuse_functorch_wrapped(tensors: Sequence) -> None:
+    """Raise :data:`FUNC_TRANSFORMS_REFUSED` where one of ``tensors`` is a torch.func transform's wrapper
+    (no storage: the plan's fingerprint and the kernels cannot take it). The plan caches' miss path."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and _functorch_wrapped(t):
+            raise RuntimeError(FUNC_TRANSFORMS_REFUSED)
+
+
+def autograd_apply(function_class, refuse_transforms: bool = False) -> Callable:
     """``function_class.apply`` without ``torch.autograd.Function.apply``'s Python layer (a
     setup_context check and a generator over every argument: ~5-10 us a call on a slow host) where
     nothing needs it: no setup_context (ours have none), no functorch transform active; the
     arguments' dead functorch wrappers unwrapped as that layer does. Otherwise, or where this torch
-    is not supported, the public ``apply``."""
+    is not supported, the public ``apply``. With ``refuse_transforms``, a call under an active
+    functorch transform raises :data:`FUNC_TRANSFORMS_REFUSED` (where torch's ``apply`` would refuse
+    it too, a Function without setup_context, in words that do not name fusedqkv)."""
     public = function_class.apply
     if "setup_context" in function_class.__dict__:
         return public
@@ -204,6 +223,8 @@ def autograd_apply(function_class) -> Callable:
 
     def apply(*args):
         if active():
+            if refuse_transforms:
+                raise RuntimeError(FUNC_TRANSFORMS_REFUSED)
             return public(*args)
         return c_apply(*[unwrap(a) if isinstance(a, Tensor) else a for a in args])
 

@@ -21,7 +21,7 @@ import torch
 
 from . import config as _config
 from . import device, host_gemm
-from .internals import tensor_guards
+from .internals import refuse_functorch_wrapped, tensor_guards
 
 
 class Misaligned(Exception):
@@ -75,6 +75,7 @@ class PlanCache:
         """The plan by full fingerprint (alignment included); ``remember=False`` for a call that
         an aligned plan refused (its guards would match the aligned plan's calls too)."""
         self.misses += 1
+        refuse_functorch_wrapped(tensors)  # a transform's wrapper has no address to fingerprint
         cfg = _config.current()
         key = (scalars, cfg, tuple(map(_tensor_key, tensors)))
         plan = self.plans.get(key)
