@@ -98,3 +98,32 @@ def test_fp8_block_cast_launches_go_raw_and_equal_the_jit_path(recipe):
     assert info["bound"] == info["plans"], info
     for later in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], later))
+
+
+@cuda
+def test_torch_func_transforms_are_refused_on_the_gpu():
+    """torch.func.grad and vmap over the block's eager GPU path (a plan cached and bound first): the
+    refusal that names torch.func, never a launch with a transform's wrapped tensors; the 091 entry too."""
+    from fusedqkv.ops.internals import FUNC_TRANSFORMS_REFUSED
+
+    torch.manual_seed(0)
+    m = fusedqkv.GQAQKVRoPEQKNorm(512, 8, 2, 64, dtype=torch.bfloat16).cuda()
+    x = torch.randn(2, 16, 512, device="cuda", dtype=torch.bfloat16)
+    ang = torch.randn(2, 16, 64, device="cuda")
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    for _ in range(2):
+        m(x, cos, sin)[0].float().sum().backward()
+    params = {k: v.detach() for k, v in m.named_parameters()}
+
+    def loss(p, t):
+        return torch.func.functional_call(m, p, (t, cos, sin))[0].float().sum()
+
+    for call in (lambda: torch.func.grad(loss)(params, x), lambda: torch.func.grad(loss, argnums=1)(params, x),
+                 lambda: torch.func.vmap(lambda t: m(t[None], cos[:1], sin[:1])[0])(x)):
+        with pytest.raises(RuntimeError) as e:
+            call()
+        assert str(e.value) == FUNC_TRANSFORMS_REFUSED
+    args = _cuda(_oracle.make_inputs(1, 16, 4, 64, 128, hidden=2048, seed=3))
+    fusedqkv.gqa_qkv_rope_qk_norm_backward(*args)
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        torch.func.vmap(lambda a: fusedqkv.gqa_qkv_rope_qk_norm_backward(a, *args[1:])[0])(args[0].expand(2, *args[0].shape))
