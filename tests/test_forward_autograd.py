@@ -541,6 +541,23 @@ def test_torch_func_transforms_are_refused_with_the_reason():
         torch.func.grad(lambda z: m(x, cos, sin)[0].sum() * z)(torch.tensor(1.0))
 
 
+def test_forward_mode_ad_is_refused_with_the_reason():
+    """Dual tensors (torch.autograd.forward_ad) into the block: refused naming forward-mode AD and the
+    way out, where torch's own error named no library; the reference module computes the tangent."""
+    import torch.autograd.forward_ad as fwAD
+    from fusedqkv.ops.internals import FORWARD_AD_REFUSED
+
+    m = make_block(32, 4, 2, 16, "before_rope", torch.float32)
+    r = reference_like(m, torch.float32)
+    cos, sin = rope_cos_sin(1, 4, 16, torch.float32)
+    x, t = torch.randn(1, 4, 32), torch.randn(1, 4, 32)
+    with fwAD.dual_level():
+        assert fwAD.unpack_dual(r(fwAD.make_dual(x, t), cos, sin)[0]).tangent is not None
+        with pytest.raises(RuntimeError) as e:
+            m(fwAD.make_dual(x, t), cos, sin)
+    assert str(e.value) == FORWARD_AD_REFUSED
+
+
 def test_the_091_backward_refuses_a_transforms_tensors():
     """The 091 entry point under vmap: its plan's miss path names the transform, not a data pointer."""
     from _oracle import make_inputs

@@ -189,6 +189,10 @@ FUNC_TRANSFORMS_REFUSED = (
     "need tensors with storage and its autograd Functions define no functorch rules. Run the transform over the "
     "unfused model (without apply_to) or fusedqkv.ReferenceGQAQKVRoPEQKNorm")
 
+FORWARD_AD_REFUSED = (
+    "fusedqkv: forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported by the fused block: its "
+    "autograd Functions define no jvp. Use the unfused model (without apply_to) or fusedqkv.ReferenceGQAQKVRoPEQKNorm")
+
 _functorch_wrapped = _torch_internal("torch._C._functorch.is_functorch_wrapped_tensor",
                                      lambda: torch._C._functorch.is_functorch_wrapped_tensor, lambda t: False)
 
@@ -208,7 +212,8 @@ def autograd_apply(function_class, refuse_transforms: bool = False) -> Callable:
     arguments' dead functorch wrappers unwrapped as that layer does. Otherwise, or where this torch
     is not supported, the public ``apply``. With ``refuse_transforms``, a call under an active
     functorch transform raises :data:`FUNC_TRANSFORMS_REFUSED` (where torch's ``apply`` would refuse
-    it too, a Function without setup_context, in words that do not name fusedqkv)."""
+    it too, a Function without setup_context, in words that do not name fusedqkv), and one with
+    forward-mode AD's dual inputs :data:`FORWARD_AD_REFUSED` (torch's: no jvp)."""
     public = function_class.apply
     if "setup_context" in function_class.__dict__:
         return public
@@ -226,7 +231,12 @@ def autograd_apply(function_class, refuse_transforms: bool = False) -> Callable:
             if refuse_transforms:
                 raise RuntimeError(FUNC_TRANSFORMS_REFUSED)
             return public(*args)
-        return c_apply(*[unwrap(a) if isinstance(a, Tensor) else a for a in args])
+        try:
+            return c_apply(*[unwrap(a) if isinstance(a, Tensor) else a for a in args])
+        except NotImplementedError as e:  # torch's own words name no library: a dual input met no jvp
+            if refuse_transforms and "jvp" in str(e):
+                raise RuntimeError(FORWARD_AD_REFUSED) from e
+            raise
 
     return apply
 
