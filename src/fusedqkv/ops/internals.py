@@ -187,11 +187,12 @@ any_autocast_enabled = _torch_internal("torch._C._is_any_autocast_enabled", lamb
 FUNC_TRANSFORMS_REFUSED = (
     "fusedqkv: torch.func transforms (grad, vmap, jacrev, jvp, ...) are not supported by the fused block: its kernels "
     "need tensors with storage and its autograd Functions define no functorch rules. Run the transform over the "
-    "unfused model (without apply_to) or fusedqkv.ReferenceGQAQKVRoPEQKNorm")
+    "unfused model (without apply_to) or the reference block (fusedqkv's ReferenceGQAQKVRoPEQKNorm)")
 
 FORWARD_AD_REFUSED = (
     "fusedqkv: forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported by the fused block: its "
-    "autograd Functions define no jvp. Use the unfused model (without apply_to) or fusedqkv.ReferenceGQAQKVRoPEQKNorm")
+    "autograd Functions define no jvp. Use the unfused model (without apply_to) or the reference block "
+    "(fusedqkv's ReferenceGQAQKVRoPEQKNorm)")
 
 _functorch_wrapped = _torch_internal("torch._C._functorch.is_functorch_wrapped_tensor",
                                      lambda: torch._C._functorch.is_functorch_wrapped_tensor, lambda t: False)
