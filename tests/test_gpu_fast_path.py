@@ -126,4 +126,5 @@ def test_torch_func_transforms_are_refused_on_the_gpu():
     args = _cuda(_oracle.make_inputs(1, 16, 4, 64, 128, hidden=2048, seed=3))
     fusedqkv.gqa_qkv_rope_qk_norm_backward(*args)
     with pytest.raises(RuntimeError, match="torch.func transforms"):
-        torch.func.vmap(lambda a: fusedqkv.gqa_qkv_rope_qk_norm_backward(a, *args[1:])[0])(args[0].expand(2, *args[0].shape))
+        stacked = args[0].expand(2, *args[0].shape)
+        torch.func.vmap(lambda a: fusedqkv.gqa_qkv_rope_qk_norm_backward(a, *args[1:])[0])(stacked)

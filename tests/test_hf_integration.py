@@ -432,7 +432,8 @@ def test_torch_func_grad_over_a_fused_model_is_refused_with_the_reason():
                                                                                "labels": ids}).loss)(params)
 
     assert grads(ref)["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
-    with pytest.raises(RuntimeError, match="torch.func transforms .* not supported by the fused block.*without apply_to"):
+    with pytest.raises(RuntimeError, match="torch.func transforms .* not supported by the fused block.*without "
+                                           "apply_to"):
         grads(m)
 
 
