@@ -31,9 +31,6 @@ weights and inputs (bf16 activations and weights, all trainable):
   fp8_rowwise_stagecols (--ab-stage-columns) fp8=rowwise with fp8.STAGE_AMAX_COLUMNS on: the backward stage
                 writes dQKV's column amax partials too, so the dual cast makes no amax pass over dQKV (off
                 since session 22: the stage ran 2.5x slower)
-  fp8_<r>_launchorder (--ab-l2-order) fp8=<r> with fp8.L2_ORDER off: every cast pass in its grid's order
-                (before session 46), against the default's passes starting on the tiles the pass before them
-                left in L2
   fp8_floor     the three torch._scaled_mm calls of the rowwise recipe on operands cast beforehand,
                 as the block issues them (rowwise scales in cuBLASLt's epilogue; fast accumulation in
                 the forward only): no cast, no stage
@@ -264,10 +261,6 @@ def main(argv=None) -> int:
                     help="also time fp8_rowwise_stagecols: fp8.STAGE_AMAX_COLUMNS on (the backward stage writes dQKV's "
                          "column amax partials too, and the dual cast skips its amax pass; off by default since "
                          "session 22), against the plan's default in the same rounds")
-    ap.add_argument("--ab-l2-order", action="store_true",
-                    help="also time fp8_{rowwise,rowwise_with_gw_hp,tensorwise}_launchorder: fp8.L2_ORDER off (every "
-                         "cast pass in its grid's order), against the default (each pass starting on the tiles the pass "
-                         "before it left in L2) in the same rounds")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     raise_compile_limits(64)
@@ -301,9 +294,6 @@ def main(argv=None) -> int:
             fns["fp8_rowwise_pr16"] = row.fp8_flags(row.fwd_bwd(row.fused("rowwise")), _COLAMAX_PROGRAMS=1)
         if args.ab_stage_columns:  # the stage's column partials instead of the dual cast's amax pass (session 22's)
             fns["fp8_rowwise_stagecols"] = row.fp8_flags(row.fwd_bwd(row.fused("rowwise")), STAGE_AMAX_COLUMNS=True)
-        if args.ab_l2_order:  # every cast pass in its grid's order (session 46's default starts where L2 holds)
-            for r in RECIPES:
-                fns[f"fp8_{r}_launchorder"] = row.fp8_flags(row.fwd_bwd(row.fused(r)), L2_ORDER=False)
         fns.update(torchao=row.torchao_call(compiled), bf16_floor=row.bf16_floor(), fp8_floor=row.fp8_floor())
         err = row.errors()
         ms = time_providers(fns, args.reps, flusher)
@@ -322,13 +312,6 @@ def main(argv=None) -> int:
             r["rowwise_over_pr16"] = f / med["fp8_rowwise_pr16"]
             print(f"{cname:<22} {tokens:>6}  fp8_rowwise / fp8_rowwise_pr16 (16 rows a partial) "
                   f"{r['rowwise_over_pr16']:.3f}", flush=True)
-        if args.ab_l2_order:
-            for rec in RECIPES:
-                r[f"{rec}_over_launchorder"] = med[f"fp8_{rec}"] / med[f"fp8_{rec}_launchorder"]
-            r["gw_hp_launchorder_over_bf16_floor"] = med["fp8_rowwise_with_gw_hp_launchorder"] / med["bf16_floor"]
-            r["rowwise_launchorder_over_bf16_floor"] = med["fp8_rowwise_launchorder"] / med["bf16_floor"]
-            print(f"{cname:<22} {tokens:>6}  L2 order / launch order: "
-                  + ", ".join(f"{rec} {r[f'{rec}_over_launchorder']:.3f}" for rec in RECIPES), flush=True)
         if args.ab_stage_columns:
             r["rowwise_over_stagecols"] = f / med["fp8_rowwise_stagecols"]
             print(f"{cname:<22} {tokens:>6}  fp8_rowwise / fp8_rowwise_stagecols (the stage's column partials) "

@@ -688,20 +688,12 @@ def dequant_4bit_jobs() -> list:
     return [_dequant_4bit_job(*row) for row in DEQUANT_4BIT_JOBS]
 
 
-# the casts whose tiles go in an order the launcher picks (ops/fp8.L2_ORDER, kernels/fp8_cast._tile_of): the
-# orders each can be launched with
-FP8_ORDERS = {"fp8_rowwise": (0, 3), "fp8_rowwise_whole": (0, 3), "fp8_rowwise_parts": (0, 1, 2, 3),
-              "fp8_dual_amax": (0, 1, 2, 3), "fp8_dual_cast": (0, 1, 2, 3)}
-
-
 def _fp8_job(family, cc, ints, src="bf16", f8="fp8e4nv", pow2=True, per_column=True, transpose=True, level="cubin",
-             one=None, row_per=True, col_per=True, f8_col=None, order=0):
+             one=None, row_per=True, col_per=True, f8_col=None):
     if family in _FP8_DUAL:
-        return _fp8_dual_job(family, cc, ints, src, f8, f8_col or f8, pow2, row_per, col_per, level, one, order)
+        return _fp8_dual_job(family, cc, ints, src, f8, f8_col or f8, pow2, row_per, col_per, level, one)
     name, consts, ptrs = FP8_KERNELS[family]
     consts = dict(consts)
-    if family in FP8_ORDERS:
-        consts.update(ORDER=order)
     fmax = {"fp8e4nv": 448.0, "fp8e5": 57344.0}[f8]
     if family in ("fp8_rowwise", "fp8_rowwise_whole", "fp8_cast", "fp8_rowwise_colamax", "fp8_rowwise_colamax_whole",
                   "fp8_rowwise_parts"):
@@ -715,14 +707,12 @@ def _fp8_job(family, cc, ints, src="bf16", f8="fp8e4nv", pow2=True, per_column=T
     return dict(kernel=f"fp8_cast.{name}", cc=cc, consts=consts, types={k: types[k] for k in ptrs}, ints=ints,
                 one=one, options={"num_warps": warps}, level=level,
                 label=f"{family} sm{cc} {src}->{f8} pow2={pow2} col={per_column} t={transpose} ints={ints}"
-                      f"{f' order={order}' if family in FP8_ORDERS else ''}{'' if one is None else ' one=' + one}")
+                      f"{'' if one is None else ' one=' + one}")
 
 
-def _fp8_dual_job(family, cc, ints, src, f8, f8_col, pow2, row_per, col_per, level, one, order=0):
+def _fp8_dual_job(family, cc, ints, src, f8, f8_col, pow2, row_per, col_per, level, one):
     name, consts, ptrs = FP8_KERNELS[family]
     consts = dict(consts)
-    if family in FP8_ORDERS:
-        consts.update(ORDER=order)
     if family == "fp8_dual_amax":
         consts.update(ROW_PART=row_per)
     else:
@@ -732,7 +722,7 @@ def _fp8_dual_job(family, cc, ints, src, f8, f8_col, pow2, row_per, col_per, lev
     return dict(kernel=f"fp8_cast.{name}", cc=cc, consts=consts, types=types, ints=ints, one=one,
                 options={"num_warps": 4}, level=level,
                 label=f"{family} sm{cc} {src}->{f8}/{f8_col} pow2={pow2} row={row_per} col={col_per} ints={ints}"
-                      f"{f' order={order}' if family in FP8_ORDERS else ''}{'' if one is None else ' one=' + one}")
+                      f"{'' if one is None else ' one=' + one}")
 
 
 def fp8_jobs() -> list:
@@ -746,8 +736,6 @@ def fp8_jobs() -> list:
             axes.update(row_per=(True, False), col_per=(True, False), f8_col=("fp8e4nv", "fp8e5"))
             if family == "fp8_dual_amax":
                 axes = dict(cc=FP8_TARGETS, ints=INT_MODES, src=axes["src"], row_per=(True, False))
-        if family in FP8_ORDERS:
-            axes.update(order=FP8_ORDERS[family])
         jobs += [_fp8_job(family, **r) for r in pairwise(axes, seed=3)]
     return jobs + fp8_weight_jobs() + fp8_input_amax_jobs()
 
@@ -764,9 +752,8 @@ def fp8_weight_jobs() -> list:
     for name, (row_per, col_per, pow2) in FP8_WEIGHT_RECIPES.items():
         families = (["fp8_dual_amax"] if name != "rowwise_with_gw_hp" else []) + ["fp8_dual_cast"] \
             + (["fp8_dual_finish"] if row_per or col_per else [])  # (the amax: rowwise's specialisation)
-        for family in families:  # (W's dual cast from the end of its amax pass: ops/fp8.L2_ORDER)
-            j = _fp8_job(family, 90, "div16", pow2=pow2, row_per=row_per, col_per=col_per,
-                         order=2 if family == "fp8_dual_cast" else 0)
+        for family in families:
+            j = _fp8_job(family, 90, "div16", pow2=pow2, row_per=row_per, col_per=col_per)
             jobs.append(dict(j, label=f"{j['label']} weight={name}"))
     return jobs
 

@@ -623,55 +623,6 @@ def test_dual_cast_equals_the_one_cast_kernels_bitwise(interpret, monkeypatch, w
     _same_up_to_interpreter_cast(yt[:, :R].t(), fp8.cast_torch(t, col_cast, 0, pow2)[0])
 
 
-def test_tile_orders_visit_every_tile_once_in_the_order_named(interpret):
-    """kernels/fp8_cast._tile_of on a 3 x 4 grid: the tile each program (in launch order, pr fastest)
-    takes is, for ORDER 0, down each column strip; 1 along each row block; 2 and 3 those reversed."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def tiles(out_ptr, ORDER: tl.constexpr):
-        pr, pc = fp8_cast._tile_of(tl.program_id(0), tl.program_id(1), ORDER)
-        lin = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
-        tl.store(out_ptr + 2 * lin, pr)
-        tl.store(out_ptr + 2 * lin + 1, pc)
-
-    n0, n1 = 3, 4
-    strips = [(lin % n0, lin // n0) for lin in range(n0 * n1)]
-    rows = [(lin // n1, lin % n1) for lin in range(n0 * n1)]
-    for order, want in ((0, strips), (1, rows), (2, strips[::-1]), (3, rows[::-1])):
-        out = torch.full((n0 * n1, 2), -1, dtype=torch.int32)
-        tiles[(n0, n1)](out, ORDER=order)
-        assert [tuple(p) for p in out.tolist()] == want, order
-
-
-@pytest.mark.parametrize("which", list(_DUAL_CASTS))
-def test_cast_passes_in_l2_order_are_bitwise_the_launch_orders(interpret, monkeypatch, which):
-    """With fp8.L2_ORDER the casts' passes take other tile orders (a cold tensor's dual cast from its end;
-    one just written, dQKV, from its last row block, with and without the stage's partials; the per-row
-    casts from the last rows): every code and scale bitwise what the launch order gives, at a shape with
-    partial tiles both ways (3 x 3 tiles)."""
-    _small_tiles(monkeypatch)
-    row_cast, col_cast, pow2 = _DUAL_CASTS[which]
-    R, C = 37, 80
-    t = _dual_operand(R, C, 5)
-    rows = torch.stack([t[:, c:c + 32].float().abs().amax(1) for c in range(0, C, 32)])  # the stage's partials
-    cols = torch.stack([t[r:r + 16].float().abs().amax(0) for r in range(0, R, 16)])
-    parts = (rows.contiguous(), cols.contiguous() if not col_cast.tensorwise else None)
-    results = {}
-    for on in (False, True):
-        monkeypatch.setattr(fp8, "L2_ORDER", on)
-        results[on] = [fp8._dual_triton(t, row_cast, col_cast, pow2, pad_to=16, written=w) for w in (False, True)]
-        results[on].append(fp8._dual_triton(t, row_cast, col_cast, pow2, pad_to=16, parts=parts, written=True))
-        if not row_cast.tensorwise:
-            results[on].append(fp8.cast_rows(t, row_cast, pow2, written=True))
-            results[on].append(fp8.cast_rows(t, row_cast, pow2, row_amax=rows.contiguous(), written=True))
-    for got, want in zip(results[True], results[False]):
-        for a, b in zip(got, want):
-            assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
-                               b.view(torch.uint8) if b.element_size() == 1 else b)
-
-
 def test_dual_cast_drops_no_partial(interpret, monkeypatch):
     """Each row's amax in the last (partial) column block, each column's in the last (partial) row
     block, and partial counts that are no multiple of the finish's step: a partial left out of a
@@ -1152,8 +1103,8 @@ def test_row_cast_from_stage_partials_equals_its_amax_pass_bitwise(interpret, mo
     monkeypatch.setattr(fp8_cast, "rowwise_cast_kernel", _Recorder(fp8_cast.rowwise_cast_kernel, passes))
     cast_rows = fp8.cast_rows
 
-    def record(t, cast, pow2, row_amax=None, written=False):
-        out = cast_rows(t, cast, pow2, row_amax, written)
+    def record(t, cast, pow2, row_amax=None):
+        out = cast_rows(t, cast, pow2, row_amax)
         if tuple(t.shape) == (M, N):
             seen.append((t.clone(), row_amax, out))
         return out

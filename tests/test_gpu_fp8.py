@@ -513,27 +513,3 @@ def test_planned_scaled_mm_equals_torchs_bitwise(rowwise, fast, dtypes, mnk):
     gr.replay()
     torch.cuda.synchronize()
     assert torch.equal(graph_out, want)
-
-
-@cuda
-@pytest.mark.parametrize("name", ["rowwise", "rowwise_with_gw_hp", "tensorwise"])
-@pytest.mark.parametrize("batch, seq", [(1, 4099), (2, 1024)])
-def test_block_with_the_casts_in_l2_order_equals_the_launch_order_bitwise(name, batch, seq, monkeypatch):
-    """fp8.L2_ORDER (each cast pass starting on the tiles the pass before it left in L2: W's dual cast from
-    its end, dQKV's passes from its last row block, the per-row cast from its last rows): every output and
-    gradient of the block's fwd+bwd bitwise the launch order's, at 091's head layout (hidden 1024)."""
-    torch.manual_seed(15)
-    hq, hkv, d, K = 8, 2, 128, 1024
-    N = (hq + 2 * hkv) * d
-    base = [torch.randn(batch, seq, K, device="cuda", dtype=torch.bfloat16),
-            _operand(N, K, 16) / 1e4, torch.rand(d, device="cuda") + 0.5, torch.rand(d, device="cuda") + 0.5]
-    ang = torch.randn(batch, seq, d, device="cuda")
-    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
-    gs = [torch.randn(batch, h, seq, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
-    gs[0][-1, -1, -1] = 250.0  # an outlier in dQKV's last row
-    assert fp8.L2_ORDER
-    new = _block_fwd_bwd(base, cos, sin, gs, hq, hkv, name)
-    monkeypatch.setattr(fp8, "L2_ORDER", False)
-    old = _block_fwd_bwd(base, cos, sin, gs, hq, hkv, name)
-    for a, b in zip(new, old):
-        assert torch.equal(a, b)

@@ -32,23 +32,6 @@ def _scale_of(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def _tile_of(pr, pc, ORDER: tl.constexpr):
-    """Tile ``(pr, pc)`` of a launch grid ``(n0, n1)`` in the order ``ORDER`` asks for (the order CTAs
-    start in is the grid's linear one, ``pr`` fastest): 0 as launched, down each column strip first;
-    1 along each row block first; 2 and 3 those two reversed (last tile first). A pass over a tensor
-    that the previous pass just read or wrote finds that pass's last tiles in L2: it starts there."""
-    if ORDER == 0:
-        return pr, pc
-    n0, n1 = tl.num_programs(0), tl.num_programs(1)
-    lin = pr + pc * n0
-    if ORDER >= 2:
-        lin = n0 * n1 - 1 - lin
-    if ORDER % 2 == 1:
-        return lin // n1, lin % n1
-    return lin % n0, lin // n0
-
-
-@triton.jit
 def _column_amax(part_ptr, n_part, C, cols, cmask, BP: tl.constexpr, W: tl.constexpr):
     """The amax of columns ``cols`` over the ``n_part`` partial rows ``[n_part, C]`` at ``part_ptr``
     (fp32, or the operand's 16-bit dtype: partials of its values, exact in it), ``BP`` rows a step in
@@ -75,13 +58,8 @@ def _rows_amax(x_row, rmask, C, cols, ROWS: tl.constexpr, BLOCK_C: tl.constexpr)
 
 @triton.jit
 def rowwise_cast_kernel(x_ptr, y_ptr, inv_ptr, R, C, stride_xr, stride_yr, FP8_MAX: tl.constexpr,
-                        POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, WHOLE_ROW: tl.constexpr,
-                        ORDER: tl.constexpr):
-    """``ORDER`` 2: the last rows first (``_tile_of``'s reversal; 0 as launched)."""
-    pid = tl.program_id(0)
-    if ORDER >= 2:
-        pid = tl.num_programs(0) - 1 - pid
-    rows = pid * ROWS + tl.arange(0, ROWS)
+                        POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, WHOLE_ROW: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < R
     cols = tl.arange(0, BLOCK_C)
     x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
@@ -149,14 +127,13 @@ def rowwise_cast_colamax_kernel(x_ptr, y_ptr, inv_ptr, cpart_ptr, R, C, stride_x
 
 @triton.jit
 def rowwise_cast_parts_kernel(x_ptr, y_ptr, part_ptr, inv_ptr, R, C, stride_xr, n_part, FP8_MAX: tl.constexpr,
-                              POW2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr,
-                              ORDER: tl.constexpr):
+                              POW2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
     """``rowwise_cast_kernel``'s cast (the same codes and scales) of tile ``(pr, pc)`` of ``x [R, C]``
     into ``y [R, C]`` row-major, each row's amax the max of its partials ``part [n_part, R]`` (fp32, or
     x's 16-bit dtype: maxima of its values, exact in it), ``BP`` a step: x is read once. Every column
     tile reduces its rows' few partials (cheaper than a launch of its own); those of column tile 0
-    store the inverse scales. ``ORDER``: the tiles' order (``_tile_of``)."""
-    pr, pc = _tile_of(tl.program_id(0), tl.program_id(1), ORDER)
+    store the inverse scales."""
+    pr, pc = tl.program_id(0), tl.program_id(1)
     rows = pr * BR + tl.arange(0, BR)
     cols = pc * BC + tl.arange(0, BC)
     rm, cm = rows < R, cols < C
@@ -237,11 +214,11 @@ def outer_scale_kernel(y_ptr, a_ptr, b_ptr, R, C, BR: tl.constexpr, BC: tl.const
 
 @triton.jit
 def dual_amax_kernel(x_ptr, rpart_ptr, cpart_ptr, R, C, stride_xr, n_rpart, ROW_PART: tl.constexpr,
-                     BR: tl.constexpr, BC: tl.constexpr, ORDER: tl.constexpr):
+                     BR: tl.constexpr, BC: tl.constexpr):
     """Tile ``(pr, pc)`` of ``x [R, C]``: its columns' amax to ``cpart[pr, :]`` (``[cdiv(R, BR), C]``)
     and, ``ROW_PART``, its rows' amax to ``rpart[pc, :]`` (``[n_rpart, R]``, ``n_rpart = cdiv(C, BC)``:
-    both stores contiguous). ``ORDER``: the tiles' order (``_tile_of``)."""
-    pr, pc = _tile_of(tl.program_id(0), tl.program_id(1), ORDER)
+    both stores contiguous)."""
+    pr, pc = tl.program_id(0), tl.program_id(1)
     rows = pr * BR + tl.arange(0, BR)
     cols = pc * BC + tl.arange(0, BC)
     rm, cm = rows < R, cols < C
@@ -289,14 +266,12 @@ def dual_finish_kernel(rpart_ptr, cpart_ptr, rscale_ptr, rinv_ptr, cscale_ptr, c
 @triton.jit
 def dual_cast_kernel(x_ptr, yr_ptr, yt_ptr, rscale_ptr, cscale_ptr, tamax_ptr, rinv_ptr, cinv_ptr, R, R_pad, C,
                      stride_xr, ROW_PER: tl.constexpr, COL_PER: tl.constexpr, FP8_MAX_R: tl.constexpr,
-                     FP8_MAX_C: tl.constexpr, POW2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                     ORDER: tl.constexpr):
+                     FP8_MAX_C: tl.constexpr, POW2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """Tile ``(pr, pc)`` of ``x [R, C]`` read once, cast twice: with its rows' scales (``ROW_PER``) or
     the tensor's to ``yr [R, C]`` row-major, with its columns' scales (``COL_PER``) or the tensor's to
     ``yt [C, R_pad]`` (rows ``R..R_pad`` of x as zeros: the GEMM's inner dimension padded). The tensor's
-    scale from its amax (``tamax``: fp32 or x's dtype), its reciprocal written by tile (0, 0). ``ORDER``:
-    the tiles' order (``_tile_of``)."""
-    pr, pc = _tile_of(tl.program_id(0), tl.program_id(1), ORDER)
+    scale from its amax (``tamax``: fp32 or x's dtype), its reciprocal written by program (0, 0)."""
+    pr, pc = tl.program_id(0), tl.program_id(1)
     rows = pr * BR + tl.arange(0, BR)
     cols = pc * BC + tl.arange(0, BC)
     rm, cm = rows < R, cols < C

@@ -322,17 +322,7 @@ _ROWS, _BLOCK_C = 4, 1024   # rowwise cast of longer rows: rows per program, col
 _BR, _BC, _BP = 128, 64, 64  # tile amax / cast tiles; partial rows reduced per step
 
 
-# Each pass of a cast over a tensor that the pass before it just read or wrote starts where that pass ended
-# (kernels/fp8_cast._tile_of), so it begins on the tiles still in L2 rather than on the ones evicted first: W's
-# dual cast after its amax pass, and dQKV's amax pass and casts after the backward stage wrote it row block by
-# row block. The same values (each tile's work is independent of the order). False: every pass in the grid's
-# own order (benchmarks/bench_fp8.py --ab-l2-order times both).
-L2_ORDER = True
-ORDER_STRIPS, ORDER_ROWS, ORDER_STRIPS_REVERSED, ORDER_ROWS_REVERSED = 0, 1, 2, 3  # _tile_of's ORDER
-
-
-def _rowwise_triton(t: torch.Tensor, cast: Cast, pow2: bool, order: int = ORDER_STRIPS):
-    """``t``'s per-row cast, ``order`` 0 or ``ORDER_ROWS_REVERSED`` (its last rows first)."""
+def _rowwise_triton(t: torch.Tensor, cast: Cast, pow2: bool):
     from ..kernels.fp8_cast import rowwise_cast_kernel
 
     R, C = t.shape
@@ -346,7 +336,7 @@ def _rowwise_triton(t: torch.Tensor, cast: Cast, pow2: bool, order: int = ORDER_
         block, rows, warps = _BLOCK_C, _ROWS, 4
     _LAUNCH(rowwise_cast_kernel, (triton_cdiv(R, rows),), (t, y, inv), (R, C, t.stride(0), y.stride(0)),
             dict(FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, ROWS=rows, BLOCK_C=block, WHOLE_ROW=whole,
-                 ORDER=order, num_warps=warps))
+                 num_warps=warps))
     return y, inv
 
 
@@ -394,7 +384,7 @@ def _rowwise_colamax_triton(t: torch.Tensor, cast: Cast, pow2: bool):
     return y, inv, part
 
 
-def _rowwise_parts_triton(t: torch.Tensor, cast: Cast, pow2: bool, parts: torch.Tensor, order: int = ORDER_STRIPS):
+def _rowwise_parts_triton(t: torch.Tensor, cast: Cast, pow2: bool, parts: torch.Tensor):
     """``_rowwise_triton``'s cast of ``t [R, C]`` (the same data and inverse scale, bitwise) with each
     row's amax the max of its partials ``parts [n, R]`` (the backward stage's row partials of the
     values it stored: fp32 or t's dtype) instead of a pass over t: one read of t, one launch."""
@@ -407,8 +397,7 @@ def _rowwise_parts_triton(t: torch.Tensor, cast: Cast, pow2: bool, parts: torch.
     inv = torch.empty((R, 1), dtype=torch.float32, device=t.device)
     _LAUNCH(rowwise_cast_parts_kernel, (triton_cdiv(R, _BR), triton_cdiv(C, _BC)),
             (t, y, parts, inv), (R, C, t.stride(0), parts.shape[0]),
-            dict(FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, BR=_BR, BC=_BC, BP=_FP_STAGE, ORDER=order,
-                 num_warps=4))
+            dict(FP8_MAX=torch.finfo(cast.dtype).max, POW2=pow2, BR=_BR, BC=_BC, BP=_FP_STAGE, num_warps=4))
     return y, inv
 
 
@@ -463,8 +452,7 @@ _FB, _FP = 128, 64  # dual finish: rows (columns) per program, partials per step
 _FBC_STAGE, _FPC_STAGE, _FP_STAGE = 32, 256, 16
 
 
-def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pad_to: int = 1, parts=None,
-                 written: bool = False):
+def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pad_to: int = 1, parts=None):
     """``t [R, C]`` cast twice from two reads of it (session 21): ``(row data [R, C] row-major,
     its inverse scale [R, 1] or [], column data transposed [C, R_pad], its inverse scale [1, C] or
     [])``, each bitwise the one of ``cast_rows(t, row_cast)`` / ``cast_columns_t(t, col_cast)``.
@@ -474,29 +462,18 @@ def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pa
     ``parts``: ``(row partials [n, R], column partials [m, C] or None)`` made beforehand (the backward
     stage's, of the values it stored: fp32 or t's dtype), each row's (column's) amax their max over
     the first dimension: the amax pass is skipped. The column partials are needed where
-    ``col_cast`` is per column; the row partials always (a tensorwise amax is theirs).
-
-    ``written``: t was just written row block by row block (the backward stage's dQKV): with
-    :data:`L2_ORDER` the first pass starts on its last rows, the next on the first rows the pass
-    before it ended on; otherwise (a tensor read last long ago: W) the amax pass goes as launched and
-    the cast from its end."""
+    ``col_cast`` is per column; the row partials always (a tensorwise amax is theirs)."""
     from ..kernels.fp8_cast import dual_amax_kernel, dual_cast_kernel, dual_finish_kernel
 
     R, C = t.shape
     dev = t.device
     row_per, col_per = not row_cast.tensorwise, not col_cast.tensorwise
     n_rb, n_cb = triton_cdiv(R, _BR), triton_cdiv(C, _BC)
-    if not L2_ORDER:
-        amax_order = cast_order = ORDER_STRIPS
-    elif written:
-        amax_order, cast_order = ORDER_ROWS_REVERSED, ORDER_ROWS if parts is None else ORDER_ROWS_REVERSED
-    else:
-        amax_order, cast_order = ORDER_STRIPS, ORDER_STRIPS_REVERSED
     if parts is None:
         cpart = torch.empty((n_rb, C), dtype=torch.float32, device=dev)
         rpart = torch.empty((n_cb, R) if row_per else (1,), dtype=torch.float32, device=dev)
         _LAUNCH(dual_amax_kernel, (n_rb, n_cb), (t, rpart, cpart), (R, C, t.stride(0), n_cb),
-                dict(ROW_PART=row_per, BR=_BR, BC=_BC, ORDER=amax_order, num_warps=4))
+                dict(ROW_PART=row_per, BR=_BR, BC=_BC, num_warps=4))
         n_rpart, n_cpart, fb_c, bp_r, bp_c = n_cb, n_rb, _FB, _FP, _FP
         tamax_of = cpart
     else:
@@ -532,7 +509,7 @@ def _dual_triton(t: torch.Tensor, row_cast: Cast, col_cast: Cast, pow2: bool, pa
     _LAUNCH(dual_cast_kernel, (triton_cdiv(R_pad, _BR), n_cb),
             (t, yr, yt, r_scale, c_scale, tamax, r_inv, c_inv), (R, R_pad, C, t.stride(0)),
             dict(ROW_PER=row_per, COL_PER=col_per, FP8_MAX_R=fmax_r, FP8_MAX_C=fmax_c, POW2=pow2, BR=_BR, BC=_BC,
-                 ORDER=cast_order, num_warps=4))
+                 num_warps=4))
     return yr, r_inv, yt, c_inv
 
 
@@ -544,23 +521,20 @@ def _triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def cast_rows(t: torch.Tensor, cast: Cast, pow2: bool, row_amax: Optional[torch.Tensor] = None,
-              written: bool = False):
+def cast_rows(t: torch.Tensor, cast: Cast, pow2: bool, row_amax: Optional[torch.Tensor] = None):
     """(data ``[R, C]`` row-major, inverse scale ``[R, 1]`` or ``[]``): scales over each row
     (the operand whose rows are the GEMM's output rows, inner dimension C). ``row_amax``: t's row
     amax partials ``[n, R]`` found beforehand (see :func:`_rowwise_parts_triton`): a per-row cast on
     the GPU then makes no amax pass over t (elsewhere, and for a tensorwise cast, the amaxes are
-    found again). ``written``: t was just written row block by row block (dQKV): with
-    :data:`L2_ORDER` a per-row cast reads its last rows first."""
+    found again)."""
     if _triton(t):
         if t.stride(1) != 1:
             t = t.contiguous()
         if cast.tensorwise:
             return _cast_triton(t, cast, pow2, transpose=False)
-        order = ORDER_ROWS_REVERSED if written and L2_ORDER else ORDER_STRIPS
         if row_amax is not None and t.numel() > 0:
-            return _rowwise_parts_triton(t, cast, pow2, row_amax, order)
-        return _rowwise_triton(t, cast, pow2, order)
+            return _rowwise_parts_triton(t, cast, pow2, row_amax)
+        return _rowwise_triton(t, cast, pow2)
     data, inv = cast_torch(t, cast, -1, pow2)
     return data.contiguous(), inv  # row-major whatever t's layout (cuBLASLt's FP8 GEMM takes a row-major a)
 
@@ -736,17 +710,15 @@ def forward(x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torc
 
 
 def grad_input(g2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe, out: Optional[torch.Tensor] = None,
-               g_cast=None, w_cast=None, g_row_amax: Optional[torch.Tensor] = None,
-               written: bool = False) -> torch.Tensor:
+               g_cast=None, w_cast=None, g_row_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``dX = dQKV W`` ``[M, K]``; ``g_cast``: dQKV's cast (data, inverse scale) where made beforehand;
     ``w_cast``: W's (data ``[N, K]`` column-major, inverse scale), kept from the forward
     (:func:`weight_casts`); ``g_row_amax``: dQKV's row amax partials for its cast here (``cast_rows``'
-    ``row_amax``), or None; ``written``: dQKV was just written (``cast_rows``'). MX recipes cast both here
-    (the other arguments None)."""
+    ``row_amax``), or None. MX recipes cast both here (the other arguments None)."""
     if r.mx:
         return _mx_grad_input(g2d, w, r, out)
     ga, gs = (g_cast if g_cast is not None
-              else cast_rows(g2d, r.grad_output, r.round_scales_to_power_of_2, g_row_amax, written=written))
+              else cast_rows(g2d, r.grad_output, r.round_scales_to_power_of_2, g_row_amax))
     wb, ws = (_checked_cast(w_cast, w, "w_cast") if w_cast is not None
               else cast_columns(w, r.weight_for_grad_input, r.round_scales_to_power_of_2))
     return _mm(ga, gs, wb, ws, g2d.dtype, r.fast_accum[1], r.round_scales_to_power_of_2, out)
@@ -956,11 +928,11 @@ def backward(g2d: torch.Tensor, x2d: torch.Tensor, w: torch.Tensor, r: Fp8Recipe
         if g2d.stride(1) != 1:
             g2d = g2d.contiguous()
         ga, gs, gt, gts = _dual_triton(g2d, r.grad_output, r.grad_output_for_grad_weight,
-                                       r.round_scales_to_power_of_2, _inner_pad(g2d), parts=g_amax, written=True)
+                                       r.round_scales_to_power_of_2, _inner_pad(g2d), parts=g_amax)
         row, col = (ga, gs), (gt, gts)
         del ga, gs, gt, gts
     g_row_amax = g_amax[0] if row is None and g_amax is not None else None
-    dx = grad_input(g2d, w, r, out, g_cast=row, w_cast=w_cast, g_row_amax=g_row_amax, written=True) if need_x else None
+    dx = grad_input(g2d, w, r, out, g_cast=row, w_cast=w_cast, g_row_amax=g_row_amax) if need_x else None
     row = None  # dX's fp8 dQKV freed before dW's casts allocate (as on the one-cast path)
     dw = grad_weight(g2d, x2d, r, g_cast=col, x_amax=x_amax) if need_w else None
     return dx, dw
