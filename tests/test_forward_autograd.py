@@ -569,6 +569,31 @@ def test_the_091_backward_refuses_a_transforms_tensors():
         torch.func.vmap(lambda a: fusedqkv.gqa_qkv_rope_qk_norm_backward(a, *args[1:])[0])(stacked)
 
 
+def test_the_091_backward_names_a_transform_whose_tensors_passed_the_guards(monkeypatch):
+    """On the GPU the plan's guards took vmap's wrapped tensors and the run failed on a data pointer
+    (session 46's device call 2): a run that fails with a transform's tensors among its inputs is
+    refused naming the transform; any other failure keeps its own words."""
+    from _oracle import make_inputs
+    from fusedqkv.ops import backward_091
+
+    args = make_inputs(1, 4, 2, 4, 16, hidden=32, dtype=torch.float32)
+    call = fusedqkv.gqa_qkv_rope_qk_norm_backward
+    call(*args)
+    plan = backward_091.PLANS.last()
+
+    def run(args, out):  # what the GPU plan's run met: an address of a tensor without storage
+        return [t.data_ptr() for t in args[:13]]
+
+    monkeypatch.setattr(backward_091.PLANS, "lookup", lambda *a: plan)
+    monkeypatch.setattr(plan, "run", run)
+    stacked = args[0].expand(2, *args[0].shape)
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        torch.func.vmap(lambda a: call(a, *args[1:])[0])(stacked)
+    monkeypatch.setattr(plan, "run", lambda args, out: (_ for _ in ()).throw(RuntimeError("a launch failed")))
+    with pytest.raises(RuntimeError, match="a launch failed"):
+        call(*args)
+
+
 def test_direct_apply_keeps_torch_semantics_where_it_steps_aside():
     """The Functions' apply without torch's Python layer (ops.internals.autograd_apply) is the
     public apply for a Function with setup_context, and under a functorch transform (where torch

@@ -27,7 +27,7 @@ from . import device as _device
 from . import validation as V
 from .cublaslt import lt_matmul
 from .device import current_stream, sm_count
-from .internals import set_grad_enabled
+from .internals import refuse_functorch_wrapped, set_grad_enabled
 from .launch import Table
 from .plan_cache import PlanCache, as_matrix, mm_into
 from .projection import chain_launches, choose_products, hybrid_dw_launch, hybrid_dx_first
@@ -388,7 +388,11 @@ def _backward_091(args: tuple, out, backend: Optional[str]):
         # not a dense tensor somewhere: validation names it; where it finds nothing, the lookup's own error
         build_backward_091(args, out, backend, cfg=_config.current())
         raise
-    return _run(plan, args, out)
+    try:
+        return _run(plan, args, out)
+    except RuntimeError:  # a transform's wrapped tensors that the guards took (the GPU's vmap): named, not "storage"
+        refuse_functorch_wrapped(tensors)
+        raise
 
 
 def _run(plan: Backward091Plan, args, out):
