@@ -200,7 +200,8 @@ _functorch_wrapped = _torch_internal("torch._C._functorch.is_functorch_wrapped_t
 
 def refuse_functorch_wrapped(tensors: Sequence) -> None:
     """Raise :data:`FUNC_TRANSFORMS_REFUSED` where one of ``tensors`` is a torch.func transform's wrapper
-    (no storage: the plan's fingerprint and the kernels cannot take it). The plan caches' miss path."""
+    (no storage: the plan's fingerprint and the kernels cannot take it). Called on the plan caches' miss
+    path, and by the 091 entry after a failed run (its guards can take a transform's wrappers on the GPU)."""
     for t in tensors:
         if isinstance(t, torch.Tensor) and _functorch_wrapped(t):
             raise RuntimeError(FUNC_TRANSFORMS_REFUSED)
